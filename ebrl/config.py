@@ -1,0 +1,247 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+A misspelled key or a wrong type fails at composition with Hydra's own message; values that
+compose but make no sense are rejected by `validate` with one line naming the key.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot work; the message is one line."""
+
+
+# --- env ---------------------------------------------------------------------------------
+@dataclass
+class EnvConfig:
+    _target_: str = MISSING  # the adapter class (ebrl.envs.base.EnvAdapter subclass)
+    name: str = MISSING
+    task: str = MISSING
+    num_envs: int = 8  # simulator processes (one environment each)
+    max_episode_steps: int = 100  # env steps before truncation
+    cameras: list[str] = field(default_factory=list)  # empty: state observations only
+    image_size: int = 128  # square camera images, pixels
+    reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
+    terminate_on_success: bool = True
+    python: Optional[str] = None  # interpreter the simulator workers run under; null: this one
+
+
+@dataclass
+class RobosuiteEnvConfig(EnvConfig):
+    _target_: str = "ebrl.envs.robosuite_env.RobosuiteEnv"
+    name: str = "robosuite"
+    task: str = "Lift"
+    robot: str = "Panda"
+    control_freq: int = 20
+
+
+@dataclass
+class ManiSkillEnvConfig(EnvConfig):
+    _target_: str = "ebrl.envs.maniskill_env.ManiSkillEnv"
+    name: str = "maniskill"
+    task: str = "PickCube-v1"
+    control_mode: str = "pd_ee_delta_pose"
+    sim_backend: str = "cpu"
+
+
+@dataclass
+class LiberoEnvConfig(EnvConfig):
+    _target_: str = "ebrl.envs.libero_env.LiberoEnv"
+    name: str = "libero"
+    task: str = "0"  # index or name within the suite
+    suite: str = "libero_spatial"
+
+
+@dataclass
+class RoboCasaEnvConfig(EnvConfig):
+    _target_: str = "ebrl.envs.robocasa_env.RoboCasaEnv"
+    name: str = "robocasa"
+    task: str = "PnPCounterToCab"
+    assets_dir: Optional[str] = None  # where the kitchen assets are; null: the package's own folder
+
+
+# --- policy ------------------------------------------------------------------------------
+@dataclass
+class PolicyConfig:
+    _target_: str = MISSING
+    name: str = MISSING
+    preset: str = "tiny"  # tiny (CPU, <1M params) | full (published dimensions)
+    chunk: Optional[int] = None  # actions per chunk; null: the preset's
+    denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
+    logprob: str = "flow_noise"  # how a stochastic denoising chain gets a log-density
+    noise_std_min: float = 0.1  # bounds of the learned per-step noise std (flow_noise)
+    noise_std_max: float = 0.5
+    checkpoint: Optional[str] = None  # local safetensors file to start from
+
+
+@dataclass
+class OpenPIPolicyConfig(PolicyConfig):
+    _target_: str = "ebrl.policies.openpi.OpenPIPolicy"
+    name: str = "openpi"
+
+
+# --- hardware ----------------------------------------------------------------------------
+@dataclass
+class HwConfig:
+    name: str = MISSING
+    cpu_cores: Optional[int] = None  # cores EBRL may use on this node; null: all this process may use
+    gpus: int = 0
+    gpu_name: str = ""
+    gpu_memory_gb: float = 0.0  # per GPU
+    sm_count: int = 0  # streaming multiprocessors per GPU
+    mps: bool = False  # start an MPS daemon and give stages SM shares
+
+
+# --- scheduler, allocator, algorithm, logger ----------------------------------------------
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+    torch_threads: Optional[int] = None  # threads for generation/training; null: hw cores
+
+
+@dataclass
+class AllocatorConfig:
+    name: str = MISSING
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+    rollout_chunks: int = 8  # chunks each env collects per iteration
+    lr: float = 3e-4
+    gamma: float = 0.99  # discount per chunk
+    gae_lambda: float = 0.95
+    epochs: int = 4
+    minibatches: int = 4
+    clip: float = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    normalize_advantages: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    project: str = "ebrl"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    mode: Optional[str] = None  # offline | online; null: online when WANDB_API_KEY is set
+
+
+# --- the whole experiment ------------------------------------------------------------------
+@dataclass
+class Config:
+    env: EnvConfig = MISSING
+    policy: PolicyConfig = MISSING
+    hw: HwConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    allocator: AllocatorConfig = MISSING
+    algo: AlgoConfig = MISSING
+    logger: LoggerConfig = MISSING
+    seed: int = 0
+    iterations: int = 20
+    checkpoint_every: int = 5  # iterations between checkpoints (the last is always written)
+    resume: Optional[str] = None  # a run folder to continue
+    device: str = "auto"  # auto (cuda when hw has GPUs) | cpu | cuda
+    progress: bool = True  # progress bar on the console
+
+
+def register_configs() -> None:
+    """Make the schemas known to Hydra; each group's yaml files name theirs in their defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for name, node in [
+        ("robosuite_schema", RobosuiteEnvConfig),
+        ("maniskill_schema", ManiSkillEnvConfig),
+        ("libero_schema", LiberoEnvConfig),
+        ("robocasa_schema", RoboCasaEnvConfig),
+    ]:
+        cs.store(group="env", name=name, node=node)
+    cs.store(group="policy", name="openpi_schema", node=OpenPIPolicyConfig)
+    cs.store(group="hw", name="hw_schema", node=HwConfig)
+    cs.store(group="scheduler", name="scheduler_schema", node=SchedulerConfig)
+    cs.store(group="allocator", name="allocator_schema", node=AllocatorConfig)
+    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+def _positive(cfg: DictConfig, key: str) -> None:
+    value = cfg_get(cfg, key)
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value} must be a positive number")
+
+
+def cfg_get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+SCHEDULERS = ("colocated",)
+ALLOCATORS = ("static",)
+ALGOS = ("ppo",)
+LOGGERS = ("none", "wandb")
+LOGPROBS = ("flow_noise",)
+PRESETS = ("tiny", "full")
+
+
+def _one_of(cfg: DictConfig, key: str, accepted: tuple[str, ...]) -> None:
+    value = cfg_get(cfg, key)
+    if value not in accepted:
+        raise ConfigError(f"{key}={value!r} is not available; accepted: {', '.join(accepted)}")
+
+
+def available_cpu_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def validate(cfg: DictConfig) -> None:
+    """Reject values that compose but cannot work, with one line; checks what this machine can satisfy."""
+    for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
+                "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr"):
+        _positive(cfg, key)
+    for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
+        if cfg_get(cfg, key) is not None:
+            _positive(cfg, key)
+    _one_of(cfg, "scheduler.name", SCHEDULERS)
+    _one_of(cfg, "allocator.name", ALLOCATORS)
+    _one_of(cfg, "algo.name", ALGOS)
+    _one_of(cfg, "logger.name", LOGGERS)
+    _one_of(cfg, "policy.logprob", LOGPROBS)
+    _one_of(cfg, "policy.preset", PRESETS)
+    _one_of(cfg, "env.reward", ("dense", "sparse"))
+    _one_of(cfg, "device", ("auto", "cpu", "cuda"))
+    if not 0 < cfg.policy.noise_std_min <= cfg.policy.noise_std_max:
+        raise ConfigError(
+            f"policy.noise_std_min={cfg.policy.noise_std_min} and policy.noise_std_max={cfg.policy.noise_std_max} "
+            "must satisfy 0 < min <= max"
+        )
+    batch = cfg.env.num_envs * cfg.algo.rollout_chunks
+    if batch % cfg.algo.minibatches:
+        raise ConfigError(
+            f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
+            f"env.num_envs x algo.rollout_chunks = {batch}"
+        )
+    cores = available_cpu_cores()
+    if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
+        raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
+    if cfg.hw.gpus > 0 or cfg.device == "cuda":
+        have = cuda_device_count()
+        need = max(cfg.hw.gpus, 1)
+        if have < need:
+            have_text = "none" if have == 0 else str(have)
+            raise ConfigError(f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}")

@@ -1,0 +1,133 @@
+"""The one interface every simulator adapter implements (DESIGN.md section 6).
+
+This module, and every adapter, imports numpy and the simulator only: simulator workers may run
+under a benchmark's own interpreter that has no torch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class EnvSetupError(RuntimeError):
+    """A simulator package, asset or option is missing or wrong; the message is one line saying what to do."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype of one observation array."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float32" or "uint8"
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What an adapter produces and accepts, known right after construction.
+
+    obs keys: "state" (float32 vector: proprio + object state) and, when cameras are enabled,
+    "image/<camera>" (uint8 HxWx3).
+    """
+
+    obs: dict[str, ArraySpec]
+    action_dim: int
+    instruction: str
+    max_episode_steps: int
+    action_low: float = -1.0
+    action_high: float = 1.0
+
+
+@dataclass
+class ChunkResult:
+    """What executing one action chunk produced, step by step."""
+
+    rewards: np.ndarray  # (executed,) float32
+    step_times: np.ndarray  # (executed,) float64 seconds per simulator step
+    successes: np.ndarray  # (executed,) bool
+    terminated: bool  # the episode ended by the task (e.g. success) inside this chunk
+    truncated: bool  # the episode hit its step limit inside this chunk
+    episode: dict[str, float] | None = None  # return, length, success of the episode that ended
+    final_obs: dict[str, np.ndarray] | None = None  # obs the episode ended on (before the auto-reset)
+
+    @property
+    def executed(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+class EnvAdapter:
+    """One simulator environment. Subclasses implement `reset` and `step` and set `self.spec`.
+
+    `run_chunk` executes an action chunk step by step, stops at the end of an episode and then
+    resets (seeded), so the observation after a chunk is always the start of the next decision.
+    """
+
+    spec: EnvSpec
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = int(seed)
+        self._episodes = 0
+        self._ep_return = 0.0
+        self._ep_len = 0
+        self._ep_success = False
+
+    # --- what each simulator implements -------------------------------------------------
+    def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        """Returns obs, reward, terminated, truncated, info (info["success"]: bool)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # --- shared by all adapters ----------------------------------------------------------
+    def next_seed(self) -> int:
+        """Seeds for successive episodes of this env: distinct across envs and episodes."""
+        seed = self._seed * 100_003 + self._episodes
+        self._episodes += 1
+        return seed
+
+    def begin_episode(self, seed: int | None = None) -> dict[str, np.ndarray]:
+        self._ep_return, self._ep_len, self._ep_success = 0.0, 0, False
+        return self.reset(self.next_seed() if seed is None else seed)
+
+    def run_chunk(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], ChunkResult]:
+        """Execute `actions` (H, action_dim) in order; auto-reset when the episode ends."""
+        actions = np.clip(actions, self.spec.action_low, self.spec.action_high)
+        rewards, times, successes = [], [], []
+        terminated = truncated = False
+        obs: dict[str, np.ndarray] = {}
+        for action in actions:
+            t0 = time.perf_counter()
+            obs, reward, terminated, truncated, info = self.step(action)
+            times.append(time.perf_counter() - t0)
+            rewards.append(reward)
+            success = bool(info.get("success", False))
+            successes.append(success)
+            self._ep_return += float(reward)
+            self._ep_len += 1
+            self._ep_success |= success
+            if self._ep_len >= self.spec.max_episode_steps:
+                truncated = True
+            if terminated or truncated:
+                break
+        result = ChunkResult(
+            rewards=np.asarray(rewards, np.float32),
+            step_times=np.asarray(times, np.float64),
+            successes=np.asarray(successes, bool),
+            terminated=bool(terminated),
+            truncated=bool(truncated and not terminated),
+        )
+        if result.done:
+            result.episode = {"return": self._ep_return, "length": self._ep_len, "success": float(self._ep_success)}
+            result.final_obs = obs
+            obs = self.begin_episode()
+        return obs, result

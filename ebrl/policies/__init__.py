@@ -1,0 +1,1 @@
+"""Policies: every family implements `ebrl.policies.base.Policy` (sample / evaluate)."""
