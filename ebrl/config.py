@@ -236,12 +236,12 @@ def validate(cfg: DictConfig) -> None:
             f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
             f"env.num_envs x algo.rollout_chunks = {batch}"
         )
-    cores = available_cpu_cores()
-    if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
-        raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
     if cfg.hw.gpus > 0 or cfg.device == "cuda":
         have = cuda_device_count()
         need = max(cfg.hw.gpus, 1)
         if have < need:
             have_text = "none" if have == 0 else str(have)
             raise ConfigError(f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}")
+    cores = available_cpu_cores()
+    if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
+        raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")

@@ -1,0 +1,1 @@
+"""RL algorithms over action chunks."""

@@ -1,0 +1,137 @@
+"""PPO over action chunks, readable top to bottom (CleanRL style).
+
+One transition = one decision: the observation at a chunk boundary, the chunk the policy
+sampled, the reward summed over the env steps the chunk executed, and whether the episode
+ended inside it. GAE runs over these chunk steps. The ratio is taken per action of the chunk
+(each action's log-density under the denoising chain); actions after an episode ended inside
+a chunk were never executed and are masked out of the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ebrl.config import AlgoConfig
+from ebrl.policies.base import Policy
+
+
+@dataclass
+class RolloutBatch:
+    """T chunk steps x N envs of experience, flattened to B = T*N rows by `flatten`."""
+
+    obs: dict[str, torch.Tensor]  # each (T, N, ...)
+    chunk: torch.Tensor  # (T, N, H, A)
+    extras: dict[str, torch.Tensor]  # each (T, N, ...)
+    log_prob: torch.Tensor  # (T, N, H) behaviour log-prob of each action
+    value: torch.Tensor  # (T, N)
+    reward: torch.Tensor  # (T, N) summed over the executed steps
+    done: torch.Tensor  # (T, N) the episode ended inside this chunk
+    mask: torch.Tensor  # (T, N, H) the action was executed
+    last_value: torch.Tensor  # (N,) value of the observation after the last chunk
+
+
+def compute_gae(
+    reward: torch.Tensor, value: torch.Tensor, done: torch.Tensor, last_value: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over chunk steps; returns (advantages, returns), each (T, N)."""
+    T = reward.shape[0]
+    adv = torch.zeros_like(reward)
+    next_adv = torch.zeros_like(last_value)
+    next_value = last_value
+    for t in reversed(range(T)):
+        alive = 1.0 - done[t].float()  # no bootstrap across an episode end
+        delta = reward[t] + gamma * next_value * alive - value[t]
+        next_adv = delta + gamma * lam * alive * next_adv
+        adv[t] = next_adv
+        next_value = value[t]
+    return adv, adv + value
+
+
+def ppo_loss(
+    new_log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate per action, averaged over executed actions.
+
+    new/old_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
+    """
+    log_ratio = new_log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    adv = advantage.unsqueeze(-1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
+    m = mask.float()
+    n = m.sum().clamp_min(1.0)
+    loss = -(surrogate * m).sum() / n
+    with torch.no_grad():
+        stats = {
+            "train/approx_kl": (((ratio - 1.0) - log_ratio) * m).sum() / n,
+            "train/clipfrac": (((ratio - 1.0).abs() > clip).float() * m).sum() / n,
+        }
+    return loss, stats
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class PPOTrainer:
+    """Adam over the policy's parameters; `update` runs epochs x minibatches on one rollout."""
+
+    def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None) -> None:
+        self.policy = policy
+        self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg = self.cfg
+        adv, ret = compute_gae(batch.reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda)
+        dev = self.device
+        obs = {k: _flat(v).to(dev) for k, v in batch.obs.items()}
+        extras = {k: _flat(v).to(dev) for k, v in batch.extras.items()}
+        chunk, old_lp, mask = _flat(batch.chunk).to(dev), _flat(batch.log_prob).to(dev), _flat(batch.mask).to(dev)
+        adv, ret, old_value = _flat(adv).to(dev), _flat(ret).to(dev), _flat(batch.value).to(dev)
+        if cfg.normalize_advantages and adv.numel() > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+
+        B = chunk.shape[0]
+        mb = B // cfg.minibatches
+        sums: dict[str, float] = {}
+        count = 0
+        self.policy.train()
+        for _ in range(cfg.epochs):
+            for idx in torch.randperm(B, device=dev).split(mb):
+                new_lp, entropy, value = self.policy.evaluate(
+                    {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
+                )
+                pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip)
+                value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
+                m = mask[idx].float()
+                ent = (entropy * m).sum() / m.sum().clamp_min(1.0)
+                loss = pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                step = {
+                    "losses/policy": pg_loss.detach(),
+                    "losses/value": value_loss.detach(),
+                    "losses/entropy": ent.detach(),
+                    "train/grad_norm": grad_norm,
+                    **stats,
+                }
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                for k, v in step.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        self.policy.eval()
+        out = {k: v / count for k, v in sums.items()}
+        var = ret.var()
+        out["train/explained_variance"] = float(1.0 - (ret - old_value).var() / var) if var > 0 else 0.0
+        out["train/value_mean"] = float(old_value.mean())
+        out["train/return_mean"] = float(ret.mean())
+        return out

@@ -1,0 +1,70 @@
+"""Every config composes; typos fail in Hydra; values that cannot work fail with one line."""
+import itertools
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from ebrl.config import ConfigError, validate
+from tests.conftest import compose_config, group_options
+
+POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_options("hw")
+
+
+def test_groups_ship_what_the_design_names():
+    assert {"robosuite", "maniskill", "libero", "robocasa"} <= set(ENVS)
+    assert {"cpu", "a100x8", "h100x8", "h200x1"} <= set(HWS)
+    assert "openpi" in POLICIES
+    for group in ("scheduler", "allocator", "algo", "logger"):
+        assert group_options(group), group
+
+
+@pytest.mark.parametrize("policy,env,hw", list(itertools.product(POLICIES, ENVS, HWS)))
+def test_every_combination_composes(policy, env, hw):
+    cfg = compose_config(f"policy={policy}", f"env={env}", f"hw={hw}")
+    assert cfg.policy.name == policy and cfg.env.name == env and cfg.hw.name == hw
+    assert cfg.env._target_.startswith("ebrl.envs.")
+
+
+def test_every_hw_states_its_node():
+    for hw in HWS:
+        cfg = compose_config(f"hw={hw}").hw
+        if hw != "cpu":
+            assert cfg.cpu_cores > 0 and cfg.gpus > 0 and cfg.gpu_memory_gb > 0 and cfg.sm_count > 0
+
+
+@pytest.mark.parametrize(
+    "override,error",
+    [
+        ("hw.gpu=8", ConfigCompositionException),  # misspelled key
+        ("env.num_envs=many", ConfigCompositionException),  # wrong type
+        ("policy=nope", ConfigCompositionException),  # unknown option
+    ],
+)
+def test_composition_errors(override, error):
+    with pytest.raises(error):
+        compose_config(override)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["env.num_envs=0"], "env.num_envs=0 must be a positive number"),
+        (["algo.rollout_chunks=-1"], "algo.rollout_chunks=-1"),
+        (["scheduler.name=ebrl"], "scheduler.name='ebrl' is not available"),
+        (["policy.preset=huge"], "policy.preset='huge' is not available; accepted: tiny, full"),
+        (["env.num_envs=3", "algo.rollout_chunks=3", "algo.minibatches=4"], "does not divide the rollout batch"),
+        (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),
+        (["hw.cpu_cores=4096"], "asks for 4096 CPU cores"),
+        (["policy.noise_std_min=0.9"], "must satisfy 0 < min <= max"),
+    ],
+)
+def test_values_that_cannot_work(overrides, needle):
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_validate():
+    validate(compose_config())
