@@ -1,0 +1,513 @@
+"""Simulator worker processes (DESIGN.md section 4): one process per environment.
+
+Observations, actions and per-step results live in one shared-memory block per environment; the
+pipe carries only small notices ("reset", "chunk", "ok", "error"). The child side imports numpy,
+the standard library and the adapter's module only, never torch: a worker may run under a
+benchmark's own interpreter.
+
+Protocol, parent -> child after the child sent ("spec", EnvSpec):
+    ("attach", shm_name, chunk_len) -> ("ok", None)
+    ("reset", seed | None)          -> obs written to shm; ("ok", None)
+    ("chunk", n_steps)              -> actions[:n] read from shm, results written; ("ok", {"episode": ...})
+    ("close",)                      -> the child closes its env and exits
+Any failure answers ("error", one line); a failure to build the env also ends the child.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import weakref
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Sequence
+
+import numpy as np
+
+from ebrl.envs.base import EnvAdapter, EnvSetupError, EnvSpec, one_line, use_headless_gl
+
+# Config keys that are not adapter arguments (the rest go to the adapter's constructor).
+NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python")
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
+HEADER = ("executed", "terminated", "truncated", "has_final")
+_ALIGN = 64
+
+
+# --- shared memory layout ---------------------------------------------------------------
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each array of one environment's slot lies in its shared-memory block.
+
+    Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
+    actions (H, action_dim) float32, rewards (H,) float32, step_times (H,) float64,
+    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final.
+    """
+
+    fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
+    size: int
+
+    @classmethod
+    def build(cls, spec: EnvSpec, chunk_len: int) -> "SlotLayout":
+        arrays: list[tuple[str, tuple[int, ...], str]] = [("header", (len(HEADER),), "int32")]
+        arrays += [(f"obs/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
+        arrays += [(f"final/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
+        arrays += [
+            ("actions", (chunk_len, spec.action_dim), "float32"),
+            ("rewards", (chunk_len,), "float32"),
+            ("step_times", (chunk_len,), "float64"),
+            ("successes", (chunk_len,), "bool"),
+        ]
+        fields, offset = [], 0
+        for name, shape, dtype in arrays:
+            fields.append((name, shape, dtype, offset))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return cls(tuple(fields), max(offset, _ALIGN))
+
+    def views(self, buffer: memoryview) -> dict[str, np.ndarray]:
+        """numpy arrays over `buffer`, one per field; both processes build the same ones."""
+        return {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+                for name, shape, dtype, offset in self.fields}
+
+
+def _split(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {name[len(prefix):]: view for name, view in views.items() if name.startswith(prefix)}
+
+
+# --- the child process --------------------------------------------------------------------
+def worker_environment() -> dict[str, str]:
+    """Environment variables a simulator process needs before numpy or a simulator loads."""
+    return {name: "1" for name in THREAD_VARS}  # one core per simulator: no thread pools inside
+
+
+def _prepare_process(env_cfg: dict[str, Any], cpus: Sequence[int] | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers; Ctrl-C prints nothing here
+    for name, value in worker_environment().items():
+        os.environ.setdefault(name, value)
+    if env_cfg.get("cameras"):
+        use_headless_gl()
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
+def load_adapter_class(target: str) -> type[EnvAdapter]:
+    """The adapter class named by a config's `_target_` ("package.module.Class")."""
+    module_name, _, class_name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise EnvSetupError(f"env._target_={target!r} cannot be imported: {one_line(e)}") from e
+    if not (isinstance(cls, type) and issubclass(cls, EnvAdapter)):
+        raise EnvSetupError(f"env._target_={target!r} is not an ebrl.envs.base.EnvAdapter subclass")
+    return cls
+
+
+def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
+    """Construct the adapter from a plain config dict: every key but _target_/name/num_envs/python, plus seed."""
+    cls = load_adapter_class(env_cfg["_target_"])
+    kwargs = {k: v for k, v in env_cfg.items() if k not in NOT_ADAPTER_ARGS}
+    return cls(**kwargs, seed=seed)
+
+
+def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int,
+                cpus: Sequence[int] | None = None) -> None:
+    """Body of a simulator process: build the env, send its spec, then serve notices until "close"."""
+    _prepare_process(env_cfg, cpus)
+    try:
+        adapter = build_adapter(env_cfg, seed)
+        conn.send(("spec", adapter.spec))
+    except BaseException as e:  # noqa: BLE001  (a failed import can raise SystemExit, too)
+        _send_quietly(conn, ("error", one_line(e)))
+        return
+    shm: SharedMemory | None = None
+    views: dict[str, np.ndarray] = {}
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                break
+            command = message[0]
+            if command == "close":
+                break
+            try:
+                if command == "attach":
+                    _, shm_name, chunk_len = message
+                    shm = SharedMemory(name=shm_name)
+                    views = SlotLayout.build(adapter.spec, chunk_len).views(shm.buf)
+                    reply: Any = None
+                elif command == "reset":
+                    _write_obs(_split(views, "obs/"), adapter.begin_episode(message[1]))
+                    views["header"][:] = 0
+                    reply = None
+                elif command == "chunk":
+                    reply = _run_chunk(adapter, views, int(message[1]))
+                else:
+                    raise ValueError(f"unknown command {command!r}")
+                _send_quietly(conn, ("ok", reply))
+            except Exception as e:  # noqa: BLE001  (reported to the parent, which decides)
+                _send_quietly(conn, ("error", one_line(e)))
+    finally:
+        views.clear()
+        try:
+            adapter.close()
+        except Exception:  # noqa: BLE001  (closing at exit: nothing left to tell)
+            pass
+        if shm is not None:
+            try:
+                shm.close()
+            except BufferError:  # a view still referenced: the mapping goes with the process
+                pass
+
+
+def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
+    chunk_len = len(views["actions"])
+    if not 1 <= n_steps <= chunk_len:
+        raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
+    obs, result = adapter.run_chunk(views["actions"][:n_steps].copy())
+    k = result.executed
+    views["rewards"][:k] = result.rewards
+    views["step_times"][:k] = result.step_times
+    views["successes"][:k] = result.successes
+    if result.final_obs is not None:
+        _write_obs(_split(views, "final/"), result.final_obs)
+    _write_obs(_split(views, "obs/"), obs)
+    views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
+    return {"episode": result.episode}
+
+
+def _write_obs(slots: dict[str, np.ndarray], obs: dict[str, np.ndarray]) -> None:
+    for key, slot in slots.items():
+        slot[...] = obs[key]
+
+
+def _send_quietly(conn: multiprocessing.connection.Connection, message: Any) -> None:
+    try:
+        conn.send(message)
+    except (OSError, EOFError):
+        pass
+
+
+# --- the parent side ----------------------------------------------------------------------
+@dataclass
+class ChunkReport:
+    """What one environment's chunk produced (copies; the shared slot is reused by the next chunk)."""
+
+    executed: int
+    rewards: np.ndarray  # (executed,) float32
+    successes: np.ndarray  # (executed,) bool
+    step_times: np.ndarray  # (executed,) float64 seconds
+    terminated: bool
+    truncated: bool
+    episode: dict[str, float] | None  # return, length, success of the episode that ended, if one did
+    final_obs: dict[str, np.ndarray] | None = None  # the obs that episode ended on (before the auto-reset)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+class _Resources:
+    """What a SimWorker must release even if its owner forgets: the process, the pipe, the shm block."""
+
+    def __init__(self) -> None:
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.conn: multiprocessing.connection.Connection | None = None
+        self.shm: SharedMemory | None = None
+
+    def release(self, timeout: float = 5.0) -> None:
+        if self.conn is not None:
+            _send_quietly(self.conn, ("close",))
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout)
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.shm is not None:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+            try:
+                self.shm.close()
+            except BufferError:  # numpy views still held by a caller: the mapping goes with them
+                pass
+            self.shm = None
+
+
+class SimWorker:
+    """Main-process handle of one simulator process and its shared-memory slot."""
+
+    def __init__(self, env_cfg: dict[str, Any], seed: int, chunk_len: int | None = None, index: int = 0,
+                 cpus: Sequence[int] | None = None, start_timeout: float = 600.0) -> None:
+        if chunk_len is not None and chunk_len < 1:
+            raise ValueError(f"chunk_len={chunk_len} must be >= 1")
+        python = env_cfg.get("python")
+        if python and os.path.realpath(python) != os.path.realpath(sys.executable):
+            raise EnvSetupError(f"env.python={python!r}: simulator workers under another interpreter come with "
+                                "the LIBERO issue; leave env.python null")
+        self.env_cfg = dict(env_cfg)
+        self.seed = int(seed)
+        self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
+        self.index = index
+        self.cpus = list(cpus) if cpus else None
+        self.start_timeout = start_timeout
+        self.spec: EnvSpec | None = None  # set once the slot is attached
+        self._received_spec: EnvSpec | None = None
+        self.obs: dict[str, np.ndarray] = {}
+        self.final_obs: dict[str, np.ndarray] = {}
+        self.actions: np.ndarray | None = None
+        self.rewards: np.ndarray | None = None
+        self.step_times: np.ndarray | None = None
+        self.successes: np.ndarray | None = None
+        self._header: np.ndarray | None = None
+        self._pending = False
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)
+
+    # --- lifecycle
+    def start(self, wait: bool = True) -> None:
+        """Spawn the process; with wait, also receive its spec and attach the shared slot."""
+        if self._res.process is not None:
+            raise RuntimeError(f"sim worker {self.index} was started already")
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=worker_main, args=(child_conn, self.env_cfg, self.seed, self.cpus),
+                              name=f"sim-{self.index}", daemon=True)
+        with _child_environment(worker_environment()):
+            process.start()
+        child_conn.close()  # ours: so a dead child shows up as EOF instead of a hang
+        self._res.process, self._res.conn = process, parent_conn
+        if wait:
+            self.connect()
+
+    def connect(self) -> EnvSpec:
+        """Receive the spec and attach a slot of `chunk_len` actions (both steps of a started process)."""
+        self.receive_spec()
+        return self.attach(self.chunk_len)
+
+    def receive_spec(self) -> EnvSpec:
+        """The env's spec, sent by the child once its simulator is built (blocks until then)."""
+        if self._received_spec is None:
+            if not self.connection.poll(self.start_timeout):
+                raise EnvSetupError(
+                    f"sim worker {self.index} (pid {self.pid}) sent no spec within {self.start_timeout:.0f} s")
+            self._received_spec = self._receive("spec")
+        return self._received_spec
+
+    def attach(self, chunk_len: int | None) -> EnvSpec:
+        """Create the shared slot for chunks of up to `chunk_len` actions and attach the child to it."""
+        if self.spec is not None:
+            return self.spec
+        if chunk_len is None or chunk_len < 1:
+            raise ValueError(f"chunk_len={chunk_len} must be >= 1")
+        spec = self.receive_spec()
+        self.chunk_len = int(chunk_len)
+        layout = SlotLayout.build(spec, self.chunk_len)
+        self._res.shm = SharedMemory(create=True, size=layout.size)
+        views = layout.views(self._res.shm.buf)
+        self.obs, self.final_obs = _split(views, "obs/"), _split(views, "final/")
+        self.actions, self.rewards = views["actions"], views["rewards"]
+        self.step_times, self.successes, self._header = views["step_times"], views["successes"], views["header"]
+        self._send(("attach", self._res.shm.name, self.chunk_len))
+        self._receive("ok")
+        self.spec = spec
+        return spec
+
+    def close(self) -> None:
+        """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
+        self.obs, self.final_obs = {}, {}
+        self.actions = self.rewards = self.step_times = self.successes = self._header = None
+        self._pending = False
+        self._finalizer()
+
+    @property
+    def pid(self) -> int | None:
+        return self._res.process.pid if self._res.process is not None else None
+
+    @property
+    def connection(self) -> multiprocessing.connection.Connection:
+        """The pipe end to `multiprocessing.connection.wait` on; readable when a reply is ready."""
+        if self._res.conn is None:
+            raise EnvSetupError(f"sim worker {self.index} is not running")
+        return self._res.conn
+
+    @property
+    def shm_name(self) -> str | None:
+        return self._res.shm.name if self._res.shm is not None else None
+
+    # --- commands
+    def reset(self, seed: int | None = None) -> None:
+        """Start a new episode (blocking); its first obs is then in `obs`."""
+        self.send_reset(seed)
+        self._receive("ok")
+
+    def send_reset(self, seed: int | None = None) -> None:
+        self._check_idle()
+        self._send(("reset", seed))
+
+    def submit(self, n_steps: int) -> None:
+        """Run actions[:n_steps] in the child (non-blocking); collect with `wait`."""
+        self._check_idle()
+        if not 1 <= n_steps <= self.chunk_len:
+            raise ValueError(f"n_steps={n_steps}: this worker's slot holds 1..{self.chunk_len} actions")
+        self._send(("chunk", int(n_steps)))
+        self._pending = True
+
+    def wait(self) -> ChunkReport:
+        """Block until the submitted chunk is done; obs then holds the next decision's observation."""
+        if not self._pending:
+            raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
+        self._pending = False
+        reply = self._receive("ok") or {}
+        executed, terminated, truncated, has_final = (int(x) for x in self._header)
+        return ChunkReport(
+            executed=executed,
+            rewards=self.rewards[:executed].copy(),
+            successes=self.successes[:executed].copy(),
+            step_times=self.step_times[:executed].copy(),
+            terminated=bool(terminated),
+            truncated=bool(truncated),
+            episode=reply.get("episode"),
+            final_obs={k: v.copy() for k, v in self.final_obs.items()} if has_final else None,
+        )
+
+    # --- plumbing
+    def _check_idle(self) -> None:
+        if self.spec is None:
+            raise RuntimeError(f"sim worker {self.index} is not started")
+        if self._pending:
+            raise RuntimeError(f"sim worker {self.index} has a chunk in flight; wait() first")
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.connection.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise EnvSetupError(self._died(f"cannot be reached ({type(e).__name__})")) from e
+
+    def _receive(self, expected: str) -> Any:
+        try:
+            kind, payload = self.connection.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            raise EnvSetupError(self._died("stopped")) from e
+        if kind == "error":
+            raise EnvSetupError(payload)
+        if kind != expected:
+            raise RuntimeError(f"sim worker {self.index}: expected {expected!r}, got {kind!r}")
+        return payload
+
+    def _died(self, what: str) -> str:
+        process = self._res.process
+        if process is not None:
+            process.join(1.0)
+        code = process.exitcode if process is not None else None
+        return f"sim worker {self.index} (pid {self.pid}) {what}; exit code {code}"
+
+
+class _child_environment:
+    """Set environment variables while a child is spawned (it inherits them before importing numpy)."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for name, value in self.values.items():
+            self.saved[name] = os.environ.get(name)
+            os.environ[name] = value
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, old in self.saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+class SimWorkerPool:
+    """N simulator processes started together, one environment each; env i gets seed `seed * 1000 + i`."""
+
+    def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
+                 cpus: Sequence[Sequence[int] | None] | None = None) -> None:
+        if num_envs < 1:
+            raise ValueError(f"num_envs={num_envs} must be >= 1")
+        self.num_envs = num_envs
+        self.chunk_len = chunk_len  # most actions one chunk may hold; may be given at `attach` instead
+        self.workers = [
+            SimWorker(env_cfg, seed * 1000 + i, chunk_len, index=i, cpus=cpus[i] if cpus else None)
+            for i in range(num_envs)
+        ]
+        self.spec: EnvSpec | None = None
+
+    def start(self) -> "SimWorkerPool":
+        """Spawn every process first, then collect the specs: the simulators build concurrently.
+
+        With `chunk_len` known the slots are attached too; otherwise call `attach` once the policy
+        (built from `spec`) says how long its chunks are.
+        """
+        try:
+            for worker in self.workers:
+                worker.start(wait=False)
+            specs = [worker.receive_spec() for worker in self.workers]
+            for i, spec in enumerate(specs[1:], 1):
+                if spec != specs[0]:
+                    raise EnvSetupError(f"sim worker {i} reports {spec}, worker 0 {specs[0]}: the envs disagree")
+            self.spec = specs[0]
+            if self.chunk_len is not None:
+                self.attach(self.chunk_len)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def attach(self, chunk_len: int) -> None:
+        """Give every worker its shared slot for chunks of up to `chunk_len` actions."""
+        self.chunk_len = chunk_len
+        for worker in self.workers:
+            worker.attach(chunk_len)
+
+    def __enter__(self) -> "SimWorkerPool":
+        return self.start() if self.spec is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def reset_all(self, seed: int | None = None) -> None:
+        """Reset every env (in parallel); with seed, env i starts from seed + i."""
+        for i, worker in enumerate(self.workers):
+            worker.send_reset(None if seed is None else seed + i)
+        for worker in self.workers:
+            worker._receive("ok")
+
+    def submit_all(self, n_steps: int, actions: np.ndarray | None = None) -> None:
+        """Start a chunk of n_steps everywhere; `actions` (N, n_steps, action_dim) is copied in first if given."""
+        for i, worker in enumerate(self.workers):
+            if actions is not None:
+                worker.actions[:n_steps] = actions[i, :n_steps]
+            worker.submit(n_steps)
+
+    def wait_all(self) -> list[ChunkReport]:
+        return [worker.wait() for worker in self.workers]
+
+    def stacked_obs(self) -> dict[str, np.ndarray]:
+        """Every env's current obs as (N, ...) arrays (one copy)."""
+        keys = self.workers[0].obs.keys()
+        return {key: np.stack([worker.obs[key] for worker in self.workers]) for key in keys}
+
+    def close(self) -> None:
+        """Stop every process: ask all to close first, so they exit concurrently, then reap each."""
+        for worker in self.workers:
+            if worker._res.conn is not None:
+                _send_quietly(worker._res.conn, ("close",))
+        for worker in self.workers:
+            worker.close()

@@ -1,0 +1,1 @@
+"""The runtime: supervisor, schedulers, checkpoints."""

@@ -1,0 +1,84 @@
+"""Atomic checkpoints (temp file + rename) that refuse to load into a different policy."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt or made for another policy; the message is one line."""
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """Write `obj` with torch.save so that `path` is either the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def policy_identity(policy_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config keys that must match for weights to mean the same thing."""
+    return {k: policy_cfg.get(k) for k in ("name", "preset", "chunk", "denoise_steps", "logprob")}
+
+
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """One line naming the first mismatched keys, or nothing when `state` fits `model` exactly."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
+    if shapes:
+        problems.append(f"{len(shapes)} with other shapes (e.g. {'; '.join(shapes[:3])})")
+    if problems:
+        raise CheckpointError(f"{source} does not fit this policy: keys " + ", ".join(problems))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint written by `atomic_save`; a truncated or foreign file gives one line."""
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several types for truncated/corrupt files
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not an EBRL checkpoint (format {CHECKPOINT_FORMAT})")
+    return ckpt
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Start from a local safetensors file whose keys are the policy's own (policy.checkpoint=...)."""
+    from safetensors.torch import load_file
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CheckpointError(f"policy.checkpoint={path} does not exist; give a local .safetensors file")
+    try:
+        state = load_file(str(p))
+    except Exception as e:
+        raise CheckpointError(f"policy.checkpoint={path} is not a readable safetensors file ({type(e).__name__})")
+    check_state_dict(model, state, f"policy.checkpoint={path}")
+    model.load_state_dict(state)

@@ -1,0 +1,112 @@
+"""`scheduler=colocated`: RLinf's colocated mode, the baseline every other schedule is measured against.
+
+Every environment executes its chunk in its own process, all of them wait at a barrier, one
+batched generation produces the next chunks, and training runs after the rollout ends.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ebrl.envs.worker import SimWorkerPool
+from ebrl.policies.base import Policy
+from ebrl.rl.ppo import RolloutBatch
+from ebrl.telemetry.timers import StageTimers
+
+
+class RolloutStats:
+    """What the rollout saw: env steps, finished episodes and simulator step latencies."""
+
+    def __init__(self) -> None:
+        self.env_steps = 0
+        self.returns: list[float] = []
+        self.lengths: list[float] = []
+        self.successes: list[float] = []
+        self.step_times: list[np.ndarray] = []
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"env/episodes": float(len(self.returns))}
+        if self.returns:
+            out["env/return"] = float(np.mean(self.returns))
+            out["env/episode_length"] = float(np.mean(self.lengths))
+            out["env/success_rate"] = float(np.mean(self.successes))
+        if self.step_times:
+            t = np.concatenate(self.step_times) * 1e3
+            out["env/step_ms_mean"] = float(t.mean())
+            out["env/step_ms_p99"] = float(np.percentile(t, 99))
+        return out
+
+
+class ColocatedScheduler:
+    """Lockstep rollout over a pool of simulator processes with one batched generation per chunk step."""
+
+    def __init__(self, pool: SimWorkerPool, policy: Policy, timers: StageTimers, device: torch.device) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.timers = timers
+        self.device = device
+        n = len(pool.workers)
+        tokens, mask = policy.tokenize([w.spec.instruction for w in pool.workers])
+        self.tokens = torch.from_numpy(tokens)
+        self.token_mask = torch.from_numpy(mask)
+        self.num_envs = n
+
+    def observe(self) -> dict[str, torch.Tensor]:
+        """The current observation of every env as a policy batch (one copy out of shared memory)."""
+        obs = {k: torch.from_numpy(v) for k, v in self.pool.stacked_obs().items()}
+        obs["tokens"] = self.tokens
+        obs["token_mask"] = self.token_mask
+        return obs
+
+    def collect(self, chunks: int) -> tuple[RolloutBatch, RolloutStats]:
+        """`chunks` decisions per env; returns the batch for training (on CPU) and what the envs reported."""
+        policy, stats = self.policy, RolloutStats()
+        n, H = self.num_envs, policy.chunk_len
+        steps: list[dict] = []
+        for _ in range(chunks):
+            with self.timers.stage("generate"):
+                obs = self.observe()
+                out = policy.sample({k: v.to(self.device) for k, v in obs.items()})
+                actions = out.chunk.float().cpu().numpy()
+            with self.timers.stage("simulate"):
+                for worker, a in zip(self.pool.workers, actions):
+                    worker.actions[:H] = a
+                self.pool.submit_all(H)
+                reports = self.pool.wait_all()
+            reward = np.zeros(n, np.float32)
+            done = np.zeros(n, bool)
+            mask = np.zeros((n, H), bool)
+            for i, r in enumerate(reports):
+                reward[i] = r.rewards.sum()
+                done[i] = r.terminated or r.truncated
+                mask[i, : r.executed] = True
+                stats.env_steps += r.executed
+                stats.step_times.append(r.step_times)
+                if r.episode is not None:
+                    stats.returns.append(r.episode["return"])
+                    stats.lengths.append(r.episode["length"])
+                    stats.successes.append(r.episode["success"])
+            steps.append(
+                dict(obs=obs, chunk=out.chunk.cpu(), extras={k: v.cpu() for k, v in out.extras.items()},
+                     log_prob=out.log_prob.cpu(), value=out.value.cpu(), reward=torch.from_numpy(reward),
+                     done=torch.from_numpy(done), mask=torch.from_numpy(mask))
+            )
+        with self.timers.stage("generate"):
+            obs = self.observe()
+            last_value = policy.sample({k: v.to(self.device) for k, v in obs.items()}).value.cpu()
+        return stack_steps(steps, last_value), stats
+
+
+def stack_steps(steps: list[dict], last_value: torch.Tensor) -> RolloutBatch:
+    """Per-chunk-step records -> one (T, N, ...) batch."""
+    return RolloutBatch(
+        obs={k: torch.stack([s["obs"][k] for s in steps]) for k in steps[0]["obs"]},
+        chunk=torch.stack([s["chunk"] for s in steps]),
+        extras={k: torch.stack([s["extras"][k] for s in steps]) for k in steps[0]["extras"]},
+        log_prob=torch.stack([s["log_prob"] for s in steps]),
+        value=torch.stack([s["value"] for s in steps]),
+        reward=torch.stack([s["reward"] for s in steps]),
+        done=torch.stack([s["done"] for s in steps]),
+        mask=torch.stack([s["mask"] for s in steps]),
+        last_value=last_value,
+    )

@@ -1,0 +1,226 @@
+"""The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from ebrl.config import ConfigError, available_cpu_cores, validate
+from ebrl.envs.base import EnvSpec
+from ebrl.envs.worker import SimWorkerPool
+from ebrl.policies.base import Policy
+from ebrl.rl.ppo import PPOTrainer
+from ebrl.runtime.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    atomic_save,
+    check_state_dict,
+    load_checkpoint,
+    load_weights,
+    policy_identity,
+)
+from ebrl.runtime.colocated import ColocatedScheduler
+from ebrl.telemetry.metrics import MetricsLog
+from ebrl.telemetry.report import ProgressBar, print_summary
+from ebrl.telemetry.timers import CpuMonitor, StageTimers
+
+# keys of the env config that the runtime uses; the rest are the adapter's keyword arguments
+RUNTIME_ENV_KEYS = ("_target_", "name", "num_envs", "python")
+STAGES = ("simulate", "generate", "train")
+
+
+@dataclass
+class RunSummary:
+    """What a run achieved; `rollout_steps_per_s` is the value a sweep optimises."""
+
+    env_steps: int = 0
+    wall_s: float = 0.0
+    rollout_steps_per_s: float = 0.0  # end to end (rollout + training), iterations after the first
+    success_rate: float = float("nan")  # over the episodes of the last iteration that finished any
+    mean_return: float = float("nan")
+    stage_s: dict[str, float] = field(default_factory=dict)
+    cpu_busy: float = float("nan")
+
+
+def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
+    """Instantiate the policy class named by `_target_` for this env's observations and actions."""
+    kwargs = {k: v for k, v in policy_cfg.items() if k not in ("_target_", "name", "checkpoint")}
+    policy = get_class(policy_cfg["_target_"])(env_spec=spec, **kwargs)
+    if policy_cfg.get("checkpoint"):
+        load_weights(policy, policy_cfg["checkpoint"])
+    return policy
+
+
+def env_adapter_kwargs(env_cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in env_cfg.items() if k not in RUNTIME_ENV_KEYS}
+
+
+class Experiment:
+    """One training run: simulator workers, policy, PPO trainer and the colocated schedule."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # plain dict across processes
+        self.run_dir = run_dir
+        self.iteration = 0
+        self.env_steps = 0
+        self.timers = StageTimers()
+        self.pool: SimWorkerPool | None = None
+        self.log: MetricsLog | None = None
+        self._resume_ckpt: dict[str, Any] | None = None
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Experiment":
+        """Validate, then build every part; bad input raises ConfigError/EnvSetupError/CheckpointError (one line)."""
+        validate(cfg)
+        if cfg.resume:
+            run_dir = Path(cfg.resume).expanduser()
+        elif run_dir is None:
+            from hydra.core.hydra_config import HydraConfig
+
+            run_dir = HydraConfig.get().runtime.output_dir
+        exp = cls(cfg, Path(run_dir))
+        if cfg.resume:
+            exp._resume_ckpt = exp._read_resume_checkpoint()
+        exp._build()
+        return exp
+
+    def _read_resume_checkpoint(self) -> dict[str, Any]:
+        path = self.run_dir / "checkpoints" / "last.pt"
+        if not self.run_dir.is_dir():
+            raise ConfigError(f"resume={self.cfg.resume} is not a run folder")
+        ckpt = load_checkpoint(path)
+        want, have = policy_identity(self.conf["policy"]), ckpt["policy"]
+        if want != have:
+            diff = ", ".join(f"policy.{k}={have[k]} (asked {want[k]})" for k in want if want[k] != have[k])
+            raise CheckpointError(f"resume={self.cfg.resume} holds a checkpoint of another policy: {diff}")
+        return ckpt
+
+    def _build(self) -> None:
+        cfg, conf = self.cfg, self.conf
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.cores = sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
+        torch.set_num_threads(cfg.scheduler.torch_threads or len(self.cores))
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed)
+        try:
+            self.pool.start()  # simulators build concurrently; their spec shapes the policy
+            self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
+            self.pool.attach(self.policy.chunk_len)
+            self.trainer = PPOTrainer(self.policy, cfg.algo, self.device)
+            if self._resume_ckpt is not None:
+                self._restore(self._resume_ckpt)
+            self.pool.reset_all()
+            self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        check_state_dict(self.policy, ckpt["model"], f"resume={self.cfg.resume}")
+        self.policy.load_state_dict(ckpt["model"])
+        self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
+        self.iteration = ckpt["iteration"]
+        self.env_steps = ckpt["env_steps"]
+        torch.set_rng_state(ckpt["torch_rng"])
+        np.random.set_state(ckpt["numpy_rng"])
+
+    # --- running ---------------------------------------------------------------------------
+    def train(self) -> RunSummary:
+        """Run the remaining iterations; always closes the simulator processes."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.conf))
+        resume_id = self._resume_ckpt.get("wandb_id") if self._resume_ckpt else None
+        self.log = MetricsLog(self.run_dir, self.conf["logger"], self.conf, resume_id=resume_id)
+        summary = RunSummary()
+        cpu = CpuMonitor(self.cores)
+        measured_steps, measured_wall, busy = 0, 0.0, []
+        start = time.perf_counter()
+        bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
+        try:
+            while self.iteration < cfg.iterations:
+                t0 = time.perf_counter()
+                batch, stats = self.scheduler.collect(cfg.algo.rollout_chunks)
+                t_rollout = time.perf_counter() - t0
+                with self.timers.stage("train"):
+                    train_metrics = self.trainer.update(batch)
+                wall = time.perf_counter() - t0
+                self.iteration += 1
+                self.env_steps += stats.env_steps
+                metrics = {
+                    "iteration": self.iteration,
+                    "env_steps": self.env_steps,
+                    "perf/env_steps_per_s": stats.env_steps / wall,
+                    "perf/rollout_only_steps_per_s": stats.env_steps / t_rollout,
+                    "time/iteration_s": wall,
+                    **self.timers.pop_iteration(),
+                    **cpu.read(),
+                    **stats.metrics(),
+                    **train_metrics,
+                }
+                self.log.log(metrics)
+                if self.iteration > 1 or cfg.iterations == 1:  # the first iteration warms up (process start, caches)
+                    measured_steps += stats.env_steps
+                    measured_wall += wall
+                    busy.append(metrics["perf/cpu_busy"])
+                if "env/success_rate" in metrics:
+                    summary.success_rate = metrics["env/success_rate"]
+                    summary.mean_return = metrics["env/return"]
+                bar.update(metrics)
+                if self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            self.save_checkpoint()
+            raise
+        finally:
+            bar.close()
+            self.close()
+        summary.env_steps = self.env_steps
+        summary.wall_s = time.perf_counter() - start
+        summary.rollout_steps_per_s = measured_steps / measured_wall if measured_wall else 0.0
+        summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
+        summary.cpu_busy = float(np.mean(busy)) if busy else float("nan")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        print_summary(summary, self.run_dir)
+        return summary
+
+    def save_checkpoint(self) -> Path:
+        path = self.run_dir / "checkpoints" / "last.pt"
+        atomic_save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "policy": policy_identity(self.conf["policy"]),
+                "model": self.policy.state_dict(),
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "iteration": self.iteration,
+                "env_steps": self.env_steps,
+                "torch_rng": torch.get_rng_state(),
+                "numpy_rng": np.random.get_state(),
+                "wandb_id": self.log.wandb_id if self.log else None,
+                "config": self.conf,
+            },
+            path,
+        )
+        return path
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.log is not None:
+            self.log.close()
+            self.log = None

@@ -1,0 +1,1 @@
+"""Stage timers, CPU monitoring, metrics files and loggers."""

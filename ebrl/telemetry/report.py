@@ -1,0 +1,67 @@
+"""What the console shows: a progress bar over iterations and the summary table at the end."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+class ProgressBar:
+    """Iterations done, with the latest throughput, return and success rate beside the bar."""
+
+    def __init__(self, total: int, done: int = 0, enabled: bool = True) -> None:
+        self._progress = None
+        if not enabled:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total, completed=done, info="")
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        info = f"{metrics['perf/env_steps_per_s']:.0f} steps/s"
+        if "env/return" in metrics:
+            info += f"  return {metrics['env/return']:.2f}  success {metrics['env/success_rate']:.0%}"
+        self._progress.update(self._task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_summary(summary: Any, run_dir: Path) -> None:
+    """The table a user reads at the end of a run."""
+    table = Table(title="EBRL run summary", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("env steps", f"{summary.env_steps:,}")
+    table.add_row("wall time", f"{summary.wall_s:.1f} s")
+    table.add_row("env steps/s (end to end, after warm-up)", _fmt(summary.rollout_steps_per_s, ".1f"))
+    table.add_row("success rate (last iteration)", _fmt(summary.success_rate, ".1%"))
+    table.add_row("episode return (last iteration)", _fmt(summary.mean_return, ".3f"))
+    total = sum(summary.stage_s.values()) or 1.0
+    for stage, seconds in summary.stage_s.items():
+        table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / total:.0%})")
+    table.add_row("CPU busy (mean over cores)", _fmt(summary.cpu_busy, ".0%"))
+    table.add_row("run folder", str(run_dir))
+    Console().print(table)

@@ -1,0 +1,54 @@
+"""One helper times every stage: `with timers.stage("generate"): ...`."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import psutil
+
+
+class StageTimers:
+    """Wall time per stage, accumulated per iteration and over the run."""
+
+    def __init__(self) -> None:
+        self.iteration: dict[str, float] = defaultdict(float)
+        self.total: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.iteration[name] += dt
+            self.total[name] += dt
+
+    def pop_iteration(self) -> dict[str, float]:
+        """The per-stage seconds of the iteration that just ended, as `time/<stage>_s` metrics."""
+        out = {f"time/{k}_s": v for k, v in self.iteration.items()}
+        self.iteration.clear()
+        return out
+
+
+class CpuMonitor:
+    """Busy fraction of the given cores between two calls to `read` (from /proc via psutil)."""
+
+    def __init__(self, cores: list[int]) -> None:
+        self.cores = cores
+        self._last = psutil.cpu_times(percpu=True)
+
+    def read(self) -> dict[str, float]:
+        now = psutil.cpu_times(percpu=True)
+        busy = []
+        for core in self.cores:
+            a, b = self._last[core], now[core]
+            total = sum(b) - sum(a)
+            idle = (b.idle + getattr(b, "iowait", 0.0)) - (a.idle + getattr(a, "iowait", 0.0))
+            busy.append(0.0 if total <= 0 else 1.0 - idle / total)
+        self._last = now
+        out = {"perf/cpu_busy": sum(busy) / max(len(busy), 1)}
+        out.update({f"perf/cpu{core}_busy": b for core, b in zip(self.cores, busy)})
+        return out

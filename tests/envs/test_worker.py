@@ -1,0 +1,130 @@
+"""Simulator worker processes: shared-memory slots, small notices, clean shutdown (real robosuite Lift)."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from ebrl.envs.base import EnvSetupError
+from ebrl.envs.worker import SimWorker, SimWorkerPool, SlotLayout
+
+LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
+            max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
+            python=None, robot="Panda", control_freq=20)
+
+
+def shm_segments():
+    return set(os.listdir("/dev/shm"))
+
+
+def close_within(closable, seconds=60.0):
+    """Run close() in a thread; True if it returned (a hang guard, not a timing check)."""
+    thread = threading.Thread(target=closable.close, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_pool_runs_chunks_in_child_processes_and_reports_episode_ends():
+    before = shm_segments()
+    pool = SimWorkerPool(LIFT, num_envs=2, seed=3, chunk_len=5)
+    with pool:
+        pids = [w.pid for w in pool.workers]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        assert all(w.shm_name.lstrip("/") in shm_segments() for w in pool.workers)
+        assert pool.spec.obs["state"].shape == (60,) and pool.spec.instruction == "lift the red cube"
+
+        pool.reset_all()
+        start = pool.stacked_obs()
+        assert start["state"].shape == (2, 60) and start["state"].dtype == np.float32
+        assert not np.array_equal(start["state"][0], start["state"][1])  # env i is seeded seed*1000+i
+
+        actions = np.random.default_rng(0).uniform(-1, 1, (2, 5, 7)).astype(np.float32)
+        pool.submit_all(5, actions)
+        reports = pool.wait_all()
+        for report in reports:
+            assert report.executed == 5 and not report.done and report.episode is None
+            assert report.rewards.shape == (5,) and report.rewards.dtype == np.float32
+            assert report.successes.shape == (5,) and report.step_times.shape == (5,)
+            assert (report.step_times > 0).all()
+        after = pool.stacked_obs()["state"]
+        assert not np.array_equal(after, start["state"])  # the children wrote new obs into shm
+
+        pool.submit_all(5, actions)  # 3 more steps end the 8-step episode
+        for report in pool.wait_all():
+            assert report.executed == 3 and report.truncated
+            assert report.episode["length"] == 8
+            assert report.final_obs["state"].shape == (60,)
+    assert shm_segments() - before == set()
+    assert all(w.pid is None or not _alive(w.pid) for w in pool.workers)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers signal 0; it is gone once reaped
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_construction_error_arrives_as_one_line():
+    before = shm_segments()
+    worker = SimWorker(dict(LIFT, task="Lfit"), seed=0, chunk_len=4)
+    with pytest.raises(EnvSetupError) as info:
+        worker.start()
+    worker.close()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("env.task='Lfit' is not a robosuite task; choose one of: ")
+    assert shm_segments() - before == set()
+
+
+def test_camera_worker_survives_sigint_and_a_killed_worker_does_not_hang_close():
+    before = shm_segments()
+    worker = SimWorker(dict(LIFT, cameras=["agentview"]), seed=0, chunk_len=4)
+    worker.start()
+    try:
+        worker.reset(seed=1)
+        image = worker.obs["image/agentview"]
+        assert image.shape == (64, 64, 3) and image.dtype == np.uint8 and image.std() > 5
+
+        os.kill(worker.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group; workers ignore it
+        worker.actions[:2] = 0.0
+        worker.submit(2)
+        assert worker.wait().executed == 2
+
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.submit(2)
+        with pytest.raises(EnvSetupError, match="stopped"):
+            worker.wait()
+    finally:
+        assert close_within(worker)
+    worker.close()  # idempotent
+    assert shm_segments() - before == set()
+
+
+def test_slot_layout_is_aligned_and_disjoint():
+    from ebrl.envs.base import ArraySpec, EnvSpec
+
+    spec = EnvSpec(obs={"state": ArraySpec((9,), "float32"), "image/cam": ArraySpec((8, 8, 3), "uint8")},
+                   action_dim=7, instruction="x", max_episode_steps=10)
+    layout = SlotLayout.build(spec, chunk_len=5)
+    spans = sorted((offset, offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
+                   for _, shape, dtype, offset in layout.fields)
+    assert all(offset % 64 == 0 for offset, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= layout.size
+    views = layout.views(memoryview(bytearray(layout.size)))
+    assert views["actions"].shape == (5, 7) and views["final/image/cam"].dtype == np.uint8
+
+
+def test_importing_the_worker_does_not_import_torch():
+    code = "import sys, ebrl.envs.worker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.stdout.strip() == "False"

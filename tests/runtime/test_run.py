@@ -1,0 +1,116 @@
+"""run.py end to end in a subprocess: a real run, resume, and bad input that leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+SMALL = [
+    "env.num_envs=2",
+    "algo.rollout_chunks=4",
+    "algo.minibatches=2",
+    "algo.epochs=2",
+    "env.max_episode_steps=24",
+    "progress=false",
+    "logger=none",
+]
+
+
+def run_py(*overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "run.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run") / "r"
+    proc = run_py(*SMALL, "iterations=3", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EBRL run summary" in proc.stdout
+    return run_dir
+
+
+def test_run_writes_metrics_checkpoint_and_summary(finished_run):
+    rows = metrics(finished_run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    # 2 envs x 4 chunks x 8 actions per iteration, fewer only where an episode ended inside a chunk
+    steps = [b["env_steps"] - a["env_steps"] for a, b in zip([{"env_steps": 0}] + rows, rows)]
+    assert all(40 <= s <= 64 for s in steps), steps
+    for key in ("perf/env_steps_per_s", "time/simulate_s", "time/generate_s", "time/train_s", "perf/cpu_busy",
+                "losses/policy", "losses/value", "train/approx_kl", "env/step_ms_mean"):
+        assert key in rows[-1], key
+    assert any("env/return" in r for r in rows)  # 24-step episodes end inside the rollout
+    assert (finished_run / "checkpoints" / "last.pt").is_file()
+    assert (finished_run / "config.yaml").is_file()
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert summary["env_steps"] == rows[-1]["env_steps"] and summary["rollout_steps_per_s"] > 0
+
+
+def test_resume_continues_the_run(finished_run):
+    proc = run_py(*SMALL, "iterations=4", f"resume={finished_run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(finished_run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert rows[3]["env_steps"] > rows[2]["env_steps"]
+
+
+def test_checkpoint_of_another_policy_is_refused(finished_run):
+    before = snapshot(finished_run)
+    proc = run_py(*SMALL, "iterations=9", "policy.chunk=4", f"resume={finished_run}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another policy" in lines[0] and "policy.chunk=" in lines[0], proc.stderr
+    assert snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),
+        (["env.num_envs=0"], "env.num_envs=0 must be a positive number"),
+        (["env.task=Lfit"], "env.task='Lfit' is not a robosuite task"),
+        (["env=robocasa"], "robocasa"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, overrides, needle):
+    run_dir = tmp_path / "never"
+    proc = run_py(*SMALL, *overrides, "iterations=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not run_dir.exists()
+
+
+def test_typo_gets_hydras_short_message(tmp_path):
+    proc = run_py("hw.gpu=8", f"hydra.run.dir={tmp_path / 'never'}")
+    assert proc.returncode != 0
+    assert "Could not override 'hw.gpu'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cfg_job_prints_the_config_without_a_gpu():
+    proc = run_py("policy=openpi", "env=robocasa", "hw=a100x8", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    assert "name: a100x8" in proc.stdout and "name: robocasa" in proc.stdout
+
+
+def test_wandb_logger_offline(tmp_path):
+    run_dir = tmp_path / "w"
+    proc = run_py(*SMALL, "iterations=1", "logger=wandb", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run written"
