@@ -103,7 +103,9 @@ class PPOTrainer:
         sums: dict[str, float] = {}
         count = 0
         self.policy.train()
+        stopped_early = 0.0
         for _ in range(cfg.epochs):
+            epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
                 new_lp, entropy, value = self.policy.evaluate(
                     {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
@@ -128,10 +130,15 @@ class PPOTrainer:
                 for k, v in step.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
+                epoch_kl += float(stats["train/approx_kl"]) / cfg.minibatches
+            if cfg.target_kl is not None and epoch_kl > cfg.target_kl:
+                stopped_early = 1.0  # the policy moved far enough from the one that collected the data
+                break
         self.policy.eval()
         out = {k: v / count for k, v in sums.items()}
         var = ret.var()
         out["train/explained_variance"] = float(1.0 - (ret - old_value).var() / var) if var > 0 else 0.0
+        out["train/stopped_early"] = stopped_early
         out["train/value_mean"] = float(old_value.mean())
         out["train/return_mean"] = float(ret.mean())
         return out
