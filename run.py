@@ -5,7 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ebrl.config import register_configs
-from ebrl.runtime.errors import exit_on_bad_input
+from ebrl.runtime.errors import exit_cleanly
 
 register_configs()
 
@@ -14,7 +14,7 @@ register_configs()
 def main(cfg: DictConfig) -> float:
     from ebrl.runtime.experiment import Experiment  # after composition, so `--cfg job` needs no torch
 
-    with exit_on_bad_input():
+    with exit_cleanly():
         run = Experiment.from_config(cfg)  # validates, plans, fails with one line
         return run.train().rollout_steps_per_s  # the value a sweep optimises
 

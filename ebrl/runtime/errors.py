@@ -1,4 +1,4 @@
-"""Bad input ends a run with one line on stderr, a non-zero exit, and nothing left behind."""
+"""Bad input ends a run with one line on stderr, a non-zero exit, and nothing left behind; Ctrl-C with one line too."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +11,7 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
 def _hydra_output_dir() -> Path | None:
@@ -29,7 +30,7 @@ def _remove_if_only_hydra_files(run_dir: Path) -> None:
 
 
 @contextmanager
-def exit_on_bad_input() -> Iterator[None]:
+def exit_cleanly() -> Iterator[None]:
     from ebrl.runtime.checkpoint import CheckpointError
 
     try:
@@ -40,3 +41,7 @@ def exit_on_bad_input() -> Iterator[None]:
             _remove_if_only_hydra_files(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        # Experiment.train wrote a checkpoint on its way out and the workers are stopped
+        print("interrupted: continue with resume=<run folder>", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
