@@ -42,6 +42,11 @@ class Policy(nn.Module):
     def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
         raise NotImplementedError
 
+    @torch.no_grad()
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) state values only: bootstrapping where an episode was cut off by its step limit."""
+        raise NotImplementedError
+
     def evaluate(
         self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

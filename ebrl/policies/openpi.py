@@ -345,6 +345,11 @@ class OpenPIPolicy(Policy):
         return PolicySample(chunk=x[..., : self.action_dim], log_prob=log_prob,
                             value=self.value_head(pooled).squeeze(-1), extras={"chain": torch.stack(chain, 1)})
 
+    @torch.no_grad()
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Value head on the pooled prefix, without sampling a chunk."""
+        return self.value_head(self.encode_prefix(obs)[1]).squeeze(-1)
+
     def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused."""

@@ -29,19 +29,32 @@ class RolloutBatch:
     done: torch.Tensor  # (T, N) the episode ended inside this chunk
     mask: torch.Tensor  # (T, N, H) the action was executed
     last_value: torch.Tensor  # (N,) value of the observation after the last chunk
+    cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
 
 
 def compute_gae(
-    reward: torch.Tensor, value: torch.Tensor, done: torch.Tensor, last_value: torch.Tensor, gamma: float, lam: float
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    done: torch.Tensor,
+    last_value: torch.Tensor,
+    gamma: float,
+    lam: float,
+    cutoff_value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over chunk steps; returns (advantages, returns), each (T, N)."""
+    """Generalised advantage estimation over chunk steps; returns (advantages, returns), each (T, N).
+
+    An episode that ended is not bootstrapped from the next episode's first value; one cut off by
+    its step limit (not by the task) is bootstrapped from `cutoff_value`, the value of the obs it
+    was cut off on, since the task itself would have gone on.
+    """
     T = reward.shape[0]
     adv = torch.zeros_like(reward)
     next_adv = torch.zeros_like(last_value)
     next_value = last_value
     for t in reversed(range(T)):
-        alive = 1.0 - done[t].float()  # no bootstrap across an episode end
-        delta = reward[t] + gamma * next_value * alive - value[t]
+        alive = 1.0 - done[t].float()
+        bootstrap = next_value * alive + (0.0 if cutoff_value is None else cutoff_value[t])
+        delta = reward[t] + gamma * bootstrap - value[t]
         next_adv = delta + gamma * lam * alive * next_adv
         adv[t] = next_adv
         next_value = value[t]
@@ -89,7 +102,9 @@ class PPOTrainer:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
-        adv, ret = compute_gae(batch.reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda)
+        adv, ret = compute_gae(
+            batch.reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, batch.cutoff_value
+        )
         dev = self.device
         obs = {k: _flat(v).to(dev) for k, v in batch.obs.items()}
         extras = {k: _flat(v).to(dev) for k, v in batch.extras.items()}

@@ -53,9 +53,13 @@ class ColocatedScheduler:
 
     def observe(self) -> dict[str, torch.Tensor]:
         """The current observation of every env as a policy batch (one copy out of shared memory)."""
-        obs = {k: torch.from_numpy(v) for k, v in self.pool.stacked_obs().items()}
-        obs["tokens"] = self.tokens
-        obs["token_mask"] = self.token_mask
+        return self.batch_obs([w.obs for w in self.pool.workers], list(range(self.num_envs)))
+
+    def batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
+        """Observations of the given envs as a policy batch, with each env's instruction tokens."""
+        obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
+        obs["tokens"] = self.tokens[envs]
+        obs["token_mask"] = self.token_mask[envs]
         return obs
 
     def collect(self, chunks: int) -> tuple[RolloutBatch, RolloutStats]:
@@ -73,6 +77,12 @@ class ColocatedScheduler:
                     worker.actions[:H] = a
                 self.pool.submit_all(H)
                 reports = self.pool.wait_all()
+            cutoff_value = torch.zeros(n)
+            cut = [i for i, r in enumerate(reports) if r.truncated and r.final_obs is not None]
+            if cut:
+                with self.timers.stage("generate"):
+                    final = self.batch_obs([reports[i].final_obs for i in cut], cut)
+                    cutoff_value[cut] = policy.value({k: v.to(self.device) for k, v in final.items()}).float().cpu()
             reward = np.zeros(n, np.float32)
             done = np.zeros(n, bool)
             mask = np.zeros((n, H), bool)
@@ -89,11 +99,11 @@ class ColocatedScheduler:
             steps.append(
                 dict(obs=obs, chunk=out.chunk.cpu(), extras={k: v.cpu() for k, v in out.extras.items()},
                      log_prob=out.log_prob.cpu(), value=out.value.cpu(), reward=torch.from_numpy(reward),
-                     done=torch.from_numpy(done), mask=torch.from_numpy(mask))
+                     done=torch.from_numpy(done), mask=torch.from_numpy(mask), cutoff_value=cutoff_value)
             )
         with self.timers.stage("generate"):
             obs = self.observe()
-            last_value = policy.sample({k: v.to(self.device) for k, v in obs.items()}).value.cpu()
+            last_value = policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
         return stack_steps(steps, last_value), stats
 
 
@@ -109,4 +119,5 @@ def stack_steps(steps: list[dict], last_value: torch.Tensor) -> RolloutBatch:
         done=torch.stack([s["done"] for s in steps]),
         mask=torch.stack([s["mask"] for s in steps]),
         last_value=last_value,
+        cutoff_value=torch.stack([s["cutoff_value"] for s in steps]),
     )

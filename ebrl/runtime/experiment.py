@@ -33,8 +33,6 @@ from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.report import ProgressBar, print_summary
 from ebrl.telemetry.timers import CpuMonitor, StageTimers
 
-# keys of the env config that the runtime uses; the rest are the adapter's keyword arguments
-RUNTIME_ENV_KEYS = ("_target_", "name", "num_envs", "python")
 STAGES = ("simulate", "generate", "train")
 
 
@@ -58,10 +56,6 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
     if policy_cfg.get("checkpoint"):
         load_weights(policy, policy_cfg["checkpoint"])
     return policy
-
-
-def env_adapter_kwargs(env_cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in env_cfg.items() if k not in RUNTIME_ENV_KEYS}
 
 
 class Experiment:

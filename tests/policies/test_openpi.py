@@ -152,3 +152,12 @@ def test_tokenize() -> None:
     assert mask.sum(1).tolist() == [1 + 16, 1 + len("déplacer le cube ✓".encode()), policy.dims.max_tokens, 1]
     assert (tokens[~mask] == 0).all() and (tokens[mask] > 0).all() and tokens.max() < policy.dims.vocab
     assert bytes(int(i) - 3 for i in tokens[1, 1 : mask[1].sum()]).decode() == "déplacer le cube ✓"
+
+
+def test_value_matches_sample_value():
+    torch.manual_seed(0)
+    spec = EnvSpec(obs={"state": ArraySpec((10,), "float32")}, action_dim=7, instruction="open the door",
+                   max_episode_steps=10)
+    policy = OpenPIPolicy(spec)
+    obs = {"state": torch.randn(4, 10)}
+    assert torch.allclose(policy.value(obs), policy.sample(obs).value)

@@ -46,3 +46,11 @@ def test_ppo_loss_gradient_zero_when_clipped():
     loss, _ = ppo_loss(new, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), clip=0.2)
     loss.backward()
     assert new.grad.abs().item() == 0.0
+
+
+def test_gae_bootstraps_a_cut_off_episode_from_its_last_obs():
+    # the episode hit its step limit in the only chunk: bootstrap from the value of the obs it was cut off on,
+    # never from the next episode's first obs (last_value)
+    reward, value, done = torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[True]])
+    adv, _ = compute_gae(reward, value, done, torch.tensor([100.0]), 0.9, 0.95, cutoff_value=torch.tensor([[2.0]]))
+    assert torch.allclose(adv, torch.tensor([[1.0 + 0.9 * 2.0 - 0.5]]))
