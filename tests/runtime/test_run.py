@@ -62,6 +62,21 @@ def test_run_writes_metrics_checkpoint_and_summary(finished_run):
     assert summary["env_steps"] == rows[-1]["env_steps"] and summary["rollout_steps_per_s"] > 0
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["env=maniskill", "env.task=PushCube-v1"],
+        ["env.cameras=[agentview]", "env.image_size=32"],  # images through shared memory into the ViT
+    ],
+    ids=["maniskill", "robosuite-camera"],
+)
+def test_other_envs_train_end_to_end(tmp_path, overrides):
+    proc = run_py(*SMALL, *overrides, "iterations=1", f"hydra.run.dir={tmp_path / 'r'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "r")
+    assert rows[0]["env_steps"] > 0 and "losses/policy" in rows[0]
+
+
 def test_resume_continues_the_run(finished_run):
     proc = run_py(*SMALL, "iterations=4", f"resume={finished_run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
