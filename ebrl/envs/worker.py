@@ -11,16 +11,23 @@ Protocol, parent -> child after the child sent ("spec", EnvSpec):
     ("chunk", n_steps)              -> actions[:n] read from shm, results written; ("ok", {"episode": ...})
     ("close",)                      -> the child closes its env and exits
 Any failure answers ("error", one line); a failure to build the env also ends the child.
+
+A worker is a plain `python -m ebrl.envs.worker FD` subprocess joined to its handle by a socket
+pair, not a multiprocessing child: it may run under a benchmark's own interpreter (`env.python`),
+where multiprocessing's spawn would re-import the parent's main script (run.py, which needs
+hydra) before the worker could start.
 """
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
+import subprocess
 import sys
 import weakref
+from pathlib import Path
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Sequence
@@ -34,6 +41,7 @@ NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
 HEADER = ("executed", "terminated", "truncated", "has_final")
+REPO_ROOT = Path(__file__).resolve().parents[2]  # put on the worker's PYTHONPATH, whatever its interpreter
 _ALIGN = 64
 
 
@@ -215,7 +223,7 @@ class _Resources:
     """What a SimWorker must release even if its owner forgets: the process, the pipe, the shm block."""
 
     def __init__(self) -> None:
-        self.process: multiprocessing.process.BaseProcess | None = None
+        self.process: subprocess.Popen | None = None
         self.conn: multiprocessing.connection.Connection | None = None
         self.shm: SharedMemory | None = None
 
@@ -223,10 +231,11 @@ class _Resources:
         if self.conn is not None:
             _send_quietly(self.conn, ("close",))
         if self.process is not None:
-            self.process.join(timeout)
-            if self.process.is_alive():
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.join(timeout)
+                self.process.wait(timeout)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -249,10 +258,7 @@ class SimWorker:
                  cpus: Sequence[int] | None = None, start_timeout: float = 600.0) -> None:
         if chunk_len is not None and chunk_len < 1:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
-        python = env_cfg.get("python")
-        if python and os.path.realpath(python) != os.path.realpath(sys.executable):
-            raise EnvSetupError(f"env.python={python!r}: simulator workers under another interpreter come with "
-                                "the LIBERO issue; leave env.python null")
+        self.python = env_cfg.get("python") or sys.executable  # the interpreter this worker runs under
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
@@ -274,17 +280,24 @@ class SimWorker:
 
     # --- lifecycle
     def start(self, wait: bool = True) -> None:
-        """Spawn the process; with wait, also receive its spec and attach the shared slot."""
+        """Start the process under `env.python`; with wait, also receive its spec and attach the shared slot."""
         if self._res.process is not None:
             raise RuntimeError(f"sim worker {self.index} was started already")
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=worker_main, args=(child_conn, self.env_cfg, self.seed, self.cpus),
-                              name=f"sim-{self.index}", daemon=True)
-        with _child_environment(worker_environment()):
-            process.start()
-        child_conn.close()  # ours: so a dead child shows up as EOF instead of a hang
-        self._res.process, self._res.conn = process, parent_conn
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, **worker_environment())
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        try:
+            process = subprocess.Popen([self.python, "-m", "ebrl.envs.worker", str(theirs.fileno())],
+                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        except OSError as e:
+            ours.close()
+            raise EnvSetupError(f"env.python={self.python!r} cannot be started ({one_line(e)}); "
+                                "give the path of a Python interpreter") from e
+        finally:
+            theirs.close()  # the child's end: so a dead child shows up as EOF instead of a hang
+        self._res.process = process
+        self._res.conn = multiprocessing.connection.Connection(ours.detach())
+        self._send(("init", self.env_cfg, self.seed, self.cpus))
         if wait:
             self.connect()
 
@@ -406,29 +419,12 @@ class SimWorker:
     def _died(self, what: str) -> str:
         process = self._res.process
         if process is not None:
-            process.join(1.0)
-        code = process.exitcode if process is not None else None
+            try:
+                process.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        code = process.returncode if process is not None else None
         return f"sim worker {self.index} (pid {self.pid}) {what}; exit code {code}"
-
-
-class _child_environment:
-    """Set environment variables while a child is spawned (it inherits them before importing numpy)."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-        self.saved: dict[str, str | None] = {}
-
-    def __enter__(self) -> None:
-        for name, value in self.values.items():
-            self.saved[name] = os.environ.get(name)
-            os.environ[name] = value
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, old in self.saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 class SimWorkerPool:
@@ -511,3 +507,19 @@ class SimWorkerPool:
                 _send_quietly(worker._res.conn, ("close",))
         for worker in self.workers:
             worker.close()
+
+
+def main(argv: list[str]) -> None:
+    """`python -m ebrl.envs.worker FD`: serve the env the parent sends on the socket FD."""
+    conn = multiprocessing.connection.Connection(int(argv[0]))
+    try:
+        command, env_cfg, seed, cpus = conn.recv()
+    except (EOFError, OSError):  # the parent went away before it said what to build
+        return
+    if command != "init":
+        raise SystemExit(f"sim worker: expected 'init', got {command!r}")
+    worker_main(conn, env_cfg, seed, cpus)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -128,3 +128,31 @@ def test_importing_the_worker_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "False"
+
+
+def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
+    # a second interpreter (a venv sharing this one's packages) stands for a benchmark's own environment
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / "venv")],
+                   check=True)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    worker = SimWorker(dict(LIFT, python=python), seed=0, chunk_len=4)
+    try:
+        worker.start()
+        with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[0].decode() == python and argv[1:3] == [b"-m", b"ebrl.envs.worker"]
+        worker.reset(seed=0)
+        worker.actions[:] = 0.0
+        worker.submit(4)
+        assert worker.wait().executed == 4
+    finally:
+        worker.close()
+
+
+def test_missing_interpreter_is_one_line():
+    worker = SimWorker(dict(LIFT, python="/nonexistent/bin/python"), seed=0, chunk_len=4)
+    with pytest.raises(EnvSetupError) as info:
+        worker.start()
+    worker.close()
+    assert "env.python='/nonexistent/bin/python' cannot be started" in str(info.value)
+    assert "\n" not in str(info.value)
