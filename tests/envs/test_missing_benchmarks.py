@@ -2,14 +2,13 @@
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.libero_env import LiberoEnv
 from ebrl.envs.robocasa_env import RoboCasaEnv
 
 
-@pytest.mark.parametrize("cls, name", [(LiberoEnv, "libero"), (RoboCasaEnv, "robocasa")])
+@pytest.mark.parametrize("cls, name", [(RoboCasaEnv, "robocasa")])
 def test_adapter_says_what_is_missing(cls, name):
     with pytest.raises(EnvSetupError) as info:
-        cls(task="0" if name == "libero" else "PnPCounterToCab", seed=0)
+        cls(task="PnPCounterToCab", seed=0)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"env={name} needs")

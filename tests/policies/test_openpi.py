@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.openpi import OpenPIPolicy
 
@@ -50,9 +51,9 @@ def test_overrides_and_limits() -> None:
     policy = OpenPIPolicy(make_spec(), chunk=3, denoise_steps=2)
     out = policy.sample({"state": torch.zeros(2, STATE_DIM)})  # no tokens: the env's instruction is used
     assert out.chunk.shape == (2, 3, ACTION_DIM) and out.extras["chain"].shape[1] == 3
-    with pytest.raises(ValueError, match="policy.preset=tiny has max_state_dim=64 < env state dim 70"):
-        OpenPIPolicy(make_spec(state_dim=70))
-    with pytest.raises(ValueError, match="policy.preset='huge' is not available"):
+    with pytest.raises(ConfigError, match="policy.preset=tiny has max_state_dim=128 < env state dim 130"):
+        OpenPIPolicy(make_spec(state_dim=130))
+    with pytest.raises(ConfigError, match="policy.preset='huge' is not available"):
         OpenPIPolicy(make_spec(), preset="huge")
 
 

