@@ -62,8 +62,9 @@ class LiberoEnvConfig(EnvConfig):
 class RoboCasaEnvConfig(EnvConfig):
     _target_: str = "ebrl.envs.robocasa_env.RoboCasaEnv"
     name: str = "robocasa"
-    task: str = "PnPCounterToCab"
+    task: str = "PickPlaceCounterToCabinet"  # RoboCasa 1.0's name for v0.x's PnPCounterToCab
     assets_dir: Optional[str] = None  # where the kitchen assets are; null: the package's own folder
+    robot: str = "PandaOmron"  # RoboCasa's mobile manipulator
 
 
 # --- policy ------------------------------------------------------------------------------

@@ -32,6 +32,15 @@ BENCHMARKS: dict[str, list[str]] = {
         "mujoco==3.17.0",
         "numpy==1.26.4",
     ],
+    # praxis-robocasa packages RoboCasa (module `robocasa`) on top of praxis-robosuite 1.5.2
+    # (module `robosuite`); it pins numpy, mujoco, scipy and numba exactly. Its ~10 GB of kitchen
+    # assets are a separate download (robocasa/scripts/download_kitchen_assets.py), not installed here.
+    "robocasa": [
+        "praxis-robocasa==1.0.0",
+        "praxis-robosuite==1.5.2.post1",
+        "mujoco==3.3.1",
+        "numpy==2.2.5",
+    ],
 }
 
 
@@ -134,12 +143,13 @@ def setup(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print(f"usage: {SETUP_COMMAND.format(name='<benchmark>')}  (benchmarks: {', '.join(sorted(BENCHMARKS))})",
-              file=sys.stderr)
+    if not args:
+        print(f"usage: {SETUP_COMMAND.format(name='<benchmark> [<benchmark> ...]')}  "
+              f"(benchmarks: {', '.join(sorted(BENCHMARKS))})", file=sys.stderr)
         return 2
     try:
-        setup(args[0])
+        for name in args:
+            setup(name)
     except InstallError as e:
         print(f"[ebrl.envs.setup] error: {e}", file=sys.stderr)
         return 1

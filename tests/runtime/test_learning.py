@@ -1,7 +1,7 @@
 """PPO with the tiny pi0-style policy raises the return on a real MuJoCo task (robosuite Lift, shaped reward).
 
 The embedded defaults of `python run.py` (8 envs, 40-step episodes, lr 1e-4): about 2 minutes on 2 cores.
-Measured: return per episode 0.28 in the first iteration, 3.5 (mean of iterations 21-24) after 15k env steps.
+Measured: return per episode 0.33 in the first iteration, 4.55 (mean of iterations 21-24) after 15k env steps.
 """
 import json
 
