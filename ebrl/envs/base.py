@@ -108,7 +108,11 @@ class EnvAdapter:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """Close the simulator; adapters keep theirs in `self.env`."""
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+            self.env = None
 
     # --- shared by all adapters ----------------------------------------------------------
     def next_seed(self) -> int:

@@ -175,12 +175,6 @@ class LiberoEnv(EnvAdapter):
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(success), terminated, False, {"success": success}
 
-    def close(self) -> None:
-        env = getattr(self, "env", None)
-        if env is not None:
-            env.close()
-            self.env = None
-
 
 def _task_index(task: str, names: list[str], suite: str) -> int:
     """A task given by index ("0") or by name within the suite."""

@@ -153,12 +153,6 @@ class ManiSkillEnv(EnvAdapter):
         terminated = (success and self.terminate_on_success) or failed
         return self._obs(obs), reward, terminated, False, {"success": success}
 
-    def close(self) -> None:
-        env = getattr(self, "env", None)
-        if env is not None:
-            env.close()
-            self.env = None
-
 
 def _check_assets(task: str, registered: Any) -> None:
     """Fail with one line, instead of ManiSkill's interactive download prompt, when task assets are missing."""

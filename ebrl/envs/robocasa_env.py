@@ -220,9 +220,3 @@ class RoboCasaEnv(EnvAdapter):
         success = bool(self.env._check_success())  # the task's own predicate, what env.reward returns too
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(success), terminated, False, {"success": success}
-
-    def close(self) -> None:
-        env = getattr(self, "env", None)
-        if env is not None:
-            env.close()
-            self.env = None

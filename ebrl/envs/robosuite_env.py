@@ -170,12 +170,6 @@ class RobosuiteEnv(EnvAdapter):
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(reward), terminated, False, {"success": success}
 
-    def close(self) -> None:
-        env = getattr(self, "env", None)
-        if env is not None:
-            env.close()
-            self.env = None
-
 
 def _camera_error(robosuite: Any, task: str, robot: str, controller: dict, cameras: list[str],
                   error: Exception) -> str:

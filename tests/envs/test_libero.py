@@ -1,7 +1,6 @@
 """LIBERO for real, in its own interpreter (built by `python -m ebrl.envs.setup libero`)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.libero_env import LiberoEnv
 from ebrl.envs.setup import SETUP_COMMAND, benchmark_python
+from tests.envs.common import run_in_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = benchmark_python("libero")
@@ -29,12 +29,7 @@ from tests.envs.common import assert_matches_spec, random_chunk
 
 
 def run_in_venv(code: str, timeout: float = 240) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("LIBERO_CONFIG_PATH", None)
-    proc = subprocess.run([str(PYTHON), "-c", PRELUDE + code], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(PYTHON, PRELUDE + code, timeout)
 
 
 @needs_venv

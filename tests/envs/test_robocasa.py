@@ -5,7 +5,6 @@ the venv, the import, RoboCasa's task registry and the one-line errors that stop
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.robocasa_env import RoboCasaEnv
 from ebrl.envs.setup import SETUP_COMMAND, benchmark_python
+from tests.envs.common import run_in_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = benchmark_python("robocasa")
@@ -39,11 +39,7 @@ def error_of(**kw):
 
 
 def run_in_venv(code: str, timeout: float = 240) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([str(PYTHON), "-c", PRELUDE + code], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(PYTHON, PRELUDE + code, timeout)
 
 
 @needs_venv
