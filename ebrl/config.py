@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from ebrl.envs.base import REWARDS
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot work; the message is one line."""
@@ -227,7 +229,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "logger.name", LOGGERS)
     _one_of(cfg, "policy.logprob", LOGPROBS)
     _one_of(cfg, "policy.preset", PRESETS)
-    _one_of(cfg, "env.reward", ("dense", "sparse"))
+    _one_of(cfg, "env.reward", REWARDS)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
     if not 0 < cfg.policy.noise_std_min <= cfg.policy.noise_std_max:
         raise ConfigError(

@@ -38,6 +38,15 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+REWARDS = ("dense", "sparse")
+
+
+def check_reward(reward: str, note: str = "") -> None:
+    """Every adapter takes env.reward from the same two modes; `note` says what they mean there."""
+    if reward not in REWARDS:
+        raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: {', '.join(REWARDS)}{note}")
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """Shape and dtype of one observation array."""

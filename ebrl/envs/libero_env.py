@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, use_headless_gl
+from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
 SETUP_HINT = "env=libero needs its own interpreter: run `python -m ebrl.envs.setup libero`"
@@ -96,8 +96,7 @@ class LiberoEnv(EnvAdapter):
         cameras = list(cameras)
         # LIBERO has no shaped reward: "dense" gets the sparse success reward (1 on success), the
         # reward every LIBERO RL recipe uses, so env.reward's default works unchanged.
-        if reward not in ("dense", "sparse"):
-            raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: dense, sparse (both: 1 on success)")
+        check_reward(reward, " (both: 1 on success)")
         if suite not in SUITES:
             raise EnvSetupError(f"env.suite={suite!r} is not a LIBERO suite; choose one of: {', '.join(SUITES)}")
         if cameras:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, one_line
+from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, one_line
 
 INSTRUCTIONS = {
     "PickCube-v1": "pick up the red cube and move it to the green target",
@@ -72,8 +72,7 @@ class ManiSkillEnv(EnvAdapter):
     ) -> None:
         super().__init__(seed)
         cameras = list(cameras)
-        if reward not in ("dense", "sparse"):
-            raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: dense, sparse")
+        check_reward(reward)
         try:
             import gymnasium as gym
             import mani_skill.envs  # noqa: F401  (registers the tasks)

@@ -16,7 +16,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, use_headless_gl
+from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
 from ebrl.envs.robosuite_env import _QuietRobosuite  # numpy only at import, like this module
 
 SETUP_HINT = "env=robocasa needs its own interpreter: run `python -m ebrl.envs.setup robocasa`"
@@ -132,8 +132,7 @@ class RoboCasaEnv(EnvAdapter):
         cameras = list(cameras)
         # RoboCasa's tasks have no shaped reward (Kitchen.reward is success as 0/1): "dense" gets that
         # sparse reward too, so env.reward's default works unchanged.
-        if reward not in ("dense", "sparse"):
-            raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: dense, sparse (both: 1 on success)")
+        check_reward(reward, " (both: 1 on success)")
         if cameras:
             use_headless_gl()
         import numpy as np

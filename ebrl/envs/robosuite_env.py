@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, use_headless_gl
+from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
 
 INSTRUCTIONS = {
     "Lift": "lift the red cube",
@@ -82,8 +82,7 @@ class RobosuiteEnv(EnvAdapter):
     ) -> None:
         super().__init__(seed)
         cameras = list(cameras)
-        if reward not in ("dense", "sparse"):
-            raise EnvSetupError(f"env.reward={reward!r} is not available; accepted: dense, sparse")
+        check_reward(reward)
         if cameras:
             use_headless_gl()
         robosuite = _import_robosuite()
