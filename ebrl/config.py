@@ -74,19 +74,46 @@ class RoboCasaEnvConfig(EnvConfig):
 class PolicyConfig:
     _target_: str = MISSING
     name: str = MISSING
-    preset: str = "tiny"  # tiny (CPU, <1M params) | full (published dimensions)
+    preset: str = "tiny"  # tiny (CPU tests, <1M params) | small (CPU benchmark, a few M) | full (published shapes)
     chunk: Optional[int] = None  # actions per chunk; null: the preset's
-    denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
-    logprob: str = "flow_noise"  # how a stochastic denoising chain gets a log-density
-    noise_std_min: float = 0.1  # bounds of the learned per-step noise std (flow_noise)
-    noise_std_max: float = 0.5
     checkpoint: Optional[str] = None  # local safetensors file to start from
 
 
 @dataclass
-class OpenPIPolicyConfig(PolicyConfig):
+class FlowPolicyConfig(PolicyConfig):
+    denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
+    logprob: str = "flow_noise"  # flow_noise (learned per-step noise std) | flow_sde (Flow-GRPO's reverse SDE)
+    noise_std_min: float = 0.1  # bounds of the learned per-step noise std (flow_noise)
+    noise_std_max: float = 0.5
+    sde_noise_level: float = 0.5  # a in sigma_t = a sqrt(t / (1 - t)) (flow_sde)
+
+
+@dataclass
+class OpenPIPolicyConfig(FlowPolicyConfig):
     _target_: str = "ebrl.policies.openpi.OpenPIPolicy"
     name: str = "openpi"
+    variant: str = "pi0"  # pi0 (state token, time mixed into the action tokens) | pi05 (adaRMS time, discrete state)
+
+
+@dataclass
+class OpenVLAOFTPolicyConfig(PolicyConfig):
+    _target_: str = "ebrl.policies.openvla_oft.OpenVLAOFTPolicy"
+    name: str = "openvla_oft"
+    action_std_init: float = 0.3  # initial std of the Gaussian around the L1 head's actions (learned per action dim)
+    action_std_min: float = 0.02  # bounds of that std
+    action_std_max: float = 1.0
+
+
+@dataclass
+class GR00TPolicyConfig(FlowPolicyConfig):
+    _target_: str = "ebrl.policies.gr00t.GR00TPolicy"
+    name: str = "gr00t"
+
+
+@dataclass
+class WAMPolicyConfig(FlowPolicyConfig):
+    _target_: str = "ebrl.policies.wam.WAMPolicy"
+    name: str = "wam"
 
 
 # --- hardware ----------------------------------------------------------------------------
@@ -170,7 +197,13 @@ def register_configs() -> None:
         ("robocasa_schema", RoboCasaEnvConfig),
     ]:
         cs.store(group="env", name=name, node=node)
-    cs.store(group="policy", name="openpi_schema", node=OpenPIPolicyConfig)
+    for name, node in [
+        ("openpi_schema", OpenPIPolicyConfig),
+        ("openvla_oft_schema", OpenVLAOFTPolicyConfig),
+        ("gr00t_schema", GR00TPolicyConfig),
+        ("wam_schema", WAMPolicyConfig),
+    ]:
+        cs.store(group="policy", name=name, node=node)
     cs.store(group="hw", name="hw_schema", node=HwConfig)
     cs.store(group="scheduler", name="scheduler_schema", node=SchedulerConfig)
     cs.store(group="allocator", name="allocator_schema", node=AllocatorConfig)
@@ -184,9 +217,12 @@ def _positive(cfg: DictConfig, key: str) -> None:
         raise ConfigError(f"{key}={value} must be a positive number")
 
 
-def cfg_get(cfg: Any, dotted: str) -> Any:
+def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
+    """cfg["a"]["b"] for "a.b"; `default` where a key is absent (without one, absence raises KeyError)."""
     node = cfg
     for part in dotted.split("."):
+        if default is not MISSING and part not in node:
+            return default
         node = node[part]
     return node
 
@@ -195,8 +231,9 @@ SCHEDULERS = ("colocated",)
 ALLOCATORS = ("static",)
 ALGOS = ("ppo",)
 LOGGERS = ("none", "wandb")
-LOGPROBS = ("flow_noise",)
-PRESETS = ("tiny", "full")
+LOGPROBS = ("flow_noise", "flow_sde")
+PRESETS = ("tiny", "small", "full")
+VARIANTS = ("pi0", "pi05")
 
 
 def _one_of(cfg: DictConfig, key: str, accepted: tuple[str, ...]) -> None:
@@ -221,21 +258,24 @@ def validate(cfg: DictConfig) -> None:
                 "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr"):
         _positive(cfg, key)
     for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
-        if cfg_get(cfg, key) is not None:
+        if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
     _one_of(cfg, "scheduler.name", SCHEDULERS)
     _one_of(cfg, "allocator.name", ALLOCATORS)
     _one_of(cfg, "algo.name", ALGOS)
     _one_of(cfg, "logger.name", LOGGERS)
-    _one_of(cfg, "policy.logprob", LOGPROBS)
     _one_of(cfg, "policy.preset", PRESETS)
+    if "logprob" in cfg.policy:  # the flow families
+        _one_of(cfg, "policy.logprob", LOGPROBS)
+        if not 0 < cfg.policy.noise_std_min <= cfg.policy.noise_std_max:
+            raise ConfigError(
+                f"policy.noise_std_min={cfg.policy.noise_std_min} and policy.noise_std_max={cfg.policy.noise_std_max} "
+                "must satisfy 0 < min <= max"
+            )
+    if "variant" in cfg.policy:
+        _one_of(cfg, "policy.variant", VARIANTS)
     _one_of(cfg, "env.reward", REWARDS)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
-    if not 0 < cfg.policy.noise_std_min <= cfg.policy.noise_std_max:
-        raise ConfigError(
-            f"policy.noise_std_min={cfg.policy.noise_std_min} and policy.noise_std_max={cfg.policy.noise_std_max} "
-            "must satisfy 0 < min <= max"
-        )
     batch = cfg.env.num_envs * cfg.algo.rollout_chunks
     if batch % cfg.algo.minibatches:
         raise ConfigError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -26,3 +27,13 @@ def group_options(group: str) -> list[str]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def one_thread():
+    """Training loops of a tiny model: one intra-op thread is as fast on an idle machine and does not slow down
+    tenfold when other processes load the cores (OpenMP threads waiting on each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

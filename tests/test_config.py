@@ -13,7 +13,7 @@ POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_optio
 def test_groups_ship_what_the_design_names():
     assert {"robosuite", "maniskill", "libero", "robocasa"} <= set(ENVS)
     assert {"cpu", "a100x8", "h100x8", "h200x1"} <= set(HWS)
-    assert "openpi" in POLICIES
+    assert {"openpi", "openvla_oft", "gr00t", "wam"} <= set(POLICIES)
     for group in ("scheduler", "allocator", "algo", "logger"):
         assert group_options(group), group
 
@@ -51,11 +51,13 @@ def test_composition_errors(override, error):
         (["env.num_envs=0"], "env.num_envs=0 must be a positive number"),
         (["algo.rollout_chunks=-1"], "algo.rollout_chunks=-1"),
         (["scheduler.name=ebrl"], "scheduler.name='ebrl' is not available"),
-        (["policy.preset=huge"], "policy.preset='huge' is not available; accepted: tiny, full"),
+        (["policy.preset=huge"], "policy.preset='huge' is not available; accepted: tiny, small, full"),
         (["env.num_envs=3", "algo.rollout_chunks=3", "algo.minibatches=4"], "does not divide the rollout batch"),
         (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),
         (["hw.cpu_cores=4096"], "asks for 4096 CPU cores"),
         (["policy.noise_std_min=0.9"], "must satisfy 0 < min <= max"),
+        (["policy.logprob=ddim"], "policy.logprob='ddim' is not available; accepted: flow_noise, flow_sde"),
+        (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),
     ],
 )
 def test_values_that_cannot_work(overrides, needle):

@@ -9,11 +9,13 @@ Observation batches are dicts of tensors:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 
 
@@ -33,6 +35,22 @@ class Policy(nn.Module):
     env_spec: EnvSpec
     chunk_len: int  # H: actions per chunk
     action_dim: int  # env action dims
+
+    # a full preset may record the figure it is checked against: {variant or "default": (parameters, source)}
+    PUBLISHED_PARAMETERS: dict[str, tuple[float, str]] = {}
+
+    def num_parameters(self) -> int:
+        """Total parameter count (works on the meta device)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def rl_heads(self) -> list[str]:
+        """Name prefixes of the parameters RL adds to the published model (value head, exploration noise/std)."""
+        raise NotImplementedError
+
+    def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """A local checkpoint's tensors under this policy's keys, and the key prefixes it may lack (the RL heads a
+        published checkpoint does not have). Families whose public checkpoints name things differently map here."""
+        return state, self.rl_heads()
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Instruction strings -> (tokens (B, L) int64, mask (B, L) bool)."""
@@ -55,3 +73,20 @@ class Policy(nn.Module):
         For the same obs and extras it reproduces `sample`'s log_prob (up to float error).
         """
         raise NotImplementedError
+
+
+def select_preset(presets: dict[str, Any], preset: str, env_spec: EnvSpec) -> Any:
+    """The dims of `policy.preset`; one line for an unknown preset or an env whose state (or actions) exceed the
+    preset's padded max_state_dim (max_action_dim)."""
+    if preset not in presets:
+        raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
+    d = presets[preset]
+    state_dim = env_spec.obs["state"].shape[0]
+    if state_dim > d.max_state_dim:
+        raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
+                          "use a preset with a larger max_state_dim or an env with fewer state features")
+    max_action_dim = getattr(d, "max_action_dim", None)
+    if max_action_dim is not None and env_spec.action_dim > max_action_dim:
+        raise ConfigError(f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
+                          f"{env_spec.action_dim}: use a preset with a larger max_action_dim")
+    return d

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ebrl.policies.base import Policy
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt or made for another policy; the message is one line."""
@@ -35,13 +37,15 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 def policy_identity(policy_cfg: dict[str, Any]) -> dict[str, Any]:
     """The config keys that must match for weights to mean the same thing."""
-    return {k: policy_cfg.get(k) for k in ("name", "preset", "chunk", "denoise_steps", "logprob")}
+    return {k: policy_cfg.get(k) for k in ("name", "preset", "variant", "chunk", "denoise_steps", "logprob")}
 
 
-def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """One line naming the first mismatched keys, or nothing when `state` fits `model` exactly."""
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                     may_miss: tuple[str, ...] = ()) -> None:
+    """One line naming the first mismatched keys, or nothing when `state` fits `model` (keys under the prefixes in
+    `may_miss` may be absent)."""
     own = model.state_dict()
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state and not k.startswith(may_miss)]
     unexpected = [k for k in state if k not in own]
     shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
               if k in state and tuple(state[k].shape) != tuple(v.shape)]
@@ -69,8 +73,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return ckpt
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Start from a local safetensors file whose keys are the policy's own (policy.checkpoint=...)."""
+def load_weights(model: Policy, path: str) -> None:
+    """Start from a local safetensors file (policy.checkpoint=...): the policy's own keys, or its family's published
+    layout as `Policy.import_state_dict` maps it; the RL heads may be absent and then keep their initialisation."""
     from safetensors.torch import load_file
 
     p = Path(path).expanduser()
@@ -80,5 +85,6 @@ def load_weights(model: nn.Module, path: str) -> None:
         state = load_file(str(p))
     except Exception as e:
         raise CheckpointError(f"policy.checkpoint={path} is not a readable safetensors file ({type(e).__name__})")
-    check_state_dict(model, state, f"policy.checkpoint={path}")
-    model.load_state_dict(state)
+    state, may_miss = model.import_state_dict(state)
+    check_state_dict(model, state, f"policy.checkpoint={path}", tuple(may_miss))
+    model.load_state_dict(state, strict=False)

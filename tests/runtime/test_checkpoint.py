@@ -65,11 +65,12 @@ def test_safetensors_start_loads_and_mismatch_names_keys(tmp_path):
     load_weights(b, str(good))
     assert same_sample(a, b)
     other = tmp_path / "other.safetensors"
-    save_file({k: v.contiguous() for k, v in policy(0, chunk=4).state_dict().items() if "value_head" not in k},
-              str(other))
+    save_file({k: v.contiguous() for k, v in policy(0, preset="small").state_dict().items()
+               if not k.startswith("action_out_proj")}, str(other))
     with pytest.raises(CheckpointError) as e:
         load_weights(b, str(other))
     message = str(e.value)
-    assert "missing (e.g. value_head." in message and "\n" not in message
+    assert "2 missing (e.g. action_out_proj.weight" in message and "with other shapes" in message
+    assert "\n" not in message
     with pytest.raises(CheckpointError, match="does not exist"):
         load_weights(b, str(tmp_path / "nope.safetensors"))

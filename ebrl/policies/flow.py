@@ -1,0 +1,194 @@
+"""What the flow-matching families (openpi, gr00t, wam) share: a stochastic Euler chain from noise (t = 1) to actions
+(t = 0), the Gaussian log-density of each of its steps, and sample / evaluate / value on top of it.
+
+Two ways to make the chain stochastic (`policy.logprob`):
+- flow_noise (Flow-Noise, as RLinf trains pi0): x_{k+1} = x_k + dt v + sigma_k eps, with sigma_k (per step, action and
+  dim) from a small learned head on the velocity features and the time, bounded in [noise_std_min, noise_std_max].
+- flow_sde (Flow-GRPO's SDE): the reverse-time SDE with the same marginals as the ODE, sigma_t = a sqrt(t / (1 - t)):
+  mean = x + dt [v + sigma_t^2 / (2t) (x + (1 - t) v)], std = sigma_t sqrt(|dt|); a = policy.sde_noise_level.
+The log-prob of an action is the sum over the K steps of its dims' Gaussian log-densities; evaluate recomputes it from
+the stored chain, all K steps in one batched pass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ebrl.config import ConfigError
+from ebrl.policies.base import Policy, PolicySample
+from ebrl.policies.layers import expand_rows, repeat_rows
+
+LOGPROBS = ("flow_noise", "flow_sde")
+
+
+def sample_flow_time(n: int, like: torch.Tensor) -> torch.Tensor:
+    """n training times in (0.001, 1], denser near t = 1 (noise), as pi0 samples them: Beta(1.5, 1) scaled."""
+    return (torch.distributions.Beta(1.5, 1.0).sample((n,)) * 0.999 + 0.001).to(like)
+
+
+class FlowPolicy(Policy):
+    """A policy whose action chunk comes out of a denoising chain. Subclasses provide:
+
+    encode(obs) -> (cond, pooled): what the velocity is conditioned on (any nested structure of (B, ...) tensors)
+        and (B, F) features for `value_head`;
+    features(x, t, cond) -> (h, temb): the input (N, H, feature_dim) of `velocity_out` for noisy chunks x
+        (N, H, flow_dim) at times t (N,), and a time embedding (N, time_dim) or (N, H, time_dim);
+    velocity_out: the final nn.Linear(feature_dim, flow_dim) of the velocity; value_head: (B, F) -> (B, 1).
+    """
+
+    velocity_out: nn.Linear
+    value_head: nn.Module
+
+    def init_flow(self, *, flow_dim: int, chunk_len: int, denoise_steps: int, feature_dim: int, time_dim: int,
+                  logprob: str, noise_std_min: float, noise_std_max: float, sde_noise_level: float) -> None:
+        """Check the chain's options and build the Flow-Noise std head (only for logprob=flow_noise)."""
+        if logprob not in LOGPROBS:
+            raise ConfigError(f"policy.logprob={logprob!r} is not available; accepted: {', '.join(LOGPROBS)}")
+        if not 0 < noise_std_min <= noise_std_max:
+            raise ConfigError(f"policy.noise_std_min={noise_std_min} and policy.noise_std_max={noise_std_max} "
+                              "must satisfy 0 < min <= max")
+        if not sde_noise_level > 0:
+            raise ConfigError(f"policy.sde_noise_level={sde_noise_level} must be > 0")
+        for key, value in (("policy.chunk", chunk_len), ("policy.denoise_steps", denoise_steps)):
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be a positive integer")
+        self.flow_dim, self.chunk_len, self.denoise_steps = flow_dim, chunk_len, denoise_steps
+        self.logprob = logprob
+        self.log_std_min, self.log_std_max = math.log(noise_std_min), math.log(noise_std_max)
+        self.sde_noise_level = sde_noise_level
+        if logprob == "flow_noise":
+            self.noise_std_head = nn.Sequential(nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(),
+                                                nn.Linear(feature_dim, flow_dim))
+            nn.init.zeros_(self.noise_std_head[-1].weight)  # starts at the geometric mean of the bounds everywhere
+            nn.init.zeros_(self.noise_std_head[-1].bias)
+
+    # --- subclass API ------------------------------------------------------------------------
+    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        raise NotImplementedError
+
+    def features(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def rl_heads(self) -> list[str]:
+        return ["value_head", "noise_std_head"] if self.logprob == "flow_noise" else ["value_head"]
+
+    # --- the chain ---------------------------------------------------------------------------
+    def times(self, steps: int, device: torch.device) -> torch.Tensor:
+        """Flow time at the start of each Euler step, 1 down to 1/steps; sample and evaluate share it bit for bit."""
+        return 1.0 - torch.arange(steps, device=device, dtype=torch.float32) / steps
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """v(x, t) (N, H, flow_dim) and, for flow_noise, the log noise std of this step in [log min, log max]."""
+        h, temb = self.features(x, t, cond)
+        v = self.velocity_out(h)
+        if self.logprob != "flow_noise":
+            return v, None
+        if temb.dim() == 2:
+            temb = temb[:, None].expand(-1, h.shape[1], -1)
+        raw = self.noise_std_head(torch.cat([h, temb.to(h.dtype)], -1))
+        return v, self.log_std_min + (self.log_std_max - self.log_std_min) * raw.sigmoid()
+
+    def step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and log std (both (N, H, flow_dim)) of x at the next time, from x at times t (N,)."""
+        steps = self.denoise_steps
+        v, log_std = self.velocity(x, t, cond)
+        dt = -1.0 / steps
+        if log_std is not None:
+            return x + dt * v, log_std
+        # Flow-SDE; sigma_t is infinite at t = 1, so the first step uses the second step's sigma (as Flow-GRPO does)
+        t = t.to(x.dtype)[:, None, None]
+        t_sigma = t.clamp(max=1.0 - 1.0 / steps if steps > 1 else 0.5)
+        sigma = self.sde_noise_level * torch.sqrt(t_sigma / (1.0 - t_sigma))
+        mean = x + dt * (v + sigma.pow(2) / (2.0 * t) * (x + (1.0 - t) * v))
+        return mean, torch.log(sigma * math.sqrt(-dt)).expand_as(mean)
+
+    def log_density(self, x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+        """Gaussian log-density summed over the env's action dims (padded dims stay in the chain but do not count)."""
+        z = (x - mean) * torch.exp(-log_std)
+        return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi))[..., : self.action_dim].sum(-1)
+
+    @torch.no_grad()
+    def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
+        """x_0 ~ N(0, I), then K stochastic Euler steps from t = 1 to t = 0; the chain goes to extras for evaluate."""
+        cond, pooled = self.encode(obs)
+        batch, steps = pooled.shape[0], self.denoise_steps
+        times = self.times(steps, pooled.device)
+        x = torch.randn(batch, self.chunk_len, self.flow_dim, device=pooled.device, dtype=pooled.dtype)
+        chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=pooled.device)
+        for k in range(steps):
+            mean, log_std = self.step(x, times[k].expand(batch), cond)
+            x = mean + log_std.exp() * torch.randn_like(mean)
+            log_prob += self.log_density(x, mean, log_std)
+            chain.append(x)
+        return PolicySample(chunk=x[..., : self.action_dim], log_prob=log_prob,
+                            value=self.value_head(pooled).squeeze(-1), extras={"chain": torch.stack(chain, 1)})
+
+    @torch.no_grad()
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Value head on the pooled features, without sampling a chunk."""
+        return self.value_head(self.encode(obs)[1]).squeeze(-1)
+
+    def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused."""
+        cond, pooled = self.encode(obs)
+        chain = extras["chain"].to(pooled.device, pooled.dtype)  # (B, K+1, H, flow_dim)
+        batch, steps, horizon, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2], chain.shape[3]
+        # all K steps in one pass: row b*K + k is step k of batch row b
+        x = chain[:, :-1].reshape(batch * steps, horizon, dim)
+        mean, log_std = self.step(x, self.times(steps, x.device).repeat(batch), repeat_rows(cond, steps))
+        log_prob = self.log_density(chain[:, 1:].reshape_as(x), mean, log_std)
+        entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.action_dim].sum(-1)
+        return (log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1),
+                self.value_head(pooled).squeeze(-1))
+
+    def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
+        """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (env action dims)."""
+        cond, pooled = self.encode(obs)
+        a = F.pad(actions.to(pooled.device, pooled.dtype), (0, self.flow_dim - actions.shape[-1]))
+        noise = torch.randn_like(a)
+        t = sample_flow_time(a.shape[0], a)
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
+        v, _ = self.velocity(x_t, t, cond)
+        return F.mse_loss(v[..., : self.action_dim], (noise - a)[..., : self.action_dim])
+
+    # --- the first policy ----------------------------------------------------------------------
+    def neutral_obs(self) -> dict[str, torch.Tensor]:
+        """One observation of zeros (state) and mid-grey images (cameras), for initialisation probes."""
+        device = next(self.parameters()).device
+        obs = {"state": torch.zeros(1, self.env_spec.obs["state"].shape[0], device=device)}
+        for key, spec in self.env_spec.obs.items():
+            if key.startswith("image/"):
+                obs[key] = torch.full((1, *spec.shape), 128, dtype=torch.uint8, device=device)
+        return obs
+
+    @torch.no_grad()
+    def init_contracting_velocity(self, probe: int = 32, gain: float = 3.0) -> None:
+        """Fit `velocity_out` so that v(x, t) ~= c x, c = min(3, K), on random x (call after the subclass made x
+        linearly readable from the velocity features).
+
+        Flow-Noise credits only the injected noise, not x_0: with a zero or random velocity x_K ~ x_0 + noise and most
+        exploration would go uncredited. A contraction shrinks x by (1 - c/K) per step, so x_0 fades to ~e^-3 of its
+        scale and the first chunks are mostly credited noise around 0; any mean in [-1, 1] stays reachable through
+        the bias and the features. A loaded checkpoint overwrites all of this.
+        """
+        steps = self.denoise_steps
+        cond, _ = self.encode(self.neutral_obs())
+        n = probe * steps
+        cond = expand_rows(cond, n)  # views: a full-size prefix is not copied n times
+        device = self.velocity_out.weight.device
+        x = torch.randn(n, self.chunk_len, self.flow_dim, generator=torch.Generator().manual_seed(0)).to(device)
+        h, _ = self.features(x, self.times(steps, device).repeat(probe), cond)
+        h = torch.cat([h.flatten(0, 1), h.new_ones(n * self.chunk_len, 1)], 1).float()
+        target = min(gain, steps) * x.flatten(0, 1)[:, : self.action_dim].float()
+        ridge = 1e-3 * h.shape[0] * torch.eye(h.shape[1], device=device)
+        solution = torch.linalg.solve(h.T @ h + ridge, h.T @ target)  # (feature_dim + 1, action_dim)
+        out = self.velocity_out
+        out.weight.zero_()
+        out.bias.zero_()
+        out.weight[: self.action_dim] = solution[:-1].T.to(out.weight.dtype)
+        out.bias[: self.action_dim] = solution[-1].to(out.bias.dtype)
