@@ -1,0 +1,511 @@
+"""OpenVLA-OFT (Kim, Finn, Liang 2025) on OpenVLA 7B (Kim et al. 2024), laid out like its public checkpoints.
+
+OpenVLA is a Prismatic VLM: a fused vision encoder (DINOv2 ViT-L/14 with 4 registers and LayerScale, and SigLIP
+So400m/14, both timm ViTs at 224 px; each gives the patch tokens of its second-to-last block and the two are
+concatenated channel-wise, 1024 + 1152 = 2176), a 3-layer GELU MLP projector into the LLM width, and Llama-2-7B.
+OFT's changes, all reproduced here:
+- parallel decoding: one token per action dim, H * A empty (zero) action embeddings after the prompt, decoded in ONE
+  forward pass; the prompt attends causally (and never to the action tokens), the action tokens attend to the whole
+  prompt and bidirectionally to each other;
+- the proprio state as one input token after the image patches (ProprioProjector: Linear, GELU, Linear);
+- a continuous head: per action, the final hidden states of its A tokens, concatenated, go through OFT's MLPResNet
+  (L1RegressionActionHead, 2 residual blocks, hidden = LLM width) and it is trained with an L1 loss (`l1_loss`).
+For RL: a Gaussian around the head's actions with a learned per-dim std (bounded in [action_std_min, action_std_max])
+and a value head on the action tokens' mean final hidden state (they have seen the whole observation).
+
+Names follow OpenVLA's HF port and OFT's modules (vision_backbone.featurizer / fused_featurizer in timm's names with
+LayerScale's `scale_factor`, projector.fc1-3, language_model.model.layers.N..., language_model.lm_head,
+proprio_projector.fc1-2, action_head.model...), so a checkpoint merged into one safetensors file loads by name.
+What OpenVLA builds but OFT's L1 path never runs (lm_head: no token is decoded; each ViT's last block and final norm:
+features come from the second-to-last block; SigLIP's attention-pool head) is built so the count and a checkpoint
+match, and frozen so it gets no optimizer state.
+Simplified: a byte-level tokenizer stands in for Llama-2's SentencePiece (no tokenizer file is fetched) and the
+instruction goes in without OpenVLA's "In: What action should the robot take to ...? Out:" template; the state is
+zero-padded to the preset's max_state_dim (OFT's projector takes the robot's proprio dims, 8 on LIBERO).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ebrl.config import ConfigError
+from ebrl.envs.base import EnvSpec
+from ebrl.policies.base import Policy, PolicySample, select_preset
+from ebrl.policies.layers import (
+    BYTE_VOCAB,
+    DecoderLayer,
+    RMSNorm,
+    byte_tokenize,
+    camera_images,
+    instruction_tokens,
+    run_layers,
+)
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv2's input normalisation
+
+
+@dataclass(frozen=True)
+class OpenVLAOFTDims:
+    """The sizes of one preset."""
+
+    image_size: int  # square input of both ViTs, pixels; camera images are resized to it
+    patch_size: int
+    dino_width: int  # DINOv2 (featurizer): class token, registers, LayerScale
+    dino_depth: int
+    dino_mlp: int
+    dino_heads: int
+    dino_registers: int
+    siglip_width: int  # SigLIP (fused_featurizer): no class token, attention-pool head
+    siglip_depth: int
+    siglip_mlp: int
+    siglip_heads: int
+    width: int  # Llama-2 backbone
+    depth: int
+    mlp: int
+    heads: int  # Llama-2-7B has no grouped-query attention: kv heads = heads
+    head_dim: int
+    vocab: int
+    max_tokens: int  # instruction tokens, padded or truncated to this
+    chunk: int  # actions per chunk; each action is action_dim tokens
+    head_blocks: int  # MLPResNet blocks of the L1 head (its hidden size is the LLM width, as in OFT)
+    max_state_dim: int  # the state is zero-padded to this before the proprio projector
+
+
+PRESETS: dict[str, OpenVLAOFTDims] = {
+    "tiny": OpenVLAOFTDims(
+        image_size=32, patch_size=8, dino_width=32, dino_depth=2, dino_mlp=128, dino_heads=2, dino_registers=4,
+        siglip_width=32, siglip_depth=2, siglip_mlp=120, siglip_heads=2,
+        width=64, depth=2, mlp=172, heads=4, head_dim=16, vocab=BYTE_VOCAB, max_tokens=48,
+        chunk=8, head_blocks=2, max_state_dim=128,
+    ),
+    "small": OpenVLAOFTDims(
+        image_size=64, patch_size=8, dino_width=128, dino_depth=3, dino_mlp=512, dino_heads=4, dino_registers=4,
+        siglip_width=144, siglip_depth=3, siglip_mlp=538, siglip_heads=4,
+        width=256, depth=4, mlp=688, heads=4, head_dim=64, vocab=BYTE_VOCAB, max_tokens=64,
+        chunk=8, head_blocks=2, max_state_dim=128,
+    ),
+    # OpenVLA 7B (openvla/openvla-7b, "dinosiglip-vit-so-224px" + Llama-2-7B): timm vit_large_patch14_reg4_dinov2
+    # and vit_so400m_patch14_siglip_224 at 224 px, Llama-2-7B with its vocab padded to 32064 (32000 + <PAD>, to a
+    # multiple of 64); OFT's LIBERO chunk of 8 and 2-block L1 head. 7,541,237,184 parameters before OFT's additions.
+    "full": OpenVLAOFTDims(
+        image_size=224, patch_size=14, dino_width=1024, dino_depth=24, dino_mlp=4096, dino_heads=16, dino_registers=4,
+        siglip_width=1152, siglip_depth=27, siglip_mlp=4304, siglip_heads=16,
+        width=4096, depth=32, mlp=11008, heads=32, head_dim=128, vocab=32064, max_tokens=64,
+        chunk=8, head_blocks=2, max_state_dim=128,
+    ),
+}
+
+
+# --- vision: timm ViTs as OpenVLA builds them ---------------------------------------------------
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size: int, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, width, patch_size, stride=patch_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.proj(images).flatten(2).transpose(1, 2)
+
+
+class LayerScale(nn.Module):
+    """DINOv2's per-channel residual scale (OpenVLA renames timm's `gamma` to `scale_factor`)."""
+
+    def __init__(self, width: int, init: float) -> None:
+        super().__init__()
+        self.scale_factor = nn.Parameter(torch.full((width,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_factor
+
+
+class Attention(nn.Module):
+    """timm's ViT attention: one fused qkv projection with bias, then proj."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))  # timm's default nn.GELU (OpenVLA overrides no activation)
+
+
+class Block(nn.Module):
+    """Pre-norm ViT block; LayerScale on both residual branches when `layer_scale` is given (DINOv2)."""
+
+    def __init__(self, width: int, mlp: int, heads: int, layer_scale: float | None) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.attn = Attention(width, heads)
+        self.ls1: nn.Module = LayerScale(width, layer_scale) if layer_scale is not None else nn.Identity()
+        self.norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = Mlp(width, mlp)
+        self.ls2: nn.Module = LayerScale(width, layer_scale) if layer_scale is not None else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x)))
+        return x + self.ls2(self.mlp(self.norm2(x)))
+
+
+class AttentionPoolLatent(nn.Module):
+    """SigLIP's attention-pool ("map") head, timm's names. OpenVLA's checkpoint holds it; nothing runs it."""
+
+    def __init__(self, width: int, mlp: int) -> None:
+        super().__init__()
+        self.latent = nn.Parameter(torch.zeros(1, 1, width))
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = Mlp(width, mlp)
+
+
+class VisionTransformer(nn.Module):
+    """timm VisionTransformer as OpenVLA calls it: (N, 3, S, S) -> the patch tokens of the second-to-last block.
+
+    DINOv2: a class token and registers (prefix tokens, dropped from the output), learned positions on the patches
+    only (timm's no_embed_class), LayerScale. SigLIP: no prefix tokens, no LayerScale, an attention-pool head.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, mlp: int, heads: int,
+                 registers: int = 0, class_token: bool = False, layer_scale: float | None = None,
+                 attn_pool: bool = False) -> None:
+        super().__init__()
+        if depth < 2:
+            raise ValueError(f"depth={depth}: OpenVLA reads the second-to-last block, so a ViT needs at least 2")
+        self.embed_dim = width
+        self.patch_embed = PatchEmbed(patch_size, width)
+        self.num_prefix_tokens = int(class_token) + registers
+        if class_token:
+            self.cls_token = nn.Parameter(1e-6 * torch.randn(1, 1, width))
+        if registers:
+            self.reg_token = nn.Parameter(1e-6 * torch.randn(1, registers, width))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, (image_size // patch_size) ** 2, width))
+        self.blocks = nn.ModuleList(Block(width, mlp, heads, layer_scale) for _ in range(depth))
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        if attn_pool:
+            self.attn_pool = AttentionPoolLatent(width, mlp)
+        # never run by OpenVLA (it stops at the second-to-last block): frozen, so no optimizer state or DDP hooks
+        for unused in (self.blocks[-1], self.norm, getattr(self, "attn_pool", None)):
+            if unused is not None:
+                unused.requires_grad_(False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images) + self.pos_embed
+        prefix = [getattr(self, name).expand(x.shape[0], -1, -1) for name in ("cls_token", "reg_token")
+                  if hasattr(self, name)]
+        x = torch.cat([*prefix, x], 1)
+        for block in self.blocks[:-1]:
+            x = block(x)
+        return x[:, self.num_prefix_tokens:]
+
+
+class PrismaticVisionBackbone(nn.Module):
+    """DINOv2 (featurizer) and SigLIP (fused_featurizer) on the same images, patch features concatenated per patch."""
+
+    def __init__(self, d: OpenVLAOFTDims) -> None:
+        super().__init__()
+        self.image_size = d.image_size
+        self.featurizer = VisionTransformer(d.image_size, d.patch_size, d.dino_width, d.dino_depth, d.dino_mlp,
+                                            d.dino_heads, registers=d.dino_registers, class_token=True,
+                                            layer_scale=1e-5)
+        self.fused_featurizer = VisionTransformer(d.image_size, d.patch_size, d.siglip_width, d.siglip_depth,
+                                                  d.siglip_mlp, d.siglip_heads, attn_pool=True)
+        self.embed_dim = d.dino_width + d.siglip_width
+        self.register_buffer("dino_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("dino_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) in [-1, 1] (SigLIP's normalisation) -> (N, patches, dino_width + siglip_width)."""
+        dino_images = ((images + 1.0) / 2.0 - self.dino_mean.to(images.dtype)) / self.dino_std.to(images.dtype)
+        return torch.cat([self.featurizer(dino_images), self.fused_featurizer(images)], -1)
+
+
+class PrismaticProjector(nn.Module):
+    """OpenVLA's projector for a fused backbone: fc1 (x4 the vision width), GELU, fc2, GELU, fc3."""
+
+    def __init__(self, vision_dim: int, llm_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(vision_dim, 4 * vision_dim)
+        self.fc2 = nn.Linear(4 * vision_dim, llm_dim)
+        self.fc3 = nn.Linear(llm_dim, llm_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+# --- language model ------------------------------------------------------------------------------
+class LlamaModel(nn.Module):
+    """Llama-2 decoder (transformers' LlamaModel names): token embedding, decoder layers, final RMSNorm."""
+
+    def __init__(self, d: OpenVLAOFTDims) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(d.vocab, d.width)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)  # Llama's initializer_range
+        self.layers = nn.ModuleList(DecoderLayer(d.width, d.mlp, d.heads, d.heads, d.head_dim, norm="llama")
+                                    for _ in range(d.depth))
+        self.norm = RMSNorm(d.width, eps=1e-5, offset=False)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, L, width) embeddings, positions (B, L), mask (B, L, L) True where a query may attend -> the final
+        hidden states after the norm (what OFT's head reads as hidden_states[-1])."""
+        (out,), _ = run_layers([(inputs_embeds, self.layers, None)], positions, mask)
+        return self.norm(out)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder and its untied lm_head; OFT's L1 path decodes no token, so lm_head is built (count, checkpoint)
+    but never run, and frozen."""
+
+    def __init__(self, d: OpenVLAOFTDims) -> None:
+        super().__init__()
+        self.model = LlamaModel(d)
+        self.lm_head = nn.Linear(d.width, d.vocab, bias=False)
+        self.lm_head.requires_grad_(False)
+
+
+# --- OFT's modules -------------------------------------------------------------------------------
+class ProprioProjector(nn.Module):
+    """OFT's proprio projector: the state as one token in the LLM's embedding space."""
+
+    def __init__(self, proprio_dim: int, llm_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(proprio_dim, llm_dim)
+        self.fc2 = nn.Linear(llm_dim, llm_dim)
+
+    def forward(self, proprio: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(proprio)))
+
+
+class MLPResNetBlock(nn.Module):
+    """x + ReLU(Linear(LayerNorm(x))) (OFT's pre-norm residual MLP block)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ffn = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(x)
+
+
+class MLPResNet(nn.Module):
+    """OFT's MLPResNet: LayerNorm, fc1, ReLU, residual blocks, LayerNorm, fc2."""
+
+    def __init__(self, num_blocks: int, input_dim: int, hidden_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(input_dim)
+        self.fc1 = nn.Linear(input_dim, hidden_dim)
+        self.mlp_resnet_blocks = nn.ModuleList(MLPResNetBlock(hidden_dim) for _ in range(num_blocks))
+        self.layer_norm2 = nn.LayerNorm(hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, output_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.fc1(self.layer_norm1(x)))
+        for block in self.mlp_resnet_blocks:
+            x = block(x)
+        return self.fc2(self.layer_norm2(x))
+
+
+class L1RegressionActionHead(nn.Module):
+    """OFT's continuous head: the action_dim token states of each action, concatenated, -> its action_dim values."""
+
+    def __init__(self, llm_dim: int, action_dim: int, num_blocks: int) -> None:
+        super().__init__()
+        self.action_dim = action_dim
+        self.model = MLPResNet(num_blocks, input_dim=llm_dim * action_dim, hidden_dim=llm_dim, output_dim=action_dim)
+
+    def predict_action(self, actions_hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, H * action_dim, llm_dim) -> (B, H, action_dim)."""
+        batch = actions_hidden_states.shape[0]
+        return self.model(actions_hidden_states.reshape(batch, -1, self.action_dim * actions_hidden_states.shape[-1]))
+
+
+# --- the policy ------------------------------------------------------------------------------------
+class OpenVLAOFTPolicy(Policy):
+    """OpenVLA-OFT: the whole chunk in one backbone pass, L1-regression actions; a Gaussian around them for RL."""
+
+    # What the full preset is checked against. OFT's additions (L1 head 151.1M at 7 action dims, proprio projector
+    # 17.3M at 128 padded state dims) and the RL value head (16.8M) come on top: +2.5% with a 7-dim action space.
+    PUBLISHED_PARAMETERS = {"default": (
+        7_541_237_184,
+        "OpenVLA 7B: 7,541,237,184 parameters (Hugging Face openvla/openvla-7b model page, '7.54B params', counted "
+        "from its safetensors: 15,082,474,368 bytes of bf16; the paper, Kim et al. 2024, arXiv 2406.09246, says 7B): "
+        "Llama-2-7B with a 32064-token vocab and untied lm_head 6,738,939,904 + DINOv2 ViT-L/14-reg4 303,230,976 + "
+        "SigLIP So400m/14 with its attention-pool head 427,680,704 + fused projector 71,385,600. OFT (Kim, Finn, "
+        "Liang 2025) adds its L1 head and proprio projector, RL a value head: ~2.5% above this figure.",
+    )}
+
+    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
+                 action_std_init: float = 0.3, action_std_min: float = 0.02, action_std_max: float = 1.0) -> None:
+        super().__init__()
+        if not 0 < action_std_min <= action_std_init <= action_std_max:
+            raise ConfigError(f"policy.action_std_min={action_std_min}, policy.action_std_init={action_std_init} and "
+                              f"policy.action_std_max={action_std_max} must satisfy 0 < min <= init <= max")
+        d = self.dims = select_preset(PRESETS, preset, env_spec)
+        if chunk is not None and chunk < 1:
+            raise ConfigError(f"policy.chunk={chunk} must be a positive integer")
+        self.env_spec = env_spec
+        self.action_dim = env_spec.action_dim
+        self.chunk_len = chunk or d.chunk
+        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
+
+        if self.cameras:  # a state-only env builds no vision tower
+            self.vision_backbone = PrismaticVisionBackbone(d)
+            self.projector = PrismaticProjector(self.vision_backbone.embed_dim, d.width)
+        self.language_model = LlamaForCausalLM(d)
+        self.proprio_projector = ProprioProjector(d.max_state_dim, d.width)
+        # one token per action dim, so the head's input is action_dim hidden states (as OFT sizes it by ACTION_DIM)
+        self.action_head = L1RegressionActionHead(d.width, self.action_dim, d.head_blocks)
+        with torch.no_grad():  # like a PPO actor's last layer: the first means are ~0 and exploration is the std's
+            self.action_head.model.fc2.weight.mul_(0.01)
+            self.action_head.model.fc2.bias.zero_()
+        # RL heads. std = exp(log_std), log_std = log min + (log max - log min) sigmoid(logit): bounded, and smooth
+        # at the bounds (a clamp would stop the gradient there)
+        self.log_std_min, self.log_std_max = math.log(action_std_min), math.log(action_std_max)
+        span = self.log_std_max - self.log_std_min
+        frac = min(max((math.log(action_std_init) - self.log_std_min) / span, 1e-4), 1 - 1e-4) if span > 0 else 0.5
+        self.log_std_logit = nn.Parameter(torch.full((self.action_dim,), math.log(frac / (1 - frac))))
+        self.value_head = nn.Sequential(nn.Linear(d.width, d.width), nn.Tanh(), nn.Linear(d.width, 1))
+
+    def rl_heads(self) -> list[str]:
+        return ["value_head", "log_std_logit"]
+
+    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
+        return byte_tokenize(texts, self.dims.max_tokens)
+
+    # --- one backbone pass -------------------------------------------------------------------------
+    def prompt(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """OpenVLA's input order: BOS, image patches (every camera), the proprio token, the rest of the instruction.
+        Returns embeddings (B, Lp, width) and which tokens are real (B, Lp)."""
+        embed = self.language_model.model.embed_tokens
+        device, dtype = embed.weight.device, embed.weight.dtype
+        state = obs["state"].to(device, dtype)
+        batch = state.shape[0]
+        tokens, token_mask = instruction_tokens(obs, self.tokenize, self.env_spec.instruction, batch, device)
+        text = embed(tokens)
+        parts = [text[:, :1]]
+        if self.cameras:
+            images = camera_images(obs, self.cameras, self.dims.image_size, dtype, device)
+            parts.append(self.projector(self.vision_backbone(images)).reshape(batch, -1, self.dims.width))
+        parts.append(self.proprio_projector(F.pad(state, (0, self.dims.max_state_dim - state.shape[-1])))[:, None])
+        inserted = sum(p.shape[1] for p in parts[1:])
+        parts.append(text[:, 1:])
+        real = torch.cat([token_mask[:, :1], torch.ones(batch, inserted, dtype=torch.bool, device=device),
+                          token_mask[:, 1:]], 1)
+        return torch.cat(parts, 1), real
+
+    def attention_mask(self, real: torch.Tensor, n_actions: int) -> torch.Tensor:
+        """(B, Lp + n_actions, Lp + n_actions), True where a query may attend: the prompt causally (never the
+        action tokens after it), the action tokens every real prompt token and each other (OFT's parallel decoding)."""
+        batch, prompt_len = real.shape
+        length = prompt_len + n_actions
+        keys = torch.cat([real, real.new_ones(batch, n_actions)], 1)
+        index = torch.arange(length, device=real.device)
+        causal = index[None, :] <= index[:, None]
+        among_actions = (index[:, None] >= prompt_len) & (index[None, :] >= prompt_len)
+        return (causal | among_actions)[None] & keys[:, None, :]
+
+    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """The final hidden states (B, Lp + H * action_dim, width) of one backbone pass, and Lp (the prompt length):
+        OFT's empty action embeddings (zeros; rotary positions tell them apart) follow the prompt."""
+        emb, real = self.prompt(obs)
+        n_actions = self.chunk_len * self.action_dim
+        emb = torch.cat([emb, emb.new_zeros(emb.shape[0], n_actions, emb.shape[2])], 1)
+        full_real = torch.cat([real, real.new_ones(real.shape[0], n_actions)], 1)
+        positions = full_real.long().cumsum(1) - 1  # padding inside the prompt takes no position
+        return self.language_model.model(emb, positions, self.attention_mask(real, n_actions)), real.shape[1]
+
+    def mean_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L1 head's actions (B, H, action_dim) in float32 and the value (B,), from one backbone pass."""
+        hidden, prompt_len = self.encode(obs)
+        actions_hidden = hidden[:, prompt_len:]
+        mean = self.action_head.predict_action(actions_hidden).float()
+        return mean, self.value_head(actions_hidden.mean(1)).squeeze(-1).float()
+
+    @torch.no_grad()
+    def predict_action(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """OFT's deterministic action chunk (B, H, action_dim): the Gaussian's mean."""
+        return self.mean_and_value(obs)[0]
+
+    # --- the Gaussian ---------------------------------------------------------------------------
+    def log_std(self) -> torch.Tensor:
+        """(action_dim,) log std, in [log action_std_min, log action_std_max]."""
+        span = self.log_std_max - self.log_std_min
+        return self.log_std_min + span * torch.sigmoid(self.log_std_logit.float())
+
+    def _log_density(self, actions: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+        z = (actions - mean) * torch.exp(-log_std)
+        return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+    @torch.no_grad()
+    def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
+        """a = mean + std * eps for every action of the chunk; log_prob (B, H) sums the action dims."""
+        mean, value = self.mean_and_value(obs)
+        log_std = self.log_std()
+        chunk = mean + log_std.exp() * torch.randn_like(mean)
+        return PolicySample(chunk=chunk, log_prob=self._log_density(chunk, mean, log_std), value=value, extras={})
+
+    @torch.no_grad()
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Value head on the action tokens' mean final hidden state."""
+        return self.mean_and_value(obs)[1]
+
+    def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recomputes the mean from obs and scores the stored chunk; extras are not needed."""
+        mean, value = self.mean_and_value(obs)
+        log_std = self.log_std()
+        log_prob = self._log_density(chunk.to(mean.device, mean.dtype), mean, log_std)
+        entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum().expand_as(log_prob)
+        return log_prob, entropy, value
+
+    def l1_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
+        """OFT's supervised loss: mean |predicted - target| over the chunk (B, H, action_dim)."""
+        mean, _ = self.mean_and_value(obs)
+        return F.l1_loss(mean, actions.to(mean.device, mean.dtype))
+
+    # --- checkpoints and counts -----------------------------------------------------------------
+    def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """OpenVLA's HF port (with OFT's action_head. and proprio_projector. merged in) as this policy's state
+        dict: the proprio projector's input is zero-padded to max_state_dim; a state-only env drops the vision
+        tower. A plain OpenVLA checkpoint has no OFT modules, so they may be missing, as may the RL heads."""
+        state = dict(state)
+        key = "proprio_projector.fc1.weight"
+        if key in state and state[key].shape[1] < self.dims.max_state_dim:
+            state[key] = F.pad(state[key], (0, self.dims.max_state_dim - state[key].shape[1]))
+        if not self.cameras:
+            state = {k: v for k, v in state.items() if not k.startswith(("vision_backbone.", "projector."))}
+        return state, [*self.rl_heads(), "proprio_projector.", "action_head."]
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        """Parameters per component (works on the meta device)."""
+        def count(module: nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        parts = {}
+        if self.cameras:
+            parts["vision_backbone.featurizer (DINOv2)"] = count(self.vision_backbone.featurizer)
+            parts["vision_backbone.fused_featurizer (SigLIP)"] = count(self.vision_backbone.fused_featurizer)
+            parts["projector"] = count(self.projector)
+        parts["language_model (Llama-2)"] = count(self.language_model)
+        parts["proprio_projector (OFT)"] = count(self.proprio_projector)
+        parts["action_head (OFT)"] = count(self.action_head)
+        parts["value_head + log_std_logit (RL)"] = count(self.value_head) + self.log_std_logit.numel()
+        return parts
