@@ -1,0 +1,132 @@
+"""GR00TPolicy: the DiT reads image and instruction through cross-attention, GR00T's time convention, the causal
+backbone, flow matching learns a mapping, and the full preset's components on the meta device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ebrl.envs.base import ArraySpec, EnvSpec
+from ebrl.policies.dit import BasicTransformerBlock
+from ebrl.policies.gr00t import GR00TPolicy
+
+STATE_DIM, ACTION_DIM = 10, 7
+
+
+def make_spec(cameras: tuple[str, ...] = (), size: tuple[int, int] = (64, 64), state_dim: int = STATE_DIM) -> EnvSpec:
+    obs = {"state": ArraySpec((state_dim,), "float32")}
+    obs.update({f"image/{cam}": ArraySpec((*size, 3), "uint8") for cam in cameras})
+    return EnvSpec(obs=obs, action_dim=ACTION_DIM, instruction="lift the red cube", max_episode_steps=50)
+
+
+def make_obs(policy: GR00TPolicy, batch: int, seed: int = 0, text: str = "lift the red cube",
+             ) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    obs = {"state": torch.randn(batch, policy.env_spec.obs["state"].shape[0], generator=g)}
+    for key, spec in policy.env_spec.obs.items():
+        if key.startswith("image/"):
+            obs[key] = torch.randint(0, 256, (batch, *spec.shape), generator=g, dtype=torch.uint8)
+    tokens, mask = policy.tokenize([text] * batch)
+    obs["tokens"], obs["token_mask"] = torch.from_numpy(tokens), torch.from_numpy(mask)
+    return obs
+
+
+def velocity(policy: GR00TPolicy, obs: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return policy.velocity(x, t, policy.encode(obs)[0])[0]
+
+
+def test_actions_read_image_and_instruction_through_cross_attention() -> None:
+    torch.manual_seed(0)
+    policy = GR00TPolicy(make_spec(("front", "wrist"), size=(48, 64)))  # non-square cameras are resized
+    obs = make_obs(policy, 2)
+    other_image = {**obs, "image/front": 255 - obs["image/front"]}
+    other_text = {**obs, **dict(zip(("tokens", "token_mask"),
+                                    map(torch.from_numpy, policy.tokenize(["open the drawer"] * 2))))}
+    x, t = torch.randn(2, policy.chunk_len, policy.flow_dim), torch.full((2,), 0.5)
+    blocks = policy.action_head.model.transformer_blocks
+    assert [b.attn1_cross for b in blocks] == [True, False]  # even blocks cross-attend, odd ones self-attend
+    # at initialisation every attention output is closed: the first policy is the same for every observation
+    base = velocity(policy, obs, x, t)
+    assert torch.allclose(base, velocity(policy, other_image, x, t), atol=1e-6)
+    assert torch.allclose(base, velocity(policy, other_text, x, t), atol=1e-6)
+    # opening only the cross-attention output makes the actions depend on the image and on the instruction
+    with torch.no_grad():
+        torch.nn.init.normal_(blocks[0].attn1.to_out.weight, std=0.2)
+    base = velocity(policy, obs, x, t)
+    assert (base - velocity(policy, other_image, x, t)).abs().max() > 1e-3
+    assert (base - velocity(policy, other_text, x, t)).abs().max() > 1e-3
+
+
+def test_the_dit_sees_gr00t_time() -> None:
+    policy = GR00TPolicy(make_spec())
+    seen = []
+    policy.action_head.model.timestep_encoder.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    t = torch.tensor([1.0, 0.75, 0.25])  # FlowPolicy: 1 = noise
+    velocity(policy, make_obs(policy, 3), torch.randn(3, policy.chunk_len, policy.flow_dim), t)
+    assert torch.equal(seen[0], 1.0 - t)  # GR00T: 0 = noise, 1 = data
+
+
+def test_backbone_is_causal_with_images_first() -> None:
+    torch.manual_seed(0)
+    policy = GR00TPolicy(make_spec(("front",)))
+    layer = policy.language_model.layers[0]
+    assert layer.self_attn.q_norm.weight.shape == (policy.dims.head_dim,)  # Qwen3's per-head q/k norms
+    obs = make_obs(policy, 2)
+    other = make_obs(policy, 2, text="open the drawer")
+    with torch.no_grad():
+        a, mask = policy.vl_features(obs)
+        b, _ = policy.vl_features(other)
+    images = (policy.dims.image_size // policy.dims.patch_size) ** 2
+    assert a.shape == (2, images + policy.dims.max_tokens, policy.dims.width) and mask[:, :images].all()
+    assert torch.allclose(a[:, :images], b[:, :images], atol=1e-6)  # image tokens come before the instruction
+    assert not torch.allclose(a[:, images:], b[:, images:], atol=1e-3)
+
+
+def test_state_only_env_builds_no_vision_tower() -> None:
+    policy = GR00TPolicy(make_spec())
+    names = [name for name, _ in policy.named_parameters()]
+    assert not any("vision_model" in n or "mlp1" in n for n in names)
+    out = policy.sample({"state": torch.zeros(2, STATE_DIM)})  # no tokens: the env's instruction is used
+    assert out.chunk.shape == (2, policy.chunk_len, ACTION_DIM)
+
+
+def test_flow_matching_learns_a_mapping(one_thread: None) -> None:
+    torch.manual_seed(0)
+    policy = GR00TPolicy(make_spec())
+    weights = torch.randn(STATE_DIM, ACTION_DIM, generator=torch.Generator().manual_seed(4))
+    target = lambda state: torch.tanh(state @ weights / 2)[:, None, :].expand(-1, policy.chunk_len, -1)  # noqa: E731
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        state = torch.randn(16, STATE_DIM)
+        loss = policy.flow_matching_loss({"state": state}, target(state))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) < 0.5 * sum(losses[:20])
+    # it learned the obs -> action mapping, not only the action marginal: the wrong obs (same noise) does worse
+    state, shuffle = torch.randn(256, STATE_DIM), torch.randperm(256)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        matched = policy.flow_matching_loss({"state": state}, target(state))
+        torch.manual_seed(1)
+        shuffled = policy.flow_matching_loss({"state": state[shuffle]}, target(state))
+    assert matched < 0.8 * shuffled, (matched, shuffled)
+
+
+def test_full_preset_components() -> None:
+    with torch.device("meta"):
+        full = GR00TPolicy(make_spec(("base", "wrist"), size=(224, 224), state_dim=14), preset="full")
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    eagle, head = full.backbone.eagle_model, full.action_head
+    assert len(full.language_model.layers) == 12 and full.language_model.embed_tokens.num_embeddings == 151680
+    assert count(eagle) == pytest.approx(1.330e9, rel=2e-3)  # SigLIP-2 + mlp1 + Qwen3 cut at layer 12
+    assert count(head.model) == pytest.approx(550.4e6, rel=1e-3)  # the DiT
+    assert count(head) == pytest.approx(1.069e9, rel=2e-3)
+    assert len(head.state_encoder.layer1.embodiments) == 32  # max_num_embodiments
+    blocks = head.model.transformer_blocks
+    assert len(blocks) == 16 and isinstance(blocks[0], BasicTransformerBlock)
+    assert blocks[0].attn1.to_k.in_features == 2048 and blocks[1].attn1.to_k.in_features == 1536
+    assert (full.chunk_len, full.denoise_steps, full.flow_dim) == (16, 4, 32)
+    assert len(GR00TPolicy(make_spec()).action_head.state_encoder.layer1.embodiments) == 1  # tiny: one embodiment
