@@ -142,17 +142,18 @@ class AllocatorConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = MISSING
-    rollout_chunks: int = 10  # chunks each env collects per iteration
+    name: str = MISSING  # ppo | grpo
+    rollout_chunks: int = 10  # chunks each env collects per iteration (ppo; grpo runs one whole episode per env)
+    group_size: int = 4  # grpo: K envs that start from the same seeded reset form a group (ignored by ppo)
     # Flow-Noise log-probs sum K denoising steps x action dims per action, so they move fast:
     # 3e-4 gave approx KL > 1 per update on tiny; 1e-4 learns (README, learning test)
     lr: float = 1e-4
-    gamma: float = 0.99  # discount per chunk
+    gamma: float = 0.99  # discount per chunk (ppo; grpo's return is the undiscounted episode return)
     gae_lambda: float = 0.95
     epochs: int = 4
     minibatches: int = 4
     clip: float = 0.2
-    value_coef: float = 0.5
+    value_coef: float = 0.5  # ppo; grpo has no critic
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     normalize_advantages: bool = True
@@ -229,7 +230,7 @@ def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
 
 SCHEDULERS = ("colocated",)
 ALLOCATORS = ("static",)
-ALGOS = ("ppo",)
+ALGOS = ("ppo", "grpo")
 LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
 PRESETS = ("tiny", "small", "full")
@@ -250,6 +251,20 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_groups(cfg: DictConfig) -> None:
+    """algo=grpo: the envs split into groups of algo.group_size, and the minibatches split the envs."""
+    n, k, m = cfg.env.num_envs, cfg.algo.group_size, cfg.algo.minibatches
+    if k < 2:
+        raise ConfigError(f"algo.group_size={k} must be at least 2: a group compares its episodes' returns")
+    if n % k:
+        raise ConfigError(
+            f"env.num_envs={n} is not a multiple of algo.group_size={k}; with algo=grpo use "
+            f"env.num_envs={k}, {2 * k}, {3 * k}, ... or a group size that divides {n}"
+        )
+    if n % m:  # the rollout batch is env.num_envs x the chunks of one episode
+        raise ConfigError(f"algo.minibatches={m} does not divide env.num_envs={n} (algo=grpo batches whole episodes)")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -276,12 +291,15 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _one_of(cfg, "env.reward", REWARDS)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
-    batch = cfg.env.num_envs * cfg.algo.rollout_chunks
-    if batch % cfg.algo.minibatches:
-        raise ConfigError(
-            f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
-            f"env.num_envs x algo.rollout_chunks = {batch}"
-        )
+    if cfg.algo.name == "grpo":
+        _check_groups(cfg)
+    else:
+        batch = cfg.env.num_envs * cfg.algo.rollout_chunks
+        if batch % cfg.algo.minibatches:
+            raise ConfigError(
+                f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
+                f"env.num_envs x algo.rollout_chunks = {batch}"
+            )
     if cfg.hw.gpus > 0 or cfg.device == "cuda":
         have = cuda_device_count()
         need = max(cfg.hw.gpus, 1)

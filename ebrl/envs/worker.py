@@ -10,6 +10,7 @@ Protocol, parent -> child after the child sent ("spec", EnvSpec):
     ("reset", seed | None)          -> obs written to shm; ("ok", None)
     ("chunk", n_steps)              -> actions[:n] read from shm, results written; ("ok", {"episode": ...})
     ("close",)                      -> the child closes its env and exits
+A chunk of 0 steps (an env left as it is) never reaches the child: its handle reports 0 executed.
 Any failure answers ("error", one line); a failure to build the env also ends the child.
 
 A worker is a plain `python -m ebrl.envs.worker FD` subprocess joined to its handle by a socket
@@ -287,6 +288,7 @@ class SimWorker:
         self.successes: np.ndarray | None = None
         self._header: np.ndarray | None = None
         self._pending = False
+        self._idle_chunk = False  # the pending chunk has 0 steps: nothing was sent
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
 
@@ -379,18 +381,27 @@ class SimWorker:
         self._send(("reset", seed))
 
     def submit(self, n_steps: int) -> None:
-        """Run actions[:n_steps] in the child (non-blocking); collect with `wait`."""
+        """Run actions[:n_steps] in the child (non-blocking); collect with `wait`.
+
+        0 steps runs nothing: the env keeps its state and `wait` reports 0 executed (an env whose
+        episode must not go on, e.g. one GRPO episode per env per rollout).
+        """
         self._check_idle()
-        if not 1 <= n_steps <= self.chunk_len:
-            raise ValueError(f"n_steps={n_steps}: this worker's slot holds 1..{self.chunk_len} actions")
-        self._send(("chunk", int(n_steps)))
+        if not 0 <= n_steps <= self.chunk_len:
+            raise ValueError(f"n_steps={n_steps}: this worker's slot holds 0..{self.chunk_len} actions")
+        if n_steps:
+            self._send(("chunk", int(n_steps)))
         self._pending = True
+        self._idle_chunk = n_steps == 0
 
     def wait(self) -> ChunkReport:
         """Block until the submitted chunk is done; obs then holds the next decision's observation."""
         if not self._pending:
             raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
         self._pending = False
+        if self._idle_chunk:
+            return ChunkReport(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
+                               step_times=np.zeros(0, np.float64), terminated=False, truncated=False, episode=None)
         reply = self._receive("ok") or {}
         executed, terminated, truncated, has_final = (int(x) for x in self._header)
         return ChunkReport(
@@ -440,16 +451,25 @@ class SimWorker:
 
 
 class SimWorkerPool:
-    """N simulator processes started together, one environment each; env i gets seed `seed * 1000 + i`."""
+    """N simulator processes started together, one environment each; env i gets seed
+    `seed * 1000 + i // group_size`.
+
+    The envs of a group (GRPO's K envs i // K) are built from one seed, so they are alike where a
+    simulator randomises the build itself (robosuite's Lift draws its cube's size when it builds the
+    model, once per process): equal reset seeds then give them equal initial states.
+    """
 
     def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
-                 cpus: Sequence[Sequence[int] | None] | None = None) -> None:
+                 cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
+        if group_size < 1 or num_envs % group_size:
+            raise ValueError(f"group_size={group_size} must divide num_envs={num_envs}")
         self.num_envs = num_envs
+        self.group_size = group_size
         self.chunk_len = chunk_len  # most actions one chunk may hold; may be given at `attach` instead
         self.workers = [
-            SimWorker(env_cfg, seed * 1000 + i, chunk_len, index=i, cpus=cpus[i] if cpus else None)
+            SimWorker(env_cfg, seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None)
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None
@@ -490,19 +510,26 @@ class SimWorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def reset_all(self, seed: int | None = None) -> None:
-        """Reset every env (in parallel); with seed, env i starts from seed + i."""
+    def reset_all(self, seeds: Sequence[int] | None = None) -> None:
+        """Start a new episode in every env (in parallel); env i from `seeds[i]` if given, else from its
+        own next seed. Equal seeds give equal initial states (GRPO's groups)."""
+        if seeds is not None and len(seeds) != len(self.workers):
+            raise ValueError(f"{len(seeds)} reset seeds for {len(self.workers)} envs")
         for i, worker in enumerate(self.workers):
-            worker.send_reset(None if seed is None else seed + i)
+            worker.send_reset(None if seeds is None else int(seeds[i]))
         for worker in self.workers:
             worker._receive("ok")
 
-    def submit_all(self, n_steps: int, actions: np.ndarray | None = None) -> None:
-        """Start a chunk of n_steps everywhere; `actions` (N, n_steps, action_dim) is copied in first if given."""
-        for i, worker in enumerate(self.workers):
+    def submit_all(self, n_steps: int | Sequence[int], actions: np.ndarray | None = None) -> None:
+        """Start a chunk everywhere: n_steps for every env, or n_steps[i] for env i (0: not stepped);
+        `actions` (N, steps, action_dim) is copied in first if given."""
+        steps = [n_steps] * len(self.workers) if isinstance(n_steps, (int, np.integer)) else list(n_steps)
+        if len(steps) != len(self.workers):
+            raise ValueError(f"{len(steps)} step counts for {len(self.workers)} envs")
+        for i, (worker, n) in enumerate(zip(self.workers, steps)):
             if actions is not None:
-                worker.actions[:n_steps] = actions[i, :n_steps]
-            worker.submit(n_steps)
+                worker.actions[:n] = actions[i, :n]
+            worker.submit(n)
 
     def wait_all(self) -> list[ChunkReport]:
         return [worker.wait() for worker in self.workers]

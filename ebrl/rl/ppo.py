@@ -92,7 +92,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class PPOTrainer:
-    """Adam over the policy's parameters; `update` runs epochs x minibatches on one rollout."""
+    """Adam over the policy's parameters; `update` runs epochs x minibatches on one rollout.
+
+    Subclasses change how advantages are made by overriding `advantages` (GRPO: group-relative
+    returns, no critic); the clipped loss, epochs, minibatches and early stop stay this one.
+    """
 
     def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None) -> None:
         self.policy = policy
@@ -100,16 +104,29 @@ class PPOTrainer:
         self.device = device or torch.device("cpu")
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """Advantages (T, N), value targets (T, N) or None when there is no critic, and their metrics."""
         cfg = self.cfg
         adv, ret = compute_gae(
             batch.reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, batch.cutoff_value
         )
+        var = ret.var()
+        metrics = {
+            "train/explained_variance": float(1.0 - (ret - batch.value).var() / var) if var > 0 else 0.0,
+            "train/value_mean": float(batch.value.mean()),
+            "train/return_mean": float(ret.mean()),
+        }
+        return adv, ret, metrics
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg = self.cfg
+        adv, ret, metrics = self.advantages(batch)
         dev = self.device
         obs = {k: _flat(v).to(dev) for k, v in batch.obs.items()}
         extras = {k: _flat(v).to(dev) for k, v in batch.extras.items()}
         chunk, old_lp, mask = _flat(batch.chunk).to(dev), _flat(batch.log_prob).to(dev), _flat(batch.mask).to(dev)
-        adv, ret, old_value = _flat(adv).to(dev), _flat(ret).to(dev), _flat(batch.value).to(dev)
+        adv = _flat(adv).to(dev)
+        ret = _flat(ret).to(dev) if ret is not None else None
         if cfg.normalize_advantages and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
 
@@ -126,7 +143,8 @@ class PPOTrainer:
                     {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
                 )
                 pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip)
-                value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
+                # without a critic the value head gets no loss (and no gradient)
+                value_loss = 0.5 * (value - ret[idx]).pow(2).mean() if ret is not None else pg_loss.new_zeros(())
                 m = mask[idx].float()
                 ent = (entropy * m).sum() / m.sum().clamp_min(1.0)
                 loss = pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent
@@ -135,11 +153,12 @@ class PPOTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 step = {
                     "losses/policy": pg_loss.detach(),
-                    "losses/value": value_loss.detach(),
                     "losses/entropy": ent.detach(),
                     "train/grad_norm": grad_norm,
                     **stats,
                 }
+                if ret is not None:
+                    step["losses/value"] = value_loss.detach()
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 for k, v in step.items():
@@ -151,9 +170,6 @@ class PPOTrainer:
                 break
         self.policy.eval()
         out = {k: v / count for k, v in sums.items()}
-        var = ret.var()
-        out["train/explained_variance"] = float(1.0 - (ret - old_value).var() / var) if var > 0 else 0.0
         out["train/stopped_early"] = stopped_early
-        out["train/value_mean"] = float(old_value.mean())
-        out["train/return_mean"] = float(ret.mean())
+        out.update(metrics)
         return out

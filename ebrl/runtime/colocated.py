@@ -5,6 +5,8 @@ batched generation produces the next chunks, and training runs after the rollout
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -62,10 +64,22 @@ class ColocatedScheduler:
         obs["token_mask"] = self.token_mask[envs]
         return obs
 
-    def collect(self, chunks: int) -> tuple[RolloutBatch, RolloutStats]:
-        """`chunks` decisions per env; returns the batch for training (on CPU) and what the envs reported."""
+    def collect(self, chunks: int, reset_seeds: Sequence[int] | None = None) -> tuple[RolloutBatch, RolloutStats]:
+        """`chunks` decisions per env; returns the batch for training (on CPU) and what the envs reported.
+
+        With `reset_seeds` (GRPO), env i first starts an episode from reset_seeds[i] and runs that one
+        episode only: once it ended the env is not stepped again, its later actions are masked and no
+        steps are counted for it; the rollout stops early once every episode ended. `chunks` must then
+        cover the episode step limit. Whole episodes need no bootstrap values: `cutoff_value` and
+        `last_value` stay 0.
+        """
         policy, stats = self.policy, RolloutStats()
         n, H = self.num_envs, policy.chunk_len
+        one_episode = reset_seeds is not None
+        if one_episode:
+            with self.timers.stage("simulate"):
+                self.pool.reset_all(reset_seeds)
+        ended = np.zeros(n, bool)  # envs whose one episode is over (one_episode only)
         steps: list[dict] = []
         for _ in range(chunks):
             with self.timers.stage("generate"):
@@ -75,11 +89,11 @@ class ColocatedScheduler:
             with self.timers.stage("simulate"):
                 for worker, a in zip(self.pool.workers, actions):
                     worker.actions[:H] = a
-                self.pool.submit_all(H)
+                self.pool.submit_all([0 if e else H for e in ended])
                 reports = self.pool.wait_all()
             cutoff_value = torch.zeros(n)
             cut = [i for i, r in enumerate(reports) if r.truncated and r.final_obs is not None]
-            if cut:
+            if cut and not one_episode:
                 with self.timers.stage("generate"):
                     final = self.batch_obs([reports[i].final_obs for i in cut], cut)
                     cutoff_value[cut] = policy.value({k: v.to(self.device) for k, v in final.items()}).float().cpu()
@@ -101,6 +115,14 @@ class ColocatedScheduler:
                      log_prob=out.log_prob.cpu(), value=out.value.cpu(), reward=torch.from_numpy(reward),
                      done=torch.from_numpy(done), mask=torch.from_numpy(mask), cutoff_value=cutoff_value)
             )
+            if one_episode:
+                ended |= done
+                if ended.all():  # every episode over: later chunks would all be masked
+                    break
+        if one_episode:
+            if not ended.all():
+                raise RuntimeError(f"{int((~ended).sum())} of {n} episodes did not end within {chunks} chunks of {H}")
+            return stack_steps(steps, torch.zeros(n)), stats
         with self.timers.stage("generate"):
             obs = self.observe()
             last_value = policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()

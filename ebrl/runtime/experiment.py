@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -18,7 +19,8 @@ from ebrl.config import ConfigError, available_cpu_cores, validate
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.policies.base import Policy
-from ebrl.rl.ppo import PPOTrainer
+from ebrl.rl.grpo import GRPOTrainer, group_seeds
+from ebrl.rl.ppo import PPOTrainer, RolloutBatch
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -28,12 +30,13 @@ from ebrl.runtime.checkpoint import (
     load_weights,
     policy_identity,
 )
-from ebrl.runtime.colocated import ColocatedScheduler
+from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.report import ProgressBar, print_summary
 from ebrl.telemetry.timers import CpuMonitor, StageTimers
 
 STAGES = ("simulate", "generate", "train")
+TRAINERS: dict[str, type[PPOTrainer]] = {"ppo": PPOTrainer, "grpo": GRPOTrainer}  # by algo.name
 
 
 @dataclass
@@ -59,7 +62,7 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
 
 
 class Experiment:
-    """One training run: simulator workers, policy, PPO trainer and the colocated schedule."""
+    """One training run: simulator workers, policy, trainer (PPO or GRPO) and the colocated schedule."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         self.cfg = cfg
@@ -110,12 +113,13 @@ class Experiment:
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
         self.device = torch.device("cuda" if use_cuda else "cpu")
 
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed)
+        group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
             self.pool.attach(self.policy.chunk_len)
-            self.trainer = PPOTrainer(self.policy, cfg.algo, self.device)
+            self.trainer = TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device)
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
@@ -149,7 +153,7 @@ class Experiment:
         try:
             while self.iteration < cfg.iterations:
                 t0 = time.perf_counter()
-                batch, stats = self.scheduler.collect(cfg.algo.rollout_chunks)
+                batch, stats = self.collect()
                 t_rollout = time.perf_counter() - t0
                 with self.timers.stage("train"):
                     train_metrics = self.trainer.update(batch)
@@ -192,6 +196,16 @@ class Experiment:
         (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         print_summary(summary, self.run_dir)
         return summary
+
+    def collect(self) -> tuple[RolloutBatch, RolloutStats]:
+        """One iteration's rollout: algo.rollout_chunks per env (ppo), or one whole episode per env from
+        its group's seeded reset (grpo)."""
+        cfg = self.cfg
+        if cfg.algo.name == "grpo":
+            chunks = math.ceil(self.pool.spec.max_episode_steps / self.policy.chunk_len)
+            seeds = group_seeds(cfg.seed, self.iteration, cfg.env.num_envs, cfg.algo.group_size)
+            return self.scheduler.collect(chunks, reset_seeds=seeds)
+        return self.scheduler.collect(cfg.algo.rollout_chunks)
 
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / "last.pt"

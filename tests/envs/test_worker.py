@@ -62,6 +62,32 @@ def test_pool_runs_chunks_in_child_processes_and_reports_episode_ends():
     assert all(w.pid is None or not _alive(w.pid) for w in pool.workers)
 
 
+
+def test_grouped_seeded_resets_share_initial_states_and_a_0_step_chunk_leaves_an_env_alone():
+    from ebrl.rl.grpo import group_seeds
+
+    # groups {0, 1} and {2, 3}, each built from one seed (Lift's cube size is drawn when the model is built)
+    with SimWorkerPool(LIFT, num_envs=4, seed=0, chunk_len=4, group_size=2) as pool:
+        pool.reset_all(group_seeds(0, 0, 4, 2))
+        first = pool.stacked_obs()["state"]
+        assert np.array_equal(first[0], first[1]) and np.array_equal(first[2], first[3])
+        assert not np.array_equal(first[0], first[2])
+
+        # envs 0 and 2 step on, 1 and 3 submit 0 steps: nothing runs there, their obs stays
+        pool.submit_all([4, 0, 4, 0], np.random.default_rng(0).uniform(-1, 1, (4, 4, 7)).astype(np.float32))
+        reports = pool.wait_all()
+        assert [r.executed for r in reports] == [4, 0, 4, 0]
+        assert reports[1].rewards.shape == (0,) and not reports[1].done and reports[1].episode is None
+        after = pool.stacked_obs()["state"]
+        assert np.array_equal(after[1], first[1]) and not np.array_equal(after[0], first[0])
+
+        # the next iteration: members with different histories start equal again, from new states
+        pool.reset_all(group_seeds(0, 1, 4, 2))
+        second = pool.stacked_obs()["state"]
+        assert np.array_equal(second[0], second[1]) and np.array_equal(second[2], second[3])
+        assert not np.array_equal(second[0], second[2])
+        assert not np.array_equal(second[0], first[0]) and not np.array_equal(second[2], first[2])
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

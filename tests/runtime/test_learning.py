@@ -1,7 +1,9 @@
-"""PPO with the tiny pi0-style policy raises the return on a real MuJoCo task (robosuite Lift, shaped reward).
+"""PPO and GRPO with the tiny pi0-style policy raise the return on a real MuJoCo task (robosuite Lift, shaped reward).
 
 The embedded defaults of `python run.py` (8 envs, 40-step episodes, lr 1e-4): about 2 minutes on 2 cores.
 Measured: return per episode 0.33 in the first iteration, 4.55 (mean of iterations 21-24) after 15k env steps.
+GRPO (`algo=grpo`, groups of 4, one 40-step episode per env per iteration, so 320 env steps per iteration):
+0.92 (mean of iterations 1-3) to 3.13 (iterations 21-24) after 7,680 env steps.
 """
 import json
 
@@ -17,6 +19,18 @@ def test_ppo_learns_to_reach_on_lift(tmp_path):
     cfg = compose_config("iterations=24", "progress=false", "seed=0")
     Experiment.from_config(cfg, run_dir=tmp_path).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    returns = [r["env/return"] for r in rows]
+    first, last = np.mean(returns[:3]), np.mean(returns[-4:])
+    print(f"return first 3 iterations {first:.2f}, last 4 {last:.2f}: {[round(r, 2) for r in returns]}")
+    assert last > 2.5 * first and last - first > 0.8, returns
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_reach_on_lift(tmp_path):
+    cfg = compose_config("algo=grpo", "iterations=24", "progress=false", "seed=0")
+    Experiment.from_config(cfg, run_dir=tmp_path).train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["env/episodes"] == 8 for r in rows)  # one episode per env per iteration
     returns = [r["env/return"] for r in rows]
     first, last = np.mean(returns[:3]), np.mean(returns[-4:])
     print(f"return first 3 iterations {first:.2f}, last 4 {last:.2f}: {[round(r, 2) for r in returns]}")

@@ -101,6 +101,7 @@ def test_checkpoint_of_another_policy_is_refused(finished_run):
         (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),
         (["env.num_envs=0"], "env.num_envs=0 must be a positive number"),
         (["env.task=Lfit"], "env.task='Lfit' is not a robosuite task"),
+        (["algo=grpo", "env.num_envs=3", "algo.group_size=2"], "env.num_envs=3 is not a multiple of algo.group_size=2"),
         (["env=robocasa"], "robocasa"),
     ],
 )

@@ -1,0 +1,70 @@
+"""GRPO over action chunks: PPO's clipped loss with group-relative episode returns instead of a critic.
+
+Each iteration every env runs one episode; the K envs of a group (env i is in group i // K) start
+from the same seeded reset, so their returns differ only by what the policy sampled. Every
+executed action of an episode gets A = (R - mean of its group) / (std of its group + eps). There
+is no value loss and no GAE: the policy's value head is left untrained.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ebrl.rl.ppo import PPOTrainer, RolloutBatch
+
+EPS = 1e-6  # a group whose K returns are equal carries no signal: its advantages stay 0
+
+
+def group_seeds(seed: int, iteration: int, num_envs: int, group_size: int) -> list[int]:
+    """Reset seed of each env for one iteration: equal within a group, distinct across groups and
+    iterations, a function of (seed, iteration, group) only; below 2**31 for every simulator."""
+    groups = num_envs // group_size
+    return [(seed * 1_000_003 + iteration * groups + i // group_size) % 2**31 for i in range(num_envs)]
+
+
+def first_episode(done: torch.Tensor) -> torch.Tensor:
+    """(T, N) bool: the chunk step belongs to each env's first episode (up to and with its first done)."""
+    return (done.long().cumsum(0) - done.long()) == 0
+
+
+def group_advantages(
+    reward: torch.Tensor, done: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (advantages (T, N), episode returns (N,), within-group std (N // K,)).
+
+    R = the rewards of each env's first episode; A = (R - group mean) / (group std + EPS),
+    broadcast to that episode's chunk steps and 0 after it (the std is the population std, so a
+    group's advantages have unit variance).
+    """
+    T, N = reward.shape
+    if N % group_size:
+        raise ValueError(f"{N} envs do not split into groups of {group_size}")
+    alive = first_episode(done)
+    ret = (reward * alive).sum(0)
+    groups = ret.view(N // group_size, group_size)
+    mean = groups.mean(1, keepdim=True)
+    std = groups.std(1, unbiased=False, keepdim=True)
+    adv = ((groups - mean) / (std + EPS)).view(N)
+    return adv.unsqueeze(0) * alive, ret, std.squeeze(1)
+
+
+class GRPOTrainer(PPOTrainer):
+    """PPOTrainer whose advantages are group-normalised episode returns; no critic, no value loss.
+
+    Expects a rollout of one episode per env from grouped seeded resets (`collect(reset_seeds=...)`).
+    """
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        # only the first episode of each env counts: anything after it would belong to another start
+        alive = first_episode(batch.done)
+        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)))
+
+    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
+        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size)
+        metrics = {
+            "train/return_mean": float(ret.mean()),
+            "train/group_return_std": float(std.mean()),  # 0: no group had a signal
+            "train/groups_without_signal": float((std <= EPS).float().mean()),
+        }
+        return adv, None, metrics
