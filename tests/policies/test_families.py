@@ -46,15 +46,40 @@ def build(name: str, extra: tuple[str, ...] = (), spec: EnvSpec | None = None, *
     return cls(env_spec=spec or make_spec(), **kwargs)
 
 
-def make_obs(policy: Policy, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_obs(policy: Policy, batch: int, seed: int = 0, text: str | None = None) -> dict[str, torch.Tensor]:
+    """Random states and images, and the instruction's tokens (the env's, or `text`)."""
     g = torch.Generator().manual_seed(seed)
     obs = {"state": torch.randn(batch, policy.env_spec.obs["state"].shape[0], generator=g)}
     for key, spec in policy.env_spec.obs.items():
         if key.startswith("image/"):
             obs[key] = torch.randint(0, 256, (batch, *spec.shape), generator=g, dtype=torch.uint8)
-    tokens, mask = policy.tokenize([policy.env_spec.instruction] * batch)
+    tokens, mask = policy.tokenize([policy.env_spec.instruction if text is None else text] * batch)
     obs["tokens"], obs["token_mask"] = torch.from_numpy(tokens), torch.from_numpy(mask)
     return obs
+
+
+def learns_state_mapping(policy: Policy, target: Any, steps: int, drop: float, lr: float = 3e-3) -> tuple[float, float]:
+    """Train `policy.flow_matching_loss` on actions = target(state) for `steps` batches of 16; checks the loss fell
+    below `drop` x its start, and returns (loss with the right states, loss with shuffled states), same noise: a
+    policy that learned the obs -> action mapping (not only the action marginal) does worse on the wrong obs."""
+    state_dim = policy.env_spec.obs["state"].shape[0]
+    optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        state = torch.randn(16, state_dim)
+        loss = policy.flow_matching_loss({"state": state}, target(state))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) < drop * sum(losses[:20]), losses[::10]
+    state, shuffle = torch.randn(256, state_dim), torch.randperm(256)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        matched = policy.flow_matching_loss({"state": state}, target(state))
+        torch.manual_seed(1)
+        shuffled = policy.flow_matching_loss({"state": state[shuffle]}, target(state))
+    return float(matched), float(shuffled)
 
 
 @pytest.fixture(scope="module", params=[(v, cams) for v in VARIANTS for cams in ((), ("front", "wrist"))],

@@ -5,29 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.dit import BasicTransformerBlock
 from ebrl.policies.gr00t import GR00TPolicy
-
-STATE_DIM, ACTION_DIM = 10, 7
-
-
-def make_spec(cameras: tuple[str, ...] = (), size: tuple[int, int] = (64, 64), state_dim: int = STATE_DIM) -> EnvSpec:
-    obs = {"state": ArraySpec((state_dim,), "float32")}
-    obs.update({f"image/{cam}": ArraySpec((*size, 3), "uint8") for cam in cameras})
-    return EnvSpec(obs=obs, action_dim=ACTION_DIM, instruction="lift the red cube", max_episode_steps=50)
-
-
-def make_obs(policy: GR00TPolicy, batch: int, seed: int = 0, text: str = "lift the red cube",
-             ) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    obs = {"state": torch.randn(batch, policy.env_spec.obs["state"].shape[0], generator=g)}
-    for key, spec in policy.env_spec.obs.items():
-        if key.startswith("image/"):
-            obs[key] = torch.randint(0, 256, (batch, *spec.shape), generator=g, dtype=torch.uint8)
-    tokens, mask = policy.tokenize([text] * batch)
-    obs["tokens"], obs["token_mask"] = torch.from_numpy(tokens), torch.from_numpy(mask)
-    return obs
+from tests.policies.test_families import ACTION_DIM, STATE_DIM, learns_state_mapping, make_obs, make_spec
 
 
 def velocity(policy: GR00TPolicy, obs: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -95,23 +75,7 @@ def test_flow_matching_learns_a_mapping(one_thread: None) -> None:
     policy = GR00TPolicy(make_spec())
     weights = torch.randn(STATE_DIM, ACTION_DIM, generator=torch.Generator().manual_seed(4))
     target = lambda state: torch.tanh(state @ weights / 2)[:, None, :].expand(-1, policy.chunk_len, -1)  # noqa: E731
-    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(150):
-        state = torch.randn(16, STATE_DIM)
-        loss = policy.flow_matching_loss({"state": state}, target(state))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert sum(losses[-20:]) < 0.5 * sum(losses[:20])
-    # it learned the obs -> action mapping, not only the action marginal: the wrong obs (same noise) does worse
-    state, shuffle = torch.randn(256, STATE_DIM), torch.randperm(256)
-    with torch.no_grad():
-        torch.manual_seed(1)
-        matched = policy.flow_matching_loss({"state": state}, target(state))
-        torch.manual_seed(1)
-        shuffled = policy.flow_matching_loss({"state": state[shuffle]}, target(state))
+    matched, shuffled = learns_state_mapping(policy, target, steps=150, drop=0.5)
     assert matched < 0.8 * shuffled, (matched, shuffled)
 
 
