@@ -35,6 +35,7 @@ class Policy(nn.Module):
     env_spec: EnvSpec
     chunk_len: int  # H: actions per chunk
     action_dim: int  # env action dims
+    cameras: list[str]  # the env's "image/<cam>" keys, sorted
 
     # a full preset may record the figure it is checked against: {variant or "default": (parameters, source)}
     PUBLISHED_PARAMETERS: dict[str, tuple[float, str]] = {}
@@ -51,6 +52,25 @@ class Policy(nn.Module):
         """A local checkpoint's tensors under this policy's keys, and the key prefixes it may lack (the RL heads a
         published checkpoint does not have). Families whose public checkpoints name things differently map here."""
         return state, self.rl_heads()
+
+    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec) -> Any:
+        """Take this env's spec (env_spec, action_dim, the sorted camera keys) and return the dims of
+        `policy.preset`; one line for an unknown preset or an env whose state (or actions) exceed the preset's
+        padded max_state_dim (max_action_dim)."""
+        if preset not in presets:
+            raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
+        d = presets[preset]
+        state_dim = env_spec.obs["state"].shape[0]
+        if state_dim > d.max_state_dim:
+            raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
+                              "use a preset with a larger max_state_dim or an env with fewer state features")
+        max_action_dim = getattr(d, "max_action_dim", None)
+        if max_action_dim is not None and env_spec.action_dim > max_action_dim:
+            raise ConfigError(f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
+                              f"{env_spec.action_dim}: use a preset with a larger max_action_dim")
+        self.env_spec, self.action_dim = env_spec, env_spec.action_dim
+        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
+        return d
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Instruction strings -> (tokens (B, L) int64, mask (B, L) bool)."""
@@ -74,19 +94,3 @@ class Policy(nn.Module):
         """
         raise NotImplementedError
 
-
-def select_preset(presets: dict[str, Any], preset: str, env_spec: EnvSpec) -> Any:
-    """The dims of `policy.preset`; one line for an unknown preset or an env whose state (or actions) exceed the
-    preset's padded max_state_dim (max_action_dim)."""
-    if preset not in presets:
-        raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
-    d = presets[preset]
-    state_dim = env_spec.obs["state"].shape[0]
-    if state_dim > d.max_state_dim:
-        raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
-                          "use a preset with a larger max_state_dim or an env with fewer state features")
-    max_action_dim = getattr(d, "max_action_dim", None)
-    if max_action_dim is not None and env_spec.action_dim > max_action_dim:
-        raise ConfigError(f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
-                          f"{env_spec.action_dim}: use a preset with a larger max_action_dim")
-    return d

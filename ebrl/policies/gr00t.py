@@ -32,7 +32,6 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.dit import AdaLayerNorm, BasicTransformerBlock, TimestepEncoder
-from ebrl.policies.base import select_preset
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import (
     BYTE_VOCAB,
@@ -290,13 +289,10 @@ class GR00TPolicy(FlowPolicy):
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
                  noise_std_max: float = 0.5, sde_noise_level: float = 0.5) -> None:
         super().__init__()
-        d = self.dims = select_preset(PRESETS, preset, env_spec)
+        d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
         if chunk > d.max_seq_len:
             raise ConfigError(f"policy.chunk={chunk} is more than the preset's {d.max_seq_len} action positions")
-        self.env_spec = env_spec
-        self.action_dim = env_spec.action_dim
-        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
         self.backbone = EagleBackbone(d, bool(self.cameras))
         self.action_head = FlowmatchingActionHead(d)
         inner = d.dit_heads * d.dit_head_dim

@@ -24,7 +24,6 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.base import select_preset
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import (
     BYTE_VOCAB,
@@ -176,10 +175,8 @@ class OpenPIPolicy(FlowPolicy):
         super().__init__()
         if variant not in VARIANTS:
             raise ConfigError(f"policy.variant={variant!r} is not available; accepted: {', '.join(VARIANTS)}")
-        d = self.dims = select_preset(PRESETS, preset, env_spec)
-        self.env_spec, self.variant = env_spec, variant
-        self.action_dim = env_spec.action_dim
-        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
+        d = self.dims = self.bind(PRESETS, preset, env_spec)
+        self.variant = variant
         pi05 = variant == "pi05"
         w = d.expert_width
         self.paligemma_with_expert = PaliGemmaWithExpert(d, bool(self.cameras), adaptive=pi05)

@@ -35,7 +35,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.base import Policy, PolicySample, select_preset
+from ebrl.policies.base import Policy, PolicySample
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DecoderLayer,
@@ -357,13 +357,10 @@ class OpenVLAOFTPolicy(Policy):
         if not 0 < action_std_min <= action_std_init <= action_std_max:
             raise ConfigError(f"policy.action_std_min={action_std_min}, policy.action_std_init={action_std_init} and "
                               f"policy.action_std_max={action_std_max} must satisfy 0 < min <= init <= max")
-        d = self.dims = select_preset(PRESETS, preset, env_spec)
+        d = self.dims = self.bind(PRESETS, preset, env_spec)
         if chunk is not None and chunk < 1:
             raise ConfigError(f"policy.chunk={chunk} must be a positive integer")
-        self.env_spec = env_spec
-        self.action_dim = env_spec.action_dim
         self.chunk_len = chunk or d.chunk
-        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
 
         if self.cameras:  # a state-only env builds no vision tower
             self.vision_backbone = PrismaticVisionBackbone(d)

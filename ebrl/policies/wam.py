@@ -46,10 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.dit import AdaLayerNorm, BasicTransformerBlock, TimestepEncoder
-from ebrl.policies.base import select_preset
 from ebrl.policies.flow import FlowPolicy, sample_flow_time
 from ebrl.policies.layers import BYTE_VOCAB, RMSNorm, byte_tokenize, camera_images, instruction_tokens
 
@@ -152,11 +150,8 @@ class WAMPolicy(FlowPolicy):
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
                  noise_std_max: float = 0.5, sde_noise_level: float = 0.5) -> None:
         super().__init__()
-        d = self.dims = select_preset(PRESETS, preset, env_spec)
+        d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
-        self.env_spec = env_spec
-        self.action_dim = env_spec.action_dim
-        self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
         w = d.width
         self.latent_size = d.image_size // 2 ** len(d.codec_channels)
         self.frame_patches = (self.latent_size // d.patch_size) ** 2  # tokens per camera and frame
