@@ -1,0 +1,439 @@
+"""Scheduling modes side by side on one workload, with their yardsticks: `python -m ebrl.bench.schedulers`.
+
+One invocation alternates the modes (A, B, A, B, ... for `--repeats` rounds) and reports the median per row:
+- each mode (`--modes`, any `scheduler=` option): env steps/s end to end (rollout + PPO update), from the
+  real Experiment built from the composed config, the first (warm-up) iteration discarded as RunSummary does;
+- sim-only: the same envs (SimWorkerPool, same env config and count) stepped in lockstep with zero actions
+  and no policy, all envs submitted then waited, chunk by chunk;
+- gymnasium AsyncVectorEnv: the same policy driving the same adapters in gymnasium's subprocess vector env
+  (a chunk sampled for all envs, then its actions stepped one step at a time in lockstep), rollout only
+  and with the same PPO update per iteration;
+- the work-conserving limit: cores / (CPU-seconds per env step of simulation + generation + training),
+  each stage measured alone, the least over rounds. Simulation: CPU time of the sim-only run's worker
+  processes per env step.
+  Generation and training: CPU time of policy.sample at the rollout's batch and of one PPO update on a
+  rollout of the same size, with one torch thread (the least CPU a stage can take: no thread-pool
+  overhead), per env step, the least of a few timings. No schedule on these cores can beat it;
+  achieved/limit says how close a row is.
+Rows that do less work are set against the limit of the work they do (sim-only: simulation alone;
+gymnasium rollout: simulation + generation).
+
+This module imports torch and the runtime lazily: gymnasium's spawned env processes re-import the
+main module, and should not pay for torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+SIM_ONLY, GYM_ROLLOUT, GYM_E2E = "sim-only", "gym AsyncVectorEnv (rollout)", "gym AsyncVectorEnv + PPO"
+STAGES = ("simulate", "generate", "train")
+REPS = 3  # timings of generation and training alone per round; the least counts
+
+
+@dataclass
+class Workload:
+    """What every row runs: the composed config's env, policy, algo and cores."""
+
+    policy: str = "openpi"
+    preset: str = "tiny"
+    task: str = "Lift"
+    num_envs: int = 8
+    iterations: int = 3  # per measurement; the first warms up and is discarded
+    rollout_chunks: int | None = None  # null: algo's default
+    overrides: list[str] = field(default_factory=list)  # more Hydra overrides, applied to every row
+    seed: int = 0
+    stragglers: float = 0.0  # fraction of the envs that step slower (ebrl.bench.stragglers)
+    straggler_task: str | None = None  # null: the same task
+    straggler_slowdown: int = 3  # physics substeps per action, times the others'
+
+    @property
+    def straggler_envs(self) -> int:
+        return round(self.stragglers * self.num_envs)
+
+
+@dataclass
+class Round:
+    """One round's figures: env steps/s per row, per-stage CPU-seconds per env step, colocated's busy fraction."""
+
+    rates: dict[str, float] = field(default_factory=dict)
+    cpu_per_step: dict[str, float] = field(default_factory=dict)
+    cpu_busy: dict[str, float] = field(default_factory=dict)
+    orchestration_cpu_per_step: float = float("nan")  # the parent's CPU per env step while only simulating
+    step_ms: dict[str, float] = field(default_factory=dict)  # sim-only step latencies: mean, p99, env spread
+
+
+def compose(workload: Workload, mode: str = "colocated") -> Any:
+    """The config `run.py` would compose for this workload under `scheduler=<mode>`."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from ebrl.config import register_configs
+
+    register_configs()
+    overrides = [
+        f"scheduler={mode}", f"policy={workload.policy}", f"policy.preset={workload.preset}",
+        f"env.task={workload.task}", f"env.num_envs={workload.num_envs}", f"iterations={workload.iterations}",
+        f"seed={workload.seed}", "logger=none", "progress=false", "checkpoint_every=1000000",
+    ]
+    if workload.rollout_chunks:
+        overrides.append(f"algo.rollout_chunks={workload.rollout_chunks}")
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = hydra_compose("config", overrides=overrides + list(workload.overrides))
+    if workload.straggler_envs:
+        from omegaconf import OmegaConf
+
+        # the env schema has no straggler keys: go on with the validated config as a plain one, whose env keys
+        # all reach the adapter's constructor
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        cfg.env.inner_target = cfg.env._target_
+        cfg.env._target_ = "ebrl.bench.stragglers.StragglerEnv"
+        cfg.env.straggler_envs = workload.straggler_envs
+        cfg.env.straggler_task = workload.straggler_task
+        cfg.env.straggler_slowdown = workload.straggler_slowdown
+    return cfg
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with n intra-op threads, then restore what was set (Experiment sets its own)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_cores(cfg: Any) -> int:
+    from ebrl.config import available_cpu_cores
+
+    return cfg.hw.cpu_cores or available_cpu_cores()
+
+
+# --- the modes ---------------------------------------------------------------------------
+def run_mode(cfg: Any) -> tuple[float, float]:
+    """End-to-end env steps/s of the real Experiment after warm-up, and its mean CPU busy fraction."""
+    import torch
+
+    from ebrl.runtime.experiment import Experiment
+
+    threads = torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ebrl-bench-") as tmp:
+            summary = Experiment.from_config(cfg, run_dir=Path(tmp) / "run").train()
+    finally:
+        torch.set_num_threads(threads)
+    return summary.rollout_steps_per_s, summary.cpu_busy
+
+
+# --- sim-only and the per-stage costs -----------------------------------------------------
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the given processes have used so far."""
+    import psutil
+
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+
+
+def sim_only(pool: Any, chunks: int, iterations: int
+             ) -> tuple[float, float, float, list[dict[str, np.ndarray]], dict[str, float]]:
+    """Step every env with zero actions in lockstep, `iterations` x `chunks` chunks; the first iteration warms up.
+
+    Returns env steps/s, the workers' CPU-seconds and the parent's per env step (measured iterations), the
+    observations seen after each chunk of the warm-up iteration (the per-stage costs run on them), and the
+    step latencies (ms: mean, p99, slowest env's mean / fastest env's mean).
+    """
+    n, H = len(pool.workers), pool.chunk_len
+    zeros = np.zeros((n, H, pool.spec.action_dim), np.float32)
+    pids = [w.pid for w in pool.workers]
+    seen: list[dict[str, np.ndarray]] = []
+    steps, wall, worker_cpu, parent_cpu = 0, 0.0, 0.0, 0.0
+    step_times: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for it in range(max(iterations, 2)):
+        c0, p0, t0 = process_cpu_s(pids), time.process_time(), time.perf_counter()
+        it_steps = 0
+        for _ in range(chunks):
+            pool.submit_all(H, zeros)
+            reports = pool.wait_all()
+            it_steps += sum(r.executed for r in reports)
+            if it == 0:
+                seen.append(pool.stacked_obs())
+            else:
+                for i, r in enumerate(reports):
+                    step_times[i].append(r.step_times)
+        if it == 0:
+            continue
+        wall += time.perf_counter() - t0
+        worker_cpu += process_cpu_s(pids) - c0
+        parent_cpu += time.process_time() - p0
+        steps += it_steps
+    per_env = [np.concatenate(t) * 1e3 for t in step_times]
+    every = np.concatenate(per_env)
+    means = [t.mean() for t in per_env]
+    latency = {"mean": float(every.mean()), "p99": float(np.percentile(every, 99)),
+               "env_spread": float(max(means) / min(means))}
+    return steps / wall, worker_cpu / steps, parent_cpu / steps, seen, latency
+
+
+def policy_batch(obs: dict[str, np.ndarray], tokens: Any, mask: Any) -> dict[str, Any]:
+    import torch
+
+    batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in obs.items()}
+    batch["tokens"], batch["token_mask"] = tokens, mask
+    return batch
+
+
+def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """CPU-seconds per env step of generation (policy.sample on each chunk's obs, the rollout's batch) and of
+    training (one PPO update on a rollout of the same size), one torch thread, each alone."""
+    import torch
+
+    from ebrl.runtime.colocated import stack_steps
+
+    n, H = len(next(iter(seen[0].values()))), policy.chunk_len
+    tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * n))
+    batches = [policy_batch(obs, tokens, mask) for obs in seen]
+    env_steps = len(seen) * n * H
+    # Wall time of single-threaded work on otherwise idle cores: process_time would also count the OpenMP
+    # threads of earlier multi-threaded phases that spin-wait after torch.set_num_threads(1) (measured: 41.6 vs
+    # 10-12 ms per env step for a small-preset PPO update)
+    with torch_threads(1):
+        policy.sample(batches[0])  # warm-up: first-call allocations
+        generate = math.inf
+        for _ in range(REPS):  # the least of a few: one-off costs (new shapes, allocator growth) are not the stage's
+            t0 = time.perf_counter()
+            outs = [policy.sample(b) for b in batches]
+            generate = min(generate, time.perf_counter() - t0)
+        gen = torch.Generator().manual_seed(0)
+        steps = [dict(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
+                      reward=torch.randn(n, generator=gen), done=torch.zeros(n, dtype=torch.bool),
+                      mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n))
+                 for b, o in zip(batches, outs)]
+        batch = stack_steps(steps, policy.value(batches[-1]))
+        # warm-up on as few chunk steps as the minibatches allow: Adam's state and autograd's first-call costs
+        warm = -(-trainer.cfg.minibatches // n)
+        trainer.update(stack_steps(steps[:warm], batch.last_value))
+        train = math.inf
+        for _ in range(REPS):
+            t0 = time.perf_counter()
+            trainer.update(batch)
+            train = min(train, time.perf_counter() - t0)
+    return {"generate": generate / env_steps, "train": train / env_steps}
+
+
+def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], float, dict[str, float], Any]:
+    """The sim-only rate, the three stages' CPU-seconds per env step, the parent's orchestration CPU per env
+    step and the step latencies, on this workload's envs and policy; and the envs' EnvSpec."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ebrl.envs.worker import SimWorkerPool
+    from ebrl.rl.ppo import PPOTrainer
+    from ebrl.runtime.experiment import build_policy
+
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    torch.manual_seed(cfg.seed)
+    with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed) as pool:
+        policy = build_policy(conf["policy"], pool.spec)
+        pool.attach(policy.chunk_len)
+        pool.reset_all()
+        rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations)
+    costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo), seen)}
+    return rate, costs, parent_cpu, latency, pool.spec
+
+
+# --- the external reference: gymnasium's AsyncVectorEnv ------------------------------------
+def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
+    """The same policy driving gymnasium.vector.AsyncVectorEnv over the same adapters: env steps/s of the
+    rollout alone and with the same PPO update per iteration (the first iteration warms up). `spec`: the envs'
+    EnvSpec, which shapes the policy as in Experiment."""
+    import gymnasium
+    import torch
+    from omegaconf import OmegaConf
+
+    from ebrl.bench.vector_env import make_adapter_env
+    from ebrl.envs.worker import worker_environment
+    from ebrl.rl.ppo import PPOTrainer
+    from ebrl.runtime.colocated import stack_steps
+    from ebrl.runtime.experiment import build_policy
+
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    n = cfg.env.num_envs
+    fns = [partial(make_adapter_env, conf["env"], cfg.seed * 1000 + i) for i in range(n)]  # SimWorkerPool's seeds
+    saved = {k: os.environ.get(k) for k in worker_environment()}
+    os.environ.update(worker_environment())  # the spawned children inherit one thread each, as SimWorkers do
+    try:
+        venv = gymnasium.vector.AsyncVectorEnv(fns, context="spawn",
+                                               autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.scheduler.torch_threads or bench_cores(cfg))  # what Experiment gives colocated
+    try:
+        torch.manual_seed(cfg.seed)
+        obs, _ = venv.reset(seed=[cfg.seed * 1000 + i for i in range(n)])
+        policy = build_policy(conf["policy"], spec)
+        trainer = PPOTrainer(policy, cfg.algo)
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
+        H = policy.chunk_len
+        steps_n, rollout_s, total_s = 0, 0.0, 0.0
+        for it in range(max(iterations, 2)):
+            t0 = time.perf_counter()
+            steps: list[dict] = []
+            for _ in range(cfg.algo.rollout_chunks):
+                batch = policy_batch(obs, tokens, mask)
+                out = policy.sample(batch)
+                actions = out.chunk.float().numpy()
+                reward = np.zeros(n, np.float32)
+                done = np.zeros(n, bool)
+                for h in range(H):
+                    obs, r, term, trunc, _ = venv.step(actions[:, h])
+                    reward += r
+                    done |= term | trunc
+                steps.append(dict(obs=batch, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob,
+                                  value=out.value, reward=torch.from_numpy(reward), done=torch.from_numpy(done),
+                                  mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n)))
+            rollout = stack_steps(steps, policy.value(policy_batch(obs, tokens, mask)))
+            t1 = time.perf_counter()
+            trainer.update(rollout)
+            t2 = time.perf_counter()
+            if it > 0:
+                steps_n += cfg.algo.rollout_chunks * n * H
+                rollout_s += t1 - t0
+                total_s += t2 - t0
+    finally:
+        torch.set_num_threads(threads)
+        venv.close()
+    return steps_n / rollout_s, steps_n / total_s
+
+
+# --- the benchmark -----------------------------------------------------------------------
+def run_round(workload: Workload, modes: Sequence[str], gym: bool) -> Round:
+    """Every row once: the modes in the order given, then the references."""
+    out = Round()
+    for mode in modes:
+        out.rates[mode], out.cpu_busy[mode] = run_mode(compose(workload, mode))
+    cfg = compose(workload)
+    out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
+        cfg, workload.iterations)
+    if gym:
+        out.rates[GYM_ROLLOUT], out.rates[GYM_E2E] = gym_reference(cfg, spec, workload.iterations)
+    return out
+
+
+def summarize(rounds: list[Round], modes: Sequence[str], cores: int) -> dict[str, Any]:
+    """Medians over rounds, the limits and each row's ratios."""
+    med = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
+    # the least CPU each stage took in any round: noise (other load, cache contention) only adds CPU time, and the
+    # limit must bound every schedule from above
+    cpu = {s: min(r.cpu_per_step[s] for r in rounds) for s in STAGES}
+    limits = {
+        "sim+gen+train": cores / sum(cpu.values()),
+        "sim": cores / cpu["simulate"],
+        "sim+gen": cores / (cpu["simulate"] + cpu["generate"]),
+    }
+    work = {SIM_ONLY: "sim", GYM_ROLLOUT: "sim+gen"}
+    base = med([r.rates[modes[0]] for r in rounds]) if modes else float("nan")
+    rows = []
+    for name in list(modes) + [k for k in rounds[0].rates if k not in modes]:
+        rate = med([r.rates[name] for r in rounds])
+        kind = work.get(name, "sim+gen+train")
+        rows.append({"row": name, "work": kind, "env_steps_per_s": rate, "vs_first_mode": rate / base,
+                     "limit": limits[kind], "achieved_over_limit": rate / limits[kind],
+                     "cpu_busy": med([r.cpu_busy[name] for r in rounds if name in r.cpu_busy]),
+                     "per_round": [r.rates[name] for r in rounds]})
+    return {"cores": cores, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
+            "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
+            "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms}}
+
+
+def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str]) -> None:
+    w = workload
+    stragglers = (f" ({w.straggler_envs} stragglers: {w.straggler_task or w.task} at {w.straggler_slowdown}x the "
+                  "substeps)" if w.straggler_envs else "")
+    print(f"\nworkload: {w.num_envs} x {w.task}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
+          f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds")
+    first = modes[0] if modes else "-"
+    header = ["row", "work", "env steps/s", f"x {first}", "limit", "achieved/limit", "cpu busy"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in result["rows"]:
+        busy = "" if math.isnan(r["cpu_busy"]) else f"{r['cpu_busy']:.0%}"
+        print(f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['vs_first_mode']:.2f} | "
+              f"{r['limit']:.1f} | {r['achieved_over_limit']:.2f} | {busy} |")
+    cpu = result["cpu_s_per_env_step"]
+    print("CPU ms per env step, each stage alone (least over rounds): "
+          + ", ".join(f"{s} {1e3 * cpu[s]:.2f}" for s in STAGES)
+          + f" (sum {1e3 * sum(cpu.values()):.2f}); parent's orchestration while only simulating "
+          f"{1e3 * result['orchestration_cpu_s_per_env_step']:.2f} (not in the limit)")
+    lat = result["sim_step_ms"]
+    print(f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
+          f"fastest env's {lat['env_spread']:.2f}")
+    print("limit = cores / sum of the stages' CPU-seconds per env step: " + ", ".join(
+        f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse, run `--repeats` rounds alternating the rows, print the table; returns what `--json` writes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", default=["colocated"],
+                        help="scheduler= options to compare; the first is the ratio's base")
+    parser.add_argument("--policy", default="openpi", help="policy= group option")
+    parser.add_argument("--policy-preset", default="tiny", choices=["tiny", "small", "full"])
+    parser.add_argument("--task", default="Lift", help="robosuite task of every env")
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=3, help="per measurement; the first is warm-up (>= 2)")
+    parser.add_argument("--rollout-chunks", type=int, default=None, help="chunks per env per iteration (algo's)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; each row's figure is the median")
+    parser.add_argument("--no-gym", action="store_true", help="skip the gymnasium AsyncVectorEnv reference")
+    parser.add_argument("--stragglers", type=float, default=0.0,
+                        help="fraction of the envs that step slower (ebrl.bench.stragglers), 0..1")
+    parser.add_argument("--straggler-task", default=None, help="task the stragglers run (default: --task)")
+    parser.add_argument("--straggler-slowdown", type=int, default=3,
+                        help="stragglers take this many times the physics substeps per action")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. algo.epochs=2")
+    args = parser.parse_args(argv)
+    from ebrl.config import SCHEDULERS
+
+    for mode in args.modes:
+        if mode not in SCHEDULERS:
+            parser.error(f"--modes {mode}: not a scheduler; accepted: {', '.join(SCHEDULERS)}")
+    if not 0 <= args.stragglers <= 1:
+        parser.error(f"--stragglers={args.stragglers}: a fraction of the envs, 0..1")
+    if args.iterations < 2:
+        parser.error(f"--iterations={args.iterations}: need at least 2 (the first is discarded)")
+    workload = Workload(policy=args.policy, preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
+                        iterations=args.iterations, rollout_chunks=args.rollout_chunks,
+                        overrides=list(args.overrides), seed=args.seed, stragglers=args.stragglers,
+                        straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
+    rounds = [run_round(workload, args.modes, gym=not args.no_gym) for _ in range(args.repeats)]
+    result = summarize(rounds, args.modes, bench_cores(compose(workload)))
+    result["workload"] = workload.__dict__
+    print_report(result, workload, args.modes)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The scheduler benchmark on a minimal workload: every row measured, positive, with a finite limit (no timings)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, main
+
+MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-chunks", "2",
+           "algo.minibatches=2", "algo.epochs=1", "scheduler.torch_threads=1", "env.max_episode_steps=12"]
+
+
+def test_benchmark_reports_every_row(tmp_path, capsys):
+    result = main([*MINIMAL, "--json", str(tmp_path / "bench.json")])
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["colocated", SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
+    for r in rows.values():
+        assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1
+        assert math.isfinite(r["limit"]) and r["limit"] > 0 and r["achieved_over_limit"] > 0
+    assert rows["colocated"]["vs_first_mode"] == 1.0
+    assert all(result["cpu_s_per_env_step"][s] > 0 for s in STAGES)
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["row"] == "colocated"
+    table = capsys.readouterr().out
+    for name in rows:
+        assert f"| {name} |" in table
+    assert "CPU ms per env step" in table
+
+
+def test_straggler_envs_match_the_base_spec_and_step_more_substeps():
+    from ebrl.bench.stragglers import StragglerEnv
+
+    kwargs = dict(inner_target="ebrl.envs.robosuite_env.RobosuiteEnv", straggler_envs=1, straggler_task="Stack",
+                  task="Lift", max_episode_steps=12, control_freq=20)
+    straggler, normal = StragglerEnv(seed=0, **kwargs), StragglerEnv(seed=1, **kwargs)
+    try:
+        assert straggler.straggler and not normal.straggler
+        assert straggler.spec == normal.spec  # one pool, one policy
+        assert straggler.env.task == "Stack" and straggler.env.env.control_freq == 20 // 3
+        obs, result = straggler.run_chunk(np.zeros((3, straggler.spec.action_dim), np.float32))
+        assert obs["state"].shape == straggler.spec.obs["state"].shape and result.executed == 3
+    finally:
+        straggler.close()
+        normal.close()
