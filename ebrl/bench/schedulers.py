@@ -208,9 +208,11 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) ->
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * n))
     batches = [policy_batch(obs, tokens, mask) for obs in seen]
     env_steps = len(seen) * n * H
-    # Wall time of single-threaded work on otherwise idle cores: process_time would also count the OpenMP
-    # threads of earlier multi-threaded phases that spin-wait after torch.set_num_threads(1) (measured: 41.6 vs
-    # 10-12 ms per env step for a small-preset PPO update)
+    # Wall time of single-threaded work on otherwise idle cores (process_time would also count OpenMP threads of
+    # earlier multi-threaded phases that spin-wait), with denormal floats flushed to zero: on this rollout-shaped
+    # batch a small-preset PPO update otherwise ran into denormals and took 42 instead of 8.7 ms per env step, and
+    # the limit is the least CPU a stage can take
+    flush = torch.set_flush_denormal(True)
     with torch_threads(1):
         policy.sample(batches[0])  # warm-up: first-call allocations
         generate = math.inf
@@ -232,6 +234,8 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) ->
             t0 = time.perf_counter()
             trainer.update(batch)
             train = min(train, time.perf_counter() - t0)
+    if flush:
+        torch.set_flush_denormal(False)
     return {"generate": generate / env_steps, "train": train / env_steps}
 
 
