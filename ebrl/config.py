@@ -132,7 +132,16 @@ class HwConfig:
 @dataclass
 class SchedulerConfig:
     name: str = MISSING
-    torch_threads: Optional[int] = None  # threads for generation/training; null: hw cores
+    torch_threads: Optional[int] = None  # threads for generation (and colocated training); null: hw cores
+    # The pipelined modes (ebrl, async, hybrid, disaggregated) are these switches; see ebrl/runtime/pipeline.py
+    overlap: bool = False  # train on iteration i-1 while rollout i collects
+    groups: int = 1  # env groups; generation serves whichever is ready while others simulate
+    core_rebinding: bool = False  # an env runs only while it holds a sim core; freed cores go to the slowest ready env
+    max_staleness: int = 2  # chunks more than this many weight versions old are dropped from the loss
+    queue_size: Optional[int] = None  # groups that may wait for generation at once; null: all of them
+    train_share: Optional[float] = None  # share of the cores (GPUs: the second GPU) for training alone; null: shared
+    is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
+    train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
 
 
 @dataclass
@@ -228,7 +237,7 @@ def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
     return node
 
 
-SCHEDULERS = ("colocated",)
+SCHEDULERS = ("colocated", "disaggregated", "hybrid", "async", "ebrl")
 ALLOCATORS = ("static",)
 ALGOS = ("ppo", "grpo")
 LOGGERS = ("none", "wandb")
@@ -309,3 +318,34 @@ def validate(cfg: DictConfig) -> None:
     cores = available_cpu_cores()
     if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
         raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
+    _check_schedule(cfg, cfg.hw.cpu_cores or cores)
+
+
+def train_core_count(share: float, cores: int) -> int:
+    """Cores a schedule with `scheduler.train_share` gives training alone (the rest roll out)."""
+    return round(share * cores)
+
+
+def _check_schedule(cfg: DictConfig, cores: int) -> None:
+    """The pipelined modes' switches against the envs, the cores and the GPUs hw gives."""
+    s, name = cfg.scheduler, cfg.scheduler.name
+    if name == "colocated":
+        return
+    if cfg.algo.name != "ppo":
+        raise ConfigError(f"scheduler={name} trains with algo=ppo only; algo={cfg.algo.name} runs with scheduler=colocated")
+    if not 1 <= s.groups <= cfg.env.num_envs:
+        raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
+    if s.max_staleness < 0:
+        raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
+    if s.is_clip <= 0:
+        raise ConfigError(f"scheduler.is_clip={s.is_clip} must be > 0 (2.0 is usual)")
+    for key in ("queue_size", "train_threads"):
+        if s[key] is not None and s[key] < 1:
+            raise ConfigError(f"scheduler.{key}={s[key]} must be >= 1 or null")
+    if s.train_share is not None:
+        if cfg.hw.gpus == 1:
+            raise ConfigError(f"scheduler={name} trains on a device of its own and hw={cfg.hw.name} has one GPU; "
+                              "use hw with 2+ GPUs or scheduler=hybrid")
+        if not 0 < s.train_share < 1 or not 1 <= train_core_count(s.train_share, cores) < cores:
+            raise ConfigError(f"scheduler.train_share={s.train_share} must give training at least one of the {cores} "
+                              f"CPU cores and leave rollout at least one (between {1 / cores:.2f} and {1 - 1 / cores:.2f})")

@@ -3,8 +3,9 @@
 One invocation alternates the modes (A, B, A, B, ... for `--repeats` rounds) and reports the median per row:
 - each mode (`--modes`, any `scheduler=` option): env steps/s end to end (rollout + PPO update), from the
   real Experiment built from the composed config, the first (warm-up) iteration discarded as RunSummary does;
-- sim-only: the same envs (SimWorkerPool, same env config and count) stepped in lockstep with zero actions
-  and no policy, all envs submitted then waited, chunk by chunk;
+- sim-only: the same envs (SimWorkerPool, same env config and count) stepped in lockstep with no policy in
+  the loop, all envs submitted then waited, chunk by chunk, replaying action chunks the policy sampled in a
+  warm-up iteration (the physics of a moving arm costs more than of a still one);
 - gymnasium AsyncVectorEnv: the same policy driving the same adapters in gymnasium's subprocess vector env
   (a chunk sampled for all envs, then its actions stepped one step at a time in lockstep), rollout only
   and with the same PPO update per iteration;
@@ -72,26 +73,34 @@ class Round:
     rates: dict[str, float] = field(default_factory=dict)
     cpu_per_step: dict[str, float] = field(default_factory=dict)
     cpu_busy: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)  # per mode: RunSummary.busy
     orchestration_cpu_per_step: float = float("nan")  # the parent's CPU per env step while only simulating
     step_ms: dict[str, float] = field(default_factory=dict)  # sim-only step latencies: mean, p99, env spread
 
 
-def compose(workload: Workload, mode: str = "colocated") -> Any:
-    """The config `run.py` would compose for this workload under `scheduler=<mode>`."""
+def compose_overrides(overrides: Sequence[str], mode: str = "colocated") -> Any:
+    """The config `python run.py scheduler=<mode> <overrides>` composes; a mode may carry its own overrides,
+    `ebrl[scheduler.groups=4,scheduler.core_rebinding=false]`, applied last."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from ebrl.config import register_configs
 
     register_configs()
+    name, extra = split_mode(mode)
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return hydra_compose("config", overrides=[f"scheduler={name}", *overrides, *extra])
+
+
+def compose(workload: Workload, mode: str = "colocated") -> Any:
+    """The config of this workload under `mode` (see `compose_overrides`)."""
     overrides = [
-        f"scheduler={mode}", f"policy={workload.policy}", f"policy.preset={workload.preset}",
+        f"policy={workload.policy}", f"policy.preset={workload.preset}",
         f"env.task={workload.task}", f"env.num_envs={workload.num_envs}", f"iterations={workload.iterations}",
         f"seed={workload.seed}", "logger=none", "progress=false", "checkpoint_every=1000000",
     ]
     if workload.rollout_chunks:
         overrides.append(f"algo.rollout_chunks={workload.rollout_chunks}")
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = hydra_compose("config", overrides=overrides + list(workload.overrides))
+    cfg = compose_overrides(overrides + list(workload.overrides), mode)
     if workload.straggler_envs:
         from omegaconf import OmegaConf
 
@@ -104,6 +113,12 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
         cfg.env.straggler_task = workload.straggler_task
         cfg.env.straggler_slowdown = workload.straggler_slowdown
     return cfg
+
+
+def split_mode(spec: str) -> tuple[str, list[str]]:
+    """"ebrl[a=1,b=2]" -> ("ebrl", ["a=1", "b=2"])."""
+    name, _, rest = spec.partition("[")
+    return name, [o for o in rest.rstrip("]").split(",") if o]
 
 
 @contextmanager
@@ -126,8 +141,9 @@ def bench_cores(cfg: Any) -> int:
 
 
 # --- the modes ---------------------------------------------------------------------------
-def run_mode(cfg: Any) -> tuple[float, float]:
-    """End-to-end env steps/s of the real Experiment after warm-up, and its mean CPU busy fraction."""
+def run_mode(cfg: Any) -> tuple[float, float, dict[str, float]]:
+    """End-to-end env steps/s of the real Experiment after warm-up, its mean CPU busy fraction, and its stages'
+    busy fractions and CPU shares (RunSummary.busy)."""
     import torch
 
     from ebrl.runtime.experiment import Experiment
@@ -138,7 +154,7 @@ def run_mode(cfg: Any) -> tuple[float, float]:
             summary = Experiment.from_config(cfg, run_dir=Path(tmp) / "run").train()
     finally:
         torch.set_num_threads(threads)
-    return summary.rollout_steps_per_s, summary.cpu_busy
+    return summary.rollout_steps_per_s, summary.cpu_busy, summary.busy
 
 
 # --- sim-only and the per-stage costs -----------------------------------------------------
@@ -149,9 +165,13 @@ def process_cpu_s(pids: Sequence[int]) -> float:
     return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
 
 
-def sim_only(pool: Any, chunks: int, iterations: int
+def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
              ) -> tuple[float, float, float, list[dict[str, np.ndarray]], dict[str, float]]:
-    """Step every env with zero actions in lockstep, `iterations` x `chunks` chunks; the first iteration warms up.
+    """Step every env in lockstep, `iterations` x `chunks` chunks; the first iteration warms up.
+
+    The actions cost nothing to produce but are the policy's: `act(obs) -> (N, H, A)` samples them in the warm-up
+    iteration and the measured iterations replay them, chunk by chunk (zero actions keep the arm still and
+    cost the physics less than a policy's, which would flatter the limit); without `act`, zeros.
 
     Returns env steps/s, the workers' CPU-seconds and the parent's per env step (measured iterations), the
     observations seen after each chunk of the warm-up iteration (the per-stage costs run on them), and the
@@ -163,11 +183,14 @@ def sim_only(pool: Any, chunks: int, iterations: int
     seen: list[dict[str, np.ndarray]] = []
     steps, wall, worker_cpu, parent_cpu = 0, 0.0, 0.0, 0.0
     step_times: list[list[np.ndarray]] = [[] for _ in range(n)]
+    replay: list[np.ndarray] = []
     for it in range(max(iterations, 2)):
         c0, p0, t0 = process_cpu_s(pids), time.process_time(), time.perf_counter()
         it_steps = 0
-        for _ in range(chunks):
-            pool.submit_all(H, zeros)
+        for c in range(chunks):
+            if it == 0:
+                replay.append(zeros if act is None else np.asarray(act(pool.stacked_obs()), np.float32))
+            pool.submit_all(H, replay[c])
             reports = pool.wait_all()
             it_steps += sum(r.executed for r in reports)
             if it == 0:
@@ -255,7 +278,14 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
         policy = build_policy(conf["policy"], pool.spec)
         pool.attach(policy.chunk_len)
         pool.reset_all()
-        rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations)
+        n = cfg.env.num_envs
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([pool.spec.instruction] * n))
+
+        def act(obs: dict[str, np.ndarray]) -> np.ndarray:
+            with torch.inference_mode():
+                return policy.sample(policy_batch(obs, tokens, mask)).chunk.float().numpy()
+
+        rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations, act)
     costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo), seen)}
     return rate, costs, parent_cpu, latency, pool.spec
 
@@ -334,7 +364,7 @@ def run_round(workload: Workload, modes: Sequence[str], gym: bool) -> Round:
     """Every row once: the modes in the order given, then the references."""
     out = Round()
     for mode in modes:
-        out.rates[mode], out.cpu_busy[mode] = run_mode(compose(workload, mode))
+        out.rates[mode], out.cpu_busy[mode], out.stages[mode] = run_mode(compose(workload, mode))
     cfg = compose(workload)
     out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
         cfg, workload.iterations)
@@ -364,7 +394,10 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int) -> dict[str
                      "limit": limits[kind], "achieved_over_limit": rate / limits[kind],
                      "cpu_busy": med([r.cpu_busy[name] for r in rounds if name in r.cpu_busy]),
                      "per_round": [r.rates[name] for r in rounds]})
+    stages = {mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]])
+                     for k in rounds[0].stages[mode]} for mode in modes}
     return {"cores": cores, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
+            "stages": stages,
             "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
             "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms}}
 
@@ -383,6 +416,18 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
         busy = "" if math.isnan(r["cpu_busy"]) else f"{r['cpu_busy']:.0%}"
         print(f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['vs_first_mode']:.2f} | "
               f"{r['limit']:.1f} | {r['achieved_over_limit']:.2f} | {busy} |")
+    if modes:
+        keys = ["busy_simulate", "busy_generate", "busy_train", "cpu_share_simulate", "cpu_share_main",
+                "cpu_share_trainer"]
+        print("\nwhere the time went (after warm-up): busy = share of the wall time a stage ran (simulate: per core, "
+              "from chunk spans, >100% when envs wait for a core); cpu share = CPU seconds / (cores x wall) of the "
+              "simulator processes, the main process (generation, orchestration; colocated: training too) and the "
+              "trainer process")
+        print("| mode | " + " | ".join(keys) + " |")
+        print("|" + "---|" * (len(keys) + 1))
+        for mode in modes:
+            st = result["stages"][mode]
+            print(f"| {mode} | " + " | ".join(f"{st[k]:.0%}" if k in st else "-" for k in keys) + " |")
     cpu = result["cpu_s_per_env_step"]
     print("CPU ms per env step, each stage alone (least over rounds): "
           + ", ".join(f"{s} {1e3 * cpu[s]:.2f}" for s in STAGES)
@@ -419,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     from ebrl.config import SCHEDULERS
 
-    for mode in args.modes:
+    for spec in args.modes:
+        mode, _ = split_mode(spec)
         if mode not in SCHEDULERS:
             parser.error(f"--modes {mode}: not a scheduler; accepted: {', '.join(SCHEDULERS)}")
     if not 0 <= args.stragglers <= 1:

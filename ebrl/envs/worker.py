@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ class SlotLayout:
 
     Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
     actions (H, action_dim) float32, rewards (H,) float32, step_times (H,) float64,
-    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final.
+    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
+    float64: time.perf_counter() when the chunk's first step began and its last ended (CLOCK_MONOTONIC,
+    one clock for every process of the node, so a trace can set envs side by side).
     """
 
     fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
@@ -70,6 +73,7 @@ class SlotLayout:
             ("rewards", (chunk_len,), "float32"),
             ("step_times", (chunk_len,), "float64"),
             ("successes", (chunk_len,), "bool"),
+            ("clock", (2,), "float64"),
         ]
         fields, offset = [], 0
         for name, shape, dtype in arrays:
@@ -189,7 +193,9 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
     chunk_len = len(views["actions"])
     if not 1 <= n_steps <= chunk_len:
         raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
+    started = time.perf_counter()
     obs, result = adapter.run_chunk(views["actions"][:n_steps].copy())
+    views["clock"][:] = (started, time.perf_counter())
     k = result.executed
     views["rewards"][:k] = result.rewards
     views["step_times"][:k] = result.step_times
@@ -198,7 +204,7 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
         _write_obs(_split(views, "final/"), result.final_obs)
     _write_obs(_split(views, "obs/"), obs)
     views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
-    return {"episode": result.episode}
+    return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def _write_obs(slots: dict[str, np.ndarray], obs: dict[str, np.ndarray]) -> None:
@@ -226,6 +232,9 @@ class ChunkReport:
     truncated: bool
     episode: dict[str, float] | None  # return, length, success of the episode that ended, if one did
     final_obs: dict[str, np.ndarray] | None = None  # the obs that episode ended on (before the auto-reset)
+    started: float = float("nan")  # perf_counter() when the chunk's first step began (same clock in every process)
+    ended: float = float("nan")  # ... and when its last step ended
+    cpus: tuple[int, ...] = ()  # the cores the simulator process was allowed while it ran the chunk
 
     @property
     def done(self) -> bool:
@@ -287,6 +296,7 @@ class SimWorker:
         self.step_times: np.ndarray | None = None
         self.successes: np.ndarray | None = None
         self._header: np.ndarray | None = None
+        self._clock: np.ndarray | None = None
         self._pending = False
         self._idle_chunk = False  # the pending chunk has 0 steps: nothing was sent
         self._res = _Resources()
@@ -343,6 +353,7 @@ class SimWorker:
         self.obs, self.final_obs = _split(views, "obs/"), _split(views, "final/")
         self.actions, self.rewards = views["actions"], views["rewards"]
         self.step_times, self.successes, self._header = views["step_times"], views["successes"], views["header"]
+        self._clock = views["clock"]
         self._send(("attach", self._res.shm.name, self.chunk_len))
         self._receive("ok")
         self.spec = spec
@@ -351,7 +362,7 @@ class SimWorker:
     def close(self) -> None:
         """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
         self.obs, self.final_obs = {}, {}
-        self.actions = self.rewards = self.step_times = self.successes = self._header = None
+        self.actions = self.rewards = self.step_times = self.successes = self._header = self._clock = None
         self._pending = False
         self._finalizer()
 
@@ -371,6 +382,11 @@ class SimWorker:
         return self._res.shm.name if self._res.shm is not None else None
 
     # --- commands
+    def bind(self, cpus: Sequence[int]) -> None:
+        """Let the simulator process run only on `cpus` from now on (a scheduler handing it a core)."""
+        os.sched_setaffinity(self.pid, set(cpus))
+        self.cpus = list(cpus)
+
     def reset(self, seed: int | None = None) -> None:
         """Start a new episode (blocking); its first obs is then in `obs`."""
         self.send_reset(seed)
@@ -413,6 +429,9 @@ class SimWorker:
             truncated=bool(truncated),
             episode=reply.get("episode"),
             final_obs={k: v.copy() for k, v in self.final_obs.items()} if has_final else None,
+            started=float(self._clock[0]),
+            ended=float(self._clock[1]),
+            cpus=tuple(reply.get("cpus", ())),
         )
 
     # --- plumbing

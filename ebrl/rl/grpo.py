@@ -55,10 +55,10 @@ class GRPOTrainer(PPOTrainer):
     Expects a rollout of one episode per env from grouped seeded resets (`collect(reset_seeds=...)`).
     """
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0) -> dict[str, float]:
         # only the first episode of each env counts: anything after it would belong to another start
         alive = first_episode(batch.done)
-        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)))
+        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
         adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size)

@@ -5,6 +5,12 @@ sampled, the reward summed over the env steps the chunk executed, and whether th
 ended inside it. GAE runs over these chunk steps. The ratio is taken per action of the chunk
 (each action's log-density under the denoising chain); actions after an episode ended inside
 a chunk were never executed and are masked out of the loss.
+
+Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL) for
+asynchronous schedules, where a rollout may come from weights older than the trainer's: the clip
+is taken around the proximal policy (the trainer's weights when the update starts), not around the
+stale behaviour policy, and each action's surrogate is reweighted by the truncated importance
+weight proximal / behaviour, so stale data neither widens the trust region nor biases the gradient.
 """
 from __future__ import annotations
 
@@ -30,6 +36,19 @@ class RolloutBatch:
     mask: torch.Tensor  # (T, N, H) the action was executed
     last_value: torch.Tensor  # (N,) value of the observation after the last chunk
     cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
+    version: torch.Tensor | None = None  # (T, N) int64 published weight version that sampled each chunk; None: unknown
+
+
+def batch_shapes(batch: RolloutBatch) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a batch (version aside, which only asynchronous schedules record)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name in RolloutBatch.__dataclass_fields__:
+        value = getattr(batch, name)
+        if isinstance(value, dict):
+            out.update({f"{name}/{k}": tuple(v.shape) for k, v in value.items()})
+        elif isinstance(value, torch.Tensor) and name != "version":
+            out[name] = tuple(value.shape)
+    return out
 
 
 def compute_gae(
@@ -67,10 +86,15 @@ def ppo_loss(
     advantage: torch.Tensor,
     mask: torch.Tensor,
     clip: float,
+    behaviour_log_prob: torch.Tensor | None = None,
+    is_clip: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate per action, averaged over executed actions.
 
-    new/old_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
+    new/old_log_prob, behaviour_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
+    With `behaviour_log_prob` (decoupled PPO) `old_log_prob` is the proximal policy's: the ratio is clipped around
+    it, and each action's surrogate is scaled by w = min(proximal / behaviour, is_clip), a constant, truncated
+    so that one very stale action cannot dominate the step.
     """
     log_ratio = new_log_prob - old_log_prob
     ratio = log_ratio.exp()
@@ -78,12 +102,22 @@ def ppo_loss(
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
     m = mask.float()
     n = m.sum().clamp_min(1.0)
+    if behaviour_log_prob is not None:
+        if not is_clip > 0:
+            raise ValueError(f"is_clip={is_clip} must be > 0 (the cap on the importance weight; 2.0 is usual)")
+        with torch.no_grad():
+            raw = (old_log_prob - behaviour_log_prob).exp()
+            weight = raw.clamp(max=is_clip)
+        surrogate = surrogate * weight
     loss = -(surrogate * m).sum() / n
     with torch.no_grad():
         stats = {
             "train/approx_kl": (((ratio - 1.0) - log_ratio) * m).sum() / n,
             "train/clipfrac": (((ratio - 1.0).abs() > clip).float() * m).sum() / n,
         }
+        if behaviour_log_prob is not None:
+            stats["train/is_weight_mean"] = (weight * m).sum() / n
+            stats["train/is_truncated"] = ((raw >= is_clip).float() * m).sum() / n
     return loss, stats
 
 
@@ -118,7 +152,28 @@ class PPOTrainer:
         }
         return adv, ret, metrics
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    @torch.no_grad()
+    def proximal_log_prob(
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int
+    ) -> torch.Tensor:
+        """(B, H) log-prob of every row under the current weights, `rows` at a time to bound activation memory.
+
+        Call it in the mode the epochs run in, so that with unchanged weights it is what the first epoch evaluates.
+        """
+        parts = []
+        for start in range(0, chunk.shape[0], rows):
+            s = slice(start, start + rows)
+            log_prob, _, _ = self.policy.evaluate({k: v[s] for k, v in obs.items()}, chunk[s],
+                                                  {k: v[s] for k, v in extras.items()})
+            parts.append(log_prob)
+        return torch.cat(parts)
+
+    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0) -> dict[str, float]:
+        """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
+
+        decoupled: the rollout may come from older weights (asynchronous schedules), so clip around the proximal
+        policy (these weights, before the first step) and reweight by min(proximal / behaviour, is_clip).
+        """
         cfg = self.cfg
         adv, ret, metrics = self.advantages(batch)
         dev = self.device
@@ -135,6 +190,9 @@ class PPOTrainer:
         sums: dict[str, float] = {}
         count = 0
         self.policy.train()
+        behaviour_lp = None
+        if decoupled:
+            behaviour_lp, old_lp = old_lp, self.proximal_log_prob(obs, chunk, extras, mb)
         stopped_early = 0.0
         for _ in range(cfg.epochs):
             epoch_kl = 0.0
@@ -142,7 +200,8 @@ class PPOTrainer:
                 new_lp, entropy, value = self.policy.evaluate(
                     {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
                 )
-                pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip)
+                pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip,
+                                          None if behaviour_lp is None else behaviour_lp[idx], is_clip)
                 # without a critic the value head gets no loss (and no gradient)
                 value_loss = 0.5 * (value - ret[idx]).pow(2).mean() if ret is not None else pg_loss.new_zeros(())
                 m = mask[idx].float()

@@ -5,6 +5,8 @@ batched generation produces the next chunks, and training runs after the rollout
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Sequence
 
 import numpy as np
@@ -12,8 +14,9 @@ import torch
 
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.policies.base import Policy
-from ebrl.rl.ppo import RolloutBatch
+from ebrl.rl.ppo import RolloutBatch, batch_shapes
 from ebrl.telemetry.timers import StageTimers
+from ebrl.telemetry.trace import Trace
 
 
 class RolloutStats:
@@ -52,6 +55,9 @@ class ColocatedScheduler:
         self.tokens = torch.from_numpy(tokens)
         self.token_mask = torch.from_numpy(mask)
         self.num_envs = n
+        self.sim_cpus = sorted(os.sched_getaffinity(0))  # the OS places the simulators on all of them
+        self.trace = Trace()
+        self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch collected
 
     def observe(self) -> dict[str, torch.Tensor]:
         """The current observation of every env as a policy batch (one copy out of shared memory)."""
@@ -82,10 +88,12 @@ class ColocatedScheduler:
         ended = np.zeros(n, bool)  # envs whose one episode is over (one_episode only)
         steps: list[dict] = []
         for _ in range(chunks):
+            t0 = time.perf_counter()
             with self.timers.stage("generate"):
                 obs = self.observe()
                 out = policy.sample({k: v.to(self.device) for k, v in obs.items()})
                 actions = out.chunk.float().cpu().numpy()
+            self.trace.add("generate", "sample", t0, time.perf_counter())
             with self.timers.stage("simulate"):
                 for worker, a in zip(self.pool.workers, actions):
                     worker.actions[:H] = a
@@ -101,6 +109,9 @@ class ColocatedScheduler:
             done = np.zeros(n, bool)
             mask = np.zeros((n, H), bool)
             for i, r in enumerate(reports):
+                if r.executed:
+                    self.trace.add(f"simulate/env{i}", "chunk", r.started, r.ended, steps=r.executed,
+                                   step_s=float(r.step_times.sum()), cpus=list(r.cpus))
                 reward[i] = r.rewards.sum()
                 done[i] = r.terminated or r.truncated
                 mask[i, : r.executed] = True
@@ -122,11 +133,14 @@ class ColocatedScheduler:
         if one_episode:
             if not ended.all():
                 raise RuntimeError(f"{int((~ended).sum())} of {n} episodes did not end within {chunks} chunks of {H}")
-            return stack_steps(steps, torch.zeros(n)), stats
-        with self.timers.stage("generate"):
-            obs = self.observe()
-            last_value = policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
-        return stack_steps(steps, last_value), stats
+            batch = stack_steps(steps, torch.zeros(n))
+        else:
+            with self.timers.stage("generate"):
+                obs = self.observe()
+                last_value = policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
+            batch = stack_steps(steps, last_value)
+        self.last_shapes = batch_shapes(batch)
+        return batch, stats
 
 
 def stack_steps(steps: list[dict], last_value: torch.Tensor) -> RolloutBatch:

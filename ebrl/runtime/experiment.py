@@ -31,9 +31,10 @@ from ebrl.runtime.checkpoint import (
     policy_identity,
 )
 from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
+from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.report import ProgressBar, print_summary
-from ebrl.telemetry.timers import CpuMonitor, StageTimers
+from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
 
 STAGES = ("simulate", "generate", "train")
 TRAINERS: dict[str, type[PPOTrainer]] = {"ppo": PPOTrainer, "grpo": GRPOTrainer}  # by algo.name
@@ -50,6 +51,22 @@ class RunSummary:
     mean_return: float = float("nan")
     stage_s: dict[str, float] = field(default_factory=dict)
     cpu_busy: float = float("nan")
+    # after warm-up: busy_<stage> (trace: share of the wall time a stage was running; simulate: per sim core)
+    # and cpu_share_<processes> (their CPU seconds / (cores x wall))
+    busy: dict[str, float] = field(default_factory=dict)
+
+
+def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int:
+    """Torch threads of this process (generation; colocated: training too), unless scheduler.torch_threads says.
+
+    Colocated runs each stage alone, so it may use every core. A pipelined schedule on CPU runs generation
+    beside the simulators and the trainer: OpenMP threads of a stage that shares its cores wait for each
+    other (spinning) whenever one is preempted, and measured here 2 threads instead of 1 halved ebrl's
+    throughput (ebrl.bench.schedulers, tiny preset).
+    """
+    if cfg.scheduler.torch_threads:
+        return cfg.scheduler.torch_threads
+    return cores if cfg.scheduler.name == "colocated" or device.type == "cuda" else 1
 
 
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
@@ -109,9 +126,12 @@ class Experiment:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.cores = sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
-        torch.set_num_threads(cfg.scheduler.torch_threads or len(self.cores))
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
         self.device = torch.device("cuda" if use_cuda else "cpu")
+        torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
+        # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86:
+        # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
+        torch.set_flush_denormal(True)
 
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size)
@@ -119,11 +139,18 @@ class Experiment:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
             self.pool.attach(self.policy.chunk_len)
-            self.trainer = TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device)
+            pipelined = cfg.scheduler.name != "colocated"
+            # a pipelined schedule trains in its own process (built by the scheduler); colocated trains here
+            self.trainer = None if pipelined else TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device)
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
-            self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
+            if pipelined:
+                optimizer = self._resume_ckpt["optimizer"] if self._resume_ckpt else None
+                self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
+                                                   base_version=self.iteration, optimizer_state=optimizer)
+            else:
+                self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
         except BaseException:
             self.close()
             raise
@@ -131,7 +158,8 @@ class Experiment:
     def _restore(self, ckpt: dict[str, Any]) -> None:
         check_state_dict(self.policy, ckpt["model"], f"resume={self.cfg.resume}")
         self.policy.load_state_dict(ckpt["model"])
-        self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.trainer is not None:
+            self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
         self.iteration = ckpt["iteration"]
         self.env_steps = ckpt["env_steps"]
         torch.set_rng_state(ckpt["torch_rng"])
@@ -147,17 +175,25 @@ class Experiment:
         self.log = MetricsLog(self.run_dir, self.conf["logger"], self.conf, resume_id=resume_id)
         summary = RunSummary()
         cpu = CpuMonitor(self.cores)
-        measured_steps, measured_wall, busy = 0, 0.0, []
+        shares = ProcessCpu(self.stage_processes(), len(self.cores))
+        measured_steps, measured_wall, busy, stage_busy = 0, 0.0, [], {}
         start = time.perf_counter()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
         try:
             while self.iteration < cfg.iterations:
                 t0 = time.perf_counter()
-                batch, stats = self.collect()
-                t_rollout = time.perf_counter() - t0
-                with self.timers.stage("train"):
-                    train_metrics = self.trainer.update(batch)
+                if self.trainer is None:  # pipelined: rollout and training overlap; one update finished
+                    stats, train_metrics = self.scheduler.next_iteration()
+                    t_rollout = time.perf_counter() - t0
+                else:
+                    batch, stats = self.collect()
+                    t_rollout = time.perf_counter() - t0
+                    t_train = time.perf_counter()
+                    with self.timers.stage("train"):
+                        train_metrics = self.trainer.update(batch)
+                    self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
                 wall = time.perf_counter() - t0
+                busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus))
                 self.iteration += 1
                 self.env_steps += stats.env_steps
                 metrics = {
@@ -168,14 +204,19 @@ class Experiment:
                     "time/iteration_s": wall,
                     **self.timers.pop_iteration(),
                     **cpu.read(),
+                    **shares.read(),
                     **stats.metrics(),
                     **train_metrics,
+                    **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
                 }
                 self.log.log(metrics)
                 if self.iteration > 1 or cfg.iterations == 1:  # the first iteration warms up (process start, caches)
                     measured_steps += stats.env_steps
                     measured_wall += wall
                     busy.append(metrics["perf/cpu_busy"])
+                    for key, value in metrics.items():
+                        if key.startswith(("perf/busy_", "perf/cpu_share_")):
+                            stage_busy.setdefault(key[5:], []).append(value)
                 if "env/success_rate" in metrics:
                     summary.success_rate = metrics["env/success_rate"]
                     summary.mean_return = metrics["env/return"]
@@ -184,18 +225,34 @@ class Experiment:
                     self.save_checkpoint()
         except KeyboardInterrupt:
             self.save_checkpoint()
+            self.scheduler.trace.write(self.run_dir / "trace.json")
             raise
         finally:
             bar.close()
             self.close()
+        self.scheduler.trace.write(self.run_dir / "trace.json")
         summary.env_steps = self.env_steps
         summary.wall_s = time.perf_counter() - start
         summary.rollout_steps_per_s = measured_steps / measured_wall if measured_wall else 0.0
-        summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
+        if self.trainer is None:  # stages overlap: their busy time from the trace (simulation: per sim core)
+            end = time.perf_counter()
+            busy_s = self.scheduler.trace.busy(start, end, len(self.scheduler.sim_cpus))
+            summary.stage_s = {k: busy_s[k] * (end - start) for k in STAGES}
+        else:
+            summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
         summary.cpu_busy = float(np.mean(busy)) if busy else float("nan")
+        summary.busy = {key: float(np.mean(values)) for key, values in stage_busy.items()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         print_summary(summary, self.run_dir)
         return summary
+
+    def stage_processes(self) -> dict[str, list[int]]:
+        """Which processes do which stage's work: simulators, this one (generation, orchestration; colocated:
+        training too), the trainer process (pipelined)."""
+        out = {"simulate": [w.pid for w in self.pool.workers], "main": [os.getpid()]}
+        if self.trainer is None:
+            out["trainer"] = [self.scheduler.trainer.process.pid]
+        return out
 
     def collect(self) -> tuple[RolloutBatch, RolloutStats]:
         """One iteration's rollout: algo.rollout_chunks per env (ppo), or one whole episode per env from
@@ -209,12 +266,16 @@ class Experiment:
 
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / "last.pt"
+        if self.trainer is None:  # the trainer process holds the newest weights and the optimizer
+            model, optimizer = self.scheduler.training_state()
+        else:
+            model, optimizer = self.policy.state_dict(), self.trainer.optimizer.state_dict()
         atomic_save(
             {
                 "format": CHECKPOINT_FORMAT,
                 "policy": policy_identity(self.conf["policy"]),
-                "model": self.policy.state_dict(),
-                "optimizer": self.trainer.optimizer.state_dict(),
+                "model": model,
+                "optimizer": optimizer,
                 "iteration": self.iteration,
                 "env_steps": self.env_steps,
                 "torch_rng": torch.get_rng_state(),
@@ -227,6 +288,8 @@ class Experiment:
         return path
 
     def close(self) -> None:
+        if isinstance(getattr(self, "scheduler", None), PipelineScheduler):
+            self.scheduler.close()
         if self.pool is not None:
             self.pool.close()
         if self.log is not None:

@@ -59,9 +59,8 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     table.add_row("env steps/s (end to end, after warm-up)", _fmt(summary.rollout_steps_per_s, ".1f"))
     table.add_row("success rate (last iteration)", _fmt(summary.success_rate, ".1%"))
     table.add_row("episode return (last iteration)", _fmt(summary.mean_return, ".3f"))
-    total = sum(summary.stage_s.values()) or 1.0
-    for stage, seconds in summary.stage_s.items():
-        table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / total:.0%})")
+    for stage, seconds in summary.stage_s.items():  # stages may overlap: each as a share of the wall time
+        table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / max(summary.wall_s, 1e-9):.0%} of wall)")
     table.add_row("CPU busy (mean over cores)", _fmt(summary.cpu_busy, ".0%"))
     table.add_row("run folder", str(run_dir))
     Console().print(table)

@@ -52,3 +52,33 @@ class CpuMonitor:
         out = {"perf/cpu_busy": sum(busy) / max(len(busy), 1)}
         out.update({f"perf/cpu{core}_busy": b for core, b in zip(self.cores, busy)})
         return out
+
+
+class ProcessCpu:
+    """CPU seconds (user + system) each group of processes used between two calls to `read`, as a
+    share of the cores: where the machine's CPU went, whatever the schedule overlapped."""
+
+    def __init__(self, groups: dict[str, list[int]], cores: int) -> None:
+        self.procs = {name: [psutil.Process(pid) for pid in pids] for name, pids in groups.items()}
+        self.cores = cores
+        self._last = self._times()
+        self._t = time.perf_counter()
+
+    def _times(self) -> dict[str, float]:
+        out = {}
+        for name, procs in self.procs.items():
+            total = 0.0
+            for p in procs:
+                try:
+                    total += sum(p.cpu_times()[:2])
+                except psutil.NoSuchProcess:
+                    pass
+            out[name] = total
+        return out
+
+    def read(self) -> dict[str, float]:
+        now, t = self._times(), time.perf_counter()
+        wall = max(t - self._t, 1e-9)
+        out = {f"perf/cpu_share_{name}": (now[name] - self._last[name]) / (wall * self.cores) for name in now}
+        self._last, self._t = now, t
+        return out

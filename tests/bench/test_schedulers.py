@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, main
 
@@ -13,9 +14,9 @@ MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-
 
 
 def test_benchmark_reports_every_row(tmp_path, capsys):
-    result = main([*MINIMAL, "--json", str(tmp_path / "bench.json")])
+    result = main([*MINIMAL, "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json", str(tmp_path / "bench.json")])
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["colocated", SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
+    assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
     for r in rows.values():
         assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1
         assert math.isfinite(r["limit"]) and r["limit"] > 0 and r["achieved_over_limit"] > 0
@@ -26,6 +27,15 @@ def test_benchmark_reports_every_row(tmp_path, capsys):
     for name in rows:
         assert f"| {name} |" in table
     assert "CPU ms per env step" in table
+    stages = result["stages"]["ebrl[scheduler.groups=2]"]  # where the pipelined mode's time went
+    assert 0 < stages["cpu_share_simulate"] <= 1 and stages["cpu_share_trainer"] > 0 and stages["busy_train"] > 0
+
+
+def test_benchmark_rejects_an_unknown_mode_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["--modes", "colocated", "pipelined"])
+    err = capsys.readouterr().err
+    assert "--modes pipelined: not a scheduler; accepted: colocated, disaggregated, hybrid, async, ebrl" in err
 
 
 def test_straggler_envs_match_the_base_spec_and_step_more_substeps():

@@ -1,9 +1,12 @@
-"""PPO maths on hand-computed cases."""
+"""PPO maths on hand-computed cases, and the decoupled (staleness-corrected) loss and update."""
 import math
 
+import pytest
 import torch
 
-from ebrl.rl.ppo import compute_gae, ppo_loss
+from ebrl.rl.ppo import PPOTrainer, compute_gae, ppo_loss
+from tests.conftest import compose_config
+from tests.rl.test_grpo import one_episode_rollout, policy_of
 
 
 def test_gae_by_hand():
@@ -54,3 +57,66 @@ def test_gae_bootstraps_a_cut_off_episode_from_its_last_obs():
     reward, value, done = torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[True]])
     adv, _ = compute_gae(reward, value, done, torch.tensor([100.0]), 0.9, 0.95, cutoff_value=torch.tensor([[2.0]]))
     assert torch.allclose(adv, torch.tensor([[1.0 + 0.9 * 2.0 - 0.5]]))
+
+
+def test_decoupled_loss_with_behaviour_equal_to_proximal_is_the_plain_loss():
+    g = torch.Generator().manual_seed(0)
+    new = (0.3 * torch.randn(4, 3, generator=g)).requires_grad_()
+    old = 0.3 * torch.randn(4, 3, generator=g)
+    adv, mask = torch.randn(4, generator=g), torch.rand(4, 3, generator=g) > 0.3
+    plain, plain_stats = ppo_loss(new, old, adv, mask, clip=0.2)
+    (plain_grad,) = torch.autograd.grad(plain, new)
+    decoupled, stats = ppo_loss(new, old, adv, mask, clip=0.2, behaviour_log_prob=old.clone())
+    (grad,) = torch.autograd.grad(decoupled, new)
+    assert torch.equal(decoupled, plain) and torch.equal(grad, plain_grad)
+    assert all(torch.equal(stats[k], v) for k, v in plain_stats.items())
+    assert stats["train/is_weight_mean"].item() == 1.0 and stats["train/is_truncated"].item() == 0.0
+
+
+def test_decoupled_weight_truncates_at_is_clip():
+    # proximal = new (ratio 1, surrogate = advantage); the behaviour policy was less likely on some actions
+    old = torch.zeros(2, 2)
+    behaviour = torch.tensor([[-1.0, 0.0], [-0.1, -5.0]])  # raw weights e, 1, e^0.1, e^5 (never executed)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, stats = ppo_loss(old.clone(), old, adv, mask, clip=0.2, behaviour_log_prob=behaviour, is_clip=2.0)
+    w = [2.0, 1.0, math.exp(0.1)]  # e -> 2: truncated
+    assert abs(loss.item() - -(w[0] * 1.0 + w[1] * 1.0 + w[2] * -2.0) / 3) < 1e-6
+    assert abs(stats["train/is_weight_mean"].item() - sum(w) / 3) < 1e-6
+    assert abs(stats["train/is_truncated"].item() - 1 / 3) < 1e-6  # the masked e^5 does not count
+    with pytest.raises(ValueError, match="is_clip=0"):
+        ppo_loss(old, old, adv, mask, clip=0.2, behaviour_log_prob=behaviour, is_clip=0)
+
+
+def test_decoupled_gradient_is_the_plain_gradient_scaled_by_the_weight():
+    # one chunk of two actions inside the clip range, advantage 1: d loss / d new_i = -ratio_i / 2 unweighted
+    new = torch.tensor([[math.log(1.1), math.log(0.9)]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    behaviour = torch.tensor([[math.log(0.5), math.log(2.0)]], requires_grad=True)  # raw weights 2 and 0.5
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = ppo_loss(new, old, adv, mask, clip=0.2, behaviour_log_prob=behaviour, is_clip=1.5)
+    loss.backward()
+    assert torch.allclose(new.grad, torch.tensor([[-1.5 * 1.1 / 2, -0.5 * 0.9 / 2]]))  # 2 truncated to 1.5
+    assert behaviour.grad is None  # the weight is a constant
+
+
+def test_decoupled_update_on_a_real_policy():
+    # the rollout's log-probs come from these weights: no staleness, so the weights are ~1 and none truncates
+    policy = policy_of("openpi")
+    batch = one_episode_rollout(policy)
+    algo = compose_config("algo=ppo", "algo.epochs=1", "algo.minibatches=2").algo
+    trainer = PPOTrainer(policy, algo)
+    flat = {k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1), {
+        k: v.flatten(0, 1) for k, v in batch.extras.items()}
+    with torch.no_grad():
+        whole = policy.evaluate(*flat)[0]
+    assert torch.allclose(trainer.proximal_log_prob(*flat, rows=3), whole, atol=1e-5)  # 8 rows in 3 + 3 + 2
+    out = trainer.update(batch, decoupled=True)
+    assert abs(out["train/is_weight_mean"] - 1.0) < 1e-2 and out["train/is_truncated"] == 0.0, out
+    assert all(math.isfinite(v) for v in out.values()), out
+    # the same data, as if sampled by weights that made every action e times less likely: all truncated at 2
+    policy = policy_of("openpi")
+    batch.log_prob -= 1.0
+    out = PPOTrainer(policy, algo).update(batch, decoupled=True, is_clip=2.0)
+    assert abs(out["train/is_weight_mean"] - 2.0) < 1e-5 and out["train/is_truncated"] == 1.0, out
+    assert "train/is_weight_mean" not in PPOTrainer(policy, algo).update(batch)

@@ -1,0 +1,481 @@
+"""The pipelined runtime behind `scheduler=ebrl | async | hybrid | disaggregated` (DESIGN.md sections 2-3).
+
+One event loop in the supervisor drives the simulator processes, generation (in this process) and
+the trainer process. The modes are switches of this one loop, not separate code:
+
+- `overlap`: the trainer trains on iteration i-1 while rollout i collects (the rollout may run up to
+  max(1, max_staleness) iterations ahead of the trainer). Weights come back with a version and are
+  swapped at a chunk boundary; every chunk records its version; at training time chunks older than
+  `max_staleness` versions are masked out and counted, and the loss is decoupled PPO. Without it,
+  a rollout waits for the previous update (synchronous).
+- `groups`: the envs split into groups; a group whose chunk ended queues for generation, which
+  serves every queued group in one batch while the others simulate. One group = lockstep.
+- `core_rebinding`: the scheduler owns the simulation cores; an env runs its chunk only while it
+  holds one (os.sched_setaffinity), and a freed core goes to the ready env with the longest EMA
+  step time. Off: every ready env is submitted at once and the OS places them.
+- `train_share`: the share of the cores given to the trainer alone (disaggregated; on GPUs the
+  second GPU); null: it shares every core.
+
+Inside a chunk every env steps on its own (its chunk runs in its process without a barrier); the
+observations, rewards and dones cross through each env's shared-memory slot.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ebrl.config import train_core_count
+from ebrl.envs.worker import ChunkReport, SimWorkerPool
+from ebrl.policies.base import Policy
+from ebrl.rl.ppo import RolloutBatch, batch_shapes
+from ebrl.runtime.colocated import RolloutStats, stack_steps
+from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
+from ebrl.telemetry.timers import StageTimers
+from ebrl.telemetry.trace import Trace
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The switches of one mode (read from `scheduler.*`)."""
+
+    overlap: bool
+    groups: int
+    core_rebinding: bool
+    max_staleness: int
+    queue_size: int | None  # groups that may wait for generation at once; null: all
+    train_share: float | None  # share of the cores for the trainer alone; null: it shares every core
+    is_clip: float  # truncation of the behaviour importance weight (decoupled PPO)
+    train_threads: int | None
+
+    @classmethod
+    def from_config(cls, scheduler: dict[str, Any]) -> "Schedule":
+        return cls(**{name: scheduler[name] for name in cls.__dataclass_fields__})
+
+    @property
+    def ahead(self) -> int:
+        """How many iterations the rollout may run ahead of the last finished update."""
+        return max(1, self.max_staleness) if self.overlap else 0
+
+
+class CorePool:
+    """The simulation cores: an env runs only while it holds one; a freed core goes to the ready env
+    with the longest estimated step time (EMA of its measured steps; never-measured envs first)."""
+
+    def __init__(self, cores: Sequence[int], alpha: float = 0.3) -> None:
+        if not cores:
+            raise ValueError("a core pool needs at least one core")
+        self.free: list[int] = list(cores)
+        self.core_of: dict[int, int] = {}  # env -> the core it holds
+        self.ready: list[int] = []  # envs with a chunk to run, in arrival order
+        self.ema: dict[int, float] = {}
+        self.alpha = alpha
+        self.decisions: deque[tuple[int, int, float, float]] = deque(maxlen=100_000)  # env, core, its est., max other
+
+    def estimate(self, env: int) -> float:
+        return self.ema.get(env, math.inf)
+
+    def observe(self, env: int, step_s: float) -> None:
+        old = self.ema.get(env)
+        self.ema[env] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+
+    def push(self, env: int) -> None:
+        self.ready.append(env)
+
+    def release(self, env: int) -> int:
+        core = self.core_of.pop(env)
+        self.free.append(core)
+        return core
+
+    def dispatch(self) -> list[tuple[int, int]]:
+        """Hand free cores to ready envs, longest estimated step first (ties: first come)."""
+        out = []
+        while self.free and self.ready:
+            env = max(self.ready, key=self.estimate)  # max returns the first of equals
+            self.ready.remove(env)
+            others = max((self.estimate(e) for e in self.ready), default=-math.inf)
+            core = self.free.pop(0)
+            self.core_of[env] = core
+            self.decisions.append((env, core, self.estimate(env), others))
+            out.append((env, core))
+        return out
+
+
+class Dispatcher:
+    """The thread that runs chunks: it waits on every simulator pipe and the trainer's, so a finished
+    chunk frees its core and the next ready env starts at once, even while the main thread generates.
+
+    The main thread hands it envs whose actions are written (`ready`) and reads what happened from
+    `events`: ("chunk", env, ChunkReport), ("trainer", message) or ("error", exception).
+    """
+
+    def __init__(self, pool: SimWorkerPool, cores: CorePool | None, trainer: TrainerProcess) -> None:
+        self.pool, self.cores, self.trainer = pool, cores, trainer
+        self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._ready: list[int] = []  # without a core pool: envs to submit at once
+        self._running: dict[Any, int] = {}  # worker connection -> env
+        self._wake_recv, self._wake_send = multiprocessing.Pipe(duplex=False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ebrl-dispatcher", daemon=True)
+        self._thread.start()
+
+    def ready(self, envs: Sequence[int]) -> None:
+        """These envs' actions are in their slots: run their chunks as cores allow."""
+        with self._lock:
+            for env in envs:
+                if self.cores is None:
+                    self._ready.append(env)
+                else:
+                    self.cores.push(env)
+        self._wake_send.send_bytes(b"!")
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self._wake_send.send_bytes(b"!")
+        except OSError:
+            pass
+        self._thread.join(10.0)
+
+    def _start_ready(self) -> None:
+        with self._lock:
+            if self.cores is None:
+                starting, self._ready = [(env, None) for env in self._ready], []
+            else:
+                starting = self.cores.dispatch()
+        for env, core in starting:
+            worker = self.pool.workers[env]
+            if core is not None:
+                worker.bind([core])
+            worker.submit(worker.chunk_len)
+            self._running[worker.connection] = env
+
+    def _run(self) -> None:
+        results, died = self.trainer.waitables
+        try:
+            while not self._stopping:
+                self._start_ready()
+                ready = multiprocessing.connection.wait([*self._running, results, died, self._wake_recv])
+                for conn in ready:
+                    if conn is self._wake_recv:
+                        while conn.poll():
+                            conn.recv_bytes()
+                    elif conn is results or (conn is died and not results.poll()):
+                        self.events.put(("trainer", self.trainer.receive()))
+                    elif conn in self._running:
+                        env = self._running.pop(conn)
+                        report = self.pool.workers[env].wait()
+                        if self.cores is not None:
+                            with self._lock:
+                                self.cores.release(env)
+                                if report.executed:
+                                    self.cores.observe(env, float(report.step_times.mean()))
+                        self.events.put(("chunk", env, report))
+        except Exception as e:  # noqa: BLE001  (the main thread raises it)
+            if not self._stopping:
+                self.events.put(("error", e))
+
+
+@dataclass
+class _Group:
+    """One group of envs and the segment (one iteration's chunks) it is collecting."""
+
+    index: int
+    envs: list[int]
+    segment: int = 0  # the iteration this group's chunks belong to
+    steps: list[dict] = field(default_factory=list)  # finished chunk steps of the segment
+    pending: dict | None = None  # the chunk in flight: obs, chunk, extras, log_prob, value, version
+    reports: dict[int, ChunkReport] = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+
+def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Groups' batches (T, N_g, ...) side by side -> one (T, N, ...) batch, envs in group order."""
+    def cat(get: Any, dim: int = 1) -> Any:
+        return torch.cat([get(b) for b in batches], dim)
+
+    first = batches[0]
+    return RolloutBatch(
+        obs={k: cat(lambda b, k=k: b.obs[k]) for k in first.obs},
+        chunk=cat(lambda b: b.chunk),
+        extras={k: cat(lambda b, k=k: b.extras[k]) for k in first.extras},
+        log_prob=cat(lambda b: b.log_prob),
+        value=cat(lambda b: b.value),
+        reward=cat(lambda b: b.reward),
+        done=cat(lambda b: b.done),
+        mask=cat(lambda b: b.mask),
+        last_value=cat(lambda b: b.last_value, 0),
+        cutoff_value=cat(lambda b: b.cutoff_value),
+        version=cat(lambda b: b.version),
+    )
+
+
+def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:
+    """Mask out (in place) the chunk steps made more than `max_staleness` versions before `train_version`.
+
+    Returns (dropped chunk steps, mean staleness). The steps stay in the batch for GAE (their rewards
+    and recorded values still chain the episode) but carry no policy loss.
+    """
+    staleness = train_version - batch.version
+    stale = staleness > max_staleness
+    batch.mask[stale] = False
+    return int(stale.sum()), float(staleness.float().mean())
+
+
+def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
+    out = RolloutStats()
+    for s in parts:
+        out.env_steps += s.env_steps
+        out.returns += s.returns
+        out.lengths += s.lengths
+        out.successes += s.successes
+        out.step_times += s.step_times
+    return out
+
+
+class PipelineScheduler:
+    """Rollout by one event loop over simulator pipes and the trainer's pipe; see the module docstring."""
+
+    def __init__(self, pool: SimWorkerPool, policy: Policy, timers: StageTimers, device: torch.device,
+                 conf: dict[str, Any], cores: Sequence[int], base_version: int = 0,
+                 optimizer_state: dict | None = None) -> None:
+        self.pool, self.policy, self.timers, self.device = pool, policy, timers, device
+        self.schedule = Schedule.from_config(conf["scheduler"])
+        self.chunks = int(conf["algo"]["rollout_chunks"])
+        n = len(pool.workers)
+        self.groups = [_Group(g, [int(i) for i in envs]) for g, envs in
+                       enumerate(np.array_split(np.arange(n), self.schedule.groups))]
+        self.group_of = {i: g for g in self.groups for i in g.envs}
+        tokens, mask = policy.tokenize([w.spec.instruction for w in pool.workers])
+        self.tokens, self.token_mask = torch.from_numpy(tokens), torch.from_numpy(mask)
+        self.trace = Trace()
+
+        cores = list(cores)
+        k = train_core_count(self.schedule.train_share, len(cores)) if self.schedule.train_share else 0
+        self.train_cpus = cores[len(cores) - k:] if k else cores
+        self.sim_cpus = cores[: len(cores) - k] if k else cores
+        self._affinity = os.sched_getaffinity(0)  # given back at close
+        os.sched_setaffinity(0, set(self.sim_cpus))  # generation runs beside the simulators
+        for worker in pool.workers:
+            worker.bind(self.sim_cpus)
+        cores = CorePool(self.sim_cpus) if self.schedule.core_rebinding else None
+
+        train_device = str(device)
+        if device.type == "cuda" and k and torch.cuda.device_count() > 1:
+            train_device = "cuda:1"  # disaggregated: training on its own GPU
+        # training alone on its cores may use them all; sharing them with the rollout on CPU, one thread
+        # (see experiment.generation_threads)
+        threads = self.schedule.train_threads or (len(self.train_cpus) if k or device.type == "cuda" else 1)
+        self.trainer = TrainerProcess(conf, pool.spec, policy, self.train_cpus, threads, train_device,
+                                      optimizer_state)
+        self.base_version = base_version  # updates made before this run started (a resumed run)
+        self.version = 0  # of the weights generation holds, counted by the channel
+        self.queue: deque[_Group] = deque()  # groups waiting for generation
+        self.waiting: list[_Group] = []  # groups ready but held back: queue full or too far ahead of training
+        self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
+        self._state: tuple | None = None  # the trainer's answer to a state request
+        self.dispatcher = Dispatcher(pool, cores, self.trainer)
+        self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}
+        self.results: dict[int, tuple[RolloutStats, dict[str, float]]] = {}
+        self.trained = 0  # updates finished in this run
+        self.returned = 0  # iterations handed to the caller
+        self.shipped: dict[int, tuple[RolloutStats, dict[str, float]]] = {}  # sent to the trainer, not yet trained
+        self.queue.extend(self.groups)  # every group starts ready: its first obs is in shared memory
+
+    # --- the caller's view ----------------------------------------------------------------------
+    def next_iteration(self) -> tuple[RolloutStats, dict[str, float]]:
+        """Drive the loop until the next iteration's update finished; its rollout stats and metrics."""
+        want = self.returned
+        while want not in self.results:
+            self._step()
+        self.returned += 1
+        return self.results.pop(want)
+
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The trainer's model and optimizer state after every update sent so far (for a checkpoint)."""
+        self.trainer.request_state()
+        while self._state is None:
+            self._handle(self.dispatcher.events.get())
+        state, self._state = self._state, None
+        return state
+
+    def close(self) -> None:
+        self.dispatcher.stop()
+        self.trainer.close()
+        os.sched_setaffinity(0, self._affinity)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _step(self) -> None:
+        """Generate for the queued groups (if any), then handle what the dispatcher reported meanwhile
+        (waiting for at least one event when there was nothing to generate)."""
+        if self.queue:
+            self._generate()
+        events = self.dispatcher.events
+        self._handle(events.get() if not self.queue else events.get_nowait() if not events.empty() else None)
+        while not events.empty():
+            self._handle(events.get_nowait())
+
+    def _handle(self, event: tuple | None) -> None:
+        if event is None:
+            return
+        kind = event[0]
+        if kind == "chunk":
+            self._chunk_reported(event[1], event[2])
+        elif kind == "trainer":
+            self._trainer_message(event[1])
+        else:  # "error": the dispatcher or the trainer failed
+            raise event[1]
+
+    def _chunk_reported(self, env: int, report: ChunkReport) -> None:
+        group = self.group_of[env]
+        group.reports[env] = report
+        self.trace.add(f"simulate/env{env}", "chunk", report.started, report.ended, steps=report.executed,
+                       step_s=float(report.step_times.sum()), cpus=list(report.cpus),
+                       version=int(group.pending["version"][0]))
+        if len(group.reports) == len(group.envs):
+            self._chunk_done(group)
+
+    def _chunk_done(self, group: _Group) -> None:
+        """Every env of the group reported its chunk: record the chunk step, then queue for generation."""
+        reports = [group.reports[i] for i in group.envs]
+        group.reports = {}
+        n, H = len(reports), self.policy.chunk_len
+        rec = group.pending
+        group.pending = None
+        reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, H), bool)
+        for j, r in enumerate(reports):
+            reward[j] = r.rewards.sum()
+            done[j] = r.done
+            mask[j, : r.executed] = True
+            group.stats.env_steps += r.executed
+            group.stats.step_times.append(r.step_times)
+            if r.episode is not None:
+                group.stats.returns.append(r.episode["return"])
+                group.stats.lengths.append(r.episode["length"])
+                group.stats.successes.append(r.episode["success"])
+        rec.update(reward=torch.from_numpy(reward), done=torch.from_numpy(done), mask=torch.from_numpy(mask),
+                   cutoff_value=torch.zeros(n))
+        rec["cut"] = [j for j, r in enumerate(reports) if r.truncated and r.final_obs is not None]
+        rec["final_obs"] = [reports[j].final_obs for j in rec["cut"]]
+        group.steps.append(rec)
+        self._enqueue(group)
+
+    def _enqueue(self, group: _Group) -> None:
+        limit = self.schedule.queue_size or len(self.groups)
+        if len(self.queue) < limit:
+            self.queue.append(group)
+        else:
+            self.waiting.append(group)
+
+    def _may_start(self, group: _Group) -> bool:
+        """A group may start a new segment while it is at most `ahead` iterations beyond the updates done."""
+        return group.segment - self.trained <= self.schedule.ahead
+
+    def _generate(self) -> None:
+        """Serve every queued group in one batch: finish their chunk steps (cutoff and bootstrap values),
+        swap in newer weights at this chunk boundary, and sample the next chunks."""
+        groups = list(self.queue)
+        self.queue.clear()
+        t0 = time.perf_counter()
+        with self.timers.stage("generate"), torch.inference_mode():
+            cut = [(g, rec) for g in groups if g.steps and (rec := g.steps[-1]).get("cut")]
+            if cut:  # values of the obs episodes were cut off on (their step limit), by the weights that acted
+                finals = [obs for _, rec in cut for obs in rec["final_obs"]]
+                envs = [g.envs[j] for g, rec in cut for j in rec["cut"]]
+                values = self._value(self._batch_obs(finals, envs))
+                at = 0
+                for _, rec in cut:
+                    rec["cutoff_value"][rec["cut"]] = values[at: at + len(rec["cut"])]
+                    at += len(rec["cut"])
+            for g in groups:
+                if g.steps:
+                    g.steps[-1].pop("cut")
+                    g.steps[-1].pop("final_obs")
+            ending = [g for g in groups if len(g.steps) == self.chunks]
+            if ending:
+                envs = [i for g in ending for i in g.envs]
+                values = self._value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
+                at = 0
+                for g in ending:
+                    self._finish_segment(g, values[at: at + len(g.envs)])
+                    at += len(g.envs)
+            starting = []
+            for g in groups:
+                (starting if self._may_start(g) else self.waiting).append(g)
+            if starting:
+                self.version = self.trainer.channel.pull(self.policy, self.version)
+                envs = [i for g in starting for i in g.envs]
+                obs = self._batch_obs([self.pool.workers[i].obs for i in envs], envs)
+                out = self.policy.sample({k: v.to(self.device) for k, v in obs.items()})
+                chunk = out.chunk.float().cpu()
+                at = 0
+                for g in starting:
+                    rows = slice(at, at + len(g.envs))
+                    at += len(g.envs)
+                    g.pending = dict(
+                        obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows].cpu(),
+                        extras={k: v[rows].cpu() for k, v in out.extras.items()},
+                        log_prob=out.log_prob[rows].cpu(), value=out.value[rows].float().cpu(),
+                        version=torch.full((len(g.envs),), self.base_version + self.version, dtype=torch.long),
+                    )
+                    for i, actions in zip(g.envs, chunk[rows].numpy()):
+                        self.pool.workers[i].actions[: len(actions)] = actions
+                    self.dispatcher.ready(g.envs)
+        self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in groups],
+                       version=self.version)
+
+    def _finish_segment(self, group: _Group, last_value: torch.Tensor) -> None:
+        """The group collected its chunks of one iteration; once every group did, ship that iteration."""
+        batch = stack_steps(group.steps, last_value)
+        batch.version = torch.stack([rec["version"] for rec in group.steps])
+        done = self.segments.setdefault(group.segment, {})
+        done[group.index] = (batch, group.stats)
+        group.steps, group.stats = [], RolloutStats()
+        group.segment += 1
+        if len(done) == len(self.groups):
+            iteration = group.segment - 1
+            parts = [done[g.index] for g in self.groups]
+            del self.segments[iteration]
+            batch = concat_envs([b for b, _ in parts])
+            self.last_shapes = batch_shapes(batch)
+            dropped, staleness = drop_stale(batch, self.base_version + iteration, self.schedule.max_staleness)
+            self.shipped[iteration] = (merge_stats([s for _, s in parts]),
+                                       {"sched/dropped_chunks": float(dropped), "sched/staleness_mean": staleness})
+            self.trainer.train(iteration, batch, decoupled=self.schedule.overlap, is_clip=self.schedule.is_clip)
+
+    def _trainer_message(self, message: tuple) -> None:
+        if message[0] == "state":
+            self._state = message[1:]
+            return
+        if message[0] != "trained":
+            raise TrainerError(f"unexpected message {message[0]!r} from the trainer process")
+        _, iteration, metrics, version, start, end = message
+        self.trace.add("train", "update", start, end, iteration=iteration, version=version)
+        stats, shipped = self.shipped.pop(iteration)
+        metrics = {**metrics, **shipped, "sched/weights_version": float(self.base_version + version)}
+        self.results[iteration] = (stats, metrics)
+        self.trained += 1
+        held, self.waiting = self.waiting, []
+        for g in held:  # groups held back for this update (or for queue room) may go on
+            self._enqueue(g)
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
+        obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
+        obs["tokens"] = self.tokens[envs]
+        obs["token_mask"] = self.token_mask[envs]
+        return obs
+
+    def _value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()

@@ -1,0 +1,158 @@
+"""The pipelined schedules (ebrl, async, hybrid, disaggregated) on real simulator processes and a real
+trainer process: behaviour read from the run's trace and metrics, never from timings."""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from ebrl.config import ConfigError, validate
+from ebrl.rl.ppo import RolloutBatch
+from ebrl.runtime.experiment import Experiment
+from ebrl.runtime.pipeline import CorePool, concat_envs, drop_stale
+from tests.conftest import compose_config
+
+WORKLOAD = ["env.num_envs=4", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=3",
+            "env.max_episode_steps=24", "progress=false", "logger=none", "checkpoint_every=1000"]
+
+
+def run(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:
+    """A short real run; the finished Experiment (its scheduler keeps the trace) and its logged metrics."""
+    exp = Experiment.from_config(compose_config(*WORKLOAD, *overrides), run_dir=tmp_path / "run")
+    exp.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return exp, metrics
+
+
+# --- the parts ---------------------------------------------------------------------------------
+def test_a_freed_core_goes_to_the_ready_env_with_the_longest_step_estimate():
+    pool = CorePool([0, 1])
+    for env, step_s in [(0, 0.010), (1, 0.030), (2, 0.020), (3, 0.050)]:
+        pool.observe(env, step_s)
+    for env in (0, 1, 2, 3):
+        pool.push(env)
+    assert pool.dispatch() == [(3, 0), (1, 1)]  # two cores: the two slowest
+    assert pool.dispatch() == []  # no core free
+    assert pool.release(1) == 1
+    assert pool.dispatch() == [(2, 1)]  # the freed core: the slowest of the rest
+    pool.push(4)  # never measured: goes first, so that it gets an estimate
+    pool.release(3)
+    assert pool.dispatch() == [(4, 0)]
+    assert all(chosen >= other for _, _, chosen, other in pool.decisions)
+
+
+def test_the_step_estimate_is_an_exponential_average():
+    pool = CorePool([0], alpha=0.5)
+    pool.observe(0, 1.0)
+    pool.observe(0, 3.0)
+    assert pool.estimate(0) == pytest.approx(2.0)
+    assert pool.estimate(1) == math.inf
+
+
+def _batch(T: int, N: int, version: list[int]) -> RolloutBatch:
+    return RolloutBatch(
+        obs={"state": torch.zeros(T, N, 3)}, chunk=torch.zeros(T, N, 2, 1), extras={}, log_prob=torch.zeros(T, N, 2),
+        value=torch.zeros(T, N), reward=torch.zeros(T, N), done=torch.zeros(T, N, dtype=torch.bool),
+        mask=torch.ones(T, N, 2, dtype=torch.bool), last_value=torch.zeros(N), cutoff_value=torch.zeros(T, N),
+        version=torch.tensor(version).view(T, 1).expand(T, N).clone(),
+    )
+
+
+def test_chunks_beyond_the_staleness_bound_are_masked_and_counted():
+    batch = _batch(4, 3, [3, 4, 5, 6])
+    dropped, staleness = drop_stale(batch, train_version=6, max_staleness=2)
+    assert dropped == 3  # the chunk step of version 3, in each of the 3 envs
+    assert staleness == pytest.approx((3 + 2 + 1 + 0) / 4)
+    assert not batch.mask[0].any() and batch.mask[1:].all()
+
+
+def test_groups_are_joined_env_by_env():
+    a, b = _batch(2, 1, [0, 1]), _batch(2, 3, [0, 1])
+    b.reward += 1
+    joined = concat_envs([a, b])
+    assert joined.reward.shape == (2, 4) and joined.last_value.shape == (4,)
+    assert joined.reward[:, 0].eq(0).all() and joined.reward[:, 1:].eq(1).all()
+
+
+def test_a_mode_that_cannot_run_here_says_so_in_one_line():
+    with pytest.raises(ConfigError, match="scheduler.groups=5 must be between 1 and env.num_envs=4"):
+        validate(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=5"))
+    with pytest.raises(ConfigError, match="algo=grpo runs with scheduler=colocated"):
+        validate(compose_config(*WORKLOAD, "scheduler=async", "algo=grpo"))
+    with pytest.raises(ConfigError, match="scheduler.train_share=0.1 must give training at least one"):
+        validate(compose_config(*WORKLOAD, "scheduler=disaggregated", "scheduler.train_share=0.1"))
+
+
+# --- real runs ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ebrl_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ebrl")
+    return run(tmp, "scheduler=ebrl", "scheduler.groups=2")
+
+
+def chunk_spans(exp: Experiment):
+    return [s for s in exp.scheduler.trace.spans if s.stage == "simulate"]
+
+
+def test_no_env_waits_for_another_inside_a_chunk(ebrl_run):
+    """A chunk runs its steps back to back in its own process: its span is its steps plus the adapter's
+    own bookkeeping, never time spent waiting for another env."""
+    exp, _ = ebrl_run
+    spans = chunk_spans(exp)
+    assert spans
+    for s in spans:
+        overhead = (s.end - s.start) - s.args["step_s"]
+        assert 0 <= overhead < 0.5 * (s.end - s.start) + 0.01, s
+
+
+def test_with_core_rebinding_each_chunk_runs_on_one_sim_core_and_the_slowest_ready_env_gets_it(ebrl_run):
+    exp, _ = ebrl_run
+    sim_cores = set(exp.scheduler.sim_cpus)
+    for s in chunk_spans(exp):
+        assert len(s.args["cpus"]) == 1 and s.args["cpus"][0] in sim_cores, s
+    decisions = exp.scheduler.dispatcher.cores.decisions
+    # one hand-over per chunk run; the rollout may have started more chunks when the last update ended
+    assert len(chunk_spans(exp)) <= len(decisions) <= len(chunk_spans(exp)) + exp.cfg.env.num_envs
+    assert all(chosen >= other for _, _, chosen, other in decisions)
+
+
+def test_an_env_runs_only_while_it_holds_a_core(ebrl_run):
+    """Never more chunks run at once than the scheduler has sim cores, though 4 envs could."""
+    exp, _ = ebrl_run
+    events = sorted([(s.start, 1) for s in chunk_spans(exp)] + [(s.end, -1) for s in chunk_spans(exp)])
+    running, most = 0, 0
+    for _, d in events:
+        running += d
+        most = max(most, running)
+    assert most <= len(exp.scheduler.sim_cpus) < exp.cfg.env.num_envs
+
+
+def test_weights_reach_generation_with_increasing_versions(ebrl_run):
+    exp, metrics = ebrl_run
+    per_env = defaultdict(list)
+    for s in sorted(chunk_spans(exp), key=lambda s: s.start):
+        per_env[s.lane].append(s.args["version"])
+    for versions in per_env.values():
+        assert versions == sorted(versions)
+    assert max(max(v) for v in per_env.values()) >= 1  # generation swapped in a published update
+    assert [m["sched/weights_version"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert all(m["sched/dropped_chunks"] == 0 for m in metrics)  # the rollout never runs past max_staleness
+
+
+def test_stale_chunks_are_dropped_and_counted_when_the_bound_is_zero(tmp_path):
+    _, metrics = run(tmp_path, "scheduler=async", "scheduler.max_staleness=0")
+    dropped = [m["sched/dropped_chunks"] for m in metrics]
+    staleness = [m["sched/staleness_mean"] for m in metrics]
+    assert dropped[0] == 0  # the first rollout is made by the weights its update starts from
+    assert sum(dropped) > 0 and all(s > 0 for s, d in zip(staleness, dropped) if d)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "async", "hybrid", "disaggregated"])
+def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path):
+    exp, _ = ebrl_run
+    other, metrics = run(tmp_path, f"scheduler={mode}")
+    assert other.scheduler.last_shapes == exp.scheduler.last_shapes
+    assert len(metrics) == 3 and all(math.isfinite(m["losses/policy"]) for m in metrics)
