@@ -140,8 +140,10 @@ class SchedulerConfig:
     max_staleness: int = 2  # chunks more than this many weight versions old are dropped from the loss
     queue_size: Optional[int] = None  # groups that may wait for generation at once; null: all of them
     train_share: Optional[float] = None  # share of the cores (GPUs: the second GPU) for training alone; null: shared
+    decoupled: bool = True  # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
+    sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first
 
 
 @dataclass
@@ -337,6 +339,8 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
     if s.max_staleness < 0:
         raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
+    if not 0 <= s.sim_nice <= 19:
+        raise ConfigError(f"scheduler.sim_nice={s.sim_nice} must be a nice value from 0 (none) to 19")
     if s.is_clip <= 0:
         raise ConfigError(f"scheduler.is_clip={s.is_clip} must be > 0 (2.0 is usual)")
     for key in ("queue_size", "train_threads"):

@@ -50,7 +50,8 @@ def test_composition_errors(override, error):
     [
         (["env.num_envs=0"], "env.num_envs=0 must be a positive number"),
         (["algo.rollout_chunks=-1"], "algo.rollout_chunks=-1"),
-        (["scheduler.name=ebrl"], "scheduler.name='ebrl' is not available"),
+        (["scheduler.name=pipelined"], "scheduler.name='pipelined' is not available; accepted: colocated, disaggregated"),
+        (["scheduler=ebrl", "scheduler.sim_nice=25"], "scheduler.sim_nice=25 must be a nice value from 0 (none) to 19"),
         (["policy.preset=huge"], "policy.preset='huge' is not available; accepted: tiny, small, full"),
         (["env.num_envs=3", "algo.rollout_chunks=3", "algo.minibatches=4"], "does not divide the rollout batch"),
         (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 
 import pytest
 import torch
 
-from ebrl.config import ConfigError, validate
+from ebrl.config import ConfigError, _check_schedule, validate
 from ebrl.rl.ppo import RolloutBatch
 from ebrl.runtime.experiment import Experiment
 from ebrl.runtime.pipeline import CorePool, concat_envs, drop_stale
@@ -84,6 +85,9 @@ def test_a_mode_that_cannot_run_here_says_so_in_one_line():
         validate(compose_config(*WORKLOAD, "scheduler=async", "algo=grpo"))
     with pytest.raises(ConfigError, match="scheduler.train_share=0.1 must give training at least one"):
         validate(compose_config(*WORKLOAD, "scheduler=disaggregated", "scheduler.train_share=0.1"))
+    # on a one-GPU node (checked past the GPU count, which this machine fails first)
+    with pytest.raises(ConfigError, match="trains on a device of its own and hw=h200x1 has one GPU"):
+        _check_schedule(compose_config(*WORKLOAD, "scheduler=disaggregated", "hw=h200x1"), cores=2)
 
 
 # --- real runs ---------------------------------------------------------------------------------
@@ -156,3 +160,24 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
     other, metrics = run(tmp_path, f"scheduler={mode}")
     assert other.scheduler.last_shapes == exp.scheduler.last_shapes
     assert len(metrics) == 3 and all(math.isfinite(m["losses/policy"]) for m in metrics)
+
+
+def test_simulators_yield_shared_cores_to_generation_and_training(tmp_path):
+    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.sim_nice=7"),
+                                 run_dir=tmp_path / "run")
+    try:
+        assert {os.getpriority(os.PRIO_PROCESS, w.pid) for w in exp.pool.workers} == {7}
+        assert os.getpriority(os.PRIO_PROCESS, exp.scheduler.trainer.process.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        exp.close()
+
+
+def test_an_ebrl_run_checkpoints_the_trainer_and_resumes_where_it_stopped(tmp_path):
+    first, metrics = run(tmp_path, "scheduler=ebrl", "iterations=2", "checkpoint_every=1")
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
+    assert ckpt["iteration"] == 2 and ckpt["optimizer"]["state"]  # Adam's moments, from the trainer process
+    resumed = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", f"resume={tmp_path / 'run'}"))
+    resumed.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["sched/weights_version"] == 3.0  # versions go on from the checkpoint's updates
