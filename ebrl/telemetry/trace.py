@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGE_OF_LANE = {"simulate": "simulate", "generate": "generate", "train": "train"}
-
 
 @dataclass
 class Span:
