@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ebrl.envs.worker import SimWorkerPool
+from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
 from ebrl.telemetry.timers import StageTimers
@@ -64,11 +64,7 @@ class ColocatedScheduler:
         return self.batch_obs([w.obs for w in self.pool.workers], list(range(self.num_envs)))
 
     def batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
-        """Observations of the given envs as a policy batch, with each env's instruction tokens."""
-        obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
-        obs["tokens"] = self.tokens[envs]
-        obs["token_mask"] = self.token_mask[envs]
-        return obs
+        return batch_obs(per_env, self.tokens, self.token_mask, envs)
 
     def collect(self, chunks: int, reset_seeds: Sequence[int] | None = None) -> tuple[RolloutBatch, RolloutStats]:
         """`chunks` decisions per env; returns the batch for training (on CPU) and what the envs reported.
@@ -105,29 +101,17 @@ class ColocatedScheduler:
                 with self.timers.stage("generate"):
                     final = self.batch_obs([reports[i].final_obs for i in cut], cut)
                     cutoff_value[cut] = policy.value({k: v.to(self.device) for k, v in final.items()}).float().cpu()
-            reward = np.zeros(n, np.float32)
-            done = np.zeros(n, bool)
-            mask = np.zeros((n, H), bool)
             for i, r in enumerate(reports):
                 if r.executed:
                     self.trace.add(f"simulate/env{i}", "chunk", r.started, r.ended, steps=r.executed,
                                    step_s=float(r.step_times.sum()), cpus=list(r.cpus))
-                reward[i] = r.rewards.sum()
-                done[i] = r.terminated or r.truncated
-                mask[i, : r.executed] = True
-                stats.env_steps += r.executed
-                stats.step_times.append(r.step_times)
-                if r.episode is not None:
-                    stats.returns.append(r.episode["return"])
-                    stats.lengths.append(r.episode["length"])
-                    stats.successes.append(r.episode["success"])
+            outcome = chunk_outcome(reports, H, stats)
             steps.append(
                 dict(obs=obs, chunk=out.chunk.cpu(), extras={k: v.cpu() for k, v in out.extras.items()},
-                     log_prob=out.log_prob.cpu(), value=out.value.cpu(), reward=torch.from_numpy(reward),
-                     done=torch.from_numpy(done), mask=torch.from_numpy(mask), cutoff_value=cutoff_value)
+                     log_prob=out.log_prob.cpu(), value=out.value.cpu(), cutoff_value=cutoff_value, **outcome)
             )
             if one_episode:
-                ended |= done
+                ended |= outcome["done"].numpy()
                 if ended.all():  # every episode over: later chunks would all be masked
                     break
         if one_episode:
@@ -141,6 +125,33 @@ class ColocatedScheduler:
             batch = stack_steps(steps, last_value)
         self.last_shapes = batch_shapes(batch)
         return batch, stats
+
+
+def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_mask: torch.Tensor,
+              envs: list[int]) -> dict[str, torch.Tensor]:
+    """Observations of the given envs as a policy batch (one copy), with each env's instruction tokens."""
+    obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
+    obs["tokens"] = tokens[envs]
+    obs["token_mask"] = token_mask[envs]
+    return obs
+
+
+def chunk_outcome(reports: Sequence[ChunkReport], chunk_len: int, stats: RolloutStats) -> dict[str, torch.Tensor]:
+    """One chunk step's reward (summed over executed steps), done and executed-action mask per env, as
+    tensors; what the envs reported goes into `stats`."""
+    n = len(reports)
+    reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, chunk_len), bool)
+    for i, r in enumerate(reports):
+        reward[i] = r.rewards.sum()
+        done[i] = r.done
+        mask[i, : r.executed] = True
+        stats.env_steps += r.executed
+        stats.step_times.append(r.step_times)
+        if r.episode is not None:
+            stats.returns.append(r.episode["return"])
+            stats.lengths.append(r.episode["length"])
+            stats.successes.append(r.episode["success"])
+    return dict(reward=torch.from_numpy(reward), done=torch.from_numpy(done), mask=torch.from_numpy(mask))
 
 
 def stack_steps(steps: list[dict], last_value: torch.Tensor) -> RolloutBatch:

@@ -181,6 +181,7 @@ class Experiment:
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
         try:
             while self.iteration < cfg.iterations:
+                mark = self.scheduler.trace.mark()  # spans of this iteration are added past it
                 t0 = time.perf_counter()
                 if self.trainer is None:  # pipelined: rollout and training overlap; one update finished
                     stats, train_metrics = self.scheduler.next_iteration()
@@ -193,7 +194,7 @@ class Experiment:
                         train_metrics = self.trainer.update(batch)
                     self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
                 wall = time.perf_counter() - t0
-                busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus))
+                busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus), since=mark)
                 self.iteration += 1
                 self.env_steps += stats.env_steps
                 metrics = {

@@ -40,7 +40,7 @@ from ebrl.config import train_core_count
 from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
-from ebrl.runtime.colocated import RolloutStats, stack_steps
+from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
 from ebrl.telemetry.trace import Trace
@@ -358,22 +358,9 @@ class PipelineScheduler:
         """Every env of the group reported its chunk: record the chunk step, then queue for generation."""
         reports = [group.reports[i] for i in group.envs]
         group.reports = {}
-        n, H = len(reports), self.policy.chunk_len
         rec = group.pending
         group.pending = None
-        reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, H), bool)
-        for j, r in enumerate(reports):
-            reward[j] = r.rewards.sum()
-            done[j] = r.done
-            mask[j, : r.executed] = True
-            group.stats.env_steps += r.executed
-            group.stats.step_times.append(r.step_times)
-            if r.episode is not None:
-                group.stats.returns.append(r.episode["return"])
-                group.stats.lengths.append(r.episode["length"])
-                group.stats.successes.append(r.episode["success"])
-        rec.update(reward=torch.from_numpy(reward), done=torch.from_numpy(done), mask=torch.from_numpy(mask),
-                   cutoff_value=torch.zeros(n))
+        rec.update(chunk_outcome(reports, self.policy.chunk_len, group.stats), cutoff_value=torch.zeros(len(reports)))
         rec["cut"] = [j for j, r in enumerate(reports) if r.truncated and r.final_obs is not None]
         rec["final_obs"] = [reports[j].final_obs for j in rec["cut"]]
         group.steps.append(rec)
@@ -482,10 +469,7 @@ class PipelineScheduler:
 
     # --- helpers -------------------------------------------------------------------------------
     def _batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
-        obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
-        obs["tokens"] = self.tokens[envs]
-        obs["token_mask"] = self.token_mask[envs]
-        return obs
+        return batch_obs(per_env, self.tokens, self.token_mask, envs)
 
     def _value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()

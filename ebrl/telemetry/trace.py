@@ -35,16 +35,21 @@ class Trace:
     def add(self, lane: str, name: str, start: float, end: float, **args: Any) -> None:
         self.spans.append(Span(lane, name, start, end, args))
 
-    def window(self, start: float, end: float) -> list[Span]:
-        """The spans that overlap [start, end], clipped to it."""
-        return [Span(s.lane, s.name, max(s.start, start), min(s.end, end), s.args)
-                for s in self.spans if s.end > start and s.start < end]
+    def mark(self) -> int:
+        """Where the spans added from now on begin. A span is added once it ended, so every span that ends
+        after this moment lies past the mark: `busy(..., since=mark)` need not scan the whole run."""
+        return len(self.spans)
 
-    def busy(self, start: float, end: float, sim_cores: int) -> dict[str, float]:
+    def window(self, start: float, end: float, since: int = 0) -> list[Span]:
+        """The spans (added at or after `since`) that overlap [start, end], clipped to it."""
+        return [Span(s.lane, s.name, max(s.start, start), min(s.end, end), s.args)
+                for s in self.spans[since:] if s.end > start and s.start < end]
+
+    def busy(self, start: float, end: float, sim_cores: int, since: int = 0) -> dict[str, float]:
         """Busy fraction of each stage over [start, end]: the union of its spans over the window's length;
         simulation as the mean occupancy of `sim_cores` cores (sum of env chunk time / (cores x window))."""
         length = max(end - start, 1e-9)
-        spans = self.window(start, end)
+        spans = self.window(start, end, since)
         out: dict[str, float] = {}
         sim = sum(s.end - s.start for s in spans if s.stage == "simulate")
         out["simulate"] = sim / (length * max(sim_cores, 1))
