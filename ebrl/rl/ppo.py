@@ -14,6 +14,7 @@ weight proximal / behaviour, so stale data neither widens the trust region nor b
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -153,20 +154,17 @@ class PPOTrainer:
         return adv, ret, metrics
 
     @torch.no_grad()
-    def proximal_log_prob(
+    def proximal(
         self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int
-    ) -> torch.Tensor:
-        """(B, H) log-prob of every row under the current weights, `rows` at a time to bound activation memory.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H) log-prob and (B,) value of every row under the current weights, `rows` at a time to bound
+        activation memory.
 
         Call it in the mode the epochs run in, so that with unchanged weights it is what the first epoch evaluates.
         """
-        parts = []
-        for start in range(0, chunk.shape[0], rows):
-            s = slice(start, start + rows)
-            log_prob, _, _ = self.policy.evaluate({k: v[s] for k, v in obs.items()}, chunk[s],
-                                                  {k: v[s] for k, v in extras.items()})
-            parts.append(log_prob)
-        return torch.cat(parts)
+        parts = [self.policy.evaluate({k: v[s] for k, v in obs.items()}, chunk[s], {k: v[s] for k, v in extras.items()})
+                 for s in (slice(start, start + rows) for start in range(0, chunk.shape[0], rows))]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
 
     def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0) -> dict[str, float]:
         """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
@@ -175,24 +173,26 @@ class PPOTrainer:
         policy (these weights, before the first step) and reweight by min(proximal / behaviour, is_clip).
         """
         cfg = self.cfg
-        adv, ret, metrics = self.advantages(batch)
         dev = self.device
         obs = {k: _flat(v).to(dev) for k, v in batch.obs.items()}
         extras = {k: _flat(v).to(dev) for k, v in batch.extras.items()}
         chunk, old_lp, mask = _flat(batch.chunk).to(dev), _flat(batch.log_prob).to(dev), _flat(batch.mask).to(dev)
+        B = chunk.shape[0]
+        mb = B // cfg.minibatches
+        self.policy.train()
+        behaviour_lp = None
+        if decoupled:
+            behaviour_lp, (old_lp, value) = old_lp, self.proximal(obs, chunk, extras, mb)
+            # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks
+            batch = dataclasses.replace(batch, value=value.view_as(batch.value).to(batch.value))
+        adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         ret = _flat(ret).to(dev) if ret is not None else None
         if cfg.normalize_advantages and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
 
-        B = chunk.shape[0]
-        mb = B // cfg.minibatches
         sums: dict[str, float] = {}
         count = 0
-        self.policy.train()
-        behaviour_lp = None
-        if decoupled:
-            behaviour_lp, old_lp = old_lp, self.proximal_log_prob(obs, chunk, extras, mb)
         stopped_early = 0.0
         for _ in range(cfg.epochs):
             epoch_kl = 0.0

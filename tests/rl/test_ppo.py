@@ -109,8 +109,9 @@ def test_decoupled_update_on_a_real_policy():
     flat = {k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1), {
         k: v.flatten(0, 1) for k, v in batch.extras.items()}
     with torch.no_grad():
-        whole = policy.evaluate(*flat)[0]
-    assert torch.allclose(trainer.proximal_log_prob(*flat, rows=3), whole, atol=1e-5)  # 8 rows in 3 + 3 + 2
+        whole_lp, _, whole_value = policy.evaluate(*flat)
+    log_prob, value = trainer.proximal(*flat, rows=3)  # 8 rows in 3 + 3 + 2
+    assert torch.allclose(log_prob, whole_lp, atol=1e-5) and torch.allclose(value, whole_value, atol=1e-5)
     out = trainer.update(batch, decoupled=True)
     assert abs(out["train/is_weight_mean"] - 1.0) < 1e-2 and out["train/is_truncated"] == 0.0, out
     assert all(math.isfinite(v) for v in out.values()), out
@@ -120,3 +121,18 @@ def test_decoupled_update_on_a_real_policy():
     out = PPOTrainer(policy, algo).update(batch, decoupled=True, is_clip=2.0)
     assert abs(out["train/is_weight_mean"] - 2.0) < 1e-5 and out["train/is_truncated"] == 1.0, out
     assert "train/is_weight_mean" not in PPOTrainer(policy, algo).update(batch)
+
+
+def test_decoupled_update_takes_advantages_from_the_current_critic():
+    # values recorded by an older critic (here: absurd ones) do not reach the advantages of a decoupled update
+    policy = policy_of("openpi")
+    batch = one_episode_rollout(policy)
+    algo = compose_config("algo=ppo", "algo.epochs=1", "algo.minibatches=2").algo
+    with torch.no_grad():
+        current = policy.evaluate({k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1),
+                                  {k: v.flatten(0, 1) for k, v in batch.extras.items()})[2]
+    batch.value += 100.0
+    out = PPOTrainer(policy, algo).update(batch, decoupled=True)
+    assert abs(out["train/value_mean"] - float(current.mean())) < 1e-4, out
+    plain = PPOTrainer(policy_of("openpi"), algo).update(batch)  # synchronous: the recorded values are current
+    assert abs(plain["train/value_mean"] - float(batch.value.mean())) < 1e-4
