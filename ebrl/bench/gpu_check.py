@@ -1,0 +1,343 @@
+"""Every GPU path of the resource pool, exercised and measured on one node: `python -m ebrl.bench.gpu_check`.
+
+Each check runs on its own (one failure hides no other) and prints PASS, FAIL or SKIP with its figures:
+  basics  device, SMs, memory; bf16 4096x4096 matmul TFLOP/s
+  mps     a daemon of our own for GPU 0; two spawned clients with SM shares 0.25 and 0.75 run the same matmul loop
+          at once (rates about 1:3); a client with a 2 GiB pinned-memory limit must fail to allocate 4 GiB; once
+          stopped, the daemon's control pipe must be gone
+  green   green contexts with 1/4 and 3/4 of the SMs, the matmul loop on each one's stream; rebuilt with the shares
+          swapped, with the rebuild's time
+  memory  a budget of 10% of the device memory: an allocation past it must raise OutOfMemoryError
+  nvml    GpuMonitor readings during a matmul burst (GPM SM utilisation where supported)
+  policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update
+The figures also go to --out as JSON, rewritten after every check. Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+N = 4096  # matmul size
+CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy")
+
+
+class Skip(Exception):
+    """The check cannot run here; the message says why."""
+
+
+class Deadline(BaseException):
+    """--timeout passed; a BaseException so that no check's own handler takes it for its failure."""
+
+
+# --- the workload ------------------------------------------------------------------------------
+def matmul_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    return a, torch.randn_like(a), torch.empty_like(a)
+
+
+def matmul_rate(ops: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seconds: float) -> float:
+    """bf16 N x N matmuls per second on the current stream, over about `seconds` after one warm-up."""
+    a, b, c = ops
+    stream = torch.cuda.current_stream()
+    torch.matmul(a, b, out=c)
+    stream.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            torch.matmul(a, b, out=c)
+        stream.synchronize()
+        n += 8
+    return n / (time.perf_counter() - t0)
+
+
+def tflops(rate: float) -> float:
+    return rate * 2 * N**3 / 1e12
+
+
+# --- children (spawned: module-level, and nothing touches CUDA before their environment is set) ----------
+def mps_client(seconds: float, go: Any, reports: Any) -> None:
+    """An MPS client: ready once CUDA is up, then the matmul loop for `seconds` when `go` is set."""
+    try:
+        ops = matmul_operands()
+        torch.cuda.synchronize()
+        reports.put(("ready", os.getpid()))
+        go.wait()
+        reports.put(("done", {"percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                              "matmul_per_s": matmul_rate(ops, seconds)}))
+    except Exception as e:
+        reports.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def mps_memory_client(reports: Any) -> None:
+    """An MPS client with a pinned-memory limit: 1 GiB must fit, 4 GiB must not."""
+    out: dict[str, Any] = {"limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")}
+    for name, size in (("alloc_1GiB", 2**30), ("alloc_4GiB", 4 * 2**30)):
+        try:
+            x = torch.empty(size, dtype=torch.uint8, device="cuda")
+            x.fill_(1)
+            torch.cuda.synchronize()
+            out[name] = "ok"
+            del x
+            torch.cuda.empty_cache()
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+    reports.put(("done", out))
+
+
+def _collect(reports: Any, count: int, timeout_s: float) -> list[Any]:
+    """`count` reports of the children; a child's error fails the check at once."""
+    out = []
+    for _ in range(count):
+        kind, value = reports.get(timeout=timeout_s)
+        if kind == "error":
+            raise RuntimeError(f"child: {value}")
+        out.append(value)
+    return out
+
+
+# --- the checks -------------------------------------------------------------------------------
+def check_basics(args: argparse.Namespace) -> tuple[bool, dict]:
+    props = torch.cuda.get_device_properties(0)
+    rate = matmul_rate(matmul_operands(), args.seconds)
+    figures = {"device": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+               "memory_gib": round(props.total_memory / 2**30, 1), "bf16_tflops": round(tflops(rate), 1),
+               "torch": torch.__version__, "cuda": torch.version.cuda}
+    return rate > 0, figures
+
+
+def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.runtime.resources import MPS_CONTROL, MpsDaemons, ResourcePool
+
+    if shutil.which(MPS_CONTROL) is None:
+        raise Skip(f"{MPS_CONTROL} is not on PATH")
+    props = torch.cuda.get_device_properties(0)
+    cores = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("spawn")
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ebrl-mps-") as tmp:
+        run_dir = Path(tmp)
+
+        def pool() -> ResourcePool:
+            return ResourcePool(cores, gpus=1, sm_count=props.multi_processor_count,
+                                gpu_memory_bytes=props.total_memory, partition="mps", run_dir=run_dir)
+
+        daemons = MpsDaemons([0], run_dir)
+        control = daemons.daemons[0].control
+        with daemons:
+            shares = pool()
+            shares.lease("small", cores, gpu=0, sm_share=0.25)
+            shares.lease("large", cores, gpu=0, sm_share=0.75)
+            go, reports = ctx.Event(), ctx.Queue()
+            procs = []
+            for stage in ("small", "large"):
+                with shares.spawn_env(stage):
+                    procs.append(ctx.Process(target=mps_client, args=(args.seconds, go, reports), daemon=True))
+                    procs[-1].start()
+            _collect(reports, len(procs), 120)
+            go.set()  # both loops run at once: the shares split the SMs between them
+            rates = {r["percentage"]: r["matmul_per_s"] for r in _collect(reports, len(procs), args.seconds + 60)}
+            for p in procs:
+                p.join(30)
+            small, large = rates["25"], rates["75"]
+            figures.update({"share25_tflops": round(tflops(small), 1), "share75_tflops": round(tflops(large), 1),
+                            "ratio": round(small / large, 3)})
+
+            capped = pool()
+            capped.lease("capped", cores, gpu=0, sm_share=0.5, mem_bytes=2 * 2**30)
+            with capped.spawn_env("capped"):
+                p = ctx.Process(target=mps_memory_client, args=(reports,), daemon=True)
+                p.start()
+            figures.update(_collect(reports, 1, 120)[0])
+            p.join(30)
+        figures["control_pipe_gone"] = not control.exists()
+    ok = (0.15 < figures["ratio"] < 0.6 and figures["alloc_1GiB"] == "ok" and figures["alloc_4GiB"] != "ok"
+          and figures["control_pipe_gone"])
+    return ok, figures
+
+
+def check_green(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.runtime.resources import GreenPartition, ResourceError, green_granule
+
+    try:
+        part = GreenPartition(0, {"a": 0.25, "b": 0.75})
+    except ResourceError as e:
+        raise Skip(str(e)) from None
+    ops = matmul_operands()  # allocated once, in the primary context, used from both green contexts
+
+    def rates() -> dict[str, dict[str, float]]:
+        out = {}
+        for stage in ("a", "b"):
+            with part.use(stage):
+                out[stage] = {"sms": part.sms[stage], "tflops": round(tflops(matmul_rate(ops, args.seconds / 2)), 1)}
+        return out
+
+    figures: dict[str, Any] = {"granule": green_granule(0), "sm_count": part.sm_count, "first": rates()}
+    t0 = time.perf_counter()
+    part.rebuild({"a": 0.75, "b": 0.25})
+    figures["rebuild_ms"] = round(1e3 * (time.perf_counter() - t0), 2)
+    figures["swapped"] = rates()
+    first, swapped = figures["first"], figures["swapped"]
+    ok = first["a"]["tflops"] < first["b"]["tflops"] and swapped["a"]["tflops"] > swapped["b"]["tflops"]
+    return ok, figures
+
+
+def check_memory(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.runtime.resources import apply_memory_budget
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = total // 10
+    torch.cuda.empty_cache()
+    fraction = apply_memory_budget(budget, 0)
+    figures: dict[str, Any] = {"budget_gib": round(budget / 2**30, 2), "fraction": round(fraction, 4)}
+    try:
+        x = torch.empty(budget // 2, dtype=torch.uint8, device="cuda")
+        figures["within"] = "ok"
+        del x
+        try:
+            x = torch.empty(budget + 2**30, dtype=torch.uint8, device="cuda")
+            figures["beyond"] = "allocated"
+            del x
+        except torch.cuda.OutOfMemoryError as e:
+            figures["beyond"] = f"OutOfMemoryError: {str(e).splitlines()[0][:100]}"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)  # the later checks get the whole device again
+        torch.cuda.empty_cache()
+    return figures["within"] == "ok" and figures["beyond"].startswith("OutOfMemoryError"), figures
+
+
+def check_nvml(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.telemetry.monitor import GpuMonitor
+
+    monitor = GpuMonitor(interval_s=0.1)
+    if not monitor.available:
+        raise Skip(monitor.reason)
+    ops = matmul_operands()
+    with monitor:
+        rate = matmul_rate(ops, min(args.seconds, 3.0))
+    summary = monitor.summary()
+    figures = {"gpm_supported": monitor.gpm, "samples": len(monitor.samples), "bf16_tflops": round(tflops(rate), 1),
+               **{f"gpu{gpu}": {k: round(v, 1) for k, v in s.items()} for gpu, s in summary.items()}}
+    return bool(summary) and max(s["mean_util"] for s in summary.values()) > 50, figures
+
+
+def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.bench.policies import build, make_obs, timed
+    from ebrl.config import AlgoConfig, register_configs
+    from ebrl.envs.base import ArraySpec, EnvSpec
+    from ebrl.rl.ppo import PPOTrainer
+    from ebrl.runtime.colocated import stack_steps
+
+    register_configs()
+    spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
+                   max_episode_steps=40)
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")
+    policy = build("openpi", "small", spec).to(cuda).eval()
+    batch_size, chunks = 32, 4
+    obs = {k: v.to(cuda) for k, v in make_obs(policy, batch_size).items()}
+
+    def sample() -> None:
+        policy.sample(obs)
+        torch.cuda.synchronize()
+
+    sample_ms = timed(sample, 10)
+    steps = []
+    for _ in range(chunks):
+        out = policy.sample(obs)
+        steps.append(dict(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
+                          reward=torch.rand(batch_size, device=cuda),
+                          done=torch.zeros(batch_size, dtype=torch.bool, device=cuda),
+                          mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
+                          cutoff_value=torch.zeros(batch_size, device=cuda)))
+    batch = stack_steps(steps, torch.zeros(batch_size, device=cuda))
+    trainer = PPOTrainer(policy, AlgoConfig(name="ppo", epochs=1, minibatches=2), device=cuda)
+    metrics: dict[str, float] = {}
+
+    def update() -> None:
+        metrics.update(trainer.update(batch))
+        torch.cuda.synchronize()
+
+    update_ms = timed(update, 3)
+    figures = {"parameters_m": round(policy.num_parameters() / 1e6, 2), "batch": batch_size, "chunk": policy.chunk_len,
+               "sample_ms": round(sample_ms, 2), "ppo_update_ms": round(update_ms, 2),
+               "rows_per_update": batch_size * chunks, "policy_loss": round(metrics["losses/policy"], 4)}
+    return all(math.isfinite(v) for v in metrics.values()), figures
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
+    "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
+    "policy": check_policy,
+}
+
+
+# --- driver ------------------------------------------------------------------------------------
+def _line(figures: dict) -> str:
+    return "  ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in figures.items())
+
+
+def run_check(name: str, args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    try:
+        ok, figures = RUNNERS[name](args)
+        result = {"status": "PASS" if ok else "FAIL", **figures}
+    except Skip as e:
+        result = {"status": "SKIP", "reason": str(e)}
+    except Exception as e:
+        result = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    status = result.pop("status")
+    print(f"{status:4}  {name:7} {_line(result)}", flush=True)
+    return {"status": status, **result}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go as JSON")
+    parser.add_argument("--timeout", type=int, default=280, help="seconds for the whole script")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (run this on a GPU node)")
+        from ebrl.telemetry.monitor import GpuMonitor
+
+        monitor = GpuMonitor()
+        if not monitor.available:
+            print(f"nvml: {monitor.reason}")
+        return 0
+
+    def deadline(signum: int, frame: Any) -> None:
+        raise Deadline()
+
+    signal.signal(signal.SIGALRM, deadline)
+    signal.alarm(args.timeout)
+    results: dict[str, Any] = {}
+    name = args.only[0]
+    try:
+        for name in args.only:
+            results[name] = run_check(name, args)
+            args.out.write_text(json.dumps(results, indent=2))
+    except Deadline:
+        print(f"FAIL  timeout: --timeout={args.timeout} s passed during {name}; figures so far in {args.out}")
+        results[name] = {"status": "FAIL", "error": f"--timeout={args.timeout} s passed"}
+        args.out.write_text(json.dumps(results, indent=2))
+        return 1
+    finally:
+        signal.alarm(0)
+    return 0 if all(r["status"] != "FAIL" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

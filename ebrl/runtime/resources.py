@@ -1,0 +1,530 @@
+"""One interface for the CPU cores, GPU SM shares and device-memory budgets of every stage (DESIGN.md section 2.4).
+
+Cores are real: the affinity of every thread of a stage's processes. SM shares come from NVIDIA MPS (set in a
+child's environment before its CUDA starts and fixed for the process's life, so a re-quota respawns the worker), from
+CUDA green contexts (re-created in-process), or, with partition "none", are only recorded and the GPU time-slices.
+torch is imported only where a GPU is touched, so spawned CPU workers that import this module start fast.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+PARTITIONS = ("none", "mps", "green")
+MPS_CONTROL = "nvidia-cuda-mps-control"
+GREEN_UNAVAILABLE = ("green contexts need a CUDA build of torch with green-context support and a driver >= 12.4; "
+                     "use hw.sm_partition=mps or none")
+
+# NVIDIA MPS documentation, "Appendix: Environment Variables"
+# (https://docs.nvidia.com/deploy/mps/latest/appendix-environment-variables.html):
+# - CUDA_VISIBLE_DEVICES set when the control daemon starts is remapped by the MPS server: a client sees the daemon's
+#   devices renumbered from 0, and keeping the physical index in the client "would lead to an error".
+# - CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: in a client's environment, constrains the portion of available threads of each
+#   device (a percentage; it can only lower a limit the control daemon set).
+# - CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: in a client's environment, caps the device memory the client can allocate, as
+#   comma-separated <device ordinal>=<size> pairs with a unit suffix, e.g. "0=1G,1=512MB". (The search index held
+#   this section's title only; the format is the page's example as public MPS scripts use it: "0=1G", "0=512M".)
+# Both are read when the client's CUDA initialises, which is why a share is fixed for a process's life.
+
+# CUDA Driver API 12.4, section 6.35 "Green Contexts"
+# (https://docs.nvidia.com/cuda/archive/12.4.0/cuda-driver-api/group__CUDA__GREEN__CONTEXTS.html), the guideline for
+# the SM count of a cuDevSmResourceSplitByCount partition, "subject to change": 6.X at least 1 SM; 7.X at least 2, a
+# multiple of 2; 8.X at least 4, a multiple of 2; 9.0+ at least 8, a multiple of 8. CUDA 13 says to query
+# minSmPartitionSize and smCoscheduledAlignment from cuDeviceGetDevResource instead, which torch does not expose, so
+# this table is a guideline: not checked for compute capability 10+ (assumed like 9.0), and the driver rounds a
+# request up, so a count rounded down here to the rule is what the context gets.
+_GREEN_RULES = {6: (1, 1), 7: (2, 2), 8: (4, 2)}  # compute capability major -> (minimum SMs, multiple)
+_GREEN_RULE_HOPPER = (8, 8)  # 9.0 and later
+
+_ENV_LOCK = threading.RLock()  # one spawn environment at a time: os.environ is the whole process's
+
+
+class ResourceError(ValueError):
+    """A lease, partition or daemon that cannot be had; one line: what was wrong and what would be right."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What one stage holds: cores and, on a GPU, an SM share and a memory budget; version counts its resizes."""
+
+    stage: str
+    cpus: tuple[int, ...]
+    gpu: int | None = None
+    sm_share: float | None = None  # of the GPU's SMs, in (0, 1]
+    mem_bytes: int | None = None
+    version: int = 0
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with `env` set for a block (spawned children copy the parent's environment when they start),
+    restored after; one such block at a time, since os.environ is the whole process's."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+# --- CPU affinity ------------------------------------------------------------------------------
+def _threads(pid: int) -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir(f"/proc/{pid}/task")}
+    except FileNotFoundError:
+        raise ProcessLookupError(f"no process {pid}") from None
+
+
+def set_process_affinity(pid: int, cpus: Iterable[int]) -> None:
+    """Pin every thread of `pid` to `cpus`: sched_setaffinity(pid) alone moves only the main thread, and a torch or
+    OpenMP pool would keep running on the old cores."""
+    cpus = set(cpus)
+    done: set[int] = set()
+    for _ in range(10):  # a thread started meanwhile by a not yet moved one copied the old mask: pass again
+        todo = _threads(pid) - done
+        if not todo:
+            return
+        for tid in todo:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # the thread ended
+        done |= todo
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list format ("0-3,6") as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def process_affinity(pid: int) -> dict[int, set[int]]:
+    """Each thread's allowed CPUs, read back from /proc (what the kernel enforces, not what was asked)."""
+    out: dict[int, set[int]] = {}
+    for tid in _threads(pid):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended
+        for line in status.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[tid] = parse_cpu_list(line.split(":", 1)[1])
+    return out
+
+
+def _cpu_list(cpus: Iterable[int]) -> str:
+    """A set of CPUs in the kernel's list format, for messages."""
+    ranges: list[list[int]] = []
+    for c in sorted(cpus):
+        if ranges and c == ranges[-1][1] + 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+# --- green contexts and memory budgets ---------------------------------------------------------------
+def _require_green() -> None:
+    import torch
+    from torch.cuda import green_contexts
+
+    if not (green_contexts.SUPPORTED and torch.cuda.is_available()):
+        raise ResourceError(GREEN_UNAVAILABLE)
+
+
+def green_rule(device: int) -> tuple[int, int]:
+    """(minimum SMs, multiple of SMs) of one green context on `device`; the table's source is cited above."""
+    import torch
+
+    _require_green()
+    major, _ = torch.cuda.get_device_capability(device)
+    return _GREEN_RULE_HOPPER if major >= 9 else _GREEN_RULES.get(major, (1, 1))
+
+
+def green_granule(device: int) -> int:
+    """SMs per green-context allocation unit on `device`: 8 on compute capability 9.x (Hopper), 2 on 7.x and 8.x."""
+    return green_rule(device)[1]
+
+
+def green_sm_count(share: float, sm_count: int, rule: tuple[int, int]) -> int:
+    """The SMs a green context gets for `share` of `sm_count`: rounded down to the rule's multiple, at least its
+    minimum (rounding down keeps the shares of one GPU within its SMs)."""
+    minimum, multiple = rule
+    return max(minimum, int(share * sm_count + 1e-9) // multiple * multiple)
+
+
+class GreenPartition:
+    """One CUDA green context per stage on one GPU of this process, each on its share of the SMs; `rebuild` re-creates
+    them with new shares (what a re-quota is under hw.sm_partition=green, no respawn needed)."""
+
+    def __init__(self, device: int, shares: dict[str, float]) -> None:
+        import torch
+
+        self.rule = green_rule(device)  # ResourceError without green-context support
+        self.device = device
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sms: dict[str, int] = {}
+        self._contexts: dict[str, Any] = {}
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self.rebuild(shares)
+
+    def rebuild(self, shares: dict[str, float]) -> None:
+        """Drop every context and create one per stage with its new share; waits for the GPU's work first."""
+        import torch
+        from torch.cuda.green_contexts import GreenContext
+
+        sms = {stage: green_sm_count(share, self.sm_count, self.rule) for stage, share in shares.items()}
+        if sum(sms.values()) > self.sm_count:
+            raise ResourceError(f"green shares {shares} need {sum(sms.values())} SMs on GPU {self.device}, which has "
+                                f"{self.sm_count} (at least {self.rule[0]} per context): lower the shares")
+        torch.cuda.synchronize(self.device)  # no kernel may still run in a context about to go
+        self._contexts.clear()
+        self._streams.clear()
+        self.sms = sms
+        for stage, n in sms.items():
+            try:
+                ctx = GreenContext.create(num_sms=n, device_id=self.device)
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ResourceError(f"green context of {n} SMs on GPU {self.device} failed ({first}); "
+                                    f"{GREEN_UNAVAILABLE}") from None
+            self._contexts[stage], self._streams[stage] = ctx, ctx.Stream()
+
+    def context(self, stage: str) -> Any:
+        """The stage's torch.cuda.green_contexts.GreenContext."""
+        if stage not in self._contexts:
+            raise ResourceError(f"stage {stage!r} has no green context; stages: {', '.join(self._contexts)}")
+        return self._contexts[stage]
+
+    def stream(self, stage: str) -> "torch.cuda.Stream":
+        """The stage's stream: work queued on it runs on the stage's SMs only."""
+        self.context(stage)
+        return self._streams[stage]
+
+    @contextmanager
+    def use(self, stage: str) -> Iterator["torch.cuda.Stream"]:
+        """Run the block in the stage's green context, on its stream."""
+        import torch
+
+        ctx, stream = self.context(stage), self.stream(stage)
+        ctx.set_context()
+        try:
+            with torch.cuda.stream(stream):
+                yield stream
+        finally:
+            ctx.pop_context()
+
+
+def apply_memory_budget(mem_bytes: int, device: int) -> float:
+    """Cap this process's CUDA caching allocator at mem_bytes on `device` (past it an allocation raises
+    OutOfMemoryError); returns the fraction of the device's memory that is."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ResourceError(f"a memory budget of {mem_bytes} bytes needs a CUDA device and this torch has none: "
+                            "lease mem_bytes=None on this hw")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < mem_bytes <= total:
+        raise ResourceError(f"mem_bytes={mem_bytes} is not in (0, {total}], the memory of GPU {device}")
+    fraction = mem_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def over_budget(usage: dict[str, int], leases: dict[str, Lease]) -> list[str]:
+    """One line per stage whose measured device memory exceeds its lease's budget."""
+    lines = []
+    for stage, used in usage.items():
+        lease = leases.get(stage)
+        if lease is not None and lease.mem_bytes is not None and used > lease.mem_bytes:
+            lines.append(f"stage {stage} uses {used} bytes ({used / 2**30:.2f} GiB) of GPU {lease.gpu}, over its "
+                         f"budget of {lease.mem_bytes} bytes ({lease.mem_bytes / 2**30:.2f} GiB)")
+    return lines
+
+
+# --- MPS daemons ---------------------------------------------------------------------------------
+def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
+    """The pipe and log directories of GPU `gpu`'s MPS daemon under a run folder."""
+    base = Path(run_dir) / "mps" / f"gpu{gpu}"
+    return base / "pipe", base / "log"
+
+
+class MpsDaemon:
+    """The MPS control daemon of one GPU, with pipe and log directories of its own under the run folder, so a run
+    neither needs nor disturbs a system-wide daemon; stopped at interpreter exit if nobody stopped it."""
+
+    def __init__(self, gpu: int, run_dir: Path, timeout_s: float = 10.0) -> None:
+        self.gpu = gpu
+        self.pipe_dir, self.log_dir = mps_dirs(run_dir, gpu)
+        self.timeout_s = timeout_s
+        self.running = False
+        self._exe: str | None = None
+
+    @property
+    def control(self) -> Path:
+        """The daemon's control pipe: present while it runs."""
+        return self.pipe_dir / "control"
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": str(self.gpu), "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+                "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+
+    def start(self) -> None:
+        """`nvidia-cuda-mps-control -d` for this GPU; returns once its control pipe exists."""
+        exe = shutil.which(MPS_CONTROL)
+        if exe is None:
+            raise ResourceError(f"hw.mps=true but {MPS_CONTROL} is not on PATH: install the NVIDIA driver utilities "
+                                "or set hw.mps=false")
+        self.pipe_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out_path = self.log_dir / "start.out"
+        # output to a file, not a pipe: the forked daemon may inherit the descriptors and a pipe would never end
+        with open(out_path, "w") as out:
+            try:
+                rc = subprocess.run([exe, "-d"], env=self._env(), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, timeout=self.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                raise ResourceError(f"{MPS_CONTROL} -d for GPU {self.gpu} did not return within {self.timeout_s:g} "
+                                    f"s: see {self.log_dir / 'control.log'}") from None
+        if rc != 0:
+            said = " ".join(out_path.read_text().split())[:200] or "no output"
+            raise ResourceError(f"{MPS_CONTROL} -d for GPU {self.gpu} exited with {rc} ({said}): "
+                                f"see {self.log_dir / 'control.log'}")
+        self._exe, self.running = exe, True
+        atexit.register(self.stop)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.control.exists():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ResourceError(f"the MPS daemon of GPU {self.gpu} did not open {self.control} within "
+                                    f"{self.timeout_s:g} s: see {self.log_dir / 'control.log'}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Send "quit" and wait until the control pipe is gone; does nothing if the daemon is not running."""
+        if not self.running:
+            return
+        self.running = False
+        atexit.unregister(self.stop)
+        if self._exe is None or not self.control.exists():
+            return
+        try:
+            subprocess.run([self._exe], input="quit\n", env=self._env(), text=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=self.timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            return  # stopping must not fail a run that is ending anyway
+        deadline = time.monotonic() + self.timeout_s
+        while self.control.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def __enter__(self) -> "MpsDaemon":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MpsDaemons:
+    """One MPS daemon per GPU, started together; when one fails to start, those already started are stopped."""
+
+    def __init__(self, gpus: Iterable[int], run_dir: Path) -> None:
+        self.daemons = [MpsDaemon(gpu, run_dir) for gpu in gpus]
+
+    def start(self) -> None:
+        started: list[MpsDaemon] = []
+        try:
+            for daemon in self.daemons:
+                daemon.start()
+                started.append(daemon)
+        except BaseException:
+            for daemon in reversed(started):
+                daemon.stop()
+            raise
+
+    def stop(self) -> None:
+        for daemon in reversed(self.daemons):
+            daemon.stop()
+
+    def __enter__(self) -> "MpsDaemons":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- the pool ----------------------------------------------------------------------------------
+class ResourcePool:
+    """Leases of cores, SM shares and memory budgets per stage, checked against the node, and resizes applied: cores
+    to every attached process at once, SM shares and budgets through the stage's re-quota callback (MPS: respawn the
+    worker with its new environment; green: rebuild its contexts); with partition "none" shares are only recorded."""
+
+    def __init__(self, cores: Sequence[int], gpus: int = 0, sm_count: int = 0, gpu_memory_bytes: int = 0,
+                 partition: str = "none", run_dir: Path | None = None) -> None:
+        if partition not in PARTITIONS:
+            raise ResourceError(f"hw.sm_partition={partition!r} is not one of: {', '.join(PARTITIONS)}")
+        if partition != "none" and gpus == 0:
+            raise ResourceError(f"hw.sm_partition={partition} needs a GPU; this hw has none: use hw.sm_partition=none")
+        if partition == "green" and sm_count <= 0:
+            raise ResourceError(f"hw.sm_partition=green needs the GPU's SM count, got hw.sm_count={sm_count}: "
+                                "set hw.sm_count")
+        if not cores:
+            raise ResourceError("the resource pool has no cores: give it at least one (hw.cpu_cores)")
+        self.cores = tuple(sorted(set(cores)))
+        self.gpus, self.sm_count, self.gpu_memory_bytes = gpus, sm_count, gpu_memory_bytes
+        self.partition = partition
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self._green_rule = green_rule(0) if partition == "green" else None  # one GPU model per node
+        self.leases: dict[str, Lease] = {}
+        self.history: list[tuple[float, Lease]] = []  # (time.perf_counter(), lease) of every grant and resize
+        self._pids: dict[str, set[int]] = {}
+        self._requota: dict[str, Callable[[Lease], None]] = {}
+
+    # --- leases -----------------------------------------------------------------------------
+    def lease(self, stage: str, cpus: Iterable[int], gpu: int | None = None, sm_share: float | None = None,
+              mem_bytes: int | None = None) -> Lease:
+        """Grant `stage` these resources; granting a stage that already holds a lease resizes it."""
+        if stage in self.leases:
+            return self.resize(stage, cpus=cpus, gpu=gpu, sm_share=sm_share, mem_bytes=mem_bytes)
+        return self._record(self._validate(Lease(stage, tuple(cpus), gpu, sm_share, mem_bytes)))
+
+    def resize(self, stage: str, **changes: Any) -> Lease:
+        """A new version of the stage's lease with `changes` (cpus, gpu, sm_share, mem_bytes), checked like a grant,
+        then applied: cores to every attached process, a GPU change through the stage's re-quota callback."""
+        old = self._held(stage)
+        unknown = set(changes) - {"cpus", "gpu", "sm_share", "mem_bytes"}
+        if unknown:
+            raise ResourceError(f"resize({stage!r}) got {', '.join(sorted(unknown))}; accepted: cpus, gpu, sm_share, "
+                                "mem_bytes")
+        if "cpus" in changes:
+            changes["cpus"] = tuple(changes["cpus"])
+        new = self._record(self._validate(replace(old, **changes, version=old.version + 1)))
+        for pid in list(self._pids.get(stage, ())):
+            try:
+                set_process_affinity(pid, new.cpus)
+            except ProcessLookupError:
+                self._pids[stage].discard(pid)  # it ended: nothing to move
+        gpu_changed = (old.gpu, old.sm_share, old.mem_bytes) != (new.gpu, new.sm_share, new.mem_bytes)
+        if self.partition != "none" and gpu_changed and stage in self._requota:
+            self._requota[stage](new)
+        return new
+
+    def _held(self, stage: str) -> Lease:
+        if stage not in self.leases:
+            raise ResourceError(f"stage {stage!r} holds no lease; stages with one: {', '.join(self.leases) or 'none'}")
+        return self.leases[stage]
+
+    def _record(self, lease: Lease) -> Lease:
+        self.leases[lease.stage] = lease
+        self.history.append((time.perf_counter(), lease))
+        return lease
+
+    def _validate(self, lease: Lease) -> Lease:
+        """The lease as it will be held (cpus sorted, a green share rounded to whole allocation units), or one line
+        on what does not fit."""
+        s = lease.stage
+        cpus = tuple(sorted(set(lease.cpus)))
+        if not cpus:
+            raise ResourceError(f"stage {s}: cpus is empty: lease at least one of the pool's cores "
+                                f"{_cpu_list(self.cores)}")
+        outside = set(cpus) - set(self.cores)
+        if outside:
+            raise ResourceError(f"stage {s}: cpus {_cpu_list(outside)} are not in the pool's cores "
+                                f"{_cpu_list(self.cores)}: lease cores from that set")
+        share, mem = lease.sm_share, lease.mem_bytes
+        if lease.gpu is None:
+            if share is not None or mem is not None:
+                raise ResourceError(f"stage {s}: sm_share={share} and mem_bytes={mem} need a GPU but gpu=None: lease "
+                                    "a gpu or drop them")
+            return replace(lease, cpus=cpus)
+        if not 0 <= lease.gpu < self.gpus:
+            have = f"GPUs 0..{self.gpus - 1}" if self.gpus else "no GPU: lease gpu=None"
+            raise ResourceError(f"stage {s}: gpu={lease.gpu} is not on this hw, which has {have}")
+        others = [x for x in self.leases.values() if x.stage != s and x.gpu == lease.gpu]
+        if share is not None:
+            if not 0 < share <= 1:
+                raise ResourceError(f"stage {s}: sm_share={share} must be in (0, 1]")
+            if self._green_rule is not None:
+                share = green_sm_count(share, self.sm_count, self._green_rule) / self.sm_count
+            total = share + sum(x.sm_share or 0.0 for x in others)
+            if total > 1 + 1e-9:
+                held = ", ".join(f"{x.stage}={x.sm_share:.3g}" for x in others if x.sm_share)
+                raise ResourceError(f"stage {s}: sm_share={share:.3g} brings the SM shares of GPU {lease.gpu} to "
+                                    f"{total:.3g} > 1 (held: {held}): lower it or shrink another stage first")
+        if mem is not None:
+            if self.gpu_memory_bytes <= 0:
+                raise ResourceError(f"stage {s}: mem_bytes={mem} but the pool does not know the GPU's memory: set "
+                                    "hw.gpu_memory_gb")
+            if mem <= 0:
+                raise ResourceError(f"stage {s}: mem_bytes={mem} must be > 0 (None: no budget)")
+            total_mem = mem + sum(x.mem_bytes or 0 for x in others)
+            if total_mem > self.gpu_memory_bytes:
+                raise ResourceError(f"stage {s}: mem_bytes={mem} brings the budgets on GPU {lease.gpu} to {total_mem} "
+                                    f"bytes, over its {self.gpu_memory_bytes}: lower it or shrink another stage first")
+        return replace(lease, cpus=cpus, sm_share=share)
+
+    # --- processes --------------------------------------------------------------------------
+    def attach(self, stage: str, pid: int) -> None:
+        """Count `pid` as one of the stage's processes and pin all its threads to the stage's cores."""
+        lease = self._held(stage)
+        set_process_affinity(pid, lease.cpus)
+        self._pids.setdefault(stage, set()).add(pid)
+
+    def detach(self, stage: str, pid: int) -> None:
+        """Stop moving `pid` with the stage's lease (it ended, or is being replaced)."""
+        self._pids.get(stage, set()).discard(pid)
+
+    def on_requota(self, stage: str, callback: Callable[[Lease], None]) -> None:
+        """Called with the new lease when a resize changes the stage's GPU, SM share or memory budget (MPS: respawn
+        the worker under spawn_env; green: GreenPartition.rebuild)."""
+        self._requota[stage] = callback
+
+    # --- environment of a child -------------------------------------------------------------
+    def child_env(self, stage: str) -> dict[str, str]:
+        """The variables a child of this stage must start with, before its CUDA initialises."""
+        lease = self._held(stage)
+        if lease.gpu is None:
+            return {}
+        if self.partition != "mps":
+            return {"CUDA_VISIBLE_DEVICES": str(lease.gpu)}
+        # our daemon of this GPU was started with CUDA_VISIBLE_DEVICES=<gpu> and shows it to clients as device 0;
+        # without a run folder the child uses a system daemon that sees every GPU by its own index
+        env = {"CUDA_VISIBLE_DEVICES": "0" if self.run_dir else str(lease.gpu)}
+        if self.run_dir is not None:
+            pipe, log = mps_dirs(self.run_dir, lease.gpu)
+            env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = str(pipe), str(log)
+        if lease.sm_share is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(100 * lease.sm_share)))
+        if lease.mem_bytes is not None:
+            # the child sees its GPU as device 0; whole MiB rounded down, so the cap never exceeds the budget
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, lease.mem_bytes // 2**20)}M"
+        return env
+
+    @contextmanager
+    def spawn_env(self, stage: str) -> Iterator[dict[str, str]]:
+        """os.environ with child_env(stage) while a spawn-context child starts (it copies the parent's environment
+        at start), restored after."""
+        env = self.child_env(stage)
+        with environment(env):
+            yield env

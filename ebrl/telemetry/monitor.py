@@ -1,0 +1,145 @@
+"""A background sampler of GPU totals per device (NVML); CPU busy per core is ebrl.telemetry.timers.CpuMonitor.
+
+Samples are stamped with `time.perf_counter()`, the clock of the stage trace (ebrl/telemetry/trace.py), so
+utilisation and stage busy intervals can be plotted on one axis.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class _Sampler:
+    """A daemon thread that appends (perf_counter, reading) every `interval_s` between start and stop."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> Any:
+        raise NotImplementedError
+
+    def _pause_s(self) -> float:
+        """Seconds to wait between readings (0 when the reading itself spans the interval)."""
+        return self.interval_s
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._pause_s()):
+            reading = self._read()
+            self.samples.append((time.perf_counter(), reading))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling; returns once the thread is gone (at most one interval later)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> "_Sampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class GpuMonitor(_Sampler):
+    """Device totals per GPU from NVML: utilization.gpu (%), memory used (bytes) and, where GPM is supported (Hopper
+    and later), SM utilisation and SM occupancy (%) between two consecutive samples.
+
+    NVML attributes all MPS clients to the MPS server process, and its totals cover the whole device, so the GPU busy
+    time of each stage comes from the application's own trace, not from here. Without a driver `available` is False,
+    `reason` says why, and start/stop do nothing: a run goes on without GPU figures.
+    """
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        super().__init__(interval_s)
+        self.samples: list[tuple[float, dict[int, dict[str, float]]]] = []
+        self.available = False
+        self.reason = ""
+        self.handles: list[Any] = []
+        self.gpm: list[bool] = []
+        self._gpm_last: dict[int, Any] = {}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as e:  # ImportError, or pynvml.NVMLError when there is no driver
+            self.reason = f"NVML unavailable ({type(e).__name__}: {e}): no NVIDIA driver on this machine?"
+            return
+        self._nvml = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.gpm = [self._gpm_supported(h) for h in self.handles]
+        self.available = True
+
+    def _gpm_supported(self, handle: Any) -> bool:
+        try:
+            return bool(self._nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+        except Exception:  # an older driver has no GPM entry points
+            return False
+
+    def start(self) -> None:
+        if self.available:
+            super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        for sample in self._gpm_last.values():
+            self._nvml.nvmlGpmSampleFree(sample)
+        self._gpm_last.clear()
+
+    def _gpm_read(self, index: int) -> dict[str, float]:
+        """SM utilisation and occupancy between the previous GPM sample of this GPU and now ({} on the first)."""
+        nvml = self._nvml
+        sample = nvml.nvmlGpmSampleAlloc()
+        nvml.nvmlGpmSampleGet(self.handles[index], sample)
+        last, self._gpm_last[index] = self._gpm_last.get(index), sample
+        if last is None:
+            return {}
+        query = nvml.c_nvmlGpmMetricsGet_t()
+        query.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        query.numMetrics = 2
+        query.sample1, query.sample2 = last, sample
+        query.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
+        query.metrics[1].metricId = nvml.NVML_GPM_METRIC_SM_OCCUPANCY
+        try:
+            nvml.nvmlGpmMetricsGet(query)
+        finally:
+            nvml.nvmlGpmSampleFree(last)
+        return {"sm_util": query.metrics[0].value, "sm_occupancy": query.metrics[1].value}
+
+    def _read(self) -> dict[int, dict[str, float]]:
+        nvml = self._nvml
+        out = {}
+        for i, handle in enumerate(self.handles):
+            reading = {"util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                       "mem_used": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)}
+            if self.gpm[i]:
+                try:
+                    reading.update(self._gpm_read(i))
+                except nvml.NVMLError:
+                    self.gpm[i] = False  # supported but refused (e.g. GPM off in a VM): totals only from now on
+            out[i] = reading
+        return out
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per GPU: the mean of each figure over the samples, and the peak memory used."""
+        values: dict[int, dict[str, list[float]]] = {}
+        for _, reading in self.samples:
+            for gpu, figures in reading.items():
+                for name, value in figures.items():
+                    values.setdefault(gpu, {}).setdefault(name, []).append(value)
+        return {gpu: {**{f"mean_{k}": sum(v) / len(v) for k, v in figures.items()},
+                      "peak_mem_used": max(figures["mem_used"])}
+                for gpu, figures in values.items()}
