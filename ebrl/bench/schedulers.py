@@ -11,7 +11,9 @@ One invocation alternates the modes (A, B, A, B, ... for `--repeats` rounds) and
   and with the same PPO update per iteration;
 - the work-conserving limit: cores / (CPU-seconds per env step of simulation + generation + training),
   each stage measured alone, the least over rounds. Simulation: CPU time of the sim-only run's worker
-  processes per env step.
+  processes per env step, or, if less, of the same chunks replayed with each env pinned to a core of its own
+  and no more envs running than cores (time-slicing many runnable envs over few cores costs CPU that a
+  schedule handing out cores does not pay).
   Generation and training: CPU time of policy.sample at the rollout's batch and of one PPO update on a
   rollout of the same size, with one torch thread (the least CPU a stage can take: no thread-pool
   overhead), per env step, the least of a few timings. No schedule on these cores can beat it;
@@ -75,7 +77,7 @@ class Round:
     cpu_busy: dict[str, float] = field(default_factory=dict)
     stages: dict[str, dict[str, float]] = field(default_factory=dict)  # per mode: RunSummary.busy
     orchestration_cpu_per_step: float = float("nan")  # the parent's CPU per env step while only simulating
-    step_ms: dict[str, float] = field(default_factory=dict)  # sim-only step latencies: mean, p99, env spread
+    step_ms: dict[str, float] = field(default_factory=dict)  # sim-only: step latencies, sim CPU ms per env step
 
 
 def compose_overrides(overrides: Sequence[str], mode: str = "colocated") -> Any:
@@ -173,9 +175,10 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
     iteration and the measured iterations replay them, chunk by chunk (zero actions keep the arm still and
     cost the physics less than a policy's, which would flatter the limit); without `act`, zeros.
 
-    Returns env steps/s, the workers' CPU-seconds and the parent's per env step (measured iterations), the
-    observations seen after each chunk of the warm-up iteration (the per-stage costs run on them), and the
-    step latencies (ms: mean, p99, slowest env's mean / fastest env's mean).
+    Returns env steps/s, the workers' CPU-seconds per env step (the lesser of the measured iterations' and
+    `placed_sim_cpu`'s) and the parent's (measured iterations), the observations seen after each chunk of the
+    warm-up iteration (the per-stage costs run on them), and the step latencies (ms: mean, p99, slowest env's
+    mean / fastest env's mean) with both CPU figures (ms per env step: lockstep, placed).
     """
     n, H = len(pool.workers), pool.chunk_len
     zeros = np.zeros((n, H, pool.spec.action_dim), np.float32)
@@ -204,12 +207,39 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
         worker_cpu += process_cpu_s(pids) - c0
         parent_cpu += time.process_time() - p0
         steps += it_steps
+    placed = placed_sim_cpu(pool, replay)
     per_env = [np.concatenate(t) * 1e3 for t in step_times]
     every = np.concatenate(per_env)
     means = [t.mean() for t in per_env]
     latency = {"mean": float(every.mean()), "p99": float(np.percentile(every, 99)),
-               "env_spread": float(max(means) / min(means))}
-    return steps / wall, worker_cpu / steps, parent_cpu / steps, seen, latency
+               "env_spread": float(max(means) / min(means)),
+               "cpu_lockstep": 1e3 * worker_cpu / steps, "cpu_placed": 1e3 * placed}
+    return steps / wall, min(worker_cpu / steps, placed), parent_cpu / steps, seen, latency
+
+
+def placed_sim_cpu(pool: Any, replay: list[np.ndarray]) -> float:
+    """Workers' CPU-seconds per env step with simulation at its cheapest placement: env i pinned to core
+    i mod cores and never more envs running than cores (waves), replaying `replay` chunk by chunk. In lockstep
+    all envs are runnable at once and the OS time-slices them over the cores, which costs CPU (switches, cold
+    caches); a schedule that hands each env a core of its own does not pay it, so the limit takes the lesser."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers, H = pool.workers, pool.chunk_len
+    pids = [w.pid for w in workers]
+    try:
+        for i, worker in enumerate(workers):
+            worker.bind([cores[i % len(cores)]])
+        c0, steps = process_cpu_s(pids), 0
+        for actions in replay:
+            for start in range(0, len(workers), len(cores)):
+                wave = range(start, min(start + len(cores), len(workers)))
+                for i in wave:
+                    workers[i].actions[:H] = actions[i]
+                    workers[i].submit(H)
+                steps += sum(workers[i].wait().executed for i in wave)
+        return (process_cpu_s(pids) - c0) / steps
+    finally:
+        for worker in workers:
+            worker.bind(cores)
 
 
 def policy_batch(obs: dict[str, np.ndarray], tokens: Any, mask: Any) -> dict[str, Any]:
@@ -301,6 +331,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
 
     from ebrl.bench.vector_env import make_adapter_env
     from ebrl.envs.worker import worker_environment
+    from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.runtime.colocated import stack_steps
     from ebrl.runtime.experiment import build_policy
@@ -308,17 +339,9 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
     fns = [partial(make_adapter_env, conf["env"], cfg.seed * 1000 + i) for i in range(n)]  # SimWorkerPool's seeds
-    saved = {k: os.environ.get(k) for k in worker_environment()}
-    os.environ.update(worker_environment())  # the spawned children inherit one thread each, as SimWorkers do
-    try:
+    with environment(worker_environment()):  # the spawned children inherit one thread each, as SimWorkers do
         venv = gymnasium.vector.AsyncVectorEnv(fns, context="spawn",
                                                autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.scheduler.torch_threads or bench_cores(cfg))  # what Experiment gives colocated
     try:
@@ -435,7 +458,8 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
           f"{1e3 * result['orchestration_cpu_s_per_env_step']:.2f} (not in the limit)")
     lat = result["sim_step_ms"]
     print(f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
-          f"fastest env's {lat['env_spread']:.2f}")
+          f"fastest env's {lat['env_spread']:.2f}; sim CPU ms per env step in lockstep {lat['cpu_lockstep']:.2f}, "
+          f"one env per core {lat['cpu_placed']:.2f}")
     print("limit = cores / sum of the stages' CPU-seconds per env step: " + ", ".join(
         f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
 
