@@ -1,0 +1,1 @@
+"""Resource allocation: measured stage profiles, and the planner that splits a node's cores and GPU between stages."""
