@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from ebrl.envs.base import REWARDS
+from ebrl.runtime.resources import PARTITIONS
 
 
 class ConfigError(ValueError):
@@ -125,7 +126,8 @@ class HwConfig:
     gpu_name: str = ""
     gpu_memory_gb: float = 0.0  # per GPU
     sm_count: int = 0  # streaming multiprocessors per GPU
-    mps: bool = False  # start an MPS daemon and give stages SM shares
+    mps: bool = False  # run.py starts one MPS control daemon per GPU for the run
+    sm_partition: Optional[str] = None  # mps | green | none: how SM shares are enforced; null: mps if hw.mps else none
 
 
 # --- scheduler, allocator, algorithm, logger ----------------------------------------------
@@ -148,7 +150,19 @@ class SchedulerConfig:
 
 @dataclass
 class AllocatorConfig:
-    name: str = MISSING
+    name: str = MISSING  # static: plan once | elastic: re-plan when stage rates drift (ebrl/alloc)
+    # Stage profile: null looks for <profiles_dir>/<policy>-<preset>_<env>-<task>_<hw>.yaml (sweep.py writes it);
+    # without one the plan starts from a calibration: the stages' costs measured in the first iteration
+    profile: Optional[str] = None
+    profiles_dir: str = "profiles"  # relative to the repository (absolute paths as given)
+    window: int = 3  # elastic: iterations an imbalance must last before a re-plan
+    min_gain: float = 0.1  # elastic: re-plan only for at least this predicted throughput gain
+    cooldown: int = 2  # elastic: iterations between re-plans
+    # Pinned amounts (a sweep trial sets them; null: planned): simulate in cores (a fraction shares a core),
+    # generate and train in cores on CPU or SM share of one GPU
+    simulate: Optional[float] = None
+    generate: Optional[float] = None
+    train: Optional[float] = None
 
 
 @dataclass
@@ -180,6 +194,17 @@ class LoggerConfig:
     mode: Optional[str] = None  # offline | online; null: online when WANDB_API_KEY is set
 
 
+@dataclass
+class SweepConfig:
+    """One trial of `python sweep.py -m`: the share of the node each stage gets (the trial pins the allocator's
+    amounts to them; hydra.sweeper.params searches them)."""
+
+    name: str = MISSING
+    simulate: float = 0.75  # share of the CPU cores
+    generate: float = 0.25  # share of the CPU cores, or of one GPU's SMs
+    train: float = 0.25  # share of the CPU cores, or of one GPU's SMs
+
+
 # --- the whole experiment ------------------------------------------------------------------
 @dataclass
 class Config:
@@ -188,6 +213,7 @@ class Config:
     hw: HwConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     allocator: AllocatorConfig = MISSING
+    sweep: Optional[SweepConfig] = None  # set by sweep=stages (sweep.py)
     algo: AlgoConfig = MISSING
     logger: LoggerConfig = MISSING
     seed: int = 0
@@ -240,7 +266,7 @@ def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
 
 
 SCHEDULERS = ("colocated", "disaggregated", "hybrid", "async", "ebrl")
-ALLOCATORS = ("static",)
+ALLOCATORS = ("static", "elastic")
 ALGOS = ("ppo", "grpo")
 LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
@@ -321,6 +347,38 @@ def validate(cfg: DictConfig) -> None:
     if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
         raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
     _check_schedule(cfg, cfg.hw.cpu_cores or cores)
+    _check_allocator(cfg, cfg.hw.cpu_cores or cores)
+
+
+def sm_partition(hw: Any) -> str:
+    """How SM shares are enforced on this hw: its sm_partition, or MPS where it runs MPS daemons, else none."""
+    return hw.sm_partition or ("mps" if hw.mps else "none")
+
+
+def _check_allocator(cfg: DictConfig, cores: int) -> None:
+    a, hw = cfg.allocator, cfg.hw
+    if hw.sm_partition is not None:
+        _one_of(cfg, "hw.sm_partition", PARTITIONS)
+    partition = sm_partition(hw)
+    if partition != "none" and hw.gpus == 0:
+        raise ConfigError(f"hw.sm_partition={partition} shares the SMs of a GPU and hw={hw.name} has none; "
+                          "use hw.sm_partition=none (and hw.mps=false)")
+    if a.name == "elastic" and cfg.scheduler.name == "colocated":
+        raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
+                          "runs every stage in one; use scheduler=ebrl (or async, hybrid, disaggregated)")
+    for key, low in (("window", 1), ("cooldown", 0)):
+        if a[key] < low:
+            raise ConfigError(f"allocator.{key}={a[key]} must be >= {low}")
+    if a.min_gain < 0:
+        raise ConfigError(f"allocator.min_gain={a.min_gain} must be >= 0 (a relative throughput gain; 0.1 is 10%)")
+    for stage in ("simulate", "generate", "train"):
+        amount = a[stage]
+        if amount is None:
+            continue
+        top = 1.0 if hw.gpus and stage != "simulate" else cores
+        unit = "of one GPU's SMs" if hw.gpus and stage != "simulate" else "CPU cores"
+        if not 0 < amount <= top:
+            raise ConfigError(f"allocator.{stage}={amount:g} must be in (0, {top:g}] ({unit} on hw={hw.name})")
 
 
 def train_core_count(share: float, cores: int) -> int:

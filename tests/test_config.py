@@ -59,6 +59,13 @@ def test_composition_errors(override, error):
         (["policy.noise_std_min=0.9"], "must satisfy 0 < min <= max"),
         (["policy.logprob=ddim"], "policy.logprob='ddim' is not available; accepted: flow_noise, flow_sde"),
         (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),
+        (["allocator=elastic"], "allocator=elastic moves resources between the stages' processes and "
+                                "scheduler=colocated runs every stage in one"),
+        (["scheduler=ebrl", "allocator.simulate=64"], "allocator.simulate=64 must be in (0, "),
+        (["scheduler=ebrl", "allocator.window=0"], "allocator.window=0 must be >= 1"),
+        (["allocator.min_gain=-0.1"], "allocator.min_gain=-0.1 must be >= 0"),
+        (["hw.sm_partition=green"], "hw.sm_partition=green shares the SMs of a GPU and hw=cpu has none"),
+        (["hw.sm_partition=slices"], "hw.sm_partition='slices' is not available; accepted: none, mps, green"),
     ],
 )
 def test_values_that_cannot_work(overrides, needle):

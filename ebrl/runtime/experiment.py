@@ -15,7 +15,8 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.config import ConfigError, available_cpu_cores, validate
+from ebrl.alloc.allocator import Allocator, describe
+from ebrl.config import ConfigError, available_cpu_cores, sm_partition, validate
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.policies.base import Policy
@@ -32,8 +33,9 @@ from ebrl.runtime.checkpoint import (
 )
 from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
 from ebrl.runtime.pipeline import PipelineScheduler
+from ebrl.runtime.resources import ResourcePool
 from ebrl.telemetry.metrics import MetricsLog
-from ebrl.telemetry.report import ProgressBar, print_summary
+from ebrl.telemetry.report import ProgressBar, console, print_summary
 from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
 
 STAGES = ("simulate", "generate", "train")
@@ -69,6 +71,11 @@ def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int
     return cores if cfg.scheduler.name == "colocated" or device.type == "cuda" else 1
 
 
+def node_cores(cfg: DictConfig) -> list[int]:
+    """The CPU cores this run may use: hw.cpu_cores of those this process may run on (all of them when null)."""
+    return sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
+
+
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
     """Instantiate the policy class named by `_target_` for this env's observations and actions."""
     kwargs = {k: v for k, v in policy_cfg.items() if k not in ("_target_", "name", "checkpoint")}
@@ -91,6 +98,8 @@ class Experiment:
         self.pool: SimWorkerPool | None = None
         self.log: MetricsLog | None = None
         self._resume_ckpt: dict[str, Any] | None = None
+        self.allocator: Allocator | None = None  # pipelined schedules: plans the stages' cores (ebrl/alloc)
+        self.resources: ResourcePool | None = None  # and the leases that apply the plan
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -125,7 +134,7 @@ class Experiment:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.cores = sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
+        self.cores = node_cores(cfg)
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
         self.device = torch.device("cuda" if use_cuda else "cpu")
         torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
@@ -133,13 +142,19 @@ class Experiment:
         # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
         torch.set_flush_denormal(True)
 
+        pipelined = cfg.scheduler.name != "colocated"
+        if pipelined and cfg.scheduler.train_share is None:  # (disaggregated keeps the split that defines it)
+            self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
+            self.resources = ResourcePool(self.cores, gpus=cfg.hw.gpus, sm_count=cfg.hw.sm_count,
+                                          gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
+                                          partition=sm_partition(cfg.hw), run_dir=self.run_dir)
+            console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
             self.pool.attach(self.policy.chunk_len)
-            pipelined = cfg.scheduler.name != "colocated"
             # a pipelined schedule trains in its own process (built by the scheduler); colocated trains here
             self.trainer = None if pipelined else TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device)
             if self._resume_ckpt is not None:
@@ -149,11 +164,26 @@ class Experiment:
                 optimizer = self._resume_ckpt["optimizer"] if self._resume_ckpt else None
                 self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
                                                    base_version=self.iteration, optimizer_state=optimizer)
+                if self.allocator is not None and self.allocator.leases is not None:
+                    self._apply_plan()
+                    console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
             else:
                 self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
         except BaseException:
             self.close()
             raise
+
+    def _apply_plan(self) -> None:
+        """Lease each stage its cores of the allocator's plan (and on a GPU its SM share): generation runs in this
+        process and training in the trainer's, which the pool moves; the scheduler moves the simulators."""
+        plan, cpus = self.allocator.current, self.allocator.leases
+        gpu = 0 if self.cfg.hw.gpus else None
+        for stage in ("generate", "train"):
+            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=None if gpu is None else plan.x[stage])
+        self.resources.lease("simulate", cpus["simulate"])
+        for stage, pid in (("generate", os.getpid()), ("train", self.scheduler.trainer.process.pid)):
+            self.resources.attach(stage, pid)
+        self.scheduler.simulate_on(cpus["simulate"])
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         check_state_dict(self.policy, ckpt["model"], f"resume={self.cfg.resume}")
@@ -210,6 +240,13 @@ class Experiment:
                     **train_metrics,
                     **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
                 }
+                if self.allocator is not None:
+                    decision, alloc_metrics = self.allocator.observe(metrics)
+                    metrics.update(alloc_metrics)
+                    if decision is not None:  # a new plan: applied before the next iteration runs
+                        self._apply_plan()
+                        metrics["alloc/decision"] = decision
+                        console.print(decision, soft_wrap=True)
                 self.log.log(metrics)
                 if self.iteration > 1 or cfg.iterations == 1:  # the first iteration warms up (process start, caches)
                     measured_steps += stats.env_steps

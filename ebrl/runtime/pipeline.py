@@ -41,6 +41,7 @@ from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
 from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
+from ebrl.runtime.resources import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
 from ebrl.telemetry.trace import Trace
@@ -79,6 +80,7 @@ class CorePool:
     def __init__(self, cores: Sequence[int], alpha: float = 0.3) -> None:
         if not cores:
             raise ValueError("a core pool needs at least one core")
+        self.cores: list[int] = list(cores)
         self.free: list[int] = list(cores)
         self.core_of: dict[int, int] = {}  # env -> the core it holds
         self.ready: list[int] = []  # envs with a chunk to run, in arrival order
@@ -98,8 +100,17 @@ class CorePool:
 
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
-        self.free.append(core)
+        if core in self.cores:  # (a core taken away by `resize` while an env held it is not handed on)
+            self.free.append(core)
         return core
+
+    def resize(self, cores: Sequence[int]) -> None:
+        """Simulate on these cores from now on; an env holding a core that was taken away finishes its chunk."""
+        if not cores:
+            raise ValueError("a core pool needs at least one core")
+        held = set(self.core_of.values())
+        self.cores = list(cores)
+        self.free = [core for core in self.cores if core not in held]
 
     def dispatch(self) -> list[tuple[int, int]]:
         """Hand free cores to ready envs, longest estimated step first (ties: first come)."""
@@ -143,6 +154,13 @@ class Dispatcher:
                 else:
                     self.cores.push(env)
         self._wake_send.send_bytes(b"!")
+
+    def resize(self, cores: Sequence[int]) -> None:
+        """Hand chunks out on these sim cores from now on (with a core pool; without one, nothing to do here)."""
+        if self.cores is not None:
+            with self._lock:
+                self.cores.resize(cores)
+            self._wake_send.send_bytes(b"!")
 
     def stop(self) -> None:
         self._stopping = True
@@ -270,7 +288,7 @@ class PipelineScheduler:
         self.train_cpus = cores[len(cores) - k:] if k else cores
         self.sim_cpus = cores[: len(cores) - k] if k else cores
         self._affinity = os.sched_getaffinity(0)  # given back at close
-        os.sched_setaffinity(0, set(self.sim_cpus))  # generation runs beside the simulators
+        set_process_affinity(os.getpid(), self.sim_cpus)  # generation runs beside the simulators
         for worker in pool.workers:
             worker.bind(self.sim_cpus)
             # generation and training are on the critical path of every env: when they want a shared core they get
@@ -318,10 +336,19 @@ class PipelineScheduler:
         state, self._state = self._state, None
         return state
 
+    def simulate_on(self, cpus: Sequence[int]) -> None:
+        """Simulate on these cores from now on (an allocator's plan): the core pool's cores, or, without core
+        rebinding, every simulator's affinity. Generation and training move with their leases (ResourcePool)."""
+        self.sim_cpus = list(cpus)
+        self.dispatcher.resize(self.sim_cpus)
+        if self.dispatcher.cores is None:
+            for worker in self.pool.workers:
+                worker.bind(self.sim_cpus)
+
     def close(self) -> None:
         self.dispatcher.stop()
         self.trainer.close()
-        os.sched_setaffinity(0, self._affinity)
+        set_process_affinity(os.getpid(), self._affinity)
 
     # --- the loop ------------------------------------------------------------------------------
     def _step(self) -> None:

@@ -1,0 +1,196 @@
+"""The allocator of a pipelined run: which stage profile, which plan, what each iteration measured, when to re-plan.
+
+The stages' amounts become leases here: on CPU, simulate gets the first ceil(x_sim) cores and generate and train
+the last ceil(x_gen + x_train) (a fractional amount shares its core; the simulators run niced, so the policy's
+stages get a shared core first). On a GPU node simulate gets cores and generate and train SM shares of the GPU,
+recorded in the ResourcePool; the supervisor applies the CPU side at once (`PipelineScheduler.apply`).
+
+A stage's measured rate is the env steps/s it would sustain alone on its amount. On CPU it comes from CPU time:
+cost = CPU-seconds the stage's processes used per env step, rate = amount / cost (so a stage that waits, e.g.
+for a full queue, is not read as slow). On a GPU node generate and train are GPU work: rate = env steps/s / the
+stage's busy fraction of the wall time (from the trace).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ebrl.alloc.planner import Decision, ElasticController, Plan, PlanError, StaticController, Totals, evaluate
+from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
+from ebrl.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+# which process's CPU time is which stage's (ProcessCpu groups; the main process also orchestrates)
+CPU_GROUP = {"simulate": "simulate", "generate": "main", "train": "trainer"}
+
+
+def profile_key(cfg: Any) -> dict[str, Any]:
+    """What a stage profile was measured for: policy and preset, env and task, hw, env count."""
+    return {"policy": cfg.policy.name, "preset": cfg.policy.get("preset", ""), "env": cfg.env.name,
+            "task": cfg.env.get("task", ""), "hw": cfg.hw.name, "num_envs": int(cfg.env.num_envs)}
+
+
+def profiles_root(cfg: Any) -> Path:
+    root = Path(cfg.allocator.profiles_dir).expanduser()
+    return root if root.is_absolute() else REPO / root
+
+
+def find_profile(cfg: Any) -> tuple[StageProfile | None, str]:
+    """The run's stage profile and a line saying where it came from; (None, why) when there is none."""
+    key = profile_key(cfg)
+    if cfg.allocator.profile:
+        path = Path(cfg.allocator.profile).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"allocator.profile={cfg.allocator.profile}: no such file; give a stage profile "
+                              f"written by sweep.py, or null to look in {profiles_root(cfg)}")
+    else:
+        path = profile_path(profiles_root(cfg), key)
+        if not path.is_file():
+            return None, (f"no stage profile at {path}: planning from a calibration in the first iteration "
+                          "(python sweep.py -m measures one)")
+    try:
+        profile = StageProfile.load(path)
+    except ProfileError as e:
+        raise ConfigError(str(e)) from None
+    differ = profile.matches(key)
+    if differ:
+        have = ", ".join(f"{k}={profile.key.get(k)}" for k in differ)
+        want = ", ".join(f"{k}={key[k]}" for k in differ)
+        raise ConfigError(f"stage profile {path} was measured for {have}, and this run has {want}; run "
+                          "python sweep.py -m with this run's overrides, or set allocator.profile to a matching file")
+    return profile, f"stage profile: {path}"
+
+
+def totals_of(cfg: Any, cores: int) -> Totals:
+    if not cfg.hw.gpus:
+        return Totals(cores=cores)
+    granule = 8 / cfg.hw.sm_count if cfg.hw.sm_partition == "green" and cfg.hw.sm_count else 0.01
+    return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=granule)
+
+
+def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False) -> dict[str, list[int]]:
+    """Core sets per stage from the amounts: simulate the first ceil(x_sim) cores; generate and train the last
+    ceil(x_gen + x_train) cores on CPU, on a GPU node the cores simulate leaves (at least the last one)."""
+    cores = list(cores)
+    n_sim = min(len(cores), max(1, math.ceil(x["simulate"] - 1e-9)))
+    if gpu:
+        policy_cores = cores[n_sim:] or cores[-1:]
+    else:
+        n_policy = min(len(cores), max(1, math.ceil(x["generate"] + x["train"] - 1e-9)))
+        policy_cores = cores[len(cores) - n_policy:]
+    return {"simulate": cores[:n_sim], "generate": policy_cores, "train": policy_cores}
+
+
+def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[str, float],
+                busy: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
+    """Each stage's measured rate at its amount x (see the module docstring). cpu_share: ProcessCpu's shares
+    (CPU-seconds / (cores x wall)) of the simulate, main and trainer groups; busy: the trace's busy fractions."""
+    rates = {}
+    for stage in STAGES:
+        if gpu and stage != "simulate":
+            fraction = busy.get(stage, 0.0)
+            rates[stage] = steps_per_s / fraction if fraction > 0 else math.inf
+            continue
+        cost = cpu_share.get(CPU_GROUP[stage], 0.0) * cores / steps_per_s if steps_per_s > 0 else 0.0
+        rates[stage] = x[stage] / cost if cost > 0 else math.inf
+    return rates
+
+
+@dataclass
+class Measured:
+    """One iteration's figures the allocator reads (from the run's metrics)."""
+
+    steps_per_s: float
+    cpu_share: dict[str, float]
+    busy: dict[str, float]
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, float]) -> "Measured":
+        return cls(steps_per_s=metrics["perf/env_steps_per_s"],
+                   cpu_share={k[len("perf/cpu_share_"):]: v for k, v in metrics.items()
+                              if k.startswith("perf/cpu_share_")},
+                   busy={k[len("perf/busy_"):]: v for k, v in metrics.items() if k.startswith("perf/busy_")})
+
+
+class Allocator:
+    """Plans the stages' amounts of a pipelined run and re-plans them (allocator=elastic); see the module docstring.
+
+    Without a stage profile the first iteration runs with every stage on every core and calibrates: its measured
+    costs give a linear profile. Pinned amounts (allocator.simulate/generate/train) are never moved.
+    """
+
+    def __init__(self, cfg: Any, cores: Sequence[int]) -> None:
+        self.cfg, self.cores = cfg, list(cores)
+        self.gpu = bool(cfg.hw.gpus)
+        self.totals = totals_of(cfg, len(self.cores))
+        self.num_envs = int(cfg.env.num_envs)
+        self.batch = self.num_envs // int(cfg.scheduler.groups)
+        self.fixed = {s: float(cfg.allocator[s]) for s in STAGES if cfg.allocator[s] is not None}
+        self.profile, self.source = (None, "every amount pinned") if len(self.fixed) == 3 else find_profile(cfg)
+        self.controller: ElasticController | StaticController | None = None
+        self.current: Plan | None = None
+        self.decisions: list[Decision] = []
+        self.observations = 0
+        if len(self.fixed) == 3:
+            self.current = Plan(x=dict(self.fixed), batch=self.batch, rates={s: math.nan for s in STAGES})
+        elif self.profile is not None:
+            self._start(self.profile)
+
+    def _start(self, profile: StageProfile) -> None:
+        kind = ElasticController if self.cfg.allocator.name == "elastic" else StaticController
+        a = self.cfg.allocator
+        extra = dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown) if kind is ElasticController else {}
+        try:
+            self.controller = kind(profile, self.totals, self.num_envs, batches=[self.batch], fixed=self.fixed,
+                                   **extra)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+        self.current = self.controller.current
+
+    @property
+    def leases(self) -> dict[str, list[int]] | None:
+        """Core sets per stage of the current plan; None while calibrating (every stage on every core)."""
+        return None if self.current is None else cpu_sets(self.current.x, self.cores, self.gpu)
+
+    def observe(self, metrics: Mapping[str, float]) -> tuple[str | None, dict[str, float]]:
+        """Read one iteration's metrics; returns a line to print when the plan changed, and `alloc/` metrics."""
+        m = Measured.from_metrics(metrics)
+        self.observations += 1
+        line = None
+        if self.current is None:  # calibrating: every stage ran on every core
+            every = {s: float(len(self.cores)) for s in STAGES}
+            rates = stage_rates(every, m.steps_per_s, m.cpu_share, m.busy, len(self.cores), self.gpu)
+            costs = {s: every[s] / r for s, r in rates.items() if math.isfinite(r) and r > 0}
+            if len(costs) < len(STAGES):
+                return None, {}
+            resource = {s: "cores" if s == "simulate" or not self.gpu else "sm" for s in STAGES}
+            max_x = {s: float(len(self.cores)) if resource[s] == "cores" else 1.0 for s in STAGES}
+            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), max_x)
+            self._start(self.profile)
+            line = (f"allocator: calibrated from iteration {self.observations} (CPU ms per env step: "
+                    + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}")
+            return line, self._metrics(rates)
+        rates = stage_rates(self.current.x, m.steps_per_s, m.cpu_share, m.busy, len(self.cores), self.gpu)
+        if self.controller is not None:
+            decision = self.controller.observe({s: r for s, r in rates.items() if math.isfinite(r)}, m.busy)
+            if decision is not None:
+                self.decisions.append(decision)
+                self.current = decision.new
+                line = f"allocator: {decision.reason}"
+        return line, self._metrics(rates)
+
+    def _metrics(self, rates: Mapping[str, float]) -> dict[str, float]:
+        out = {f"alloc/{s}": float(self.current.x[s]) for s in STAGES}
+        out.update({f"alloc/rate_{s}": float(r) for s, r in rates.items() if math.isfinite(r)})
+        if self.profile is not None:
+            out["alloc/predicted_steps_per_s"] = evaluate(self.profile, self.current.x, self.current.batch).throughput
+        out["alloc/replans"] = float(len(self.decisions))
+        return out
+
+
+def describe(p: Plan) -> str:
+    return ", ".join(f"{s} {p.x[s]:g}" for s in STAGES) + (
+        f" (predicted {p.throughput:.1f} env steps/s, {p.bottleneck} the bottleneck)"
+        if all(math.isfinite(r) for r in p.rates.values()) else "")

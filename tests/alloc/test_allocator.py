@@ -1,0 +1,80 @@
+"""The allocator in real runs: a profile that is wrong about the simulators is corrected by what the run measures
+and the simulators get more cores; profiles are found by policy x env x hw, and a mismatching one is refused."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ebrl.alloc.allocator import Allocator, cpu_sets, profile_key, stage_rates
+from ebrl.alloc.profile import linear_profile, profile_path
+from ebrl.config import ConfigError
+from ebrl.runtime.experiment import Experiment
+from tests.conftest import compose_config
+
+SMALL = ["scheduler=ebrl", "env.num_envs=4", "algo.rollout_chunks=4", "progress=false", "checkpoint_every=1000"]
+CPU = {"simulate": "cores", "generate": "core_share", "train": "core_share"}
+
+
+def test_cpu_sets_share_the_last_cores_between_generation_and_training():
+    assert cpu_sets({"simulate": 1, "generate": 0.5, "train": 0.5}, [0, 1]) == {
+        "simulate": [0], "generate": [1], "train": [1]}
+    # a fractional sim share spills onto the policy's core, where the (niced) simulators fill what it leaves
+    assert cpu_sets({"simulate": 1.5, "generate": 0.25, "train": 0.25}, [4, 5]) == {
+        "simulate": [4, 5], "generate": [5], "train": [5]}
+    assert cpu_sets({"simulate": 5, "generate": 0.3, "train": 0.3}, list(range(8)), gpu=True)["train"] == [5, 6, 7]
+
+
+def test_stage_rates_from_cpu_time():
+    # 100 env steps/s on 2 cores; the simulators used 80% of the cores: 16 ms of CPU per env step
+    rates = stage_rates({"simulate": 1.5, "generate": 0.25, "train": 0.25}, 100.0,
+                        {"simulate": 0.8, "main": 0.05, "trainer": 0.1}, {}, cores=2, gpu=False)
+    assert rates["simulate"] == pytest.approx(1.5 / 0.016)
+    assert rates["generate"] == pytest.approx(0.25 / 0.001) and rates["train"] == pytest.approx(0.25 / 0.002)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move the simulators between")
+def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_than_the_profile(tmp_path):
+    cfg = compose_config(*SMALL, "allocator=elastic", "allocator.window=2", "allocator.cooldown=0", "iterations=6",
+                         "hw.cpu_cores=2", f"allocator.profiles_dir={tmp_path / 'profiles'}")
+    # a profile that thinks simulation costs 5 ms of CPU per env step (it costs ~15 here; generation ~1, training
+    # ~2.5, as profiled): it plans 1 core for the simulators and the other for generation and training
+    wrong = linear_profile({"simulate": 0.005, "generate": 0.001, "train": 0.0025}, [2], CPU, profile_key(cfg),
+                           {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    wrong.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
+    run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
+    assert run.allocator.current.x["simulate"] == 1
+    first = run.allocator.leases
+    run.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    decided = [r for r in rows if "alloc/decision" in r]
+    assert decided, [r["alloc/rate_simulate"] for r in rows]
+    assert "simulate is the bottleneck" in decided[0]["alloc/decision"]
+    assert rows[0]["alloc/simulate"] == 1 and rows[-1]["alloc/simulate"] > 1
+    assert run.allocator.decisions[0].step >= 2  # not on the first reading: the window is 2
+    # the simulators really ran on the new cores: every chunk reports the affinity its process had
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    chunks = sorted((e for e in trace if e.get("cat") == "simulate"), key=lambda e: e["ts"])
+    before, added = set(first["simulate"]), set(run.allocator.leases["simulate"]) - set(first["simulate"])
+    assert added and set(chunks[0]["args"]["cpus"]) <= before
+    moved = [e for e in chunks if set(e["args"]["cpus"]) & added]
+    assert moved and moved[0]["ts"] > chunks[0]["ts"]
+    leases = dict(run.resources.leases)
+    assert leases["simulate"].cpus == tuple(run.allocator.leases["simulate"]) and leases["simulate"].version >= 1
+
+
+def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refused(tmp_path):
+    cfg = compose_config(*SMALL, f"allocator.profiles_dir={tmp_path}")
+    assert Allocator(cfg, [0, 1]).profile is None  # none yet: calibrate in the first iteration
+    profile = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [2], CPU, profile_key(cfg),
+                             {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    path = profile.save(profile_path(tmp_path, profile_key(cfg)))
+    found = Allocator(cfg, [0, 1])
+    assert found.profile is not None and str(path) in found.source
+    assert found.current.x["simulate"] > 1  # simulation is most of the work
+    other = compose_config(*SMALL, "policy.preset=small", f"allocator.profile={path}")
+    with pytest.raises(ConfigError) as e:
+        Allocator(other, [0, 1])
+    assert "was measured for preset=tiny, and this run has preset=small" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,39 @@
+"""sweep.py end to end in subprocesses: two Optuna trials write a stage profile and Optuna's results; run.py finds
+the profile by policy x env x hw and plans from it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from ebrl.alloc.profile import STAGES, StageProfile
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["env.num_envs=2", "algo.rollout_chunks=2", "iterations=2"]
+
+
+def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
+    profiles, sweep_dir = tmp_path / "profiles", tmp_path / "sweep"
+    out = subprocess.run(
+        [sys.executable, "sweep.py", *TINY, "hydra.sweeper.n_trials=2",
+         "scheduler.groups=choice(1,2)",  # replaces the sweep's choice(1,2,4): 4 groups of 2 envs cannot be
+         f"allocator.profiles_dir={profiles}", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = list(profiles.glob("*.yaml"))
+    assert [p.name for p in written] == ["openpi-tiny_robosuite-Lift_cpu.yaml"], out.stdout[-2000:]
+    assert f"stage profile from 2 trials written to {written[0]}" in out.stdout
+    profile = StageProfile.load(written[0])
+    assert set(profile.stages) == set(STAGES) and profile.key["num_envs"] == 2
+    assert all(p.rate > 0 for p in profile.points)
+    results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert results["best_value"] > 0 and set(results["best_params"]) >= {"sweep.simulate", "scheduler.groups"}
+
+    run = subprocess.run(
+        [sys.executable, "run.py", "scheduler=ebrl", *TINY, "progress=false", f"allocator.profiles_dir={profiles}",
+         f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = run.stderr
+    assert f"stage profile: {written[0]}" in said and "allocator: plan simulate" in said
