@@ -152,7 +152,7 @@ class SchedulerConfig:
 class AllocatorConfig:
     name: str = MISSING  # static: plan once | elastic: re-plan when stage rates drift (ebrl/alloc)
     # Stage profile: null looks for <profiles_dir>/<policy>-<preset>_<env>-<task>_<hw>.yaml (sweep.py writes it);
-    # without one the plan starts from a calibration: the stages' costs measured in the first iteration
+    # without one the plan starts from a calibration: the stages' costs measured in iteration 2
     profile: Optional[str] = None
     profiles_dir: str = "profiles"  # relative to the repository (absolute paths as given)
     window: int = 3  # elastic: iterations an imbalance must last before a re-plan

@@ -17,12 +17,15 @@ SMALL = ["scheduler=ebrl", "env.num_envs=4", "algo.rollout_chunks=4", "progress=
 CPU = {"simulate": "cores", "generate": "core_share", "train": "core_share"}
 
 
-def test_cpu_sets_share_the_last_cores_between_generation_and_training():
+def test_cpu_sets_keep_generation_and_training_apart_and_let_the_simulators_fill_the_rest():
     assert cpu_sets({"simulate": 1, "generate": 0.5, "train": 0.5}, [0, 1]) == {
-        "simulate": [0], "generate": [1], "train": [1]}
-    # a fractional sim share spills onto the policy's core, where the (niced) simulators fill what it leaves
+        "simulate": [0], "generate": [0], "train": [1]}
+    # a fractional sim share spills onto the policy's cores, where the (niced) simulators fill what they leave
     assert cpu_sets({"simulate": 1.5, "generate": 0.25, "train": 0.25}, [4, 5]) == {
-        "simulate": [4, 5], "generate": [5], "train": [5]}
+        "simulate": [4, 5], "generate": [4], "train": [5]}
+    assert cpu_sets({"simulate": 5, "generate": 1.25, "train": 1.75}, list(range(8))) == {
+        "simulate": [0, 1, 2, 3, 4], "generate": [4, 5], "train": [6, 7]}
+    assert cpu_sets({"simulate": 1, "generate": 0.25, "train": 1.75}, [0, 1])["generate"] == [1]  # no core left
     assert cpu_sets({"simulate": 5, "generate": 0.3, "train": 0.3}, list(range(8)), gpu=True)["train"] == [5, 6, 7]
 
 
@@ -66,7 +69,7 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
 
 def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refused(tmp_path):
     cfg = compose_config(*SMALL, f"allocator.profiles_dir={tmp_path}")
-    assert Allocator(cfg, [0, 1]).profile is None  # none yet: calibrate in the first iteration
+    assert Allocator(cfg, [0, 1]).profile is None  # none yet: calibrate from the costs of iteration 2
     profile = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [2], CPU, profile_key(cfg),
                              {"simulate": 2.0, "generate": 2.0, "train": 2.0})
     path = profile.save(profile_path(tmp_path, profile_key(cfg)))
