@@ -62,6 +62,7 @@ class Workload:
     stragglers: float = 0.0  # fraction of the envs that step slower (ebrl.bench.stragglers)
     straggler_task: str | None = None  # null: the same task
     straggler_slowdown: int = 3  # physics substeps per action, times the others'
+    straggler_after_steps: int = 0  # > 0: stragglers slow down at their first reset after this many steps
 
     @property
     def straggler_envs(self) -> int:
@@ -114,6 +115,7 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
         cfg.env.straggler_envs = workload.straggler_envs
         cfg.env.straggler_task = workload.straggler_task
         cfg.env.straggler_slowdown = workload.straggler_slowdown
+        cfg.env.straggler_after_steps = workload.straggler_after_steps
     return cfg
 
 

@@ -20,32 +20,39 @@ from ebrl.envs.worker import load_adapter_class
 
 
 class StragglerEnv(EnvAdapter):
-    """The inner adapter as configured, or, for the first `straggler_envs` envs of a pool, a slower one."""
+    """The inner adapter as configured, or, for the first `straggler_envs` envs of a pool, a slower one; with
+    `straggler_after_steps` the stragglers start like the others and slow down at their first reset after that many
+    steps (the demand shifts mid-run, as when a curriculum moves on to contact-rich tasks)."""
 
     def __init__(self, inner_target: str, straggler_envs: int = 0, straggler_task: str | None = None,
-                 straggler_slowdown: int = 3, seed: int = 0, **inner: Any) -> None:
+                 straggler_slowdown: int = 3, straggler_after_steps: int = 0, seed: int = 0, **inner: Any) -> None:
         super().__init__(seed)
         if straggler_slowdown < 1:
             raise EnvSetupError(f"straggler_slowdown={straggler_slowdown} must be >= 1")
-        cls = load_adapter_class(inner_target)
+        self._cls, self._inner, self._task = load_adapter_class(inner_target), inner, straggler_task
+        self._slowdown, self._after = straggler_slowdown, straggler_after_steps
         self.straggler = seed % 1000 < straggler_envs
-        if not self.straggler:
-            self.env = cls(**inner, seed=seed)
-            self.spec = self.env.spec
-            return
-        base = cls(**inner, seed=seed)  # built once for its spec, which the straggler must match
-        self.spec = base.spec
-        base.close()
-        slow = dict(inner, task=straggler_task or inner["task"])
+        self.slow = False  # stepping the slower variant now
+        self.steps = 0
+        self.env = self._cls(**inner, seed=seed)
+        self.spec = self.env.spec  # a straggler keeps the base task's spec
+        if self.straggler and not self._after:
+            self._slow_down()
+
+    def _slow_down(self) -> None:
+        slow = dict(self._inner, task=self._task or self._inner["task"])
         if "control_freq" in slow:
-            slow["control_freq"] = max(1, slow["control_freq"] // straggler_slowdown)
-        self.env = cls(**slow, seed=seed)
-        if self.env.spec.action_dim != self.spec.action_dim:
-            raise EnvSetupError(f"straggler_task={straggler_task!r} takes {self.env.spec.action_dim}-d actions, "
+            slow["control_freq"] = max(1, slow["control_freq"] // self._slowdown)
+        env = self._cls(**slow, seed=self._seed)
+        if env.spec.action_dim != self.spec.action_dim:
+            env.close()
+            raise EnvSetupError(f"straggler_task={self._task!r} takes {env.spec.action_dim}-d actions, "
                                 f"the base task {self.spec.action_dim}-d; choose a task of the same robot")
+        self.env.close()
+        self.env, self.slow = env, True
 
     def _fit(self, obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not self.straggler:
+        if not self.slow:
             return obs
         n = self.spec.obs["state"].shape[0]
         state = np.zeros(n, np.float32)
@@ -53,8 +60,11 @@ class StragglerEnv(EnvAdapter):
         return {**obs, "state": state}
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
+        if self.straggler and not self.slow and self.steps >= self._after:
+            self._slow_down()
         return self._fit(self.env.reset(seed))
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        self.steps += 1
         obs, reward, terminated, truncated, info = self.env.step(action)
         return self._fit(obs), reward, terminated, truncated, info

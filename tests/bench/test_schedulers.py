@@ -53,3 +53,20 @@ def test_straggler_envs_match_the_base_spec_and_step_more_substeps():
     finally:
         straggler.close()
         normal.close()
+
+
+def test_a_straggler_may_slow_down_mid_run_at_its_next_reset():
+    from ebrl.bench.stragglers import StragglerEnv
+
+    env = StragglerEnv(inner_target="ebrl.envs.robosuite_env.RobosuiteEnv", straggler_envs=1, straggler_after_steps=3,
+                       task="Lift", max_episode_steps=12, control_freq=20, seed=0)
+    try:
+        assert not env.slow and env.env.env.control_freq == 20
+        env.begin_episode()
+        env.run_chunk(np.zeros((3, env.spec.action_dim), np.float32))
+        assert not env.slow  # within the episode nothing changes
+        spec = env.spec
+        env.begin_episode()
+        assert env.slow and env.env.env.control_freq == 20 // 3 and env.spec == spec
+    finally:
+        env.close()
