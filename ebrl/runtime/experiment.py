@@ -35,6 +35,7 @@ from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
 from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.runtime.resources import ResourcePool
 from ebrl.telemetry.metrics import MetricsLog
+from ebrl.telemetry.monitor import GpuMonitor
 from ebrl.telemetry.report import ProgressBar, console, print_summary
 from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
 
@@ -205,6 +206,11 @@ class Experiment:
         self.log = MetricsLog(self.run_dir, self.conf["logger"], self.conf, resume_id=resume_id)
         summary = RunSummary()
         cpu = CpuMonitor(self.cores)
+        gpu = GpuMonitor() if cfg.hw.gpus else None  # device totals; each stage's own GPU time is in the trace
+        if gpu is not None:
+            gpu.start()
+            if not gpu.available:
+                console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
         shares = ProcessCpu(self.stage_processes(), len(self.cores))
         measured_steps, measured_wall, busy, stage_busy = 0, 0.0, [], {}
         start = time.perf_counter()
@@ -235,6 +241,7 @@ class Experiment:
                     "time/iteration_s": wall,
                     **self.timers.pop_iteration(),
                     **cpu.read(),
+                    **(gpu.read() if gpu is not None else {}),
                     **shares.read(),
                     **stats.metrics(),
                     **train_metrics,
@@ -267,6 +274,8 @@ class Experiment:
             raise
         finally:
             bar.close()
+            if gpu is not None:
+                gpu.stop()
             self.close()
         self.scheduler.trace.write(self.run_dir / "trace.json")
         summary.env_steps = self.env_steps

@@ -71,6 +71,7 @@ class GpuMonitor(_Sampler):
         self.handles: list[Any] = []
         self.gpm: list[bool] = []
         self._gpm_last: dict[int, Any] = {}
+        self._read_from = 0  # samples already summed up by `read`
         try:
             import pynvml
 
@@ -131,6 +132,18 @@ class GpuMonitor(_Sampler):
                 except nvml.NVMLError:
                     self.gpm[i] = False  # supported but refused (e.g. GPM off in a VM): totals only from now on
             out[i] = reading
+        return out
+
+    def read(self) -> dict[str, float]:
+        """Metrics over the samples since the last read: perf/gpu<i>_util, _sm_util (GPM), _mem_gb (peak)."""
+        fresh, self._read_from = self.samples[self._read_from:], len(self.samples)
+        out: dict[str, float] = {}
+        for gpu in fresh[0][1] if fresh else ():
+            for name in ("util", "sm_util"):
+                values = [reading[gpu][name] for _, reading in fresh if name in reading[gpu]]
+                if values:
+                    out[f"perf/gpu{gpu}_{name}"] = sum(values) / len(values)
+            out[f"perf/gpu{gpu}_mem_gb"] = max(reading[gpu]["mem_used"] for _, reading in fresh) / 2**30
         return out
 
     def summary(self) -> dict[int, dict[str, float]]:
