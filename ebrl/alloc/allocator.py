@@ -2,8 +2,9 @@
 
 The stages' amounts become leases here (`cpu_sets`): on CPU, simulate gets the first ceil(x_sim) cores, train the
 last ones and generate those before train's (a fractional amount shares its core; the simulators run niced, so
-the policy's stages get a shared core first). On a GPU node simulate gets cores and generate and train SM shares of the GPU,
-recorded in the ResourcePool; the supervisor applies the CPU side at once (`PipelineScheduler.apply`).
+the policy's stages get a shared core first). On a GPU node simulate gets cores, and generate and train SM shares
+of the GPU. The run's ResourcePool applies the leases (ebrl.runtime.experiment), the scheduler the simulators'
+cores (`PipelineScheduler.simulate_on`).
 
 A stage's measured rate is the env steps/s it would sustain alone on its amount. On CPU it comes from CPU time:
 cost = CPU-seconds the stage's processes used per env step, rate = amount / cost (so a stage that waits, e.g.

@@ -1,6 +1,7 @@
 """The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from ebrl.runtime.checkpoint import (
 )
 from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
 from ebrl.runtime.pipeline import PipelineScheduler
-from ebrl.runtime.resources import ResourcePool
+from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.monitor import GpuMonitor
 from ebrl.telemetry.report import ProgressBar, console, print_summary
@@ -101,6 +102,7 @@ class Experiment:
         self._resume_ckpt: dict[str, Any] | None = None
         self.allocator: Allocator | None = None  # pipelined schedules: plans the stages' cores (ebrl/alloc)
         self.resources: ResourcePool | None = None  # and the leases that apply the plan
+        self.mps: MpsDaemons | None = None  # hw.mps: one control daemon per GPU, for this run
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -146,10 +148,20 @@ class Experiment:
         pipelined = cfg.scheduler.name != "colocated"
         if pipelined and cfg.scheduler.train_share is None:  # (disaggregated keeps the split that defines it)
             self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
-            self.resources = ResourcePool(self.cores, gpus=cfg.hw.gpus, sm_count=cfg.hw.sm_count,
-                                          gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
-                                          partition=sm_partition(cfg.hw), run_dir=self.run_dir)
             console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
+            try:
+                self.resources = ResourcePool(self.cores, gpus=cfg.hw.gpus, sm_count=cfg.hw.sm_count,
+                                              gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
+                                              partition=sm_partition(cfg.hw), run_dir=self.run_dir)
+                self._lease_plan()
+                if self.resources.partition == "mps":  # before any CUDA starts: a client's share is fixed then
+                    self.mps = MpsDaemons(range(cfg.hw.gpus), self.run_dir)
+                    self.mps.start()
+                    os.environ.update(self.resources.child_env("generate"))  # generation runs in this process
+                    for stage in ("generate", "train"):
+                        self.resources.on_requota(stage, self._requota_later)
+            except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
+                raise ConfigError(str(e)) from None
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size)
         try:
@@ -163,10 +175,16 @@ class Experiment:
             self.pool.reset_all()
             if pipelined:
                 optimizer = self._resume_ckpt["optimizer"] if self._resume_ckpt else None
-                self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
-                                                   base_version=self.iteration, optimizer_state=optimizer)
-                if self.allocator is not None and self.allocator.leases is not None:
-                    self._apply_plan()
+                pooled = self.resources is not None
+                with self.resources.spawn_env("train") if pooled else contextlib.nullcontext():  # MPS share, GPU
+                    self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf,
+                                                       self.cores, base_version=self.iteration,
+                                                       optimizer_state=optimizer)
+                if pooled:
+                    for stage, pid in (("generate", os.getpid()), ("train", self.scheduler.trainer.process.pid)):
+                        self.resources.attach(stage, pid)
+                if self.allocator is not None and self.allocator.current is not None:
+                    self.scheduler.simulate_on(self.allocator.leases["simulate"])
                     console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
             else:
                 self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
@@ -174,17 +192,27 @@ class Experiment:
             self.close()
             raise
 
-    def _apply_plan(self) -> None:
-        """Lease each stage its cores of the allocator's plan (and on a GPU its SM share): generation runs in this
-        process and training in the trainer's, which the pool moves; the scheduler moves the simulators."""
-        plan, cpus = self.allocator.current, self.allocator.leases
+    def _lease_plan(self) -> None:
+        """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares;
+        before there is a plan (calibrating), every core and no SM share. Attached processes move at once."""
+        plan = self.allocator.current
+        cpus = self.allocator.leases or {stage: self.cores for stage in ("simulate", "generate", "train")}
         gpu = 0 if self.cfg.hw.gpus else None
         for stage in ("generate", "train"):
-            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=None if gpu is None else plan.x[stage])
+            share = None if gpu is None or plan is None else plan.x[stage]
+            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=share)
         self.resources.lease("simulate", cpus["simulate"])
-        for stage, pid in (("generate", os.getpid()), ("train", self.scheduler.trainer.process.pid)):
-            self.resources.attach(stage, pid)
-        self.scheduler.simulate_on(cpus["simulate"])
+
+    def _apply_plan(self) -> None:
+        """Lease the new plan (the pool moves generation, this process, and training, the trainer's, every thread)
+        and move the simulators onto it."""
+        self._lease_plan()
+        self.scheduler.simulate_on(self.allocator.leases["simulate"])
+
+    def _requota_later(self, lease: Lease) -> None:
+        # an MPS share is fixed for a process's life, and generation lives in this process: recorded, not applied
+        console.print(f"allocator: {lease.stage}'s SM share {lease.sm_share:.2f} is recorded; under MPS it applies "
+                      "from the process's next start (live re-quota is not built yet)", soft_wrap=True)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         check_state_dict(self.policy, ckpt["model"], f"resume={self.cfg.resume}")
@@ -339,6 +367,9 @@ class Experiment:
             self.scheduler.close()
         if self.pool is not None:
             self.pool.close()
+        if self.mps is not None:  # after every client is gone
+            self.mps.stop()
+            self.mps = None
         if self.log is not None:
             self.log.close()
             self.log = None
