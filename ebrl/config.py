@@ -284,6 +284,11 @@ def available_cpu_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def node_cores(cfg: Any) -> list[int]:
+    """The CPU cores this run may use: hw.cpu_cores of those this process may run on (all of them when null)."""
+    return sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
+
+
 def cuda_device_count() -> int:
     import torch
 

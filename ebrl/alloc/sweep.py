@@ -17,7 +17,8 @@ from omegaconf import DictConfig, open_dict
 
 from ebrl.alloc.allocator import profile_key, profiles_root, stage_rates
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
-from ebrl.runtime.experiment import Experiment, node_cores
+from ebrl.config import node_cores
+from ebrl.runtime.experiment import Experiment
 
 RATES_FILE = "stage_rates.json"
 

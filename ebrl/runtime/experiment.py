@@ -17,7 +17,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, describe
-from ebrl.config import ConfigError, available_cpu_cores, sm_partition, validate
+from ebrl.config import ConfigError, node_cores, sm_partition, validate
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.policies.base import Policy
@@ -71,11 +71,6 @@ def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int
     if cfg.scheduler.torch_threads:
         return cfg.scheduler.torch_threads
     return cores if cfg.scheduler.name == "colocated" or device.type == "cuda" else 1
-
-
-def node_cores(cfg: DictConfig) -> list[int]:
-    """The CPU cores this run may use: hw.cpu_cores of those this process may run on (all of them when null)."""
-    return sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
 
 
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:

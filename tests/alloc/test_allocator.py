@@ -81,3 +81,10 @@ def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refuse
         Allocator(other, [0, 1])
     assert "was measured for preset=tiny, and this run has preset=small" in str(e.value)
     assert "\n" not in str(e.value)
+    # hw=cpu is whatever machine runs it: a profile from one with other cores does not steer this one
+    bigger = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [2], CPU,
+                            {**profile_key(cfg), "cores": 64}, {"simulate": 64.0, "generate": 64.0, "train": 64.0})
+    bigger.save(path)
+    cores = profile_key(cfg)["cores"]
+    with pytest.raises(ConfigError, match=f"was measured for cores=64, and this run has cores={cores}"):
+        Allocator(cfg, [0, 1])
