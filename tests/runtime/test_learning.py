@@ -30,7 +30,11 @@ def test_ppo_learns_to_reach_on_lift(tmp_path):
 @pytest.mark.slow
 def test_ppo_learns_to_reach_on_lift_under_the_ebrl_schedule(tmp_path):
     """Training overlaps the rollout (chunks up to 2 versions stale, decoupled PPO), groups pipelined, cores
-    rebound: the same task is learned as under the colocated schedule."""
+    rebound: the same task is learned as under the colocated schedule.
+
+    Unlike colocated, this schedule is not deterministic: timing decides which chunks a weight update reaches
+    first. Seed 0's mean return over the last 4 iterations has ranged 1.81-4.71 across runs (first 3: 0.69-0.79),
+    so the bound is twice the start and +0.8, where a policy that does not learn stays at 0.2-0.5."""
     cfg = compose_config("scheduler=ebrl", "iterations=24", "progress=false", "seed=0")
     Experiment.from_config(cfg, run_dir=tmp_path).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -38,7 +42,7 @@ def test_ppo_learns_to_reach_on_lift_under_the_ebrl_schedule(tmp_path):
     first, last = np.mean(returns[:3]), np.mean(returns[-4:])
     print(f"return first 3 iterations {first:.2f}, last 4 {last:.2f}: {[round(r, 2) for r in returns]}")
     assert max(r["sched/staleness_mean"] for r in rows) > 0  # the overlap was real
-    assert last > 2.5 * first and last - first > 0.8, returns
+    assert last > 2.0 * first and last - first > 0.8, returns
 
 
 @pytest.mark.slow
