@@ -126,7 +126,7 @@ class HwConfig:
     gpu_name: str = ""
     gpu_memory_gb: float = 0.0  # per GPU
     sm_count: int = 0  # streaming multiprocessors per GPU
-    mps: bool = False  # run.py starts one MPS control daemon per GPU for the run
+    mps: bool = False  # a pipelined run starts one MPS control daemon per GPU of its own
     sm_partition: Optional[str] = None  # mps | green | none: how SM shares are enforced; null: mps if hw.mps else none
 
 
@@ -370,7 +370,11 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
                           "use hw.sm_partition=none (and hw.mps=false)")
     if a.name == "elastic" and cfg.scheduler.name == "colocated":
         raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
-                          "runs every stage in one; use scheduler=ebrl (or async, hybrid, disaggregated)")
+                          "runs every stage in one; use scheduler=ebrl (or async, hybrid)")
+    if a.name == "elastic" and cfg.scheduler.train_share is not None:
+        share = cfg.scheduler.train_share
+        raise ConfigError(f"allocator=elastic would move the cores that scheduler.train_share={share} fixes (the "
+                          "split that defines disaggregated); use scheduler=ebrl, async or hybrid")
     for key, low in (("window", 1), ("cooldown", 0)):
         if a[key] < low:
             raise ConfigError(f"allocator.{key}={a[key]} must be >= {low}")

@@ -61,6 +61,8 @@ def test_composition_errors(override, error):
         (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),
         (["allocator=elastic"], "allocator=elastic moves resources between the stages' processes and "
                                 "scheduler=colocated runs every stage in one"),
+        (["scheduler=disaggregated", "allocator=elastic"], "allocator=elastic would move the cores that "
+                                                             "scheduler.train_share=0.5 fixes"),
         (["scheduler=ebrl", "allocator.simulate=64"], "allocator.simulate=64 must be in (0, "),
         (["scheduler=ebrl", "allocator.window=0"], "allocator.window=0 must be >= 1"),
         (["allocator.min_gain=-0.1"], "allocator.min_gain=-0.1 must be >= 0"),
