@@ -110,18 +110,24 @@ def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[s
 
 @dataclass
 class Measured:
-    """One iteration's figures the allocator reads (from the run's metrics)."""
+    """The figures a stage's rate is read from: env steps/s, and the CPU shares and busy fractions per stage."""
 
     steps_per_s: float
     cpu_share: dict[str, float]
     busy: dict[str, float]
 
     @classmethod
-    def from_metrics(cls, metrics: Mapping[str, float]) -> "Measured":
-        return cls(steps_per_s=metrics["perf/env_steps_per_s"],
-                   cpu_share={k[len("perf/cpu_share_"):]: v for k, v in metrics.items()
-                              if k.startswith("perf/cpu_share_")},
-                   busy={k[len("perf/busy_"):]: v for k, v in metrics.items() if k.startswith("perf/busy_")})
+    def from_figures(cls, steps_per_s: float, figures: Mapping[str, float], prefix: str = "") -> "Measured":
+        """From `<prefix>cpu_share_<group>` and `<prefix>busy_<stage>` keys: an iteration's metrics (prefix
+        "perf/") or a RunSummary's busy dict (no prefix)."""
+        def strip(kind: str) -> dict[str, float]:
+            head = prefix + kind
+            return {k[len(head):]: v for k, v in figures.items() if k.startswith(head)}
+
+        return cls(steps_per_s, strip("cpu_share_"), strip("busy_"))
+
+    def rates(self, x: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
+        return stage_rates(x, self.steps_per_s, self.cpu_share, self.busy, cores, gpu)
 
 
 class Allocator:
@@ -166,12 +172,12 @@ class Allocator:
 
     def observe(self, metrics: Mapping[str, float]) -> tuple[str | None, dict[str, float]]:
         """Read one iteration's metrics; returns a line to print when the plan changed, and `alloc/` metrics."""
-        m = Measured.from_metrics(metrics)
+        m = Measured.from_figures(metrics["perf/env_steps_per_s"], metrics, prefix="perf/")
         self.observations += 1
         line = None
         if self.current is None:  # calibrating: every stage ran on every core
             every = {s: float(len(self.cores)) for s in STAGES}
-            rates = stage_rates(every, m.steps_per_s, m.cpu_share, m.busy, len(self.cores), self.gpu)
+            rates = m.rates(every, len(self.cores), self.gpu)
             costs = {s: every[s] / r for s, r in rates.items() if math.isfinite(r) and r > 0}
             if len(costs) < len(STAGES) or self.observations < CALIBRATE_AT:
                 return None, {}
@@ -182,7 +188,7 @@ class Allocator:
             line = (f"allocator: calibrated from iteration {self.observations} (CPU ms per env step: "
                     + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}")
             return line, self._metrics(rates)
-        rates = stage_rates(self.current.x, m.steps_per_s, m.cpu_share, m.busy, len(self.cores), self.gpu)
+        rates = m.rates(self.current.x, len(self.cores), self.gpu)
         if self.controller is not None:
             decision = self.controller.observe({s: r for s, r in rates.items() if math.isfinite(r)}, m.busy)
             if decision is not None:

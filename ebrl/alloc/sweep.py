@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict
 
-from ebrl.alloc.allocator import profile_key, profiles_root, stage_rates
+from ebrl.alloc.allocator import Measured, profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
 from ebrl.config import node_cores
 from ebrl.runtime.experiment import Experiment
@@ -41,9 +41,7 @@ def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
             cfg.allocator[stage] = amount
     run = Experiment.from_config(cfg, run_dir)
     summary = run.train()
-    shares = {k[len("cpu_share_"):]: v for k, v in summary.busy.items() if k.startswith("cpu_share_")}
-    busy = {k[len("busy_"):]: v for k, v in summary.busy.items() if k.startswith("busy_")}
-    rates = stage_rates(amounts, summary.rollout_steps_per_s, shares, busy, cores, bool(cfg.hw.gpus))
+    rates = Measured.from_figures(summary.rollout_steps_per_s, summary.busy).rates(amounts, cores, bool(cfg.hw.gpus))
     batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
     record = {"key": profile_key(cfg), "batch": batch, "amounts": amounts, "rates": rates,
               "env_steps_per_s": summary.rollout_steps_per_s,
