@@ -1,4 +1,5 @@
-"""Train a robot policy with RL in simulation: `python run.py policy=openpi env=robosuite hw=cpu`."""
+"""Train a robot policy with RL in simulation: `python run.py policy=openpi env=robosuite hw=cpu`;
+evaluate one: `python run.py mode=eval checkpoint=<run folder> eval.episodes=50`."""
 from __future__ import annotations
 
 import hydra
@@ -12,9 +13,13 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from ebrl.runtime.experiment import Experiment  # after composition, so `--cfg job` needs no torch
+    from ebrl.runtime.evaluation import Evaluation, check_mode  # after composition, so `--cfg job` needs no torch
+    from ebrl.runtime.experiment import Experiment
 
     with exit_cleanly():
+        check_mode(cfg)
+        if cfg.mode == "eval":
+            return Evaluation.from_config(cfg).run().success_rate
         run = Experiment.from_config(cfg)  # validates, plans, fails with one line
         return run.train().rollout_steps_per_s  # the value a sweep optimises
 

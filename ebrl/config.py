@@ -207,6 +207,14 @@ class SweepConfig:
 
 # --- the whole experiment ------------------------------------------------------------------
 @dataclass
+class EvalConfig:
+    """`mode=eval`: how many episodes the loaded policy runs (ebrl/runtime/evaluation.py)."""
+
+    episodes: int = 20  # complete episodes; success rate with a 95% Wilson interval over them
+    videos: int = 2  # episodes saved as mp4 (the first ones; needs env.cameras)
+
+
+@dataclass
 class Config:
     env: EnvConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -222,6 +230,9 @@ class Config:
     resume: Optional[str] = None  # a run folder to continue
     device: str = "auto"  # auto (cuda when hw has GPUs) | cpu | cuda
     progress: bool = True  # progress bar on the console
+    mode: str = "train"  # train | eval (run the policy of `checkpoint` for eval.episodes, no training)
+    checkpoint: Optional[str] = None  # mode=eval: a run folder (its checkpoints/last.pt) or a .pt file
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:
@@ -333,9 +344,10 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _one_of(cfg, "env.reward", REWARDS)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
-    if cfg.algo.name == "grpo":
+    training = cfg_get(cfg, "mode", "train") != "eval"  # mode=eval runs no update, so the algorithm's batch is moot
+    if training and cfg.algo.name == "grpo":
         _check_groups(cfg)
-    else:
+    elif training:
         batch = cfg.env.num_envs * cfg.algo.rollout_chunks
         if batch % cfg.algo.minibatches:
             raise ConfigError(

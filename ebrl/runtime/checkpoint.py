@@ -73,6 +73,29 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return ckpt
 
 
+def checkpoint_file(path: str | Path) -> Path:
+    """The checkpoint a path names: a run folder's checkpoints/last.pt, or the file itself."""
+    p = Path(path).expanduser()
+    return p / "checkpoints" / "last.pt" if p.is_dir() else p
+
+
+def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """A checkpoint (`load_checkpoint`) made for the policy `policy_cfg` configures; otherwise one line that starts
+    with `source` (the key that named it, e.g. "resume=runs/...") and names the policy keys that differ."""
+    ckpt = load_checkpoint(path)
+    want, have = policy_identity(policy_cfg), ckpt["policy"]
+    if want != have:
+        diff = ", ".join(f"policy.{k}={have[k]} (asked {want[k]})" for k in want if want[k] != have[k])
+        raise CheckpointError(f"{source} holds a checkpoint of another policy: {diff}")
+    return ckpt
+
+
+def restore_weights(model: Policy, ckpt: dict[str, Any], source: str) -> None:
+    """Load a checkpoint's weights into `model`, or one line (starting with `source`) naming keys that do not fit."""
+    check_state_dict(model, ckpt["model"], source)
+    model.load_state_dict(ckpt["model"])
+
+
 def load_weights(model: Policy, path: str) -> None:
     """Start from a local safetensors file (policy.checkpoint=...): the policy's own keys, or its family's published
     layout as `Policy.import_state_dict` maps it; the RL heads may be absent and then keep their initialisation."""

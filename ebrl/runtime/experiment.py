@@ -25,18 +25,18 @@ from ebrl.rl.grpo import GRPOTrainer, group_seeds
 from ebrl.rl.ppo import PPOTrainer, RolloutBatch
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
-    CheckpointError,
     atomic_save,
-    check_state_dict,
-    load_checkpoint,
+    load_policy_checkpoint,
     load_weights,
     policy_identity,
+    restore_weights,
 )
 from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
 from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool
 from ebrl.telemetry.metrics import MetricsLog
-from ebrl.telemetry.monitor import GpuMonitor
+from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
+from ebrl.telemetry.plots import write_plots
 from ebrl.telemetry.report import ProgressBar, console, print_summary
 from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
 
@@ -71,6 +71,19 @@ def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int
     if cfg.scheduler.torch_threads:
         return cfg.scheduler.torch_threads
     return cores if cfg.scheduler.name == "colocated" or device.type == "cuda" else 1
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's generators from `seed` (the simulators seed themselves from it too)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_device(cfg: DictConfig) -> torch.device:
+    """Where the policy runs: cuda for device=cuda, or device=auto on hw with GPUs; cpu otherwise."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
+    return torch.device("cuda" if use_cuda else "cpu")
 
 
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
@@ -117,24 +130,16 @@ class Experiment:
         return exp
 
     def _read_resume_checkpoint(self) -> dict[str, Any]:
-        path = self.run_dir / "checkpoints" / "last.pt"
         if not self.run_dir.is_dir():
             raise ConfigError(f"resume={self.cfg.resume} is not a run folder")
-        ckpt = load_checkpoint(path)
-        want, have = policy_identity(self.conf["policy"]), ckpt["policy"]
-        if want != have:
-            diff = ", ".join(f"policy.{k}={have[k]} (asked {want[k]})" for k in want if want[k] != have[k])
-            raise CheckpointError(f"resume={self.cfg.resume} holds a checkpoint of another policy: {diff}")
-        return ckpt
+        return load_policy_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.conf["policy"],
+                                      f"resume={self.cfg.resume}")
 
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        seed_everything(cfg.seed)
         self.cores = node_cores(cfg)
-        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.device = run_device(cfg)
         torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86:
         # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
@@ -210,8 +215,7 @@ class Experiment:
                       "from the process's next start (live re-quota is not built yet)", soft_wrap=True)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
-        check_state_dict(self.policy, ckpt["model"], f"resume={self.cfg.resume}")
-        self.policy.load_state_dict(ckpt["model"])
+        restore_weights(self.policy, ckpt, f"resume={self.cfg.resume}")
         if self.trainer is not None:
             self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
         self.iteration = ckpt["iteration"]
@@ -236,7 +240,9 @@ class Experiment:
                 console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
         shares = ProcessCpu(self.stage_processes(), len(self.cores))
         measured_steps, measured_wall, busy, stage_busy = 0, 0.0, [], {}
+        cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from `cpu`
         start = time.perf_counter()
+        cpu_samples.start()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
         try:
             while self.iteration < cfg.iterations:
@@ -291,16 +297,17 @@ class Experiment:
                 bar.update(metrics)
                 if self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations:
                     self.save_checkpoint()
+            self._write_telemetry(start, cpu_samples, gpu)
         except KeyboardInterrupt:
             self.save_checkpoint()
-            self.scheduler.trace.write(self.run_dir / "trace.json")
+            self._write_telemetry(start, cpu_samples, gpu)
             raise
         finally:
             bar.close()
-            if gpu is not None:
-                gpu.stop()
+            for monitor in (cpu_samples, gpu):
+                if monitor is not None:
+                    monitor.stop()
             self.close()
-        self.scheduler.trace.write(self.run_dir / "trace.json")
         summary.env_steps = self.env_steps
         summary.wall_s = time.perf_counter() - start
         summary.rollout_steps_per_s = measured_steps / measured_wall if measured_wall else 0.0
@@ -315,6 +322,18 @@ class Experiment:
         (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         print_summary(summary, self.run_dir)
         return summary
+
+    def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:
+        """trace.json and the utilisation plots, while the W&B run is still open to take the plots."""
+        end = time.perf_counter()
+        for monitor in (cpu_samples, gpu):  # their sample lists are final from here
+            if monitor is not None:
+                monitor.stop()
+        trace = self.scheduler.trace
+        trace.write(self.run_dir / "trace.json")
+        plots = write_plots(self.run_dir, trace, start, end, len(self.scheduler.sim_cpus), cpu_samples.samples,
+                            gpu.samples if gpu is not None else None)
+        self.log.log_images(plots, self.env_steps)
 
     def stage_processes(self) -> dict[str, list[int]]:
         """Which processes do which stage's work: simulators, this one (generation, orchestration; colocated:

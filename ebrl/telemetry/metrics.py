@@ -39,6 +39,14 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log(metrics)
 
+    def log_images(self, paths: list[Path], env_steps: int) -> None:
+        """Figures of the run (plots/<file stem>) to W&B, at `env_steps`; the files stay in the run folder."""
+        if self._wandb is None or not paths:
+            return
+        import wandb
+
+        self._wandb.log({"env_steps": env_steps, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}})
+
     def close(self) -> None:
         self._file.close()
         if self._wandb is not None:

@@ -1,13 +1,15 @@
-"""A background sampler of GPU totals per device (NVML); CPU busy per core is ebrl.telemetry.timers.CpuMonitor.
+"""Background samplers over a run: GPU totals per device (NVML) and CPU busy per core (psutil).
 
 Samples are stamped with `time.perf_counter()`, the clock of the stage trace (ebrl/telemetry/trace.py), so
-utilisation and stage busy intervals can be plotted on one axis.
+utilisation and stage busy intervals can be plotted on one axis (ebrl/telemetry/plots.py).
 """
 from __future__ import annotations
 
 import threading
 import time
 from typing import Any
+
+from ebrl.telemetry.timers import CpuMonitor
 
 
 class _Sampler:
@@ -52,6 +54,19 @@ class _Sampler:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class CpuSampler(_Sampler):
+    """Busy fraction of each core over every `interval_s`: the time series behind cpu_busy.png. The per-iteration
+    metrics (perf/cpu<i>_busy) come from a CpuMonitor of their own, so neither resets the other's counters."""
+
+    def __init__(self, cores: list[int], interval_s: float = 0.5) -> None:
+        super().__init__(interval_s)
+        self.samples: list[tuple[float, dict[int, float]]] = []  # (perf_counter, {core: busy since the last sample})
+        self._cpu = CpuMonitor(cores)
+
+    def _read(self) -> dict[int, float]:
+        return dict(zip(self._cpu.cores, self._cpu.per_core()))
 
 
 class GpuMonitor(_Sampler):

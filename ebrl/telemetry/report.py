@@ -13,14 +13,14 @@ console = Console(stderr=True)
 
 
 class ProgressBar:
-    """Iterations done, with the latest throughput, return and success rate beside the bar."""
+    """Iterations (or, labelled "eval", episodes) done, with the latest figures beside the bar."""
 
-    def __init__(self, total: int, done: int = 0, enabled: bool = True) -> None:
+    def __init__(self, total: int, done: int = 0, enabled: bool = True, label: str = "train") -> None:
         self._progress = None
         if not enabled:
             return
         self._progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -29,15 +29,19 @@ class ProgressBar:
             console=console,
         )
         self._progress.start()
-        self._task = self._progress.add_task("train", total=total, completed=done, info="")
+        self._task = self._progress.add_task(label, total=total, completed=done, info="")
 
     def update(self, metrics: dict[str, Any]) -> None:
-        if self._progress is None:
-            return
+        """One training iteration done: its throughput, return and success rate beside the bar."""
         info = f"{metrics['perf/env_steps_per_s']:.0f} steps/s"
         if "env/return" in metrics:
             info += f"  return {metrics['env/return']:.2f}  success {metrics['env/success_rate']:.0%}"
-        self._progress.update(self._task, advance=1, info=info)
+        self.advance(info)
+
+    def advance(self, info: str) -> None:
+        """One more done, with `info` beside the bar."""
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, info=info)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -62,5 +66,23 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     for stage, seconds in summary.stage_s.items():  # stages may overlap: each as a share of the wall time
         table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / max(summary.wall_s, 1e-9):.0%} of wall)")
     table.add_row("CPU busy (mean over cores)", _fmt(summary.cpu_busy, ".0%"))
+    table.add_row("run folder", str(run_dir))
+    Console().print(table)
+
+
+def print_eval(summary: Any, run_dir: Path) -> None:
+    """The table a user reads at the end of `mode=eval` (an ebrl.runtime.evaluation.EvalSummary)."""
+    low, high = summary.success_ci95
+    table = Table(title="EBRL evaluation", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("checkpoint", summary.checkpoint)
+    table.add_row("trained for", f"{summary.iteration} iterations, {summary.env_steps:,} env steps")
+    table.add_row("episodes", f"{summary.episodes}")
+    table.add_row("success rate (95% Wilson CI)", f"{summary.success_rate:.1%} ({low:.1%} to {high:.1%})")
+    table.add_row("episode return (mean)", _fmt(summary.mean_return, ".3f"))
+    table.add_row("episode length (mean)", _fmt(summary.mean_length, ".1f"))
+    table.add_row("videos", f"{len(summary.videos)} in videos/" if summary.videos else "none")
+    table.add_row("wall time", f"{summary.wall_s:.1f} s")
     table.add_row("run folder", str(run_dir))
     Console().print(table)

@@ -40,7 +40,8 @@ class CpuMonitor:
         self.cores = cores
         self._last = psutil.cpu_times(percpu=True)
 
-    def read(self) -> dict[str, float]:
+    def per_core(self) -> list[float]:
+        """Busy fraction of each core (in `cores` order) since the previous call."""
         now = psutil.cpu_times(percpu=True)
         busy = []
         for core in self.cores:
@@ -49,6 +50,10 @@ class CpuMonitor:
             idle = (b.idle + getattr(b, "iowait", 0.0)) - (a.idle + getattr(a, "iowait", 0.0))
             busy.append(0.0 if total <= 0 else 1.0 - idle / total)
         self._last = now
+        return busy
+
+    def read(self) -> dict[str, float]:
+        busy = self.per_core()
         out = {"perf/cpu_busy": sum(busy) / max(len(busy), 1)}
         out.update({f"perf/cpu{core}_busy": b for core, b in zip(self.cores, busy)})
         return out

@@ -59,6 +59,7 @@ def test_run_writes_metrics_checkpoint_and_summary(finished_run):
     assert any("env/return" in r for r in rows)  # 24-step episodes end inside the rollout
     assert (finished_run / "checkpoints" / "last.pt").is_file()
     assert (finished_run / "config.yaml").is_file()
+    assert (finished_run / "cpu_busy.png").is_file() and (finished_run / "stage_busy.png").is_file()
     summary = json.loads((finished_run / "summary.json").read_text())
     assert summary["env_steps"] == rows[-1]["env_steps"] and summary["rollout_steps_per_s"] > 0
 

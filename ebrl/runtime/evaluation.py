@@ -1,0 +1,243 @@
+"""`mode=eval`: run the policy of a checkpoint for `eval.episodes` complete episodes, without training.
+
+The policy samples its chunks as it does in training rollouts (stochastic: no family has a deterministic mode
+in common). The episodes run on the simulator workers training uses, in lockstep with one batched generation
+per decision; success is the env's own success flag of each episode (env/success_rate in training). Env i of
+the pool runs episodes i, i + n, i + 2n, ...: a fixed share whatever the outcomes, since keeping the first
+episodes to finish would favour the short ones, which on tasks that end at success are the successes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ebrl.config import ConfigError, node_cores, validate
+from ebrl.envs.worker import SimWorkerPool
+from ebrl.runtime.checkpoint import checkpoint_file, load_policy_checkpoint, restore_weights
+from ebrl.runtime.colocated import batch_obs
+from ebrl.runtime.experiment import build_policy, run_device, seed_everything
+from ebrl.telemetry.report import ProgressBar, console, print_eval
+
+MODES = ("train", "eval")
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95%
+VIDEO_FPS = 20  # robosuite's (and LIBERO's, ManiSkill's) default control rate: videos play in real time
+
+
+def check_mode(cfg: DictConfig) -> None:
+    """mode=, and the keys mode=eval reads (checkpoint=, eval.*): one line for values that cannot work."""
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode!r} is not available; accepted: {', '.join(MODES)}")
+    if cfg.mode == "train":
+        if cfg.checkpoint:
+            raise ConfigError(f"checkpoint={cfg.checkpoint} is read by mode=eval only; to continue a run use "
+                              "resume=<run folder>, to start from weights policy.checkpoint=<file.safetensors>")
+        return
+    if not cfg.checkpoint:
+        raise ConfigError("mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>")
+    if not Path(cfg.checkpoint).expanduser().exists():
+        raise ConfigError(f"checkpoint={cfg.checkpoint} does not exist; give a run folder or its checkpoints/last.pt")
+    if cfg.eval.episodes < 1:
+        raise ConfigError(f"eval.episodes={cfg.eval.episodes} must be at least 1")
+    if cfg.eval.videos < 0:
+        raise ConfigError(f"eval.videos={cfg.eval.videos} must be >= 0 (0: no videos)")
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a success rate: unlike the normal approximation it stays inside [0, 1] and does
+    not collapse to a point at 0/n or n/n, which is where small evaluations of RL policies often land."""
+    if n < 1:
+        raise ValueError(f"n={n}: an interval needs at least one episode")
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class EvalSummary:
+    """What an evaluation measured; eval.json holds it, the console table shows it."""
+
+    checkpoint: str  # the file the weights came from
+    iteration: int  # training iterations behind it
+    env_steps: int  # and env steps
+    episodes: int
+    successes: int
+    success_rate: float
+    success_ci95: tuple[float, float]  # Wilson score interval
+    mean_return: float
+    mean_length: float
+    wall_s: float
+    videos: list[str] = field(default_factory=list)  # mp4 files, relative to the run folder
+    per_episode: list[dict[str, float]] = field(default_factory=list)  # env, return, length, success
+
+
+class Evaluation:
+    """The policy of a checkpoint on a pool of simulator workers, for a fixed number of complete episodes."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)
+        self.run_dir = run_dir
+        self.pool: SimWorkerPool | None = None
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Evaluation":
+        """Validate, load the checkpoint, start the simulators; bad input raises a one-line error."""
+        check_mode(cfg)
+        validate(cfg)
+        if run_dir is None:
+            from hydra.core.hydra_config import HydraConfig
+
+            run_dir = HydraConfig.get().runtime.output_dir
+        evaluation = cls(cfg, Path(run_dir))
+        evaluation._build()
+        return evaluation
+
+    def _build(self) -> None:
+        cfg, conf = self.cfg, self.conf
+        self.ckpt_path = checkpoint_file(cfg.checkpoint)
+        self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}")
+        trained_on = self.ckpt["config"]["env"]
+        if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
+            console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task={trained_on['task']}"
+                          f"; evaluating on env={cfg.env.name} env.task={cfg.env.task}", soft_wrap=True)
+        seed_everything(cfg.seed)
+        self.device = run_device(cfg)
+        torch.set_num_threads(len(node_cores(cfg)))  # generation alone: the simulators wait for it
+        num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed)
+        try:
+            self.pool.start()
+            self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
+            restore_weights(self.policy, self.ckpt, f"checkpoint={cfg.checkpoint}")
+            self.policy.eval()  # as generation runs in training (PPOTrainer.update leaves it so)
+            self.pool.attach(self.policy.chunk_len)
+            self.pool.reset_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self) -> EvalSummary:
+        """Run the episodes, write eval.json (and the videos), print the table; always closes the simulators."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            episodes, videos = self._episodes()
+        finally:
+            self.close()
+        n = len(episodes)
+        successes = int(sum(e["success"] for e in episodes))
+        summary = EvalSummary(
+            checkpoint=str(self.ckpt_path),
+            iteration=int(self.ckpt["iteration"]),
+            env_steps=int(self.ckpt["env_steps"]),
+            episodes=n,
+            successes=successes,
+            success_rate=successes / n,
+            success_ci95=wilson_interval(successes, n),
+            mean_return=float(np.mean([e["return"] for e in episodes])),
+            mean_length=float(np.mean([e["length"] for e in episodes])),
+            wall_s=time.perf_counter() - start,
+            videos=videos,
+            per_episode=episodes,
+        )
+        (self.run_dir / "eval.json").write_text(json.dumps(asdict(summary), indent=2))
+        print_eval(summary, self.run_dir)
+        return summary
+
+    def _episodes(self) -> tuple[list[dict[str, float]], list[str]]:
+        """eval.episodes complete episodes (env i runs episodes i, i + n, ...), in episode order, and the videos
+        written. An env recording a video steps one action at a time, so that every step gives a frame."""
+        pool, policy, cfg = self.pool, self.policy, self.cfg
+        workers, n, H, total = pool.workers, len(pool.workers), policy.chunk_len, cfg.eval.episodes
+        tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
+        cameras = sorted(k for k in pool.spec.obs if k.startswith("image/"))
+        if cfg.eval.videos and not cameras:
+            console.print("no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)",
+                          soft_wrap=True)
+        quota = [len(range(i, total, n)) for i in range(n)]
+        finished = [0] * n
+        results: list[dict[str, float]] = [{} for _ in range(total)]
+        videos: list[str] = []
+
+        def frame(obs: dict[str, np.ndarray]) -> np.ndarray:
+            return np.concatenate([obs[key] for key in cameras], axis=1)  # the cameras side by side
+
+        def recorded(i: int) -> bool:  # the episode env i runs now is one of the first eval.videos
+            return bool(cameras) and finished[i] < quota[i] and i + finished[i] * n < cfg.eval.videos
+
+        frames = {i: [frame(workers[i].obs)] for i in range(n) if recorded(i)}
+        bar = ProgressBar(total=total, enabled=cfg.progress, label="eval")
+        try:
+            while any(done < want for done, want in zip(finished, quota)):
+                envs = [i for i in range(n) if finished[i] < quota[i]]
+                obs = batch_obs([workers[i].obs for i in envs], tokens, token_mask, envs)
+                chunks = policy.sample({k: v.to(self.device) for k, v in obs.items()}).chunk.float().cpu().numpy()
+                chunk_of = {i: chunks[row] for row, i in enumerate(envs)}
+                pos = dict.fromkeys(envs, 0)  # actions of its chunk each env has executed
+                while pos:
+                    steps = [0] * n
+                    for i, p in pos.items():
+                        steps[i] = 1 if i in frames else H - p
+                        workers[i].actions[: steps[i]] = chunk_of[i][p : p + steps[i]]
+                    pool.submit_all(steps)
+                    reports = pool.wait_all()
+                    for i in list(pos):
+                        r = reports[i]
+                        pos[i] += r.executed
+                        if i in frames:  # the obs an episode ended on, not the next one's first
+                            frames[i].append(frame(r.final_obs if r.done else workers[i].obs))
+                        if r.done:  # the rest of the chunk belongs to no episode: the next one decides afresh
+                            index = i + finished[i] * n
+                            results[index] = {"env": i, **r.episode}
+                            if i in frames:
+                                videos += self._write_video(index, r.episode["success"], frames.pop(i))
+                            finished[i] += 1
+                            if recorded(i):
+                                frames[i] = [frame(workers[i].obs)]
+                            done = sum(finished)
+                            rate = sum(e.get("success", 0.0) for e in results) / done
+                            bar.advance(f"success {rate:.0%} of {done}")
+                            del pos[i]
+                        elif pos[i] == H:
+                            del pos[i]
+        finally:
+            bar.close()
+        return results, videos
+
+    def _write_video(self, index: int, success: float, frames: list[np.ndarray]) -> list[str]:
+        """videos/episode<index>_<success|failure>.mp4 (H.264), as a path relative to the run folder; [] and one
+        console line when it cannot be written (the evaluation goes on)."""
+        name = f"videos/episode{index:03d}_{'success' if success else 'failure'}.mp4"
+        path = self.run_dir / name
+        fps = self.conf["env"].get("control_freq", VIDEO_FPS)
+        try:
+            import imageio_ffmpeg
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            height, width = frames[0].shape[:2]
+            # macro_block_size 2: H.264's 4:2:0 needs even sides only; 16 would rescale e.g. 84 px images
+            writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, macro_block_size=2,
+                                                 ffmpeg_log_level="error")
+            writer.send(None)  # start ffmpeg
+            for f in frames:
+                writer.send(np.ascontiguousarray(f))
+            writer.close()
+        except Exception as e:  # noqa: BLE001  (ImportError, ffmpeg failing: the episode's figures still count)
+            reason = " ".join(str(e).split())[:200]
+            console.print(f"{name} not written: {type(e).__name__}: {reason}", soft_wrap=True, markup=False)
+            return []
+        return [name]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
