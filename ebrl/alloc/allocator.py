@@ -159,8 +159,10 @@ class Allocator:
         a = self.cfg.allocator
         extra = dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown) if kind is ElasticController else {}
         try:
-            self.controller = kind(profile, self.totals, self.num_envs, batches=[self.batch], fixed=self.fixed,
-                                   **extra)
+            # a profile measured at several generation batches (a sweep over scheduler.groups) lets the plan pick
+            # the batch too; otherwise it stays num_envs / scheduler.groups
+            batches = None if len(profile.batches("generate")) > 1 else [self.batch]
+            self.controller = kind(profile, self.totals, self.num_envs, batches=batches, fixed=self.fixed, **extra)
         except PlanError as e:
             raise ConfigError(str(e)) from None
         self.current = self.controller.current
@@ -207,6 +209,6 @@ class Allocator:
 
 
 def describe(p: Plan) -> str:
-    return ", ".join(f"{s} {p.x[s]:g}" for s in STAGES) + (
+    return ", ".join(f"{s} {p.x[s]:g}" for s in STAGES) + f", generation batch {p.batch}" + (
         f" (predicted {p.throughput:.1f} env steps/s, {p.bottleneck} the bottleneck)"
         if all(math.isfinite(r) for r in p.rates.values()) else "")

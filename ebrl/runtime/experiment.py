@@ -185,6 +185,7 @@ class Experiment:
                         self.resources.attach(stage, pid)
                 if self.allocator is not None and self.allocator.current is not None:
                     self.scheduler.simulate_on(self.allocator.leases["simulate"])
+                    self._apply_batch()
                     console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
             else:
                 self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
@@ -208,6 +209,12 @@ class Experiment:
         and move the simulators onto it."""
         self._lease_plan()
         self.scheduler.simulate_on(self.allocator.leases["simulate"])
+        self._apply_batch()
+
+    def _apply_batch(self) -> None:
+        """Generation batches of the plan's size: the scheduler regroups the envs at its next common segment
+        boundary (a no-op when the batch did not change)."""
+        self.scheduler.regroup(self.cfg.env.num_envs // self.allocator.current.batch)
 
     def _requota_later(self, lease: Lease) -> None:
         # an MPS share is fixed for a process's life, and generation lives in this process: recorded, not applied

@@ -276,9 +276,10 @@ class PipelineScheduler:
         self.schedule = Schedule.from_config(conf["scheduler"])
         self.chunks = int(conf["algo"]["rollout_chunks"])
         n = len(pool.workers)
-        self.groups = [_Group(g, [int(i) for i in envs]) for g, envs in
-                       enumerate(np.array_split(np.arange(n), self.schedule.groups))]
-        self.group_of = {i: g for g in self.groups for i in g.envs}
+        self.groups: list[_Group] = []
+        self._split(self.schedule.groups, segment=0)
+        self.regroup_at: tuple[int, int] | None = None  # (groups, segment) of a requested regroup
+        self.parked: list[_Group] = []  # groups that reached that segment and wait for the others
         tokens, mask = policy.tokenize([w.spec.instruction for w in pool.workers])
         self.tokens, self.token_mask = torch.from_numpy(tokens), torch.from_numpy(mask)
         self.trace = Trace()
@@ -344,6 +345,38 @@ class PipelineScheduler:
         if self.dispatcher.cores is None:
             for worker in self.pool.workers:
                 worker.bind(self.sim_cpus)
+
+    def regroup(self, groups: int) -> None:
+        """Serve generation in `groups` groups (batches of num_envs / groups envs, an allocator's new plan) from the
+        next segment boundary that every group can reach: each group stops at the end of the segment the furthest
+        group is in until all are there, then the envs are split anew. A one-off barrier, paid once per change."""
+        n = len(self.pool.workers)
+        if not 1 <= groups <= n:
+            raise ValueError(f"{groups} groups of {n} envs: between 1 and {n}")
+        if groups == len(self.groups) and self.regroup_at is None:
+            return
+        # a group mid-segment (chunk steps collected or in flight) first finishes it
+        target = max(g.segment + (1 if g.steps or g.pending is not None else 0) for g in self.groups)
+        self.regroup_at = (groups, target)
+
+    def _split(self, groups: int, segment: int) -> None:
+        """The envs in `groups` consecutive groups, all about to start `segment`."""
+        self.groups = [_Group(g, [int(i) for i in envs], segment=segment) for g, envs in
+                       enumerate(np.array_split(np.arange(len(self.pool.workers)), groups))]
+        self.group_of = {i: g for g in self.groups for i in g.envs}
+
+    def _park(self, group: _Group) -> bool:
+        """Hold a group at the requested regroup's segment boundary; once every group is held, split anew and
+        queue the new groups (their envs' observations are in shared memory). True if the group was held."""
+        if self.regroup_at is None or group.steps or group.segment < self.regroup_at[1]:
+            return False
+        self.parked.append(group)
+        if len(self.parked) == len(self.groups):
+            groups, segment = self.regroup_at
+            self.regroup_at, self.parked = None, []
+            self._split(groups, segment)
+            self.queue.extend(self.groups)
+        return True
 
     def close(self) -> None:
         self.dispatcher.stop()
@@ -435,7 +468,8 @@ class PipelineScheduler:
                     at += len(g.envs)
             starting = []
             for g in groups:
-                (starting if self._may_start(g) else self.waiting).append(g)
+                if not self._park(g):
+                    (starting if self._may_start(g) else self.waiting).append(g)
             if starting:
                 self.version = self.trainer.channel.pull(self.policy, self.version)
                 envs = [i for g in starting for i in g.envs]

@@ -67,6 +67,22 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
     assert leases["simulate"].cpus == tuple(run.allocator.leases["simulate"]) and leases["simulate"].version >= 1
 
 
+def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(tmp_path):
+    cfg = compose_config(*SMALL, "scheduler.groups=1", "iterations=3", "hw.cpu_cores=2",
+                         f"allocator.profiles_dir={tmp_path / 'profiles'}")
+    # measured at batches 2 and 4 alike: ties go to the smaller batch (more groups to pipeline), 2 groups of 2 envs
+    profile = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.0025}, [2, 4], CPU, profile_key(cfg),
+                             {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    profile.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
+    run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
+    assert run.allocator.current.batch == 2
+    run.train()
+    assert [g.envs for g in run.scheduler.groups] == [[0, 1], [2, 3]]
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    served = [e["args"]["groups"] for e in trace if e.get("name") == "sample"]
+    assert {g for groups in served for g in groups} == {0, 1}  # generation served the two groups, from the start
+
+
 def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refused(tmp_path):
     cfg = compose_config(*SMALL, f"allocator.profiles_dir={tmp_path}")
     assert Allocator(cfg, [0, 1]).profile is None  # none yet: calibrate from the costs of iteration 2

@@ -78,6 +78,26 @@ def test_groups_are_joined_env_by_env():
     assert joined.reward[:, 0].eq(0).all() and joined.reward[:, 1:].eq(1).all()
 
 
+def test_a_regroup_waits_for_a_common_segment_boundary_and_loses_no_chunk(tmp_path):
+    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "iterations=4"), run_dir=tmp_path / "run")
+    sched = exp.scheduler
+    try:
+        first = sched.next_iteration()[0]  # 2 groups of 2 envs
+        sched.regroup(4)
+        later = [sched.next_iteration()[0] for _ in range(3)]
+        shapes = sched.last_shapes
+    finally:
+        exp.close()
+    assert [g.envs for g in sched.groups] == [[0], [1], [2], [3]] and sched.regroup_at is None
+    served = [span.args["groups"] for span in sched.trace.spans if span.lane == "generate"]
+    switch = next(k for k, groups in enumerate(served) if max(groups) > 1)
+    assert all(max(groups) <= 1 for groups in served[:switch]) and all(  # old groups until the barrier, then new
+        set(groups) <= {0, 1, 2, 3} for groups in served[switch:])
+    # every iteration still holds every env's 2 chunks: the barrier moved no chunk from one iteration to another
+    assert shapes["chunk"][:2] == (2, 4) and all(s.env_steps > 0 for s in [first, *later])
+    assert not sched.segments and not sched.parked
+
+
 def test_a_mode_that_cannot_run_here_says_so_in_one_line():
     with pytest.raises(ConfigError, match="scheduler.groups=5 must be between 1 and env.num_envs=4"):
         validate(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=5"))
