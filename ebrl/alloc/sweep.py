@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ebrl.alloc.allocator import Measured, profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
@@ -64,8 +64,37 @@ def profile_from_trials(records: list[dict[str, Any]]) -> StageProfile:
     return StageProfile(points, key=records[0]["key"], resource=records[0]["resource"])
 
 
+def sweep_progress(done: int, total: int | None, value: float | None, best: float | None, width: int = 20) -> str:
+    """One console line per finished trial: a bar of trials done (of `total`, when the sweeper has a fixed count),
+    the trial's env steps/s and the best so far."""
+    if total:
+        filled = min(width, round(width * done / total))
+        head = f"sweep [{'#' * filled}{'-' * (width - filled)}] trial {done}/{total}"
+    else:
+        head = f"sweep: trial {done}"
+    if value is None:
+        return f"{head}: failed (its job folder has the error)"
+    return f"{head}: {value:.1f} env steps/s (best {best:.1f})"
+
+
 class WriteStageProfile(Callback):
-    """At the end of `python sweep.py -m`: write the stage profile from every trial of the sweep folder."""
+    """During `python sweep.py -m`, a progress line per trial; at the end, the stage profile from every trial of the
+    sweep folder."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.best: float | None = None
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        self.done += 1
+        try:
+            value = float(job_return.return_value)  # raises for a failed trial
+        except Exception:  # noqa: BLE001  (a failed trial is reported, the sweep goes on)
+            value = None
+        if value is not None:
+            self.best = value if self.best is None else max(self.best, value)
+        total = OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
+        print(sweep_progress(self.done, total, value, self.best), flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

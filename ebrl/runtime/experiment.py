@@ -304,7 +304,9 @@ class Experiment:
                 bar.update(metrics)
                 if self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations:
                     self.save_checkpoint()
+            self._summarise(summary, start, measured_steps, measured_wall, busy, stage_busy)
             self._write_telemetry(start, cpu_samples, gpu)
+            self.log.log_summary(summary.__dict__)
         except KeyboardInterrupt:
             self.save_checkpoint()
             self._write_telemetry(start, cpu_samples, gpu)
@@ -315,20 +317,24 @@ class Experiment:
                 if monitor is not None:
                     monitor.stop()
             self.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        print_summary(summary, self.run_dir)
+        return summary
+
+    def _summarise(self, summary: RunSummary, start: float, measured_steps: int, measured_wall: float,
+                   busy: list[float], stage_busy: dict[str, list[float]]) -> None:
+        """Fill the run's totals in `summary` (what summary.json, the console table and W&B's summary show)."""
+        end = time.perf_counter()
         summary.env_steps = self.env_steps
-        summary.wall_s = time.perf_counter() - start
+        summary.wall_s = end - start
         summary.rollout_steps_per_s = measured_steps / measured_wall if measured_wall else 0.0
         if self.trainer is None:  # stages overlap: their busy time from the trace (simulation: per sim core)
-            end = time.perf_counter()
             busy_s = self.scheduler.trace.busy(start, end, len(self.scheduler.sim_cpus))
             summary.stage_s = {k: busy_s[k] * (end - start) for k in STAGES}
         else:
             summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
         summary.cpu_busy = float(np.mean(busy)) if busy else float("nan")
         summary.busy = {key: float(np.mean(values)) for key, values in stage_busy.items()}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
-        print_summary(summary, self.run_dir)
-        return summary
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:
         """trace.json and the utilisation plots, while the W&B run is still open to take the plots."""

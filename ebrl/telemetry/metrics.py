@@ -7,6 +7,20 @@ from pathlib import Path
 from typing import Any
 
 
+def sweep_group(hydra_cfg: Any = None) -> str | None:
+    """Under a Hydra multirun (`sweep.py -m`, `run.py -m`) "<job>:<sweep folder>", so that W&B groups a sweep's
+    trials together; None for a single run. `hydra_cfg`: Hydra's own config node (default: this process's, if any)."""
+    if hydra_cfg is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return None
+        hydra_cfg = HydraConfig.get()
+    if str(hydra_cfg.mode) not in ("MULTIRUN", "RunMode.MULTIRUN"):
+        return None
+    return f"{hydra_cfg.job.name}:{hydra_cfg.sweep.dir}"
+
+
 class MetricsLog:
     """Appends to `<run>/metrics.jsonl` (so a resumed run continues the same file) and mirrors to W&B."""
 
@@ -22,7 +36,7 @@ class MetricsLog:
             self._wandb = wandb.init(
                 project=logger_cfg.get("project"),
                 entity=logger_cfg.get("entity"),
-                group=logger_cfg.get("group"),
+                group=logger_cfg.get("group") or sweep_group(),
                 config=config,
                 dir=str(run_dir),
                 mode=mode,
@@ -46,6 +60,21 @@ class MetricsLog:
         import wandb
 
         self._wandb.log({"env_steps": env_steps, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}})
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """The run's totals (summary.json's) as the W&B run summary, and its stage timing as a table
+        (time/stages: stage, seconds, share of the wall time)."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        wall = summary["wall_s"] or float("nan")
+        table = wandb.Table(columns=["stage", "seconds", "share of wall"],
+                            data=[[stage, s, s / wall] for stage, s in summary["stage_s"].items()])
+        self._wandb.log({"env_steps": summary["env_steps"], "time/stages": table})
+        flat = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+        flat.update({f"{k}/{name}": x for k, d in summary.items() if isinstance(d, dict) for name, x in d.items()})
+        self._wandb.summary.update({f"summary/{k}": v for k, v in flat.items()})
 
     def close(self) -> None:
         self._file.close()

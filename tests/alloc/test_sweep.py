@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from ebrl.alloc.profile import STAGES, StageProfile
+from ebrl.alloc.sweep import sweep_progress
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["env.num_envs=2", "algo.rollout_chunks=2", "iterations=2"]
@@ -25,6 +26,7 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     written = list(profiles.glob("*.yaml"))
     assert [p.name for p in written] == ["openpi-tiny_robosuite-Lift_cpu.yaml"], out.stdout[-2000:]
     assert f"stage profile from 2 trials written to {written[0]}" in out.stdout
+    assert "sweep [##########----------] trial 1/2: " in out.stdout and "trial 2/2: " in out.stdout  # progress
     profile = StageProfile.load(written[0])
     assert set(profile.stages) == set(STAGES) and profile.key["num_envs"] == 2
     assert all(p.rate > 0 for p in profile.points)
@@ -37,3 +39,8 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     said = run.stderr
     assert f"stage profile: {written[0]}" in said and "allocator: plan simulate" in said
+
+
+def test_sweep_progress_line():
+    assert sweep_progress(3, 12, 180.24, 205.8) == "sweep [#####---------------] trial 3/12: 180.2 env steps/s (best 205.8)"
+    assert sweep_progress(1, None, None, None) == "sweep: trial 1: failed (its job folder has the error)"

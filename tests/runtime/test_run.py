@@ -147,4 +147,8 @@ def test_wandb_logger_offline(tmp_path):
     run_dir = tmp_path / "w"
     proc = run_py(*SMALL, "iterations=1", "logger=wandb", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert offline, "no offline W&B run written"
+    records = b"".join(f.read_bytes() for f in offline[0].glob("*.wandb"))
+    for logged in (b"time/stages", b"summary/rollout_steps_per_s", b"plots/stage_busy"):  # the table, totals, plots
+        assert logged in records, logged
