@@ -518,8 +518,9 @@ class PipelineScheduler:
             return
         if message[0] != "trained":
             raise TrainerError(f"unexpected message {message[0]!r} from the trainer process")
-        _, iteration, metrics, version, start, end = message
-        self.trace.add("train", "update", start, end, iteration=iteration, version=version)
+        _, iteration, metrics, version, start, published, end = message
+        self.trace.add("train", "update", start, published, iteration=iteration)
+        self.trace.add("train", "publish", published, end, iteration=iteration, version=version)
         stats, shipped = self.shipped.pop(iteration)
         metrics = {**metrics, **shipped, "sched/weights_version": float(self.base_version + version)}
         self.results[iteration] = (stats, metrics)

@@ -60,7 +60,9 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                  cpus: Sequence[int], threads: int, device: str, optimizer_state: dict | None) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
 
-    ("train", iteration, batch, decoupled, is_clip) -> ("trained", iteration, metrics, version, start, end)
+    ("train", iteration, batch, decoupled, is_clip) -> ("trained", iteration, metrics, version, start, published,
+                                                        end): the update ran [start, published), the weights'
+                                                        publication [published, end)
     ("state",)                                      -> ("state", model state_dict, optimizer state_dict)
     A failure answers ("error", one line) and ends the process.
     """
@@ -92,8 +94,9 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 _, iteration, batch, decoupled, is_clip = message
                 start = time.perf_counter()
                 metrics = trainer.update(batch, decoupled=decoupled, is_clip=is_clip)
+                published = time.perf_counter()
                 version = channel.publish(policy)
-                results.send(("trained", iteration, metrics, version, start, time.perf_counter()))
+                results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
             elif message[0] == "state":
                 state = {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
                 results.send(("state", state, trainer.optimizer.state_dict()))

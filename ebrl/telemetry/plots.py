@@ -41,14 +41,37 @@ def cpu_busy_series(samples: list[tuple[float, dict[int, float]]], origin: float
 
 
 def stage_busy_series(trace: Trace, origin: float, end: float, sim_cores: int) -> Series:
-    """`Trace.busy` over consecutive bins of the run (STAGE_BINS of them, none under MIN_BIN_S): generate and train
-    as the share of each bin they ran, simulate as the mean occupancy of the `sim_cores` simulation cores."""
+    """Consecutive bins of the run (STAGE_BINS of them, none under MIN_BIN_S): generate and train as the share of
+    each bin they ran (`Trace.busy`), simulate as the share of the `sim_cores` simulation cores that had an env in
+    a chunk to run, min(envs in a chunk, cores) / cores over time. Unlike Trace.busy's mean occupancy this stays
+    within [0, 1] when more envs than cores step at once (lockstep schedules), and reads 1 when every sim core has
+    work whichever schedule hands the cores out."""
     length = max(end - origin, 0.0)
     bins = max(1, int(length / max(MIN_BIN_S, length / STAGE_BINS) + 1e-9))  # equal bins, each >= MIN_BIN_S
     edges = np.linspace(origin, end, bins + 1)
     busy = [trace.busy(a, b, sim_cores) for a, b in zip(edges[:-1], edges[1:])]
-    stages = ("simulate", "generate", "train")
-    return Series(0.5 * (edges[:-1] + edges[1:]) - origin, {s: np.array([b[s] for b in busy]) for s in stages})
+    lines = {s: np.array([b[s] for b in busy]) for s in ("generate", "train")}
+    lines = {"simulate": _core_occupancy(trace, edges, sim_cores), **lines}
+    return Series(0.5 * (edges[:-1] + edges[1:]) - origin, lines)
+
+
+def _core_occupancy(trace: Trace, edges: np.ndarray, cores: int) -> np.ndarray:
+    """Per bin of `edges`, the mean over time of min(simulate spans open, cores) / cores."""
+    changes = sorted([(s.start, 1) for s in trace.spans if s.stage == "simulate"]
+                     + [(s.end, -1) for s in trace.spans if s.stage == "simulate"])
+    out = np.zeros(len(edges) - 1)
+    running, last = 0, edges[0]
+    k = 0  # the bin `last` lies in
+    for when, step in [*changes, (edges[-1], 0)]:
+        when = min(max(when, edges[0]), edges[-1])
+        while last < when:  # spread [last, when) at the current count over the bins it crosses
+            upto = min(when, edges[k + 1])
+            out[k] += (upto - last) * min(running, cores) / max(cores, 1)
+            last = upto
+            if last >= edges[k + 1] and k < len(out) - 1:
+                k += 1
+        running += step
+    return out / np.diff(edges)
 
 
 def gpu_series(samples: list[tuple[float, dict[int, dict[str, float]]]], origin: float) -> tuple[Series, Series]:
@@ -104,10 +127,9 @@ def plot_stage_busy(series: Series, path: Path, sim_cores: int) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 4))
     width = series.t[1] - series.t[0] if len(series.t) > 1 else MIN_BIN_S
-    styles = {"simulate": {"label": f"simulate (env chunk time / {sim_cores} sim cores)"}}
+    styles = {"simulate": {"label": f"simulate (share of the {sim_cores} sim cores with an env to run)"}}
     _draw(ax, series, "busy fraction", f"Stage busy over time ({width:.1f} s bins)", "mid", styles=styles)
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)  # above it: more envs running than sim cores
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.05)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

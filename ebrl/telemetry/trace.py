@@ -16,7 +16,7 @@ from typing import Any
 @dataclass
 class Span:
     lane: str  # "simulate/env3", "generate", "train"
-    name: str  # "chunk", "sample", "value", "update"
+    name: str  # "chunk", "sample", "update", "publish"
     start: float  # perf_counter seconds
     end: float
     args: dict[str, Any] = field(default_factory=dict)

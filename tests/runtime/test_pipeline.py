@@ -166,6 +166,26 @@ def test_weights_reach_generation_with_increasing_versions(ebrl_run):
     assert all(m["sched/dropped_chunks"] == 0 for m in metrics)  # the rollout never runs past max_staleness
 
 
+def test_the_trace_file_parses_and_its_intervals_are_consistent(ebrl_run):
+    """trace.json (what ui.perfetto.dev opens): every lane named, no negative time, one thing at a time per lane
+    (an env runs one chunk, generation one batch, the trainer one update then its publication), and every update
+    followed by the publication of the version generation later swaps in."""
+    exp, metrics = ebrl_run
+    events = json.loads((exp.run_dir / "trace.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} <= set(names)
+    lanes = set(names.values())
+    assert {"train", "generate"} | {f"simulate/env{i}" for i in range(4)} <= lanes
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
+    for tid in names:
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid)
+        assert all(end <= start + 1.0 for (_, end), (start, _) in zip(mine, mine[1:])), names[tid]  # 1 us rounding
+    train = sorted((e for e in spans if names[e["tid"]] == "train"), key=lambda e: e["ts"])
+    assert [e["name"] for e in train] == ["update", "publish"] * len(metrics)
+    assert [e["args"]["version"] for e in train if e["name"] == "publish"] == [1, 2, 3]
+
+
 def test_stale_chunks_are_dropped_and_counted_when_the_bound_is_zero(tmp_path):
     _, metrics = run(tmp_path, "scheduler=async", "scheduler.max_staleness=0")
     dropped = [m["sched/dropped_chunks"] for m in metrics]

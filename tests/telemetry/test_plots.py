@@ -31,7 +31,7 @@ def ten_seconds() -> Trace:
 def test_stage_busy_per_second_bin():
     series = stage_busy_series(ten_seconds(), T0, T0 + 10, sim_cores=2)
     np.testing.assert_allclose(series.t, np.arange(10) + 0.5)  # 10 s / 100 bins is under 1 s: 1 s bins
-    np.testing.assert_allclose(series.lines["simulate"], [0.5] * 5 + [0.0] * 5)  # one of two cores busy
+    np.testing.assert_allclose(series.lines["simulate"], [0.5] * 5 + [0.0] * 5)  # one env on two cores: half of them
     np.testing.assert_allclose(series.lines["generate"], [0.5, 0, 0.75, 0, 0, 0, 0, 0, 0, 0])
     np.testing.assert_allclose(series.lines["train"], [0.0] * 7 + [1.0] * 3)
 
@@ -83,3 +83,12 @@ def test_without_matplotlib_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == ("no utilisation plots: matplotlib is not installed "
                                                "(pip install -r requirements.txt)")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_counts_a_core_busy_while_any_env_waits_for_it():
+    trace = Trace()
+    for env in range(4):  # four envs in lockstep on two cores for the first 2 s, then one alone for 1 s
+        trace.add(f"simulate/env{env}", "chunk", T0, T0 + 2)
+    trace.add("simulate/env0", "chunk", T0 + 2, T0 + 3)
+    series = stage_busy_series(trace, T0, T0 + 4, sim_cores=2)
+    np.testing.assert_allclose(series.lines["simulate"], [1.0, 1.0, 0.5, 0.0])
