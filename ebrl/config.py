@@ -158,6 +158,7 @@ class AllocatorConfig:
     window: int = 3  # elastic: iterations an imbalance must last before a re-plan
     min_gain: float = 0.1  # elastic: re-plan only for at least this predicted throughput gain
     cooldown: int = 2  # elastic: iterations between re-plans
+    ema: float = 0.5  # elastic: weight of the latest measurement in each stage's correction of the profile, (0, 1]
     # Pinned amounts (a sweep trial sets them; null: planned): simulate in cores (a fraction shares a core),
     # generate and train in cores on CPU or SM share of one GPU
     simulate: Optional[float] = None
@@ -392,6 +393,8 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
             raise ConfigError(f"allocator.{key}={a[key]} must be >= {low}")
     if a.min_gain < 0:
         raise ConfigError(f"allocator.min_gain={a.min_gain} must be >= 0 (a relative throughput gain; 0.1 is 10%)")
+    if not 0 < a.ema <= 1:
+        raise ConfigError(f"allocator.ema={a.ema} must be in (0, 1] (the latest measurement's weight; 1 trusts it alone)")
     for stage in ("simulate", "generate", "train"):
         amount = a[stage]
         if amount is None:

@@ -66,6 +66,7 @@ def test_composition_errors(override, error):
         (["scheduler=ebrl", "allocator.simulate=64"], "allocator.simulate=64 must be in (0, "),
         (["scheduler=ebrl", "allocator.window=0"], "allocator.window=0 must be >= 1"),
         (["allocator.min_gain=-0.1"], "allocator.min_gain=-0.1 must be >= 0"),
+        (["allocator.ema=0"], "allocator.ema=0.0 must be in (0, 1]"),
         (["hw.sm_partition=green"], "hw.sm_partition=green shares the SMs of a GPU and hw=cpu has none"),
         (["hw.sm_partition=slices"], "hw.sm_partition='slices' is not available; accepted: none, mps, green"),
     ],

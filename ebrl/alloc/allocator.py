@@ -157,7 +157,8 @@ class Allocator:
     def _start(self, profile: StageProfile) -> None:
         kind = ElasticController if self.cfg.allocator.name == "elastic" else StaticController
         a = self.cfg.allocator
-        extra = dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown) if kind is ElasticController else {}
+        extra = (dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown, ema=a.ema)
+                 if kind is ElasticController else {})
         try:
             # a profile measured at several generation batches (a sweep over scheduler.groups) lets the plan pick
             # the batch too; otherwise it stays num_envs / scheduler.groups

@@ -275,7 +275,6 @@ class PipelineScheduler:
         self.pool, self.policy, self.timers, self.device = pool, policy, timers, device
         self.schedule = Schedule.from_config(conf["scheduler"])
         self.chunks = int(conf["algo"]["rollout_chunks"])
-        n = len(pool.workers)
         self.groups: list[_Group] = []
         self._split(self.schedule.groups, segment=0)
         self.regroup_at: tuple[int, int] | None = None  # (groups, segment) of a requested regroup
