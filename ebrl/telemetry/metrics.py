@@ -10,13 +10,15 @@ from typing import Any
 def sweep_group(hydra_cfg: Any = None) -> str | None:
     """Under a Hydra multirun (`sweep.py -m`, `run.py -m`) "<job>:<sweep folder>", so that W&B groups a sweep's
     trials together; None for a single run. `hydra_cfg`: Hydra's own config node (default: this process's, if any)."""
+    from hydra.types import RunMode
+
     if hydra_cfg is None:
         from hydra.core.hydra_config import HydraConfig
 
         if not HydraConfig.initialized():
             return None
         hydra_cfg = HydraConfig.get()
-    if str(hydra_cfg.mode) not in ("MULTIRUN", "RunMode.MULTIRUN"):
+    if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     return f"{hydra_cfg.job.name}:{hydra_cfg.sweep.dir}"
 
