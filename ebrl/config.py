@@ -127,6 +127,7 @@ class HwConfig:
     gpu_memory_gb: float = 0.0  # per GPU
     sm_count: int = 0  # streaming multiprocessors per GPU
     mps: bool = False  # a pipelined run starts one MPS control daemon per GPU of its own
+    nodes: int = 1  # machines the run spans, each like this one (torchrun --nnodes); one rank per GPU (CPU: per node)
     sm_partition: Optional[str] = None  # mps | green | none: how SM shares are enforced; null: mps if hw.mps else none
 
 
@@ -216,6 +217,13 @@ class EvalConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Runs of several ranks under torchrun (ebrl/runtime/distributed.py)."""
+
+    timeout_s: float = 1800.0  # how long a rank waits for the others at a collective before the run stops
+
+
+@dataclass
 class Config:
     env: EnvConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -234,6 +242,7 @@ class Config:
     mode: str = "train"  # train | eval (run the policy of `checkpoint` for eval.episodes, no training)
     checkpoint: Optional[str] = None  # mode=eval: a run folder (its checkpoints/last.pt) or a .pt file
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def register_configs() -> None:
@@ -296,9 +305,12 @@ def available_cpu_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def node_cores(cfg: Any) -> list[int]:
-    """The CPU cores this run may use: hw.cpu_cores of those this process may run on (all of them when null)."""
-    return sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()]
+def rank_cores(cfg: Any) -> list[int]:
+    """The CPU cores this rank may use: its share (ranks of one node split them) of the node's hw.cpu_cores, taken
+    from those this process may run on (all of them when null). One rank, as `python run.py` is: all of them."""
+    from ebrl.runtime.distributed import Ranks, share_of_node
+
+    return share_of_node(sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()], Ranks.from_env())
 
 
 def cuda_device_count() -> int:
@@ -364,8 +376,35 @@ def validate(cfg: DictConfig) -> None:
     cores = available_cpu_cores()
     if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
         raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
-    _check_schedule(cfg, cfg.hw.cpu_cores or cores)
-    _check_allocator(cfg, cfg.hw.cpu_cores or cores)
+    cores = _check_launch(cfg)
+    _check_schedule(cfg, cores)
+    _check_allocator(cfg, cores)
+
+
+def _check_launch(cfg: DictConfig) -> int:
+    """The ranks torchrun started against the nodes and GPUs hw describes; the cores each rank gets."""
+    from ebrl.runtime.distributed import Ranks
+
+    ranks, hw = Ranks.from_env(), cfg.hw
+    _positive(cfg, "hw.nodes")
+    per_node = hw.gpus or ranks.local_world  # one rank per GPU; on CPU as many as were started
+    command = f"torchrun --nnodes {hw.nodes} --nproc-per-node {per_node} run.py hw={hw.name} ..."
+    if hw.nodes > 1 and not ranks.distributed:
+        raise ConfigError(f"hw={hw.name} spans {hw.nodes} nodes and this is one process; launch one per node: {command}")
+    if ranks.distributed:
+        if ranks.nodes != hw.nodes or (hw.gpus and ranks.local_world != hw.gpus):
+            raise ConfigError(f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
+                              f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}")
+        if cfg_get(cfg, "mode", "train") == "eval":
+            raise ConfigError("mode=eval runs as one process: python run.py mode=eval checkpoint=<run folder> ...")
+        if cfg.device == "cuda" and not hw.gpus:
+            raise ConfigError(f"device=cuda with several ranks needs hw with GPUs (one rank per GPU); hw={hw.name} has none")
+    cores = len(rank_cores(cfg))
+    if cores == 0:
+        node = cfg.hw.cpu_cores or available_cpu_cores()
+        raise ConfigError(f"{ranks.local_world} ranks on one node share its {node} CPU cores: at most {node} ranks per "
+                          "node (torchrun --nproc-per-node)")
+    return cores
 
 
 def sm_partition(hw: Any) -> str:
@@ -428,6 +467,13 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
     for key in ("queue_size", "train_threads"):
         if s[key] is not None and s[key] < 1:
             raise ConfigError(f"scheduler.{key}={s[key]} must be >= 1 or null")
+    if cores < 2 and s.train_share is None:  # the allocator's smallest plan: 1 core to simulate, a share for the rest
+        from ebrl.runtime.distributed import Ranks
+
+        ranks = Ranks.from_env()
+        where = f" (this node's cores split over its {ranks.local_world} ranks)" if ranks.local_world > 1 else ""
+        raise ConfigError(f"scheduler={name} simulates, generates and trains side by side and needs at least 2 CPU "
+                          f"cores; this rank has {cores}{where}; use scheduler=colocated, or fewer ranks per node")
     if s.train_share is not None:
         if cfg.hw.gpus == 1:
             raise ConfigError(f"scheduler={name} trains on a device of its own and hw={cfg.hw.name} has one GPU; "

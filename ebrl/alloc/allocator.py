@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from ebrl.alloc.planner import Decision, ElasticController, Plan, PlanError, StaticController, Totals, evaluate
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
-from ebrl.config import ConfigError, node_cores
+from ebrl.config import ConfigError, rank_cores
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
@@ -34,7 +34,7 @@ def profile_key(cfg: Any) -> dict[str, Any]:
     """What a stage profile was measured for: policy and preset, env and task, hw and the cores it gave (hw=cpu
     is whatever machine runs it), env count."""
     return {"policy": cfg.policy.name, "preset": cfg.policy.get("preset", ""), "env": cfg.env.name,
-            "task": cfg.env.get("task", ""), "hw": cfg.hw.name, "cores": len(node_cores(cfg)),
+            "task": cfg.env.get("task", ""), "hw": cfg.hw.name, "cores": len(rank_cores(cfg)),
             "num_envs": int(cfg.env.num_envs)}
 
 

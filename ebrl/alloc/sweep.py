@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ebrl.alloc.allocator import Measured, profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
-from ebrl.config import node_cores
+from ebrl.config import rank_cores
 from ebrl.runtime.experiment import Experiment
 
 RATES_FILE = "stage_rates.json"
@@ -34,7 +34,7 @@ def trial_amounts(cfg: DictConfig, cores: int) -> dict[str, float]:
 
 def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
     """One sweep trial: run with the amounts pinned, record the stages' rates, return env steps/s."""
-    cores = len(node_cores(cfg))
+    cores = len(rank_cores(cfg))
     amounts = trial_amounts(cfg, cores)
     with open_dict(cfg):
         for stage, amount in amounts.items():

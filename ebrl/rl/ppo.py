@@ -18,9 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
+from ebrl.runtime.distributed import weights_sum
 
 
 @dataclass
@@ -133,10 +136,20 @@ class PPOTrainer:
     returns, no critic); the clipped loss, epochs, minibatches and early stop stay this one.
     """
 
-    def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None) -> None:
+    def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.policy = policy
         self.cfg = cfg
         self.device = device or torch.device("cpu")
+        self.group = group  # data-parallel over this group's ranks (DDP); None: this process alone
+        self.model: torch.nn.Module = _Evaluate(policy)
+        if group is not None:
+            # DDP starts from rank 0's weights and averages the gradients of every backward over the ranks. Parts of a
+            # policy may get no gradient (GRPO: the value head), hence find_unused_parameters (torch warns once where
+            # there are none). static_graph=True instead left GRPO's replicas with different weights after one update.
+            ids = [self.device] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=ids, process_group=group,
+                                                 find_unused_parameters=True)
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
@@ -197,7 +210,7 @@ class PPOTrainer:
         for _ in range(cfg.epochs):
             epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
-                new_lp, entropy, value = self.policy.evaluate(
+                new_lp, entropy, value = self.model(
                     {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
                 )
                 pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip,
@@ -224,11 +237,34 @@ class PPOTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
                 epoch_kl += float(stats["train/approx_kl"]) / cfg.minibatches
-            if cfg.target_kl is not None and epoch_kl > cfg.target_kl:
+            if cfg.target_kl is not None and self._mean_over_ranks(epoch_kl) > cfg.target_kl:
                 stopped_early = 1.0  # the policy moved far enough from the one that collected the data
                 break
         self.policy.eval()
         out = {k: v / count for k, v in sums.items()}
         out["train/stopped_early"] = stopped_early
         out.update(metrics)
+        if self.group is not None:  # the supervisors check that every replica holds the same weights
+            out["dist/weights_sum"] = weights_sum(self.policy.state_dict())
         return out
+
+    def _mean_over_ranks(self, value: float) -> float:
+        """`value` averaged over the data-parallel ranks, so that they all take the same decision (the same
+        number of backward passes, which DDP needs)."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, group=self.group)
+        return float(t) / dist.get_world_size(self.group)
+
+
+class _Evaluate(torch.nn.Module):
+    """The policy's `evaluate` as a module's forward, so that DDP (which hooks forward) sees the training pass."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor,
+                extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.policy.evaluate(obs, chunk, extras)

@@ -1,7 +1,10 @@
-"""Bad input ends a run with one line on stderr, a non-zero exit, and nothing left behind; Ctrl-C with one line too."""
+"""Bad input ends a run with one line on stderr, a non-zero exit, and nothing left behind; Ctrl-C or SIGTERM
+(torchrun stopping the other ranks when one failed) with a checkpoint and one line; a failed trainer or rank with
+one line naming it."""
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +13,7 @@ from typing import Iterator
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
@@ -23,7 +27,7 @@ def _hydra_output_dir() -> Path | None:
         return None
 
 
-def _remove_if_only_hydra_files(run_dir: Path) -> None:
+def remove_if_only_hydra_files(run_dir: Path) -> None:
     """Hydra made this folder for the failed invocation; when nothing but its own files is there, drop it."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log"}:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -32,16 +36,29 @@ def _remove_if_only_hydra_files(run_dir: Path) -> None:
 @contextmanager
 def exit_cleanly() -> Iterator[None]:
     from ebrl.runtime.checkpoint import CheckpointError
+    from ebrl.runtime.distributed import DistributedError
+    from ebrl.runtime.trainer_process import TrainerError
 
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
     try:
         yield
     except (ConfigError, EnvSetupError, CheckpointError) as e:
         run_dir = _hydra_output_dir()
         if run_dir is not None:
-            _remove_if_only_hydra_files(run_dir)
+            remove_if_only_hydra_files(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
+    except (TrainerError, DistributedError) as e:  # the run folder keeps its last checkpoint
+        print(f"error: {e}; continue with resume=<run folder>", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt as e:
         # Experiment.train wrote a checkpoint on its way out and the workers are stopped
-        print("interrupted: continue with resume=<run folder>", file=sys.stderr)
+        how = f" by {e.args[0]}" if e.args else ""  # SIGTERM: torchrun stops the other ranks when one failed
+        print(f"interrupted{how}: continue with resume=<run folder>", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.config import ConfigError, node_cores, validate
+from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.runtime.checkpoint import checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.runtime.colocated import batch_obs
@@ -111,7 +111,7 @@ class Evaluation:
                           f"; evaluating on env={cfg.env.name} env.task={cfg.env.task}", soft_wrap=True)
         seed_everything(cfg.seed)
         self.device = run_device(cfg)
-        torch.set_num_threads(len(node_cores(cfg)))  # generation alone: the simulators wait for it
+        torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed)
         try:

@@ -17,8 +17,8 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, describe
-from ebrl.config import ConfigError, node_cores, sm_partition, validate
-from ebrl.envs.base import EnvSpec
+from ebrl.config import ConfigError, rank_cores, sm_partition, validate
+from ebrl.envs.base import EnvSpec, one_line
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.grpo import GRPOTrainer, group_seeds
@@ -32,8 +32,21 @@ from ebrl.runtime.checkpoint import (
     restore_weights,
 )
 from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
+from ebrl.runtime.distributed import (
+    DistributedError,
+    Ranks,
+    broadcast_module,
+    broadcast_object,
+    close_group,
+    combine,
+    gather_metrics,
+    init_supervisors,
+    pin_gpu,
+)
+from ebrl.runtime.errors import remove_if_only_hydra_files
 from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool
+from ebrl.runtime.trainer_process import TrainerError
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
 from ebrl.telemetry.plots import write_plots
@@ -81,7 +94,8 @@ def seed_everything(seed: int) -> None:
 
 
 def run_device(cfg: DictConfig) -> torch.device:
-    """Where the policy runs: cuda for device=cuda, or device=auto on hw with GPUs; cpu otherwise."""
+    """Where the policy runs: cuda for device=cuda, or device=auto on hw with GPUs; cpu otherwise. (A rank of
+    several sees only its own GPU: `pin_gpu`.)"""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
     return torch.device("cuda" if use_cuda else "cpu")
 
@@ -98,10 +112,15 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
 class Experiment:
     """One training run: simulator workers, policy, trainer (PPO or GRPO) and the colocated schedule."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
         self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # plain dict across processes
         self.run_dir = run_dir
+        self.ranks = ranks or Ranks()
+        # rank 0 writes the run's metrics, summary, checkpoints and W&B run; rank r its own metrics and trace in rank<r>
+        self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
+        self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
+        self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
         self.iteration = 0
         self.env_steps = 0
         self.timers = StageTimers()
@@ -117,13 +136,21 @@ class Experiment:
     def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Experiment":
         """Validate, then build every part; bad input raises ConfigError/EnvSetupError/CheckpointError (one line)."""
         validate(cfg)
+        ranks = Ranks.from_env()
+        if run_device(cfg).type == "cuda":
+            pin_gpu(ranks)  # before anything touches CUDA
+        init_supervisors(ranks, cfg.distributed.timeout_s)
         if cfg.resume:
             run_dir = Path(cfg.resume).expanduser()
         elif run_dir is None:
             from hydra.core.hydra_config import HydraConfig
 
             run_dir = HydraConfig.get().runtime.output_dir
-        exp = cls(cfg, Path(run_dir))
+        own = Path(run_dir)
+        run_dir = Path(broadcast_object(str(run_dir), ranks))  # every rank writes into rank 0's run folder
+        if own != run_dir:
+            remove_if_only_hydra_files(own)  # (the folder Hydra made for this rank a second later)
+        exp = cls(cfg, run_dir, ranks)
         if cfg.resume:
             exp._resume_ckpt = exp._read_resume_checkpoint()
         exp._build()
@@ -138,8 +165,11 @@ class Experiment:
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
         seed_everything(cfg.seed)
-        self.cores = node_cores(cfg)
+        self.cores = rank_cores(cfg)
         self.device = run_device(cfg)
+        if cfg.hw.gpus > 1 and not self.ranks.distributed:
+            console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
+                          f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
         torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86:
         # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
@@ -150,12 +180,13 @@ class Experiment:
             self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
             console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
             try:
-                self.resources = ResourcePool(self.cores, gpus=cfg.hw.gpus, sm_count=cfg.hw.sm_count,
+                gpus = 1 if self.ranks.distributed and cfg.hw.gpus else cfg.hw.gpus  # a rank has its own GPU
+                self.resources = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
                                               gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
-                                              partition=sm_partition(cfg.hw), run_dir=self.run_dir)
+                                              partition=sm_partition(cfg.hw), run_dir=self.out_dir)
                 self._lease_plan()
                 if self.resources.partition == "mps":  # before any CUDA starts: a client's share is fixed then
-                    self.mps = MpsDaemons(range(cfg.hw.gpus), self.run_dir)
+                    self.mps = MpsDaemons(range(gpus), self.out_dir)
                     self.mps.start()
                     os.environ.update(self.resources.child_env("generate"))  # generation runs in this process
                     for stage in ("generate", "train"):
@@ -163,13 +194,17 @@ class Experiment:
             except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
                 raise ConfigError(str(e)) from None
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size)
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed, group_size=group_size)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
+            broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
+            if self.ranks.rank > 0:
+                seed_everything(self.seed)  # then samples its own noise
             self.pool.attach(self.policy.chunk_len)
             # a pipelined schedule trains in its own process (built by the scheduler); colocated trains here
-            self.trainer = None if pipelined else TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device)
+            self.trainer = None if pipelined else TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device,
+                                                                          self._train_group())
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
@@ -192,6 +227,15 @@ class Experiment:
         except BaseException:
             self.close()
             raise
+
+    def _train_group(self) -> Any:
+        """The process group colocated training is data-parallel over: the supervisors' (gloo) on CPU, an NCCL group
+        of the same ranks on GPUs; None for one rank."""
+        if not self.ranks.distributed:
+            return None
+        import torch.distributed as dist
+
+        return dist.new_group(backend="nccl") if self.device.type == "cuda" else dist.group.WORLD
 
     def _lease_plan(self) -> None:
         """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares;
@@ -226,18 +270,21 @@ class Experiment:
         if self.trainer is not None:
             self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
         self.iteration = ckpt["iteration"]
-        self.env_steps = ckpt["env_steps"]
+        self.env_steps = ckpt["env_steps"]  # the run's, over all ranks
         torch.set_rng_state(ckpt["torch_rng"])
         np.random.set_state(ckpt["numpy_rng"])
+        if self.ranks.rank > 0:  # the checkpoint holds rank 0's generators; the others continue from their own seeds
+            seed_everything(self.seed + self.iteration)
 
     # --- running ---------------------------------------------------------------------------
     def train(self) -> RunSummary:
         """Run the remaining iterations; always closes the simulator processes."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.conf))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.conf))
         resume_id = self._resume_ckpt.get("wandb_id") if self._resume_ckpt else None
-        self.log = MetricsLog(self.run_dir, self.conf["logger"], self.conf, resume_id=resume_id)
+        logger = self.conf["logger"] if self.ranks.leader else {"name": "none"}  # one W&B run: rank 0's
+        self.log = MetricsLog(self.out_dir, logger, self.conf, resume_id=resume_id)
         summary = RunSummary()
         cpu = CpuMonitor(self.cores)
         gpu = GpuMonitor() if cfg.hw.gpus else None  # device totals; each stage's own GPU time is in the trace
@@ -251,6 +298,7 @@ class Experiment:
         start = time.perf_counter()
         cpu_samples.start()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
+        last_gather: float | None = None  # (several ranks) when the previous iteration's metrics were gathered
         try:
             while self.iteration < cfg.iterations:
                 mark = self.scheduler.trace.mark()  # spans of this iteration are added past it
@@ -263,15 +311,14 @@ class Experiment:
                     t_rollout = time.perf_counter() - t0
                     t_train = time.perf_counter()
                     with self.timers.stage("train"):
-                        train_metrics = self.trainer.update(batch)
+                        train_metrics = self._update(batch)
                     self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
                 wall = time.perf_counter() - t0
                 busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus), since=mark)
                 self.iteration += 1
-                self.env_steps += stats.env_steps
                 metrics = {
                     "iteration": self.iteration,
-                    "env_steps": self.env_steps,
+                    "perf/iteration_env_steps": stats.env_steps,  # this rank's, this iteration
                     "perf/env_steps_per_s": stats.env_steps / wall,
                     "perf/rollout_only_steps_per_s": stats.env_steps / t_rollout,
                     "time/iteration_s": wall,
@@ -283,17 +330,30 @@ class Experiment:
                     **train_metrics,
                     **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
                 }
-                if self.allocator is not None:
+                if self.allocator is not None:  # each rank plans its own node's share
                     decision, alloc_metrics = self.allocator.observe(metrics)
                     metrics.update(alloc_metrics)
                     if decision is not None:  # a new plan: applied before the next iteration runs
                         self._apply_plan()
                         metrics["alloc/decision"] = decision
                         console.print(decision, soft_wrap=True)
-                self.log.log(metrics)
+                run_metrics = metrics
+                if self.ranks.distributed:
+                    run_metrics = combine(gather_metrics(metrics, self.ranks))
+                    # the run's rate over the time between two gathers: a rank that waited there for the others
+                    # may find its next update already done and measure an iteration of almost no time
+                    now = time.perf_counter()
+                    span, last_gather = now - (last_gather or t0), now
+                    run_metrics["time/iteration_s"] = span
+                    run_metrics["perf/env_steps_per_s"] = run_metrics["perf/iteration_env_steps"] / span
+                steps = int(run_metrics["perf/iteration_env_steps"])  # the run's, over all ranks
+                self.env_steps += steps
+                metrics["env_steps"] = run_metrics["env_steps"] = self.env_steps
+                self.log.log(run_metrics if self.ranks.leader else metrics)
+                metrics = run_metrics
                 if self.iteration > 1 or cfg.iterations == 1:  # the first iteration warms up (process start, caches)
-                    measured_steps += stats.env_steps
-                    measured_wall += wall
+                    measured_steps += steps
+                    measured_wall += metrics["time/iteration_s"]
                     busy.append(metrics["perf/cpu_busy"])
                     for key, value in metrics.items():
                         if key.startswith(("perf/busy_", "perf/cpu_share_")):
@@ -302,13 +362,15 @@ class Experiment:
                     summary.success_rate = metrics["env/success_rate"]
                     summary.mean_return = metrics["env/return"]
                 bar.update(metrics)
-                if self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations:
+                due = self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations
+                if due and self.ranks.leader:  # the replicas hold the same weights: rank 0 writes them
                     self.save_checkpoint()
             self._summarise(summary, start, measured_steps, measured_wall, busy, stage_busy)
             self._write_telemetry(start, cpu_samples, gpu)
             self.log.log_summary(summary.__dict__)
         except KeyboardInterrupt:
-            self.save_checkpoint()
+            if self.ranks.leader:
+                self._save_on_the_way_out()
             self._write_telemetry(start, cpu_samples, gpu)
             raise
         finally:
@@ -317,9 +379,35 @@ class Experiment:
                 if monitor is not None:
                     monitor.stop()
             self.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
-        print_summary(summary, self.run_dir)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        if self.ranks.leader:
+            print_summary(summary, self.run_dir)
         return summary
+
+    def _update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Colocated training's update; with several ranks a failed all-reduce (another rank died) is one line."""
+        self._updating = True
+        try:
+            return self.trainer.update(batch)
+        except RuntimeError as e:
+            if not self.ranks.distributed:
+                raise
+            raise DistributedError(f"rank {self.ranks.rank}'s update failed ({one_line(e)}); another rank may have "
+                                   "stopped") from None
+        finally:
+            self._updating = False
+
+    def _save_on_the_way_out(self) -> None:
+        """A checkpoint as the run stops; if the state cannot be had any more (the trainer or another rank is gone)
+        the last one stays, as atomic_save leaves it. Not from inside an update: its weights would be half-stepped."""
+        if self._updating:
+            console.print("stopped during an update: checkpoints/last.pt stays the one written before",
+                          soft_wrap=True)
+            return
+        try:
+            self.save_checkpoint()
+        except (TrainerError, DistributedError, OSError) as e:
+            console.print(f"no final checkpoint ({e}); checkpoints/last.pt is the one written before", soft_wrap=True)
 
     def _summarise(self, summary: RunSummary, start: float, measured_steps: int, measured_wall: float,
                    busy: list[float], stage_busy: dict[str, list[float]]) -> None:
@@ -343,8 +431,8 @@ class Experiment:
             if monitor is not None:
                 monitor.stop()
         trace = self.scheduler.trace
-        trace.write(self.run_dir / "trace.json")
-        plots = write_plots(self.run_dir, trace, start, end, len(self.scheduler.sim_cpus), cpu_samples.samples,
+        trace.write(self.out_dir / "trace.json")
+        plots = write_plots(self.out_dir, trace, start, end, len(self.scheduler.sim_cpus), cpu_samples.samples,
                             gpu.samples if gpu is not None else None)
         self.log.log_images(plots, self.env_steps)
 
@@ -362,7 +450,7 @@ class Experiment:
         cfg = self.cfg
         if cfg.algo.name == "grpo":
             chunks = math.ceil(self.pool.spec.max_episode_steps / self.policy.chunk_len)
-            seeds = group_seeds(cfg.seed, self.iteration, cfg.env.num_envs, cfg.algo.group_size)
+            seeds = group_seeds(self.seed, self.iteration, cfg.env.num_envs, cfg.algo.group_size)
             return self.scheduler.collect(chunks, reset_seeds=seeds)
         return self.scheduler.collect(cfg.algo.rollout_chunks)
 
@@ -400,3 +488,4 @@ class Experiment:
         if self.log is not None:
             self.log.close()
             self.log = None
+        close_group()

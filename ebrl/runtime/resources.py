@@ -263,6 +263,13 @@ def over_budget(usage: dict[str, int], leases: dict[str, Lease]) -> list[str]:
 
 
 # --- MPS daemons ---------------------------------------------------------------------------------
+def visible_gpu(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of this process's GPU `index` (a rank under torchrun sees only its own GPU, so
+    its index 0 may be the node's GPU 5): what a daemon or a child must be shown to mean the same GPU."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index].strip() if index < len(visible) else str(index)
+
+
 def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
     """The pipe and log directories of GPU `gpu`'s MPS daemon under a run folder."""
     base = Path(run_dir) / "mps" / f"gpu{gpu}"
@@ -286,7 +293,7 @@ class MpsDaemon:
         return self.pipe_dir / "control"
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": str(self.gpu), "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpu(self.gpu), "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
                 "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
     def start(self) -> None:
@@ -507,10 +514,10 @@ class ResourcePool:
         if lease.gpu is None:
             return {}
         if self.partition != "mps":
-            return {"CUDA_VISIBLE_DEVICES": str(lease.gpu)}
+            return {"CUDA_VISIBLE_DEVICES": visible_gpu(lease.gpu)}
         # our daemon of this GPU was started with CUDA_VISIBLE_DEVICES=<gpu> and shows it to clients as device 0;
         # without a run folder the child uses a system daemon that sees every GPU by its own index
-        env = {"CUDA_VISIBLE_DEVICES": "0" if self.run_dir else str(lease.gpu)}
+        env = {"CUDA_VISIBLE_DEVICES": "0" if self.run_dir else visible_gpu(lease.gpu)}
         if self.run_dir is not None:
             pipe, log = mps_dirs(self.run_dir, lease.gpu)
             env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = str(pipe), str(log)

@@ -16,8 +16,10 @@ import time
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ebrl.envs.base import EnvSpec, one_line
+from ebrl.runtime.distributed import Ranks, close_group, join_trainers, trainer_backend
 from ebrl.rl.ppo import RolloutBatch
 
 
@@ -79,7 +81,14 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
         policy = build_policy({**conf["policy"], "checkpoint": None}, spec).to(device)
         channel.pull(policy, -1)  # the supervisor's weights (a loaded checkpoint included)
         policy.eval()
-        trainer = TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device))
+        ranks = Ranks.from_env()  # a child of the supervisor: torchrun's environment is ours too
+        group = None
+        if ranks.distributed:  # data-parallel with the other ranks' trainers
+            if torch.device(device).type == "cuda":  # (a rank sees its own GPU as cuda:0, distributed.pin_gpu)
+                torch.cuda.set_device(torch.device(device).index or 0)
+            join_trainers(ranks, trainer_backend(device), float(conf["distributed"]["timeout_s"]))
+            group = dist.group.WORLD
+        trainer = TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device), group)
         if optimizer_state is not None:
             trainer.optimizer.load_state_dict(optimizer_state)
         results.send(("ready",))
@@ -89,6 +98,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
             except (EOFError, OSError):  # the supervisor is gone
                 return
             if message[0] == "stop":
+                close_group()
                 return
             if message[0] == "train":
                 _, iteration, batch, decoupled, is_clip = message

@@ -1,0 +1,205 @@
+"""Several ranks on torch.distributed (DESIGN.md section 4): one rank per GPU (per node on CPU), each with its own
+rollout runtime (simulators, generation) feeding its own trainer; the trainers are data-parallel (DDP).
+
+Launch with torchrun, one process per rank: `torchrun --nnodes N --nproc-per-node G run.py hw=...`. torchrun sets
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python run.py` is one rank.
+
+Two process groups per rank, on the one store torchrun gives:
+- the supervisors' (gloo, this module's `init_supervisors`): the run folder, the first weights, each iteration's
+  metrics (gathered to rank 0, which logs the run's totals and checks that the replicas agree);
+- the trainers' (gloo on CPU, NCCL on GPU, `join_trainers`): DDP's gradient all-reduce. In a pipelined schedule the
+  trainer is its own process, so it joins under a prefix of the store; colocated trains in the supervisor, on its
+  group (plus an NCCL group on GPUs).
+After update k every trainer holds the same weights and publishes them to its own node's generation as version k.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+# Rates and counts add up over ranks; the iteration's wall time is the slowest rank's; episode figures are averaged
+# over episodes, everything else over ranks.
+SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iteration_env_steps", "env/episodes")
+SLOWEST = ("time/iteration_s",)
+EPISODE_MEANS = ("env/return", "env/episode_length", "env/success_rate")  # weighted by each rank's env/episodes
+# Keys every rank must agree on after an update: the weights' version and their fingerprint.
+AGREED = ("sched/weights_version", "dist/weights_sum")
+PER_RANK = ("perf/env_steps_per_s", "env/return", "dist/weights_sum")  # also logged per rank, as ranks/<r>/<key>
+RANK_SEED_STRIDE = 7919  # rank r's simulators and sampling start from seed + r x this (a prime: no overlap)
+
+
+class DistributedError(RuntimeError):
+    """Another rank stopped or failed, or the replicas disagree; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process is among the run's ranks (torchrun's environment; one rank without it)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Ranks":
+        world = int(env.get("WORLD_SIZE", 1))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 writes the run folder's metrics, checkpoints and W&B run."""
+        return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world // self.local_world)
+
+    def seed(self, seed: int) -> int:
+        """This rank's seed for its simulators and sampling: other ranks must collect other episodes."""
+        return seed + RANK_SEED_STRIDE * self.rank
+
+
+def share_of_node(cores: list[int], ranks: Ranks) -> list[int]:
+    """This rank's contiguous slice of its node's cores (ranks of a node split them as evenly as they can)."""
+    n, k, i = len(cores), ranks.local_world, ranks.local_rank
+    return cores[i * n // k: (i + 1) * n // k]
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def pin_gpu(ranks: Ranks) -> None:
+    """Show a rank of several only its node's GPU local_rank (of those it was given), as its cuda:0: its
+    generation, trainer and MPS daemon then treat it as a one-GPU node. Before CUDA initialises."""
+    if not ranks.distributed:
+        return
+    given = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    ids = given or [str(i) for i in range(ranks.local_world)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[ranks.local_rank].strip()
+
+
+def init_supervisors(ranks: Ranks, timeout_s: float) -> None:
+    """The supervisors' gloo group, from torchrun's environment."""
+    if ranks.distributed and not dist.is_initialized():
+        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=_timeout(timeout_s))
+
+
+def join_trainers(ranks: Ranks, backend: str, timeout_s: float) -> None:
+    """The trainer processes' group (a pipelined schedule's trainer is a child of the supervisor and inherits its
+    environment): on the store the supervisors' group already serves, under a prefix of its own."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=_timeout(timeout_s))
+    prefix = f"ebrl-trainers/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=ranks.rank, world_size=ranks.world,
+                            timeout=_timeout(timeout_s))
+
+
+def trainer_backend(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _collective(what: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (RuntimeError, dist.DistBackendError) as e:  # gloo: "Connection closed by peer", a timeout, ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"{what} failed: another rank stopped or failed ({reason})") from None
+
+
+def broadcast_object(obj: Any, ranks: Ranks) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ranks.distributed:
+        return obj
+    box = [obj if ranks.leader else None]
+    _collective("broadcast from rank 0", dist.broadcast_object_list, box, 0)
+    return box[0]
+
+
+def broadcast_module(module: torch.nn.Module, ranks: Ranks) -> None:
+    """Rank 0's parameters and buffers into every rank's `module` (the first weights of a run are rank 0's)."""
+    if not ranks.distributed:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict().values():
+            if tensor.is_floating_point() or tensor.dtype in (torch.int64, torch.int32, torch.bool, torch.uint8):
+                host = tensor.detach().to("cpu").contiguous()
+                _collective("weight broadcast", dist.broadcast, host, 0)
+                tensor.copy_(host)
+
+
+def gather_metrics(metrics: dict[str, Any], ranks: Ranks) -> list[dict[str, Any]]:
+    """Every rank's metrics of this iteration, in rank order (on every rank)."""
+    if not ranks.distributed:
+        return [metrics]
+    out: list[Any] = [None] * ranks.world
+    _collective("gathering the iteration's metrics", dist.all_gather_object, out, metrics)
+    return out
+
+
+def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One iteration's run-wide metrics from the ranks' own (see SUMMED, SLOWEST); ranks/<r>/<key> for PER_RANK.
+
+    Raises DistributedError when the ranks disagree on a key of AGREED (their weights after the same update)."""
+    first = per_rank[0]
+    for key in AGREED:
+        values = [m.get(key) for m in per_rank]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise DistributedError(f"the ranks' {key} differ after iteration {first.get('iteration')} ({shown}); "
+                                   "their weights are no longer the same")
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):  # every key, in first-seen order
+        values = [m[key] for m in per_rank if key in m]
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) != len(values) or not numbers:
+            if key in first:
+                out[key] = first[key]  # text (an allocator decision): rank 0's
+            continue
+        if key in SUMMED:
+            out[key] = sum(numbers)
+        elif key in SLOWEST:
+            out[key] = max(numbers)
+        elif key in AGREED or key in ("iteration", "env_steps"):
+            out[key] = first[key]
+        elif key in EPISODE_MEANS:  # over the episodes that finished, wherever they ran
+            pairs = [(float(m[key]), float(m.get("env/episodes", 0))) for m in per_rank if key in m]
+            weight = sum(w for _, w in pairs)
+            out[key] = sum(v * w for v, w in pairs) / weight if weight else float("nan")
+        else:
+            finite = [v for v in numbers if not math.isnan(v)]
+            out[key] = sum(finite) / len(finite) if finite else float("nan")
+    for r, m in enumerate(per_rank):
+        for key in PER_RANK:
+            if key in m:
+                out[f"ranks/{r}/{key.split('/')[-1]}"] = m[key]
+    out["dist/ranks"] = len(per_rank)
+    return out
+
+
+@torch.no_grad()
+def weights_sum(state: Mapping[str, torch.Tensor]) -> float:
+    """A fingerprint of a state dict: the float64 sum of its floating-point tensors, each scaled by its position (so
+    swapped tensors change it). Replicas with the same weights give exactly the same number; so does a checkpoint
+    of them."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, t in enumerate(v for v in state.values() if v.is_floating_point()):
+        total += (i + 1) * t.detach().double().sum().cpu()
+    return float(total)

@@ -1,0 +1,205 @@
+"""Several ranks under torchrun on this machine, for real (gloo): one policy trained data-parallel, each rank on its
+own simulators; a killed rank stops the run with its checkpoint; a run of two ranks resumes on one."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ebrl.config import ConfigError, rank_cores, validate
+from ebrl.runtime.checkpoint import load_checkpoint
+from ebrl.runtime.distributed import DistributedError, Ranks, combine, share_of_node, weights_sum
+from tests.conftest import REPO, compose_config
+from tests.runtime.test_run import SMALL, metrics, run_py
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def torchrun(launch: list[str], *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_ranks(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, local_world: int) -> None:
+    """This process as torchrun would start rank `rank` of `world`, `local_world` of them on its node."""
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank % local_world),
+                       ("LOCAL_WORLD_SIZE", local_world)):
+        monkeypatch.setenv(key, str(value))
+
+
+# --- the pieces ------------------------------------------------------------------------------
+def test_an_iterations_metrics_combine_over_the_ranks() -> None:
+    per_rank = [
+        {"iteration": 3, "perf/env_steps_per_s": 60.0, "perf/iteration_env_steps": 64, "env/episodes": 1.0,
+         "env/return": 1.0, "losses/policy": 0.2, "time/iteration_s": 1.0, "dist/weights_sum": 5.5,
+         "alloc/decision": "moved a core"},
+        {"iteration": 3, "perf/env_steps_per_s": 40.0, "perf/iteration_env_steps": 64, "env/episodes": 3.0,
+         "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5, "dist/weights_sum": 5.5},
+    ]
+    out = combine(per_rank)
+    assert out["perf/env_steps_per_s"] == 100.0 and out["perf/iteration_env_steps"] == 128
+    assert out["env/episodes"] == 4.0
+    assert out["env/return"] == pytest.approx((1.0 * 1 + 3.0 * 3) / 4)  # over episodes, not ranks
+    assert out["losses/policy"] == pytest.approx(0.3)
+    assert out["time/iteration_s"] == 1.5
+    assert out["iteration"] == 3 and out["alloc/decision"] == "moved a core" and out["dist/ranks"] == 2
+    assert (out["ranks/0/return"], out["ranks/1/return"]) == (1.0, 3.0)
+    assert out["ranks/1/env_steps_per_s"] == 40.0
+
+
+def test_ranks_whose_weights_differ_stop_the_run() -> None:
+    per_rank = [{"iteration": 2, "dist/weights_sum": 5.5}, {"iteration": 2, "dist/weights_sum": 5.25}]
+    with pytest.raises(DistributedError, match="dist/weights_sum differ after iteration 2"):
+        combine(per_rank)
+    with pytest.raises(DistributedError, match="sched/weights_version"):
+        combine([{"sched/weights_version": 3.0}, {"sched/weights_version": 2.0}])
+
+
+def test_a_weights_fingerprint_sees_any_change_and_the_order() -> None:
+    import torch
+
+    a = {"w": torch.ones(3), "b": torch.zeros(2), "steps": torch.tensor(4)}
+    assert weights_sum(a) == weights_sum({k: v.clone() for k, v in a.items()})
+    assert weights_sum({**a, "b": torch.tensor([0.0, 1e-6])}) != weights_sum(a)
+    assert weights_sum({"b": a["b"], "w": a["w"]}) != weights_sum({"w": a["w"], "b": a["b"]})
+
+
+def test_the_ranks_of_a_node_split_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = list(range(8))
+    assert share_of_node(cores, Ranks()) == cores
+    assert [share_of_node(cores, Ranks(r, 6, r % 3, 3)) for r in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    as_ranks(monkeypatch, 1, 2, 2)
+    assert Ranks.from_env() == Ranks(1, 2, 1, 2) and Ranks.from_env().nodes == 1
+    cfg = compose_config("hw.cpu_cores=2")
+    assert rank_cores(cfg) == sorted(os.sched_getaffinity(0))[1:2]
+
+
+@pytest.mark.parametrize("launch, overrides, message", [
+    (None, ["hw.nodes=2"], "hw=cpu spans 2 nodes and this is one process; launch one per node: torchrun --nnodes 2"),
+    ((0, 4, 2), [], "torchrun started 2 node(s) x 2 rank(s) and hw=cpu describes 1 node(s)"),
+    ((0, 2, 2), ["hw.cpu_cores=2", "scheduler=ebrl"],
+     "needs at least 2 CPU cores; this rank has 1 (this node's cores split over its 2 ranks)"),
+    ((0, 2, 2), ["hw.nodes=0"], "hw.nodes=0 must be a positive number"),
+])
+def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch, launch, overrides,
+                                                              message) -> None:
+    if launch is not None:
+        as_ranks(monkeypatch, *launch)
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        validate(compose_config(*overrides))
+    assert "\n" not in str(e.value)
+
+
+# --- two ranks, for real -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ranks") / "run"
+    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, "iterations=3", "checkpoint_every=1",
+                    f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_two_ranks_train_one_policy_on_both_ranks_data(two_ranks: Path) -> None:
+    rows, rank1 = metrics(two_ranks), metrics(two_ranks / "rank1")
+    assert len(rows) == len(rank1) == 3
+    sums = [row["dist/weights_sum"] for row in rows]
+    for row, own in zip(rows, rank1):
+        assert row["dist/ranks"] == 2
+        # the same weights after every update, on both ranks ...
+        assert row["ranks/0/weights_sum"] == row["ranks/1/weights_sum"] == own["dist/weights_sum"]
+        # ... made from both ranks' env steps
+        assert row["perf/iteration_env_steps"] == 2 * own["perf/iteration_env_steps"] > 0
+    assert len(set(sums)) == 3  # every update moved them
+    assert rows[-1]["env_steps"] == sum(row["perf/iteration_env_steps"] for row in rows)
+    # the ranks ran other episodes (seeds of their own)
+    assert any(row["ranks/0/return"] != row["ranks/1/return"] for row in rows)
+    ckpt = load_checkpoint(two_ranks / "checkpoints" / "last.pt")  # written once, by rank 0
+    assert not (two_ranks / "rank1" / "checkpoints").exists()
+    assert (ckpt["iteration"], ckpt["env_steps"]) == (3, rows[-1]["env_steps"])
+    assert weights_sum(ckpt["model"]) == sums[-1]
+    summary = json.loads((two_ranks / "summary.json").read_text())
+    assert summary["env_steps"] == rows[-1]["env_steps"]
+    assert summary["rollout_steps_per_s"] > 0
+
+
+def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
+    before = metrics(two_ranks)
+    proc = run_py(*SMALL, f"resume={two_ranks}", "iterations=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(two_ranks)
+    assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
+    one_rank = metrics(two_ranks / "rank1")[-1]["perf/iteration_env_steps"]  # a rank's steps per iteration
+    assert rows[-1]["env_steps"] == before[-1]["env_steps"] + one_rank
+    assert "dist/ranks" not in rows[-1]
+    assert load_checkpoint(two_ranks / "checkpoints" / "last.pt")["iteration"] == 4
+
+
+def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path) -> None:
+    """Two torchrun agents on localhost, a node each: scheduler=ebrl trains in a process of its own per rank, and
+    those trainers form their own group beside the supervisors'."""
+    run_dir, port = tmp_path / "run", free_port()
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "ebrl-test"]
+    overrides = [*SMALL, "hw.nodes=2", "scheduler=ebrl", "iterations=3", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outputs)
+    rows = metrics(run_dir)
+    assert [row["sched/weights_version"] for row in rows] == [1.0, 2.0, 3.0]
+    assert all(row["ranks/0/weights_sum"] == row["ranks/1/weights_sum"] for row in rows)
+    assert [row["sched/weights_version"] for row in metrics(run_dir / "rank1")] == [1.0, 2.0, 3.0]
+
+
+def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "run.py", *SMALL, "iterations=200",
+                              "checkpoint_every=1", f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ckpt.exists() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ckpt.exists(), "no checkpoint within 180 s"
+        launcher = psutil.Process(agent.pid)
+        processes = launcher.children(recursive=True)  # both ranks, their simulators, their helpers
+        rank1 = next(p for p in launcher.children() if p.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGKILL)
+        output = agent.communicate(timeout=120)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode != 0
+    assert "interrupted by SIGTERM: continue with resume=<run folder>" in output  # rank 0, stopped by torchrun
+    time.sleep(1.0)
+    alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+    assert set(os.listdir("/dev/shm")) <= shm_before  # the dead rank's shared memory is gone too
+    done = load_checkpoint(ckpt)["iteration"]
+    assert done >= 1
+    proc = run_py(*SMALL, f"resume={run_dir}", f"iterations={done + 1}")  # on one rank
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_checkpoint(ckpt)["iteration"] == done + 1
+    assert not math.isnan(metrics(run_dir)[-1]["env/return"])
