@@ -22,6 +22,16 @@ class ConfigError(ValueError):
 
 # --- env ---------------------------------------------------------------------------------
 @dataclass
+class FaultConfig:
+    """Tests only: make one simulator fail (`env.fault.kind=hang env.fault.env=1 env.fault.chunk=3`)."""
+
+    kind: Optional[str] = None  # hang (sleeps past any timeout) | error (raises in the chunk) | exit (dies); null: none
+    env: int = 0  # which env's simulator
+    chunk: int = 1  # at its k-th chunk
+    again: bool = False  # its replacements fail the same way
+
+
+@dataclass
 class EnvConfig:
     _target_: str = MISSING  # the adapter class (ebrl.envs.base.EnvAdapter subclass)
     name: str = MISSING
@@ -33,6 +43,7 @@ class EnvConfig:
     reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
     terminate_on_success: bool = True
     python: Optional[str] = None  # interpreter the simulator workers run under; null: this one
+    fault: FaultConfig = field(default_factory=lambda: FaultConfig())  # tests only
 
 
 @dataclass
@@ -147,6 +158,11 @@ class SchedulerConfig:
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
     sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first
+    # A simulator that dies, fails in a chunk, or sends no result for chunk_timeout_s is replaced by a fresh one;
+    # more than max_sim_failures replacements within sim_failure_window_s stop the run (with a checkpoint)
+    chunk_timeout_s: Optional[float] = 120.0  # null: wait for ever
+    max_sim_failures: int = 5
+    sim_failure_window_s: float = 600.0
 
 
 @dataclass
@@ -185,6 +201,9 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     normalize_advantages: bool = True
     target_kl: Optional[float] = None  # stop the epochs of an update once approx KL per action exceeds it
+    # A step whose gradient holds NaN/inf is skipped and counted (train/nonfinite_steps); after this many updates in a
+    # row with such steps the run stops, its checkpoint the last one written before them
+    max_nonfinite_updates: int = 3
 
 
 @dataclass
@@ -336,7 +355,7 @@ def _check_groups(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> None:
     """Reject values that compose but cannot work, with one line; checks what this machine can satisfy."""
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
-                "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr"):
+                "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
         _positive(cfg, key)
     for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
@@ -356,6 +375,8 @@ def validate(cfg: DictConfig) -> None:
     if "variant" in cfg.policy:
         _one_of(cfg, "policy.variant", VARIANTS)
     _one_of(cfg, "env.reward", REWARDS)
+    _check_numbers(cfg)
+    _check_failures(cfg)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
     training = cfg_get(cfg, "mode", "train") != "eval"  # mode=eval runs no update, so the algorithm's batch is moot
     if training and cfg.algo.name == "grpo":
@@ -370,6 +391,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.hw.gpus > 0 or cfg.device == "cuda":
         have = cuda_device_count()
         need = max(cfg.hw.gpus, 1)
+        if have == 0 and cfg.hw.gpus == 0:
+            raise ConfigError("device=cuda needs a CUDA GPU and this machine has none; use device=auto or device=cpu")
         if have < need:
             have_text = "none" if have == 0 else str(have)
             raise ConfigError(f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}")
@@ -405,6 +428,46 @@ def _check_launch(cfg: DictConfig) -> int:
         raise ConfigError(f"{ranks.local_world} ranks on one node share its {node} CPU cores: at most {node} ranks per "
                           "node (torchrun --nproc-per-node)")
     return cores
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Numbers with a range that compose (they have the right type) but mean nothing outside it."""
+    a = cfg.algo
+    checks = [
+        ("seed", cfg.seed, 0 <= cfg.seed < 2**32, "between 0 and 2**32 - 1"),
+        ("hw.gpus", cfg.hw.gpus, cfg.hw.gpus >= 0, ">= 0"),
+        ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
+        ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
+        ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
+        ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
+        ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
+        ("distributed.timeout_s", cfg.distributed.timeout_s, cfg.distributed.timeout_s > 0,
+         "> 0 (seconds a rank waits for the others at a collective)"),
+    ]
+    for key, value, ok, want in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value} must be {want}")
+
+
+FAULTS = ("hang", "error", "exit")
+
+
+def _check_failures(cfg: DictConfig) -> None:
+    """How simulator failures are met (scheduler.*) and the test-only env.fault."""
+    s = cfg.scheduler
+    if s.chunk_timeout_s is not None and s.chunk_timeout_s <= 0:
+        raise ConfigError(f"scheduler.chunk_timeout_s={s.chunk_timeout_s} must be > 0 seconds, or null (no timeout)")
+    if s.max_sim_failures < 0:
+        raise ConfigError(f"scheduler.max_sim_failures={s.max_sim_failures} must be >= 0 (0: the first failure stops)")
+    if s.sim_failure_window_s <= 0:
+        raise ConfigError(f"scheduler.sim_failure_window_s={s.sim_failure_window_s} must be > 0 seconds")
+    fault = cfg_get(cfg, "env.fault", None)
+    if fault is None or fault.kind is None:
+        return
+    _one_of(cfg, "env.fault.kind", FAULTS)
+    if not 0 <= fault.env < cfg.env.num_envs or fault.chunk < 1:
+        raise ConfigError(f"env.fault.env={fault.env} must be in 0..{cfg.env.num_envs - 1} and env.fault.chunk="
+                          f"{fault.chunk} >= 1")
 
 
 def sm_partition(hw: Any) -> str:

@@ -13,6 +13,12 @@ Protocol, parent -> child after the child sent ("spec", EnvSpec):
 A chunk of 0 steps (an env left as it is) never reaches the child: its handle reports 0 executed.
 Any failure answers ("error", one line); a failure to build the env also ends the child.
 
+A simulator that dies, hangs past its chunk timeout or fails inside a chunk is replaced
+(`SimWorkerPool.wait_chunk`): the process is killed, a fresh one with a new seed takes its slot and
+starts a new episode, and the chunk reports `failed`, so the scheduler discards that env's partial
+episode. More than `max_failures` replacements within `failure_window_s` stop the run
+(`SimulatorsFailing`). `env.fault` injects such failures for tests.
+
 A worker is a plain `python -m ebrl.envs.worker FD` subprocess joined to its handle by a socket
 pair, not a multiprocessing child: it may run under a benchmark's own interpreter (`env.python`),
 where multiprocessing's spawn would re-import the parent's main script (run.py, which needs
@@ -40,7 +46,8 @@ from ebrl.envs.base import EnvAdapter, EnvSetupError, EnvSpec, one_line, use_hea
 from ebrl.envs.setup import worker_python
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python")
+NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault")
+RESEED = 100_003  # a replacement process of env i builds from seed + RESEED x (its replacements so far)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
 HEADER = ("executed", "terminated", "truncated", "has_final")
@@ -150,6 +157,7 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
         return
     shm: SharedMemory | None = None
     views: dict[str, np.ndarray] = {}
+    fault, chunks = env_cfg.get("fault") or {}, 0
     try:
         while True:
             try:
@@ -170,6 +178,9 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
                     views["header"][:] = 0
                     reply = None
                 elif command == "chunk":
+                    chunks += 1
+                    if fault.get("kind") and chunks == fault["chunk"]:
+                        _inject(fault)
                     reply = _run_chunk(adapter, views, int(message[1]))
                 else:
                     raise ValueError(f"unknown command {command!r}")
@@ -187,6 +198,17 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
                 shm.close()
             except BufferError:  # a view still referenced: the mapping goes with the process
                 pass
+
+
+def _inject(fault: dict[str, Any]) -> None:
+    """env.fault, for tests: this process hangs (sleeps far past any chunk timeout), fails inside its chunk, or
+    dies without a word."""
+    if fault["kind"] == "hang":
+        time.sleep(3600)
+    elif fault["kind"] == "error":
+        raise RuntimeError(f"injected fault at chunk {fault['chunk']}")
+    elif fault["kind"] == "exit":
+        os._exit(9)
 
 
 def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
@@ -235,10 +257,29 @@ class ChunkReport:
     started: float = float("nan")  # perf_counter() when the chunk's first step began (same clock in every process)
     ended: float = float("nan")  # ... and when its last step ended
     cpus: tuple[int, ...] = ()  # the cores the simulator process was allowed while it ran the chunk
+    failed: str | None = None  # the simulator died, hung or failed in this chunk (why); it was replaced
 
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+    @classmethod
+    def failure(cls, reason: str) -> "ChunkReport":
+        """A chunk that produced nothing usable: it ends the env's episode (the replacement starts a new one)."""
+        return cls(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
+                   step_times=np.zeros(0, np.float64), terminated=False, truncated=True, episode=None, failed=reason)
+
+
+class SimFailure(RuntimeError):
+    """A simulator process died, hung or failed inside a chunk; the message is one line."""
+
+
+class SimHung(SimFailure):
+    """A simulator sent no result within its timeout."""
+
+
+class SimulatorsFailing(RuntimeError):
+    """Simulators keep failing: more replacements in a window than allowed; the message is one line."""
 
 
 class _Resources:
@@ -283,6 +324,9 @@ class SimWorker:
         self.python = worker_python(env_cfg.get("name", ""), env_cfg.get("python"))  # this worker's interpreter
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
+        self.base_seed = int(seed)
+        self.replacements = 0  # processes that took over this env after one failed
+        self.nice: int | None = None  # applied to every process of this env
         self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
         self.index = index
         self.cpus = list(cpus) if cpus else None
@@ -299,6 +343,7 @@ class SimWorker:
         self._clock: np.ndarray | None = None
         self._pending = False
         self._idle_chunk = False  # the pending chunk has 0 steps: nothing was sent
+        self._lost: str | None = None  # the chunk could not be sent: why (wait reports the failure)
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
 
@@ -359,6 +404,35 @@ class SimWorker:
         self.spec = spec
         return spec
 
+    def replace(self) -> None:
+        """Kill this env's process and start a fresh one in its place, built from a new seed, with a new shared slot
+        and a new episode begun (its first obs is then in `obs`). Blocks until the simulator is built."""
+        process = self._res.process
+        if process is not None and process.poll() is None:
+            process.kill()  # dead, hung or failed: nothing to say goodbye to
+        self.close()
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self.replacements += 1
+        self.seed = self.base_seed + RESEED * self.replacements
+        fault = self.env_cfg.get("fault")
+        if fault and not fault.get("again"):
+            self.env_cfg.pop("fault")  # an injected fault strikes the first process only, unless `again`
+        spec, self._received_spec = self.spec, None
+        self.spec = None
+        self.start(wait=False)
+        if self.nice is not None:
+            self.renice(self.nice)
+        if self.receive_spec() != spec:
+            raise EnvSetupError(f"sim worker {self.index}'s replacement reports {self._received_spec}, not {spec}")
+        self.attach(self.chunk_len)
+        self.reset()
+
+    def renice(self, nice: int) -> None:
+        """Run this env's processes (this one and any replacement) at `nice`."""
+        self.nice = nice
+        os.setpriority(os.PRIO_PROCESS, self.pid, nice)
+
     def close(self) -> None:
         """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
         self.obs, self.final_obs = {}, {}
@@ -405,20 +479,33 @@ class SimWorker:
         self._check_idle()
         if not 0 <= n_steps <= self.chunk_len:
             raise ValueError(f"n_steps={n_steps}: this worker's slot holds 0..{self.chunk_len} actions")
+        self._lost = None
         if n_steps:
-            self._send(("chunk", int(n_steps)))
+            try:
+                self._send(("chunk", int(n_steps)))
+            except EnvSetupError as e:  # it died between chunks: `wait` reports it
+                self._lost = str(e)
         self._pending = True
         self._idle_chunk = n_steps == 0
 
-    def wait(self) -> ChunkReport:
-        """Block until the submitted chunk is done; obs then holds the next decision's observation."""
+    def wait(self, timeout: float | None = None) -> ChunkReport:
+        """Block until the submitted chunk is done; obs then holds the next decision's observation. Raises
+        SimFailure if the process died, failed inside the chunk, or sent nothing within `timeout` seconds."""
         if not self._pending:
             raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
         self._pending = False
         if self._idle_chunk:
             return ChunkReport(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
                                step_times=np.zeros(0, np.float64), terminated=False, truncated=False, episode=None)
-        reply = self._receive("ok") or {}
+        if self._lost is not None:
+            raise SimFailure(self._lost)
+        if timeout is not None and not self.connection.poll(max(0.0, timeout)):
+            raise SimHung(f"sim worker {self.index} (pid {self.pid}) hung")
+        try:
+            reply = self._receive("ok") or {}
+        except EnvSetupError as e:  # died (EOF) or answered ("error", why)
+            raise SimFailure(f"sim worker {self.index} (pid {self.pid}) failed: {e}" if "sim worker" not in str(e)
+                             else str(e)) from None
         executed, terminated, truncated, has_final = (int(x) for x in self._header)
         return ChunkReport(
             executed=executed,
@@ -479,7 +566,8 @@ class SimWorkerPool:
     """
 
     def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
-                 cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1) -> None:
+                 cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
+                 chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
@@ -487,8 +575,13 @@ class SimWorkerPool:
         self.num_envs = num_envs
         self.group_size = group_size
         self.chunk_len = chunk_len  # most actions one chunk may hold; may be given at `attach` instead
+        self.chunk_timeout_s = chunk_timeout_s  # a chunk without a result for this long: the simulator hung
+        self.max_failures, self.failure_window_s = max_failures, failure_window_s
+        self.failures: list[tuple[float, int, str]] = []  # (time.monotonic(), env, why) of every replacement
+        fault = env_cfg.get("fault") or {}  # env.fault (tests): {kind: hang|error|exit|None, env: i, chunk: k, again}
         self.workers = [
-            SimWorker(env_cfg, seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None)
+            SimWorker({k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)},
+                      seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None)
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None
@@ -551,7 +644,35 @@ class SimWorkerPool:
             worker.submit(n)
 
     def wait_all(self) -> list[ChunkReport]:
-        return [worker.wait() for worker in self.workers]
+        """Every env's chunk (submitted together), a failed one replaced and reported as `failed`."""
+        deadline = None if self.chunk_timeout_s is None else time.monotonic() + self.chunk_timeout_s
+        return [self.wait_chunk(i, None if deadline is None else deadline - time.monotonic())
+                for i in range(len(self.workers))]
+
+    def wait_chunk(self, env: int, timeout: float | None = None) -> ChunkReport:
+        """Env `env`'s chunk; if its simulator died, failed or hung (past `timeout`), it is replaced and the chunk
+        reports `failed`. Raises SimulatorsFailing when replacements come too often."""
+        try:
+            return self.workers[env].wait(timeout)
+        except SimHung as e:
+            return self.replace(env, f"{e}: no result within scheduler.chunk_timeout_s={self.chunk_timeout_s:g} s")
+        except SimFailure as e:
+            return self.replace(env, str(e))
+
+    def replace(self, env: int, why: str) -> ChunkReport:
+        """Replace env `env`'s simulator process (see `SimWorker.replace`) and record why."""
+        now = time.monotonic()
+        self.failures.append((now, env, why))
+        recent = [f for f in self.failures if now - f[0] <= self.failure_window_s]
+        if len(recent) > self.max_failures:
+            raise SimulatorsFailing(
+                f"{len(recent)} simulator failures within {self.failure_window_s:.0f} s, more than "
+                f"scheduler.max_sim_failures={self.max_failures} (the last: {why})")
+        from ebrl.telemetry.report import console  # (parent side only: the worker side imports no rich)
+
+        console.print(f"{why}: replaced by a fresh simulator; its partial episode is discarded", soft_wrap=True)
+        self.workers[env].replace()
+        return ChunkReport.failure(why)
 
     def stacked_obs(self) -> dict[str, np.ndarray]:
         """Every env's current obs as (N, ...) arrays (one copy)."""

@@ -152,6 +152,12 @@ class PPOTrainer:
                                                  find_unused_parameters=True)
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
 
+    def load_optimizer_state(self, state: dict) -> None:
+        """Continue from a checkpoint's Adam moments, at this config's learning rate (a resumed run may change it)."""
+        self.optimizer.load_state_dict(state)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr
+
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Advantages (T, N), value targets (T, N) or None when there is no critic, and their metrics."""
         cfg = self.cfg
@@ -207,6 +213,7 @@ class PPOTrainer:
         sums: dict[str, float] = {}
         count = 0
         stopped_early = 0.0
+        skipped = 0  # steps whose gradient held NaN/inf (a NaN loss gives one): not taken
         for _ in range(cfg.epochs):
             epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
@@ -215,9 +222,12 @@ class PPOTrainer:
                 )
                 pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip,
                                           None if behaviour_lp is None else behaviour_lp[idx], is_clip)
-                # without a critic the value head gets no loss (and no gradient)
-                value_loss = 0.5 * (value - ret[idx]).pow(2).mean() if ret is not None else pg_loss.new_zeros(())
                 m = mask[idx].float()
+                # without a critic the value head gets no loss (and no gradient); rows that executed no action (a
+                # failed simulator's, a stale chunk's) have no return to learn from
+                rows = m.amax(-1)
+                value_loss = (0.5 * ((value - ret[idx]).pow(2) * rows).sum() / rows.sum().clamp_min(1.0)
+                              if ret is not None else pg_loss.new_zeros(()))
                 ent = (entropy * m).sum() / m.sum().clamp_min(1.0)
                 loss = pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent
                 self.optimizer.zero_grad(set_to_none=True)
@@ -231,8 +241,11 @@ class PPOTrainer:
                 }
                 if ret is not None:
                     step["losses/value"] = value_loss.detach()
+                # (under DDP every rank sees the same averaged gradient, so all skip the same steps)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                else:
+                    skipped += 1
                 for k, v in step.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
@@ -243,6 +256,7 @@ class PPOTrainer:
         self.policy.eval()
         out = {k: v / count for k, v in sums.items()}
         out["train/stopped_early"] = stopped_early
+        out["train/nonfinite_steps"] = float(skipped)
         out.update(metrics)
         if self.group is not None:  # the supervisors check that every replica holds the same weights
             out["dist/weights_sum"] = weights_sum(self.policy.state_dict())

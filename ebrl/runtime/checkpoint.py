@@ -19,8 +19,15 @@ class CheckpointError(RuntimeError):
 CHECKPOINT_FORMAT = 1
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write `obj` with torch.save so that `path` is either the old file or the complete new one."""
+def previous_of(path: Path) -> Path:
+    """Where `atomic_save(..., keep_previous=True)` keeps the file `path` held before: last.pt -> previous.pt."""
+    return path.with_name("previous" + path.suffix) if path.stem == "last" else path.with_name(path.stem + ".previous"
+                                                                                                + path.suffix)
+
+
+def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
+    """Write `obj` with torch.save so that `path` is either the old file or the complete new one; with keep_previous
+    the old one moves to `previous_of(path)` first (a checkpoint that turns out unreadable has one to fall back to)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -28,6 +35,8 @@ def atomic_save(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.exists():
+            os.replace(path, previous_of(path))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -61,13 +70,27 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: s
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by `atomic_save`; a truncated or foreign file gives one line."""
+    """Read a checkpoint written by `atomic_save`; a missing, truncated or foreign file gives one line, which names
+    the previous checkpoint (`previous_of`) when that one is readable. Nothing is moved or deleted."""
+    try:
+        return _read(path)
+    except CheckpointError as e:
+        try:
+            iteration = _read(previous_of(path)).get("iteration")
+        except CheckpointError:
+            raise e from None
+        raise CheckpointError(f"{e}; {previous_of(path)} (iteration {iteration}) is intact: move it to {path} to "
+                              "start from it") from None
+
+
+def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several types for truncated/corrupt files
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        first = str(e).splitlines()[0][:120] if str(e) else ""
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not an EBRL checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt

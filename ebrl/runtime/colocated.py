@@ -28,9 +28,12 @@ class RolloutStats:
         self.lengths: list[float] = []
         self.successes: list[float] = []
         self.step_times: list[np.ndarray] = []
+        self.failures = 0  # simulators replaced (died, hung or failed in a chunk)
+        self.discarded_steps = 0  # env steps of the partial episodes they were in, dropped from the loss
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {"env/episodes": float(len(self.returns))}
+        out: dict[str, float] = {"env/episodes": float(len(self.returns)), "sim/failures": float(self.failures),
+                                 "sim/discarded_steps": float(self.discarded_steps)}
         if self.returns:
             out["env/return"] = float(np.mean(self.returns))
             out["env/episode_length"] = float(np.mean(self.lengths))
@@ -106,6 +109,9 @@ class ColocatedScheduler:
                     self.trace.add(f"simulate/env{i}", "chunk", r.started, r.ended, steps=r.executed,
                                    step_s=float(r.step_times.sum()), cpus=list(r.cpus))
             outcome = chunk_outcome(reports, H, stats)
+            for i, r in enumerate(reports):
+                if r.failed:
+                    discard_partial_episode(steps, i, stats)
             steps.append(
                 dict(obs=obs, chunk=out.chunk.cpu(), extras={k: v.cpu() for k, v in out.extras.items()},
                      log_prob=out.log_prob.cpu(), value=out.value.cpu(), cutoff_value=cutoff_value, **outcome)
@@ -143,8 +149,9 @@ def chunk_outcome(reports: Sequence[ChunkReport], chunk_len: int, stats: Rollout
     reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, chunk_len), bool)
     for i, r in enumerate(reports):
         reward[i] = r.rewards.sum()
-        done[i] = r.done
+        done[i] = r.done  # (a failed chunk ends the episode: the replacement simulator starts a new one)
         mask[i, : r.executed] = True
+        stats.failures += r.failed is not None
         stats.env_steps += r.executed
         stats.step_times.append(r.step_times)
         if r.episode is not None:
@@ -152,6 +159,17 @@ def chunk_outcome(reports: Sequence[ChunkReport], chunk_len: int, stats: Rollout
             stats.lengths.append(r.episode["length"])
             stats.successes.append(r.episode["success"])
     return dict(reward=torch.from_numpy(reward), done=torch.from_numpy(done), mask=torch.from_numpy(mask))
+
+
+def discard_partial_episode(steps: list[dict], env: int, stats: RolloutStats) -> None:
+    """Mask out env `env`'s chunk steps back to its last episode end: the episode its simulator failed in is never
+    finished, so it teaches nothing (its steps before this rollout were trained on, bootstrapped, as any cut-off
+    segment is). Episodes that ended are kept."""
+    for rec in reversed(steps):
+        if rec["done"][env]:
+            break
+        stats.discarded_steps += int(rec["mask"][env].sum())
+        rec["mask"][env] = False
 
 
 def stack_steps(steps: list[dict], last_value: torch.Tensor) -> RolloutBatch:

@@ -14,6 +14,12 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 
 EXIT_FAILED = 1
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself on a failure it detected (e.g. NaN updates); the message is one line."""
+
+
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
@@ -37,6 +43,7 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
 def exit_cleanly() -> Iterator[None]:
     from ebrl.runtime.checkpoint import CheckpointError
     from ebrl.runtime.distributed import DistributedError
+    from ebrl.envs.worker import SimulatorsFailing
     from ebrl.runtime.trainer_process import TrainerError
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
@@ -48,8 +55,11 @@ def exit_cleanly() -> Iterator[None]:
             remove_if_only_hydra_files(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    except (TrainerError, DistributedError) as e:  # the run folder keeps its last checkpoint
+    except (TrainerError, DistributedError, SimulatorsFailing, RunStopped) as e:  # the run folder keeps its last checkpoint
         print(f"error: {e}; continue with resume=<run folder>", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    except Exception as e:  # a failure in this process (generation, the schedule): one line, the traceback kept
+        print(f"error: {_report(e)}; continue with resume=<run folder>", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt as e:
         # Experiment.train wrote a checkpoint on its way out and the workers are stopped
@@ -58,6 +68,20 @@ def exit_cleanly() -> Iterator[None]:
         sys.exit(EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _report(e: BaseException) -> str:
+    """One line naming the process and its error; the whole traceback goes to the run folder's error.txt."""
+    import traceback
+
+    from ebrl.envs.base import one_line
+
+    line = f"the supervisor process (generation, scheduling) failed: {one_line(e)}"
+    run_dir = _hydra_output_dir()
+    if run_dir is not None and run_dir.is_dir():
+        (run_dir / "error.txt").write_text("".join(traceback.format_exception(e)))
+        line += f" (traceback in {run_dir / 'error.txt'})"
+    return line
 
 
 def _interrupt(signum: int, frame: object) -> None:

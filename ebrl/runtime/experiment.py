@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from ebrl.alloc.allocator import Allocator, describe
 from ebrl.config import ConfigError, rank_cores, sm_partition, validate
 from ebrl.envs.base import EnvSpec, one_line
-from ebrl.envs.worker import SimWorkerPool
+from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.grpo import GRPOTrainer, group_seeds
 from ebrl.rl.ppo import PPOTrainer, RolloutBatch
@@ -43,7 +43,7 @@ from ebrl.runtime.distributed import (
     init_supervisors,
     pin_gpu,
 )
-from ebrl.runtime.errors import remove_if_only_hydra_files
+from ebrl.runtime.errors import RunStopped, remove_if_only_hydra_files
 from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool
 from ebrl.runtime.trainer_process import TrainerError
@@ -121,6 +121,7 @@ class Experiment:
         self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
         self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
         self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
+        self.nonfinite_streak = 0  # updates in a row with steps skipped for NaN/inf gradients
         self.iteration = 0
         self.env_steps = 0
         self.timers = StageTimers()
@@ -194,7 +195,10 @@ class Experiment:
             except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
                 raise ConfigError(str(e)) from None
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed, group_size=group_size)
+        s = cfg.scheduler
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed, group_size=group_size,
+                                  chunk_timeout_s=s.chunk_timeout_s, max_failures=s.max_sim_failures,
+                                  failure_window_s=s.sim_failure_window_s)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
@@ -268,7 +272,7 @@ class Experiment:
     def _restore(self, ckpt: dict[str, Any]) -> None:
         restore_weights(self.policy, ckpt, f"resume={self.cfg.resume}")
         if self.trainer is not None:
-            self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
+            self.trainer.load_optimizer_state(ckpt["optimizer"])
         self.iteration = ckpt["iteration"]
         self.env_steps = ckpt["env_steps"]  # the run's, over all ranks
         torch.set_rng_state(ckpt["torch_rng"])
@@ -362,16 +366,20 @@ class Experiment:
                     summary.success_rate = metrics["env/success_rate"]
                     summary.mean_return = metrics["env/return"]
                 bar.update(metrics)
+                self._count_nonfinite(metrics)
                 due = self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations
-                if due and self.ranks.leader:  # the replicas hold the same weights: rank 0 writes them
+                if due and self.ranks.leader and not self.nonfinite_streak:  # the replicas hold the same weights
                     self.save_checkpoint()
             self._summarise(summary, start, measured_steps, measured_wall, busy, stage_busy)
             self._write_telemetry(start, cpu_samples, gpu)
             self.log.log_summary(summary.__dict__)
-        except KeyboardInterrupt:
-            if self.ranks.leader:
+        except BaseException as e:  # what can be written is: a checkpoint where the state is whole, the telemetry
+            if isinstance(e, (KeyboardInterrupt, SimulatorsFailing)) and self.ranks.leader:
                 self._save_on_the_way_out()
-            self._write_telemetry(start, cpu_samples, gpu)
+            try:
+                self._write_telemetry(start, cpu_samples, gpu)
+            except Exception as failed:  # noqa: BLE001  (the run's own error is the one to report)
+                console.print(f"no trace or plots: {one_line(failed)}", soft_wrap=True)
             raise
         finally:
             bar.close()
@@ -383,6 +391,19 @@ class Experiment:
         if self.ranks.leader:
             print_summary(summary, self.run_dir)
         return summary
+
+    def _count_nonfinite(self, metrics: dict[str, Any]) -> None:
+        """Updates with NaN/inf gradients (their steps were skipped): while they go on no checkpoint is written, and
+        after algo.max_nonfinite_updates in a row the run stops."""
+        self.nonfinite_streak = self.nonfinite_streak + 1 if metrics.get("train/nonfinite_steps", 0) > 0 else 0
+        limit = self.cfg.algo.max_nonfinite_updates
+        if self.nonfinite_streak >= limit:
+            first = self.iteration - limit + 1
+            last = self.run_dir / "checkpoints" / "last.pt"
+            kept = "checkpoints/last.pt is from before them" if last.exists() else "no checkpoint was written before them"
+            raise RunStopped(f"{limit} updates in a row had NaN/inf gradients (iterations {first}-{self.iteration}, "
+                             f"algo.max_nonfinite_updates={limit}; their steps were skipped); {kept}; try a lower "
+                             f"algo.lr than {self.cfg.algo.lr:g}")
 
     def _update(self, batch: RolloutBatch) -> dict[str, float]:
         """Colocated training's update; with several ranks a failed all-reduce (another rank died) is one line."""
@@ -474,6 +495,7 @@ class Experiment:
                 "config": self.conf,
             },
             path,
+            keep_previous=True,  # checkpoints/previous.pt: the one before, should this one turn out unreadable
         )
         return path
 

@@ -40,7 +40,7 @@ from ebrl.config import train_core_count
 from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
-from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
+from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, discard_partial_episode, stack_steps
 from ebrl.runtime.resources import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
@@ -140,6 +140,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._ready: list[int] = []  # without a core pool: envs to submit at once
         self._running: dict[Any, int] = {}  # worker connection -> env
+        self._since: dict[int, float] = {}  # env -> time.monotonic() its chunk was submitted
         self._wake_recv, self._wake_send = multiprocessing.Pipe(duplex=False)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ebrl-dispatcher", daemon=True)
@@ -162,6 +163,10 @@ class Dispatcher:
                 self.cores.resize(cores)
             self._wake_send.send_bytes(b"!")
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping = True
         try:
@@ -182,14 +187,30 @@ class Dispatcher:
                 worker.bind([core])
             worker.submit(worker.chunk_len)
             self._running[worker.connection] = env
+            self._since[env] = time.monotonic()
+
+    def _until_overdue(self) -> float | None:
+        """Seconds until the oldest running chunk passes the pool's chunk timeout (None: no timeout or none runs)."""
+        if self.pool.chunk_timeout_s is None or not self._since:
+            return None
+        return max(0.0, min(self._since.values()) + self.pool.chunk_timeout_s - time.monotonic())
+
+    def _overdue(self) -> list[Any]:
+        """Connections of chunks past the timeout (their wait_chunk then finds no result and replaces them)."""
+        if self.pool.chunk_timeout_s is None:
+            return []
+        now = time.monotonic()
+        return [conn for conn, env in self._running.items() if now - self._since[env] >= self.pool.chunk_timeout_s]
 
     def _run(self) -> None:
         results, died = self.trainer.waitables
         try:
             while not self._stopping:
                 self._start_ready()
-                ready = multiprocessing.connection.wait([*self._running, results, died, self._wake_recv])
-                for conn in ready:
+                ready = multiprocessing.connection.wait([*self._running, results, died, self._wake_recv],
+                                                        timeout=self._until_overdue())
+                # a chunk past the timeout is taken as hung: wait_chunk replaces it and reports a failed chunk
+                for conn in list(dict.fromkeys([*ready, *self._overdue()])):
                     if conn is self._wake_recv:
                         while conn.poll():
                             conn.recv_bytes()
@@ -197,7 +218,10 @@ class Dispatcher:
                         self.events.put(("trainer", self.trainer.receive()))
                     elif conn in self._running:
                         env = self._running.pop(conn)
-                        report = self.pool.workers[env].wait()
+                        since = self._since.pop(env)
+                        timeout = self.pool.chunk_timeout_s
+                        report = self.pool.wait_chunk(env, None if timeout is None else
+                                                      timeout - (time.monotonic() - since))
                         if self.cores is not None:
                             with self._lock:
                                 self.cores.release(env)
@@ -263,6 +287,8 @@ def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
         out.lengths += s.lengths
         out.successes += s.successes
         out.step_times += s.step_times
+        out.failures += s.failures
+        out.discarded_steps += s.discarded_steps
     return out
 
 
@@ -293,7 +319,7 @@ class PipelineScheduler:
             worker.bind(self.sim_cpus)
             # generation and training are on the critical path of every env: when they want a shared core they get
             # it first, and the simulators fill what is left (measured, small preset: CPU busy 76% -> 100%)
-            os.setpriority(os.PRIO_PROCESS, worker.pid, self.schedule.sim_nice)
+            worker.renice(self.schedule.sim_nice)
         cores = CorePool(self.sim_cpus) if self.schedule.core_rebinding else None
 
         train_device = str(device)
@@ -332,7 +358,11 @@ class PipelineScheduler:
         """The trainer's model and optimizer state after every update sent so far (for a checkpoint)."""
         self.trainer.request_state()
         while self._state is None:
-            self._handle(self.dispatcher.events.get())
+            try:
+                self._handle(self.dispatcher.events.get(timeout=1.0))
+            except queue.Empty:
+                if not self.dispatcher.alive:  # it stopped on an error (the run is stopping): read the trainer here
+                    self._trainer_message(self.trainer.receive())
         state, self._state = self._state, None
         return state
 
@@ -407,9 +437,10 @@ class PipelineScheduler:
     def _chunk_reported(self, env: int, report: ChunkReport) -> None:
         group = self.group_of[env]
         group.reports[env] = report
-        self.trace.add(f"simulate/env{env}", "chunk", report.started, report.ended, steps=report.executed,
-                       step_s=float(report.step_times.sum()), cpus=list(report.cpus),
-                       version=int(group.pending["version"][0]))
+        if report.failed is None:
+            self.trace.add(f"simulate/env{env}", "chunk", report.started, report.ended, steps=report.executed,
+                           step_s=float(report.step_times.sum()), cpus=list(report.cpus),
+                           version=int(group.pending["version"][0]))
         if len(group.reports) == len(group.envs):
             self._chunk_done(group)
 
@@ -420,6 +451,9 @@ class PipelineScheduler:
         rec = group.pending
         group.pending = None
         rec.update(chunk_outcome(reports, self.policy.chunk_len, group.stats), cutoff_value=torch.zeros(len(reports)))
+        for j, r in enumerate(reports):
+            if r.failed:
+                discard_partial_episode(group.steps, j, group.stats)
         rec["cut"] = [j for j, r in enumerate(reports) if r.truncated and r.final_obs is not None]
         rec["final_obs"] = [reports[j].final_obs for j in rec["cut"]]
         group.steps.append(rec)

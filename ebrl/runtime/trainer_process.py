@@ -90,7 +90,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
             group = dist.group.WORLD
         trainer = TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device), group)
         if optimizer_state is not None:
-            trainer.optimizer.load_state_dict(optimizer_state)
+            trainer.load_optimizer_state(optimizer_state)
         results.send(("ready",))
         while True:
             try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.worker import SimWorker, SimWorkerPool, SlotLayout
+from ebrl.envs.worker import SimFailure, SimulatorsFailing, SimWorker, SimWorkerPool, SlotLayout
 
 LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
             max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
@@ -126,11 +126,34 @@ def test_camera_worker_survives_sigint_and_a_killed_worker_does_not_hang_close()
 
         os.kill(worker.pid, signal.SIGKILL)
         worker.submit(2)
-        with pytest.raises(EnvSetupError, match="stopped"):
+        with pytest.raises(SimFailure, match="stopped; exit code -9"):
             worker.wait()
     finally:
         assert close_within(worker)
     worker.close()  # idempotent
+    assert shm_segments() - before == set()
+
+
+def test_a_failed_simulator_is_replaced_in_its_slot_and_repeated_failures_stop():
+    before = shm_segments()
+    with SimWorkerPool(LIFT, num_envs=2, seed=0, chunk_len=4, max_failures=1) as pool:
+        pool.reset_all()
+        old_pid, old_shm = pool.workers[1].pid, pool.workers[1].shm_name
+        os.kill(old_pid, signal.SIGKILL)
+        pool.submit_all(2, np.zeros((2, 2, pool.spec.action_dim), np.float32))
+        first, second = pool.wait_all()
+        assert first.executed == 2 and first.failed is None
+        assert second.failed.startswith(f"sim worker 1 (pid {old_pid}) stopped") and second.done
+        replacement = pool.workers[1]
+        assert replacement.pid != old_pid and replacement.replacements == 1 and replacement.seed == 1 + 100_003
+        assert old_shm not in shm_segments() and np.isfinite(replacement.obs["state"]).all()
+        pool.submit_all(2)
+        assert [r.executed for r in pool.wait_all()] == [2, 2]  # the new process steps its new episode
+        os.kill(replacement.pid, signal.SIGKILL)
+        pool.submit_all(2)
+        with pytest.raises(SimulatorsFailing, match="2 simulator failures within 600 s, more than "
+                                                    "scheduler.max_sim_failures=1"):
+            pool.wait_all()
     assert shm_segments() - before == set()
 
 

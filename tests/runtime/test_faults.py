@@ -1,0 +1,184 @@
+"""Faults injected for real into run.py in a subprocess: a simulator killed (kill -9), hung or failing again and
+again; SIGTERM; NaN updates; a corrupt checkpoint. Each leaves the run either going on or stopped with one line and a
+checkpoint it can resume from."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ebrl.runtime.checkpoint import load_checkpoint
+from ebrl.runtime.colocated import RolloutStats, discard_partial_episode
+from tests.conftest import REPO
+from tests.runtime.test_run import SMALL, metrics, run_py
+
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
+
+
+def start_run(*overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "run.py", *overrides], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_iterations(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    path, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{n} iterations not logged within {timeout} s (exit code {proc.poll()})")
+
+
+def simulators(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "ebrl.envs.worker" in " ".join(p.cmdline())]
+
+
+def total(rows: list[dict], key: str) -> float:
+    return sum(row.get(key, 0.0) for row in rows)
+
+
+def last_line(stderr: str) -> str:
+    return [line for line in stderr.splitlines() if line.strip()][-1]
+
+
+def test_a_failed_simulators_partial_episode_is_discarded_and_finished_ones_kept() -> None:
+    # env 0: an episode ends at step 1, the next runs steps 2-3 and its simulator fails in step 4
+    rec = [{"done": torch.tensor([d, False]), "mask": torch.ones(2, 3, dtype=torch.bool)} for d in (False, True, False,
+                                                                                                    False)]
+    stats = RolloutStats()
+    discard_partial_episode(rec, 0, stats)
+    assert [bool(r["mask"][0].any()) for r in rec] == [True, True, False, False]
+    assert all(r["mask"][1].all() for r in rec)  # other envs untouched
+    assert stats.discarded_steps == 6
+
+
+def test_a_killed_simulator_is_replaced_and_the_run_goes_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_run(*SMALL, "iterations=4", f"hydra.run.dir={run_dir}")
+    try:
+        wait_for_iterations(run_dir, 1, proc)
+        victim = simulators(proc)[1]
+        victim.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"(pid {victim.pid})" in err and "replaced by a fresh simulator" in err
+    rows = metrics(run_dir)
+    assert len(rows) == 4 and total(rows, "sim/failures") == 1
+    assert not victim.is_running()
+
+
+def test_a_killed_trainer_stops_the_run_with_one_line_and_nothing_left(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
+    try:
+        wait_for_iterations(run_dir, 2, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        trainer = next(p for p in children if p not in simulators(proc) and "spawn_main" in " ".join(p.cmdline()))
+        trainer.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert last_line(err) == (f"error: trainer process (pid {trainer.pid}) stopped; exit code -9; continue with "
+                              "resume=<run folder>")
+    time.sleep(0.5)
+    assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written stays
+
+
+def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_py(*SMALL, "scheduler=ebrl", "iterations=3", "env.fault.kind=hang", "env.fault.env=1",
+                  "env.fault.chunk=3", "scheduler.chunk_timeout_s=3", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sim worker 1" in proc.stdout + proc.stderr and "hung" in proc.stdout + proc.stderr
+    rows = metrics(run_dir)
+    assert len(rows) == 3 and total(rows, "sim/failures") == 1
+    assert total(rows, "sim/discarded_steps") > 0  # the hung env's episode so far, not trained on
+
+
+def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_py(*SMALL, "scheduler=ebrl", "iterations=8", "checkpoint_every=100", "env.fault.kind=error",
+                  "env.fault.env=0", "env.fault.chunk=3", "env.fault.again=true", "scheduler.max_sim_failures=2",
+                  f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert last_line(proc.stderr).startswith("error: 3 simulator failures within 600 s, more than "
+                                             "scheduler.max_sim_failures=2 (the last: sim worker 0")
+    # written on the way out, at the iterations finished (the pipeline may be an iteration ahead of them)
+    logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] == logged
+
+
+def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1000", f"hydra.run.dir={run_dir}")
+    try:
+        wait_for_iterations(run_dir, 2, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)  # simulators, the trainer, helpers
+        assert len(simulators(proc)) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert last_line(err) == "interrupted by SIGTERM: continue with resume=<run folder>"
+    # the only checkpoint is the one written on the way out, no older than the last logged iteration
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= len(metrics(run_dir)) >= 2
+    time.sleep(0.5)
+    assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("faults") / "run"
+    proc = run_py(*SMALL, "iterations=2", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_nan_updates_are_skipped_and_stop_the_run_at_its_last_good_checkpoint(two_iterations: Path,
+                                                                              tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_iterations, run_dir)
+    proc = run_py(*SMALL, f"resume={run_dir}", "iterations=10", "algo.lr=1e30")  # the first step blows the weights up
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "3 updates in a row had NaN/inf gradients (iterations 3-5, algo.max_nonfinite_updates=3; their steps " \
+           "were skipped); checkpoints/last.pt is from before them" in last_line(proc.stderr)
+    rows = metrics(run_dir)
+    assert [row["iteration"] for row in rows] == [1, 2, 3, 4, 5]
+    assert all(row["train/nonfinite_steps"] > 0 for row in rows[2:])
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert ckpt["iteration"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_named(two_iterations: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_iterations, run_dir)
+    last, previous = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "previous.pt"
+    assert load_checkpoint(previous)["iteration"] == 1  # the one before the last, kept by the last write
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # truncated
+    kept = previous.read_bytes()
+    proc = run_py(*SMALL, f"resume={run_dir}", "iterations=3")
+    assert proc.returncode == 2
+    line = last_line(proc.stderr)
+    assert line.startswith(f"error: {last} is not a readable checkpoint")
+    assert f"{previous} (iteration 1) is intact: move it to {last} to start from it" in line
+    assert previous.read_bytes() == kept and len(metrics(run_dir)) == 2  # nothing lost, nothing run
