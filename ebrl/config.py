@@ -240,6 +240,9 @@ class DistributedConfig:
     """Runs of several ranks under torchrun (ebrl/runtime/distributed.py)."""
 
     timeout_s: float = 1800.0  # how long a rank waits for the others at a collective before the run stops
+    # ddp: every rank's trainer holds the whole policy and Adam state | fsdp: they are sharded over the ranks (for
+    # policies whose training state does not fit one GPU; pipelined schedules, whose trainer has a process of its own)
+    strategy: str = "ddp"
 
 
 @dataclass
@@ -410,6 +413,7 @@ def _check_launch(cfg: DictConfig) -> int:
 
     ranks, hw = Ranks.from_env(), cfg.hw
     _positive(cfg, "hw.nodes")
+    _one_of(cfg, "distributed.strategy", ("ddp", "fsdp"))
     per_node = hw.gpus or ranks.local_world  # one rank per GPU; on CPU as many as were started
     command = f"torchrun --nnodes {hw.nodes} --nproc-per-node {per_node} run.py hw={hw.name} ..."
     if hw.nodes > 1 and not ranks.distributed:
@@ -418,6 +422,10 @@ def _check_launch(cfg: DictConfig) -> int:
         if ranks.nodes != hw.nodes or (hw.gpus and ranks.local_world != hw.gpus):
             raise ConfigError(f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
                               f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}")
+        if cfg.distributed.strategy == "fsdp" and cfg.scheduler.name == "colocated":
+            raise ConfigError("distributed.strategy=fsdp shards the trainer process's weights and scheduler=colocated "
+                              "trains in the process that generates; use scheduler=ebrl (or async, hybrid, "
+                              "disaggregated) or distributed.strategy=ddp")
         if cfg_get(cfg, "mode", "train") == "eval":
             raise ConfigError("mode=eval runs as one process: python run.py mode=eval checkpoint=<run folder> ...")
         if cfg.device == "cuda" and not hw.gpus:

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
-from ebrl.runtime.distributed import weights_sum
+from ebrl.runtime.distributed import full_state, is_sharded, weights_sum
 
 
 @dataclass
@@ -141,9 +142,10 @@ class PPOTrainer:
         self.policy = policy
         self.cfg = cfg
         self.device = device or torch.device("cpu")
-        self.group = group  # data-parallel over this group's ranks (DDP); None: this process alone
+        self.group = group  # data-parallel over this group's ranks (DDP, or FSDP when the policy is sharded)
+        self.sharded = is_sharded(policy)  # FSDP reduces the gradients itself
         self.model: torch.nn.Module = _Evaluate(policy)
-        if group is not None:
+        if group is not None and not self.sharded:
             # DDP starts from rank 0's weights and averages the gradients of every backward over the ranks. Parts of a
             # policy may get no gradient (GRPO: the value head), hence find_unused_parameters (torch warns once where
             # there are none). static_graph=True instead left GRPO's replicas with different weights after one update.
@@ -153,10 +155,27 @@ class PPOTrainer:
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Continue from a checkpoint's Adam moments, at this config's learning rate (a resumed run may change it)."""
-        self.optimizer.load_state_dict(state)
+        """Continue from a checkpoint's Adam moments, at this config's learning rate (a resumed run may change it).
+        Either layout loads: torch's (by parameter index) or the sharded trainers' (by parameter name)."""
+        by_name = any(isinstance(k, str) for k in state.get("state", {}))
+        if self.sharded or by_name:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.policy, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state)
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr
+
+    def optimizer_state(self) -> dict:
+        """The Adam state for a checkpoint; a sharded trainer's gathered whole, by parameter name, on rank 0 (a
+        collective: every rank calls it)."""
+        if not self.sharded:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.policy, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Advantages (T, N), value targets (T, N) or None when there is no critic, and their metrics."""
@@ -233,6 +252,8 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                if isinstance(grad_norm, DTensor):  # sharded: the norm over every rank's shards
+                    grad_norm = grad_norm.full_tensor()
                 step = {
                     "losses/policy": pg_loss.detach(),
                     "losses/entropy": ent.detach(),
@@ -259,7 +280,7 @@ class PPOTrainer:
         out["train/nonfinite_steps"] = float(skipped)
         out.update(metrics)
         if self.group is not None:  # the supervisors check that every replica holds the same weights
-            out["dist/weights_sum"] = weights_sum(self.policy.state_dict())
+            out["dist/weights_sum"] = weights_sum(full_state(self.policy))
         return out
 
     def _mean_over_ranks(self, value: float) -> float:

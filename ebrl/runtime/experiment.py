@@ -122,6 +122,8 @@ class Experiment:
         self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
         self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
         self.nonfinite_streak = 0  # updates in a row with steps skipped for NaN/inf gradients
+        # FSDP: the training state is gathered from every rank's trainer, so every rank asks for it at a checkpoint
+        self.sharded = self.ranks.distributed and cfg.distributed.strategy == "fsdp"
         self.iteration = 0
         self.env_steps = 0
         self.timers = StageTimers()
@@ -368,8 +370,11 @@ class Experiment:
                 bar.update(metrics)
                 self._count_nonfinite(metrics)
                 due = self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations
-                if due and self.ranks.leader and not self.nonfinite_streak:  # the replicas hold the same weights
-                    self.save_checkpoint()
+                if due and not self.nonfinite_streak:
+                    if self.ranks.leader:  # the replicas hold the same weights: rank 0 writes them
+                        self.save_checkpoint()
+                    elif self.trainer is None:  # (the trainer sent it anyway: taken, and dropped)
+                        self.scheduler.gathered_state(self.iteration)
             self._summarise(summary, start, measured_steps, measured_wall, busy, stage_busy)
             self._write_telemetry(start, cpu_samples, gpu)
             self.log.log_summary(summary.__dict__)
@@ -421,12 +426,11 @@ class Experiment:
     def _save_on_the_way_out(self) -> None:
         """A checkpoint as the run stops; if the state cannot be had any more (the trainer or another rank is gone)
         the last one stays, as atomic_save leaves it. Not from inside an update: its weights would be half-stepped."""
-        if self._updating:
-            console.print("stopped during an update: checkpoints/last.pt stays the one written before",
-                          soft_wrap=True)
+        if self._updating or self.sharded:  # (FSDP: gathering the state needs every rank, and some may be gone)
+            console.print("no final checkpoint: checkpoints/last.pt stays the one written before", soft_wrap=True)
             return
         try:
-            self.save_checkpoint()
+            self.save_checkpoint(on_the_way_out=True)
         except (TrainerError, DistributedError, OSError) as e:
             console.print(f"no final checkpoint ({e}); checkpoints/last.pt is the one written before", soft_wrap=True)
 
@@ -475,9 +479,11 @@ class Experiment:
             return self.scheduler.collect(chunks, reset_seeds=seeds)
         return self.scheduler.collect(cfg.algo.rollout_chunks)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, on_the_way_out: bool = False) -> Path:
         path = self.run_dir / "checkpoints" / "last.pt"
-        if self.trainer is None:  # the trainer process holds the newest weights and the optimizer
+        if self.trainer is None and not on_the_way_out:  # the trainer process sent its state after this update
+            model, optimizer = self.scheduler.gathered_state(self.iteration)
+        elif self.trainer is None:  # stopping: whatever it holds now
             model, optimizer = self.scheduler.training_state()
         else:
             model, optimizer = self.policy.state_dict(), self.trainer.optimizer.state_dict()

@@ -337,6 +337,10 @@ class PipelineScheduler:
         self.waiting: list[_Group] = []  # groups ready but held back: queue full or too far ahead of training
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
         self._state: tuple | None = None  # the trainer's answer to a state request
+        # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
+        # it then, together), so a checkpoint holds exactly the weights of its iteration
+        self.checkpoint_every = int(conf["checkpoint_every"])
+        self._gathered: dict[int, tuple] = {}
         self.dispatcher = Dispatcher(pool, cores, self.trainer)
         self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}
         self.results: dict[int, tuple[RolloutStats, dict[str, float]]] = {}
@@ -354,8 +358,20 @@ class PipelineScheduler:
         self.returned += 1
         return self.results.pop(want)
 
+    def gathered_state(self, iteration: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """The model and optimizer state the trainer sent right after update `iteration` (the run's count), which it
+        does at every iteration a checkpoint is due at (`checkpoint_every`, and the last)."""
+        k = iteration - self.base_version - 1  # this run's index of that update
+        while k not in self._gathered:
+            self._handle(self.dispatcher.events.get())
+        state = self._gathered.pop(k)
+        for old in [i for i in self._gathered if i < k]:  # (gathered while updates had NaN: no checkpoint then)
+            del self._gathered[old]
+        return state
+
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The trainer's model and optimizer state after every update sent so far (for a checkpoint)."""
+        """The trainer's model and optimizer state after every update sent so far (a checkpoint on the way out: it
+        may hold one update more than the iterations finished)."""
         self.trainer.request_state()
         while self._state is None:
             try:
@@ -543,11 +559,17 @@ class PipelineScheduler:
             self.shipped[iteration] = (merge_stats([s for _, s in parts]),
                                        {"sched/dropped_chunks": float(dropped), "sched/staleness_mean": staleness})
             decoupled = self.schedule.overlap and self.schedule.decoupled
-            self.trainer.train(iteration, batch, decoupled=decoupled, is_clip=self.schedule.is_clip)
+            k = self.base_version + iteration + 1  # the run's count after this update
+            gather = k % self.checkpoint_every == 0 or k == self.base_version + self.iterations
+            self.trainer.train(iteration, batch, decoupled=decoupled, is_clip=self.schedule.is_clip, gather=gather)
 
     def _trainer_message(self, message: tuple) -> None:
         if message[0] == "state":
-            self._state = message[1:]
+            model, optimizer, gathered_after = message[1:]
+            if gathered_after is None:
+                self._state = (model, optimizer)
+            else:
+                self._gathered[gathered_after] = (model, optimizer)
             return
         if message[0] != "trained":
             raise TrainerError(f"unexpected message {message[0]!r} from the trainer process")

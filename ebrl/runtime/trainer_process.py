@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ebrl.envs.base import EnvSpec, one_line
-from ebrl.runtime.distributed import Ranks, close_group, join_trainers, trainer_backend
+from ebrl.runtime.distributed import Ranks, close_group, full_state, join_trainers, shard, trainer_backend
 from ebrl.rl.ppo import RolloutBatch
 
 
@@ -40,10 +40,10 @@ class WeightChannel:
     def version(self) -> int:
         return int(self._version.value)
 
-    def publish(self, module: torch.nn.Module) -> int:
-        """Copy `module`'s weights in and return the new version (trainer side)."""
+    def publish(self, state: dict[str, torch.Tensor]) -> int:
+        """Copy these weights (a module's whole state dict) in and return the new version (trainer side)."""
         with self._lock, torch.no_grad():
-            for key, value in module.state_dict().items():
+            for key, value in state.items():
                 self.tensors[key].copy_(value)
             self._version.value += 1
             return int(self._version.value)
@@ -62,10 +62,11 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                  cpus: Sequence[int], threads: int, device: str, optimizer_state: dict | None) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
 
-    ("train", iteration, batch, decoupled, is_clip) -> ("trained", iteration, metrics, version, start, published,
-                                                        end): the update ran [start, published), the weights'
-                                                        publication [published, end)
-    ("state",)                                      -> ("state", model state_dict, optimizer state_dict)
+    ("train", iteration, batch, decoupled, is_clip, gather)
+        -> ("trained", iteration, metrics, version, start, published, end): the update ran [start, published), the
+           weights' publication [published, end); with gather (a checkpoint is due after this update) then also
+           ("state", model, optimizer, iteration) (FSDP: gathered by every rank's trainer at the same update)
+    ("state",)                                      -> ("state", model state_dict, optimizer state_dict, None)
     A failure answers ("error", one line) and ends the process.
     """
     from omegaconf import OmegaConf
@@ -88,6 +89,8 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 torch.cuda.set_device(torch.device(device).index or 0)
             join_trainers(ranks, trainer_backend(device), float(conf["distributed"]["timeout_s"]))
             group = dist.group.WORLD
+            if conf["distributed"]["strategy"] == "fsdp":
+                shard(policy)
         trainer = TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device), group)
         if optimizer_state is not None:
             trainer.load_optimizer_state(optimizer_state)
@@ -101,15 +104,16 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 close_group()
                 return
             if message[0] == "train":
-                _, iteration, batch, decoupled, is_clip = message
+                _, iteration, batch, decoupled, is_clip, gather = message
                 start = time.perf_counter()
                 metrics = trainer.update(batch, decoupled=decoupled, is_clip=is_clip)
                 published = time.perf_counter()
-                version = channel.publish(policy)
+                version = channel.publish(full_state(policy))  # (sharded: gathered, on every rank)
                 results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
-            elif message[0] == "state":
-                state = {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
-                results.send(("state", state, trainer.optimizer.state_dict()))
+                if gather:
+                    results.send(("state", _whole(full_state(policy)), trainer.optimizer_state(), iteration))
+            elif message[0] == "state":  # (not sharded: the gathering would need every rank's trainer at once)
+                results.send(("state", _whole(policy.state_dict()), trainer.optimizer_state(), None))
             else:
                 raise ValueError(f"unknown request {message[0]!r}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
@@ -117,6 +121,10 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
             results.send(("error", one_line(e)))
         except OSError:
             pass
+
+
+def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 class TrainerProcess:
@@ -145,8 +153,9 @@ class TrainerProcess:
         """What `multiprocessing.connection.wait` should watch: results arriving, or the process dying."""
         return [self.results, self.process.sentinel]
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float) -> None:
-        self._send(("train", iteration, batch, decoupled, is_clip))
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
+        """Train on `batch`; with gather, then send the state too (see trainer_main)."""
+        self._send(("train", iteration, batch, decoupled, is_clip, gather))
 
     def receive(self) -> tuple:
         """The next message (blocks); raises TrainerError if the trainer failed."""

@@ -97,6 +97,9 @@ def test_the_ranks_of_a_node_split_its_cores(monkeypatch: pytest.MonkeyPatch) ->
     ((0, 2, 2), ["hw.cpu_cores=2", "scheduler=ebrl"],
      "needs at least 2 CPU cores; this rank has 1 (this node's cores split over its 2 ranks)"),
     ((0, 2, 2), ["hw.nodes=0"], "hw.nodes=0 must be a positive number"),
+    ((0, 2, 2), ["distributed.strategy=fsdp"], "distributed.strategy=fsdp shards the trainer process's weights and "
+                                               "scheduler=colocated trains in the process that generates"),
+    ((0, 2, 2), ["distributed.strategy=zero3"], "distributed.strategy='zero3' is not available; accepted: ddp, fsdp"),
 ])
 def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch, launch, overrides,
                                                               message) -> None:
@@ -152,13 +155,15 @@ def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
     assert load_checkpoint(two_ranks / "checkpoints" / "last.pt")["iteration"] == 4
 
 
-def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path, strategy: str) -> None:
     """Two torchrun agents on localhost, a node each: scheduler=ebrl trains in a process of its own per rank, and
-    those trainers form their own group beside the supervisors'."""
+    those trainers form their own group beside the supervisors', data-parallel (ddp) or sharded (fsdp)."""
     run_dir, port = tmp_path / "run", free_port()
     launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-id", "ebrl-test"]
-    overrides = [*SMALL, "hw.nodes=2", "scheduler=ebrl", "iterations=3", f"hydra.run.dir={run_dir}"]
+    overrides = [*SMALL, "hw.nodes=2", "scheduler=ebrl", "iterations=3", "checkpoint_every=2",
+                 f"distributed.strategy={strategy}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
@@ -168,6 +173,16 @@ def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Pat
     assert [row["sched/weights_version"] for row in rows] == [1.0, 2.0, 3.0]
     assert all(row["ranks/0/weights_sum"] == row["ranks/1/weights_sum"] for row in rows)
     assert [row["sched/weights_version"] for row in metrics(run_dir / "rank1")] == [1.0, 2.0, 3.0]
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert ckpt["iteration"] == 3 and weights_sum(ckpt["model"]) == rows[-1]["dist/weights_sum"]
+    # the one before, written while the next update was under way, holds its own iteration's weights exactly
+    before = load_checkpoint(run_dir / "checkpoints" / "previous.pt")
+    assert before["iteration"] == 2 and weights_sum(before["model"]) == rows[1]["dist/weights_sum"]
+    if strategy == "fsdp":  # the sharded Adam state, gathered whole by parameter name: it resumes on one rank
+        assert all(isinstance(key, str) for key in ckpt["optimizer"]["state"])
+        proc = run_py(*SMALL, "scheduler=ebrl", f"resume={run_dir}", "iterations=4")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert metrics(run_dir)[-1]["iteration"] == 4
 
 
 def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) -> None:
