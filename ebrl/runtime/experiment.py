@@ -122,7 +122,7 @@ class Experiment:
         self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
         self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
         self.nonfinite_streak = 0  # updates in a row with steps skipped for NaN/inf gradients
-        # FSDP: the training state is gathered from every rank's trainer, so every rank asks for it at a checkpoint
+        # FSDP: gathering the training state needs every rank's trainer (no checkpoint on the way out)
         self.sharded = self.ranks.distributed and cfg.distributed.strategy == "fsdp"
         self.iteration = 0
         self.env_steps = 0
