@@ -401,7 +401,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}")
     cores = available_cpu_cores()
     if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
-        raise ConfigError(f"hw={cfg.hw.name} asks for {cfg.hw.cpu_cores} CPU cores and this machine gives {cores}")
+        raise ConfigError(f"hw.cpu_cores={cfg.hw.cpu_cores} (hw={cfg.hw.name}) is more than the {cores} CPU cores this "
+                          f"machine gives; use hw.cpu_cores={cores} or fewer, or null for all of them")
     cores = _check_launch(cfg)
     _check_schedule(cfg, cores)
     _check_allocator(cfg, cores)
@@ -550,5 +551,7 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
             raise ConfigError(f"scheduler={name} trains on a device of its own and hw={cfg.hw.name} has one GPU; "
                               "use hw with 2+ GPUs or scheduler=hybrid")
         if not 0 < s.train_share < 1 or not 1 <= train_core_count(s.train_share, cores) < cores:
+            low, high = f"{1 / cores:.2f}", f"{1 - 1 / cores:.2f}"
+            allowed = f"on {cores} cores: {low}" if low == high else f"between {low} and {high}"
             raise ConfigError(f"scheduler.train_share={s.train_share} must give training at least one of the {cores} "
-                              f"CPU cores and leave rollout at least one (between {1 / cores:.2f} and {1 - 1 / cores:.2f})")
+                              f"CPU cores and leave rollout at least one ({allowed})")

@@ -55,7 +55,7 @@ def test_composition_errors(override, error):
         (["policy.preset=huge"], "policy.preset='huge' is not available; accepted: tiny, small, full"),
         (["env.num_envs=3", "algo.rollout_chunks=3", "algo.minibatches=4"], "does not divide the rollout batch"),
         (["hw=a100x8"], "hw=a100x8 needs 8 CUDA GPUs and this machine has none"),
-        (["hw.cpu_cores=4096"], "asks for 4096 CPU cores"),
+        (["hw.cpu_cores=4096"], "hw.cpu_cores=4096 (hw=cpu) is more than the"),
         (["policy.noise_std_min=0.9"], "must satisfy 0 < min <= max"),
         (["policy.logprob=ddim"], "policy.logprob='ddim' is not available; accepted: flow_noise, flow_sde"),
         (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),

@@ -161,7 +161,8 @@ class Experiment:
 
     def _read_resume_checkpoint(self) -> dict[str, Any]:
         if not self.run_dir.is_dir():
-            raise ConfigError(f"resume={self.cfg.resume} is not a run folder")
+            raise ConfigError(f"resume={self.cfg.resume} is not a run folder (the folder of an earlier run, with its "
+                              "checkpoints/last.pt)")
         return load_policy_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.conf["policy"],
                                       f"resume={self.cfg.resume}")
 
