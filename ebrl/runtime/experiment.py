@@ -482,10 +482,14 @@ class Experiment:
 
     def save_checkpoint(self, on_the_way_out: bool = False) -> Path:
         path = self.run_dir / "checkpoints" / "last.pt"
+        iteration, env_steps = self.iteration, self.env_steps
         if self.trainer is None and not on_the_way_out:  # the trainer process sent its state after this update
             model, optimizer = self.scheduler.gathered_state(self.iteration)
-        elif self.trainer is None:  # stopping: whatever it holds now
+        elif self.trainer is None:  # stopping: the trainer's newest state, and the iterations it has trained
             model, optimizer = self.scheduler.training_state()
+            extra, steps = self.scheduler.unreturned()
+            # (several ranks: the others' steps of those iterations are not here; they collect as many as this one)
+            iteration, env_steps = iteration + extra, env_steps + steps * self.ranks.world
         else:
             model, optimizer = self.policy.state_dict(), self.trainer.optimizer.state_dict()
         atomic_save(
@@ -494,8 +498,8 @@ class Experiment:
                 "policy": policy_identity(self.conf["policy"]),
                 "model": model,
                 "optimizer": optimizer,
-                "iteration": self.iteration,
-                "env_steps": self.env_steps,
+                "iteration": iteration,
+                "env_steps": env_steps,
                 "torch_rng": torch.get_rng_state(),
                 "numpy_rng": np.random.get_state(),
                 "wandb_id": self.log.wandb_id if self.log else None,

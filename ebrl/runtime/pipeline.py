@@ -370,8 +370,8 @@ class PipelineScheduler:
         return state
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The trainer's model and optimizer state after every update sent so far (a checkpoint on the way out: it
-        may hold one update more than the iterations finished)."""
+        """The trainer's model and optimizer state after every update sent so far (a checkpoint on the way out). Those
+        updates' results arrive before it, so `unreturned` then says which of them the caller has not seen."""
         self.trainer.request_state()
         while self._state is None:
             try:
@@ -381,6 +381,10 @@ class PipelineScheduler:
                     self._trainer_message(self.trainer.receive())
         state, self._state = self._state, None
         return state
+
+    def unreturned(self) -> tuple[int, int]:
+        """Updates the trainer finished that `next_iteration` has not handed out yet, and their env steps."""
+        return len(self.results), sum(stats.env_steps for stats, _ in self.results.values())
 
     def simulate_on(self, cpus: Sequence[int]) -> None:
         """Simulate on these cores from now on (an allocator's plan): the core pool's cores, or, without core

@@ -138,11 +138,16 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert last_line(err) == "interrupted by SIGTERM: continue with resume=<run folder>"
-    # the only checkpoint is the one written on the way out, no older than the last logged iteration
-    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= len(metrics(run_dir)) >= 2
+    # the only checkpoint is the one written on the way out: the trainer's newest weights, with the iterations they
+    # were trained on (the last logged one, or the one after it when its update was done but not yet logged)
+    rows, ckpt = metrics(run_dir), load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert len(rows) >= 2 and ckpt["iteration"] in (len(rows), len(rows) + 1)
+    assert (ckpt["env_steps"] == rows[-1]["env_steps"]) == (ckpt["iteration"] == len(rows))
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert set(os.listdir("/dev/shm")) <= shm_before
+    proc = run_py(*SMALL, "scheduler=ebrl", f"resume={run_dir}", f"iterations={ckpt['iteration'] + 1}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
