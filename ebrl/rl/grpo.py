@@ -29,13 +29,14 @@ def first_episode(done: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(
-    reward: torch.Tensor, done: torch.Tensor, group_size: int
+    reward: torch.Tensor, done: torch.Tensor, group_size: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (advantages (T, N), episode returns (N,), within-group std (N // K,)).
 
     R = the rewards of each env's first episode; A = (R - group mean) / (group std + EPS),
     broadcast to that episode's chunk steps and 0 after it (the std is the population std, so a
-    group's advantages have unit variance).
+    group's advantages have unit variance). `valid` (N,) bool leaves envs out of their group's mean
+    and std, with advantage 0: an episode whose simulator failed never finished.
     """
     T, N = reward.shape
     if N % group_size:
@@ -43,9 +44,16 @@ def group_advantages(
     alive = first_episode(done)
     ret = (reward * alive).sum(0)
     groups = ret.view(N // group_size, group_size)
-    mean = groups.mean(1, keepdim=True)
-    std = groups.std(1, unbiased=False, keepdim=True)
-    adv = ((groups - mean) / (std + EPS)).view(N)
+    if valid is None or bool(valid.all()):
+        mean = groups.mean(1, keepdim=True)
+        std = groups.std(1, unbiased=False, keepdim=True)
+        adv = ((groups - mean) / (std + EPS)).view(N)
+    else:  # the same over each group's valid members (the numbers above stay bit for bit when all are)
+        members = valid.view_as(groups).to(groups.dtype)
+        n = members.sum(1, keepdim=True).clamp_min(1.0)
+        mean = (groups * members).sum(1, keepdim=True) / n
+        std = ((groups - mean).pow(2) * members).sum(1, keepdim=True).div(n).sqrt()
+        adv = ((groups - mean) / (std + EPS) * members).view(N)
     return adv.unsqueeze(0) * alive, ret, std.squeeze(1)
 
 
@@ -61,7 +69,9 @@ class GRPOTrainer(PPOTrainer):
         return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
-        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size)
+        # an env none of whose actions count (its simulator failed mid-episode: discarded) is no group member
+        valid = batch.mask.any(-1).any(0)
+        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, valid)
         metrics = {
             "train/return_mean": float(ret.mean()),
             "train/group_return_std": float(std.mean()),  # 0: no group had a signal

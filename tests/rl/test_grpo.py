@@ -37,6 +37,17 @@ def test_group_advantages_by_hand():
     assert torch.allclose(adv, expected)
 
 
+def test_an_env_whose_episode_was_discarded_is_no_group_member():
+    # one group of 3; env 1's simulator failed mid-episode (its partial return 9 must not move the others)
+    reward = torch.tensor([[1.0, 9.0, 3.0]])
+    done = torch.ones(1, 3, dtype=torch.bool)
+    adv, _, std = group_advantages(reward, done, group_size=3, valid=torch.tensor([True, False, True]))
+    a = 1.0 / (1.0 + 1e-6)  # (3 - 2) / (1 + eps): mean 2 and std 1 of envs 0 and 2
+    assert torch.allclose(adv, torch.tensor([[-a, 0.0, a]])) and torch.allclose(std, torch.tensor([1.0]))
+    assert torch.equal(group_advantages(reward, done, 3, torch.ones(3, dtype=torch.bool))[0],
+                       group_advantages(reward, done, 3)[0])  # all valid: as before
+
+
 def test_first_episode_masks_what_follows_the_first_end():
     done = torch.tensor([[False, True], [True, False], [False, True]])
     assert first_episode(done).tolist() == [[True, True], [True, False], [False, False]]
