@@ -245,8 +245,12 @@ class PPOTrainer:
                 # without a critic the value head gets no loss (and no gradient); rows that executed no action (a
                 # failed simulator's, a stale chunk's) have no return to learn from
                 rows = m.amax(-1)
-                value_loss = (0.5 * ((value - ret[idx]).pow(2) * rows).sum() / rows.sum().clamp_min(1.0)
-                              if ret is not None else pg_loss.new_zeros(()))
+                if ret is None:
+                    value_loss = pg_loss.new_zeros(())
+                elif bool(rows.all()):  # (the usual case, bit for bit the plain mean)
+                    value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
+                else:
+                    value_loss = 0.5 * ((value - ret[idx]).pow(2) * rows).sum() / rows.sum().clamp_min(1.0)
                 ent = (entropy * m).sum() / m.sum().clamp_min(1.0)
                 loss = pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent
                 self.optimizer.zero_grad(set_to_none=True)
