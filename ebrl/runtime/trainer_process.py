@@ -111,9 +111,9 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 version = channel.publish(full_state(policy))  # (sharded: gathered, on every rank)
                 results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
                 if gather:
-                    results.send(("state", _whole(full_state(policy)), trainer.optimizer_state(), iteration))
+                    results.send(("state", _copied(full_state(policy)), _copied(trainer.optimizer_state()), iteration))
             elif message[0] == "state":  # (not sharded: the gathering would need every rank's trainer at once)
-                results.send(("state", _whole(policy.state_dict()), trainer.optimizer_state(), None))
+                results.send(("state", _copied(policy.state_dict()), _copied(trainer.optimizer_state()), None))
             else:
                 raise ValueError(f"unknown request {message[0]!r}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
@@ -123,8 +123,16 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
             pass
 
 
-def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
+def _copied(obj: Any) -> Any:
+    """A copy of a state dict's tensors, nested ones too (Adam's moments). A tensor sent over the pipe shares its
+    storage with ours, and the next update changes the weights and moments in place while the supervisor saves."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 class TrainerProcess:

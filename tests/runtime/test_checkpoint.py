@@ -74,3 +74,20 @@ def test_safetensors_start_loads_and_mismatch_names_keys(tmp_path):
     assert "\n" not in message
     with pytest.raises(CheckpointError, match="does not exist"):
         load_weights(b, str(tmp_path / "nope.safetensors"))
+
+
+def test_the_trainers_state_message_is_a_copy_the_next_update_leaves_alone():
+    # tensors sent over a pipe share storage with the sender; Adam updates its moments in place
+    from ebrl.runtime.trainer_process import _copied
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([weight])
+    weight.grad = torch.ones(3)
+    adam.step()
+    sent = _copied({"model": {"weight": weight}, "optimizer": adam.state_dict()})
+    kept = [sent["model"]["weight"].clone(), sent["optimizer"]["state"][0]["exp_avg"].clone()]
+    weight.grad = torch.full((3,), 5.0)
+    adam.step()
+    assert torch.equal(sent["model"]["weight"], kept[0])
+    assert torch.equal(sent["optimizer"]["state"][0]["exp_avg"], kept[1])
+    assert sent["optimizer"]["param_groups"][0]["lr"] == adam.param_groups[0]["lr"]
