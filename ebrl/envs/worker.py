@@ -264,10 +264,12 @@ class ChunkReport:
         return self.terminated or self.truncated
 
     @classmethod
-    def failure(cls, reason: str) -> "ChunkReport":
-        """A chunk that produced nothing usable: it ends the env's episode (the replacement starts a new one)."""
+    def nothing(cls, truncated: bool = False, failed: str | None = None) -> "ChunkReport":
+        """A chunk that executed no step: an env left as it is, or (failed) one whose simulator failed, which ends its
+        episode (the replacement starts a new one)."""
         return cls(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
-                   step_times=np.zeros(0, np.float64), terminated=False, truncated=True, episode=None, failed=reason)
+                   step_times=np.zeros(0, np.float64), terminated=False, truncated=truncated, episode=None,
+                   failed=failed)
 
 
 class SimFailure(RuntimeError):
@@ -495,8 +497,7 @@ class SimWorker:
             raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
         self._pending = False
         if self._idle_chunk:
-            return ChunkReport(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
-                               step_times=np.zeros(0, np.float64), terminated=False, truncated=False, episode=None)
+            return ChunkReport.nothing()
         if self._lost is not None:
             raise SimFailure(self._lost)
         if timeout is not None and not self.connection.poll(max(0.0, timeout)):
@@ -672,7 +673,7 @@ class SimWorkerPool:
 
         console.print(f"{why}: replaced by a fresh simulator; its partial episode is discarded", soft_wrap=True)
         self.workers[env].replace()
-        return ChunkReport.failure(why)
+        return ChunkReport.nothing(truncated=True, failed=why)
 
     def stacked_obs(self) -> dict[str, np.ndarray]:
         """Every env's current obs as (N, ...) arrays (one copy)."""

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
-from ebrl.runtime.distributed import full_state, is_sharded, weights_sum
+from ebrl.runtime.distributed import is_sharded
 
 
 @dataclass
@@ -283,8 +283,6 @@ class PPOTrainer:
         out["train/stopped_early"] = stopped_early
         out["train/nonfinite_steps"] = float(skipped)
         out.update(metrics)
-        if self.group is not None:  # the supervisors check that every replica holds the same weights
-            out["dist/weights_sum"] = weights_sum(full_state(self.policy))
         return out
 
     def _mean_over_ranks(self, value: float) -> float:

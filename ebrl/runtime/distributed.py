@@ -23,6 +23,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ebrl.runtime.resources import visible_gpu
+
 # Rates and counts add up over ranks; the iteration's wall time is the slowest rank's; episode figures are averaged
 # over episodes, everything else over ranks.
 SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iteration_env_steps", "env/episodes")
@@ -86,9 +88,7 @@ def pin_gpu(ranks: Ranks) -> None:
     generation, trainer and MPS daemon then treat it as a one-GPU node. Before CUDA initialises."""
     if not ranks.distributed:
         return
-    given = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    ids = given or [str(i) for i in range(ranks.local_world)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ids[ranks.local_rank].strip()
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu(ranks.local_rank)
 
 
 def init_supervisors(ranks: Ranks, timeout_s: float) -> None:
@@ -229,7 +229,5 @@ def weights_sum(state: Mapping[str, torch.Tensor]) -> float:
     """A fingerprint of a state dict: the float64 sum of its floating-point tensors, each scaled by its position (so
     swapped tensors change it). Replicas with the same weights give exactly the same number; so does a checkpoint
     of them."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i, t in enumerate(v for v in state.values() if v.is_floating_point()):
-        total += (i + 1) * t.detach().double().sum().cpu()
-    return float(total)
+    sums = [(i + 1) * t.detach().double().sum() for i, t in enumerate(v for v in state.values() if v.is_floating_point())]
+    return float(torch.stack(sums).sum()) if sums else 0.0  # (one device sync, not one per tensor)

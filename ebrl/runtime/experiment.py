@@ -42,6 +42,7 @@ from ebrl.runtime.distributed import (
     gather_metrics,
     init_supervisors,
     pin_gpu,
+    weights_sum,
 )
 from ebrl.runtime.errors import RunStopped, remove_if_only_hydra_files
 from ebrl.runtime.pipeline import PipelineScheduler
@@ -415,7 +416,10 @@ class Experiment:
         """Colocated training's update; with several ranks a failed all-reduce (another rank died) is one line."""
         self._updating = True
         try:
-            return self.trainer.update(batch)
+            metrics = self.trainer.update(batch)
+            if self.ranks.distributed:  # rank 0 checks that every replica holds the same weights
+                metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
+            return metrics
         except RuntimeError as e:
             if not self.ranks.distributed:
                 raise

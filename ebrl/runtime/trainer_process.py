@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from ebrl.envs.base import EnvSpec, one_line
-from ebrl.runtime.distributed import Ranks, close_group, full_state, join_trainers, shard, trainer_backend
+from ebrl.runtime.distributed import (
+    Ranks,
+    close_group,
+    full_state,
+    join_trainers,
+    shard,
+    trainer_backend,
+    weights_sum,
+)
 from ebrl.rl.ppo import RolloutBatch
 
 
@@ -108,10 +116,13 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 start = time.perf_counter()
                 metrics = trainer.update(batch, decoupled=decoupled, is_clip=is_clip)
                 published = time.perf_counter()
-                version = channel.publish(full_state(policy))  # (sharded: gathered, on every rank)
+                state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
+                version = channel.publish(state)
+                if group is not None:  # the supervisors check that every replica holds the same weights
+                    metrics["dist/weights_sum"] = weights_sum(state)
                 results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
                 if gather:
-                    results.send(("state", _copied(full_state(policy)), _copied(trainer.optimizer_state()), iteration))
+                    results.send(("state", _copied(state), _copied(trainer.optimizer_state()), iteration))
             elif message[0] == "state":  # (not sharded: the gathering would need every rank's trainer at once)
                 results.send(("state", _copied(policy.state_dict()), _copied(trainer.optimizer_state()), None))
             else:
