@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ebrl.alloc.planner import Decision, ElasticController, Plan, PlanError, StaticController, Totals, evaluate
+from ebrl.alloc.planner import (CYCLE, Decision, ElasticController, Plan, PlanError, StaticController, Totals, evaluate,
+                                groups_text)
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
 from ebrl.config import ConfigError, rank_cores
 
@@ -72,8 +73,8 @@ def find_profile(cfg: Any) -> tuple[StageProfile | None, str]:
 def totals_of(cfg: Any, cores: int) -> Totals:
     if not cfg.hw.gpus:
         return Totals(cores=cores)
-    granule = 8 / cfg.hw.sm_count if cfg.hw.sm_partition == "green" and cfg.hw.sm_count else 0.01
-    return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=granule)
+    # MPS takes whole percent (a run refuses green contexts, whose granule is 8 SMs on Hopper: config.py)
+    return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=0.01)
 
 
 def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False) -> dict[str, list[int]]:
@@ -150,7 +151,8 @@ class Allocator:
         self.decisions: list[Decision] = []
         self.observations = 0
         if len(self.fixed) == 3:
-            self.current = Plan(x=dict(self.fixed), batch=self.batch, rates={s: math.nan for s in STAGES})
+            self.current = Plan(x=dict(self.fixed), batch=self.batch, groups=self.num_envs // self.batch,
+                                rates={s: math.nan for s in STAGES})
         elif self.profile is not None:
             self._start(self.profile)
 
@@ -204,12 +206,15 @@ class Allocator:
         out = {f"alloc/{s}": float(self.current.x[s]) for s in STAGES}
         out.update({f"alloc/rate_{s}": float(r) for s, r in rates.items() if math.isfinite(r)})
         if self.profile is not None:
-            out["alloc/predicted_steps_per_s"] = evaluate(self.profile, self.current.x, self.current.batch).throughput
+            out["alloc/predicted_steps_per_s"] = evaluate(self.profile, self.current.x, self.current.batch,
+                                                          self.current.groups).throughput
         out["alloc/replans"] = float(len(self.decisions))
         return out
 
 
 def describe(p: Plan) -> str:
+    limit = (f"limited by {CYCLE}: {groups_text(p.groups)}" if p.limited_by == CYCLE
+             else f"{p.bottleneck} the bottleneck")
     return ", ".join(f"{s} {p.x[s]:g}" for s in STAGES) + f", generation batch {p.batch}" + (
-        f" (predicted {p.throughput:.1f} env steps/s, {p.bottleneck} the bottleneck)"
-        if all(math.isfinite(r) for r in p.rates.values()) else "")
+        f" (predicted {p.throughput:.1f} env steps/s, {limit})" if all(math.isfinite(r) for r in p.rates.values())
+        else "")

@@ -1,6 +1,6 @@
-"""Split a node between simulate, generate and train so that the slowest stage is as fast as the profile allows,
-and re-split during training when measured rates drift from the profile, with hysteresis so that one slow
-iteration does not move workers around.
+"""Split a node between simulate, generate and train so that the pipeline (its slowest stage, or the cycle of env
+groups through simulate and generate) is as fast as the profile allows, and re-split during training when measured
+rates drift from the profile, with hysteresis so that one slow iteration does not move workers around.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from ebrl.alloc.profile import STAGES, StageProfile
 
 EPS = 1e-9  # slack on sums of amounts: 0.75 + 0.25 must fit in 1
+CYCLE = "the group cycle"  # what Plan.limited_by names when the cycle of groups binds, not a stage
 
 
 class PlanError(ValueError):
@@ -31,26 +32,42 @@ class Totals:
 
 @dataclass(frozen=True)
 class Plan:
-    """Amounts per stage (sim cores; SM or core shares), the generation batch, and the rates predicted for them."""
+    """Amounts per stage (sim cores; SM or core shares), the generation batch and groups, and their predicted rates."""
 
     x: dict[str, float]
     batch: int
+    groups: int  # num_envs // batch: the env groups that cycle through simulate and generate
     rates: dict[str, float]  # env steps/s per stage
 
     @property
     def throughput(self) -> float:
-        """Env steps/s of the pipeline: its slowest stage's."""
-        return min(self.rates.values())
+        """Env steps/s of the pipeline: its slowest stage's, or the group cycle's if that is lower (nan if any is)."""
+        return float(np.min([*self.rates.values(), self.cycle]))
+
+    @property
+    def cycle(self) -> float:
+        """Env steps/s the group cycle allows: groups / (1/rate_simulate + 1/rate_generate)."""
+        return float(_cycle(self.groups, self.rates["simulate"], self.rates["generate"]))
 
     @property
     def bottleneck(self) -> str:
         """The slowest stage (the first in pipeline order on a tie)."""
         return min(self.rates, key=self.rates.__getitem__)
 
+    @property
+    def limited_by(self) -> str:
+        """What binds throughput: CYCLE ("the group cycle") when it is below every stage's rate, else the bottleneck."""
+        return CYCLE if self.cycle < min(self.rates.values()) else self.bottleneck
+
 
 def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence[int] | None = None,
          fixed: Mapping[str, float] | None = None) -> Plan:
-    """The amounts and generation batch that maximise the least predicted stage rate, by exhaustive grid search.
+    """The amounts and generation batch that maximise the predicted throughput, by exhaustive grid search.
+
+    Throughput is the least stage rate, capped by the closed network asymptotic bound of the G = num_envs / batch
+    groups that cycle through simulate and generate, G / (1/rate_simulate + 1/rate_generate): generation overlaps
+    simulation only across groups, so one group serialises them (measured: 1 group ran 0.86x of 2, and 2 as fast as
+    4; from 2 groups on the bound is at least the slower stage's rate and never binds).
 
     CPU-only node: all three take core shares (multiples of core_granule; simulate at least 1 core) summing to at
     most `cores`: shares time-slice cores, so few cores still host every stage, and the simulators, which run
@@ -58,7 +75,7 @@ def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence
     GPU node: simulate takes 1..cores-1 cores (one stays with the supervisor), generate and train SM shares of one
     GPU (multiples of sm_granule) summing to at most 1. The batch is one of `batches` (default: the profile's
     generate batches) that divides num_envs. `fixed` pins stages' amounts. Ties go to the larger second-smallest
-    rate, then the smaller batch, then the larger third rate, then smaller amounts (simulate, generate, train).
+    stage rate, then the smaller batch, then the larger third rate, then smaller amounts (simulate, generate, train).
     """
     gpu = _check_totals(totals, num_envs)
     fixed = dict(fixed or {})
@@ -66,18 +83,24 @@ def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence
     options = _options(totals, gpu, fixed)
     best: tuple[tuple[float, ...], dict[str, float], int] | None = None
     for batch in _batch_candidates(profile, num_envs, batches):
-        found = _best_at(profile, totals.cores, gpu, options, batch)
+        found = _best_at(profile, totals.cores, gpu, options, batch, num_envs // batch)
         if found is not None and (best is None or found[0] > best[0]):
             best = (*found, batch)
     if best is None:
         room = "1 GPU's SM" if gpu else f"{totals.cores} cores"
         raise PlanError(f"fixed={fixed} leaves no room for the other stages in {room}")
-    return evaluate(profile, best[1], best[2])
+    return evaluate(profile, best[1], best[2], num_envs // best[2])
 
 
-def evaluate(profile: StageProfile, x: Mapping[str, float], batch: int) -> Plan:
-    """The plan of these amounts and batch, with the rates `profile` predicts for them."""
-    return Plan(dict(x), batch, {s: profile.rate(s, x[s], batch) for s in STAGES})
+def evaluate(profile: StageProfile, x: Mapping[str, float], batch: int, groups: int) -> Plan:
+    """The plan of these amounts, batch and group count, with the rates `profile` predicts for them."""
+    return Plan(dict(x), batch, groups, {s: profile.rate(s, x[s], batch) for s in STAGES})
+
+
+def _cycle(groups: int, simulate: float | np.ndarray, generate: float | np.ndarray) -> np.ndarray:
+    """groups / (1/simulate + 1/generate), elementwise: 0 if a rate is 0, inf if both are inf, nan if one is."""
+    with np.errstate(divide="ignore"):
+        return groups / (1 / np.asarray(simulate, dtype=float) + 1 / np.asarray(generate, dtype=float))
 
 
 def _check_totals(totals: Totals, num_envs: int) -> bool:
@@ -143,13 +166,13 @@ def _batch_candidates(profile: StageProfile, num_envs: int, batches: Sequence[in
     return valid
 
 
-def _best_at(profile: StageProfile, cores: int, gpu: bool, options: dict[str, np.ndarray],
-             batch: int) -> tuple[tuple[float, ...], dict[str, float]] | None:
+def _best_at(profile: StageProfile, cores: int, gpu: bool, options: dict[str, np.ndarray], batch: int,
+             groups: int) -> tuple[tuple[float, ...], dict[str, float]] | None:
     """The best amounts at one batch with their tie-breaking key (larger is better), or None if nothing fits.
 
     Every (simulate, generate) pair is tried; for train, the largest rate among the amounts that still fit is
-    best whatever the other two rates are (raising one of three rates never worsens their sorted tuple), so a
-    running argmax over train's grid replaces the third loop.
+    best whatever the other two rates are (raising one of three rates never worsens their sorted tuple, and the
+    group cycle does not depend on train), so a running argmax over train's grid replaces the third loop.
     """
     xs, xg, xt = (options[s] for s in STAGES)
     rs, rg, rt = (np.array([profile.rate(s, x, batch) for x in options[s]]) for s in STAGES)
@@ -163,9 +186,10 @@ def _best_at(profile: StageProfile, cores: int, gpu: bool, options: dict[str, np
     si, gi = np.nonzero(fits)
     ti = running_best[fits[si, gi] - 1]
     lo, mid, hi = np.sort(np.stack([rs[si], rg[gi], rt[ti]]), axis=0)
-    k = np.lexsort((xt[ti], xg[gi], xs[si], -hi, -mid, -lo))[0]
+    throughput = np.minimum(lo, _cycle(groups, rs[si], rg[gi]))
+    k = np.lexsort((xt[ti], xg[gi], xs[si], -hi, -mid, -throughput))[0]
     x = {"simulate": float(xs[si[k]]), "generate": float(xg[gi[k]]), "train": float(xt[ti[k]])}
-    return (float(lo[k]), float(mid[k]), -batch, float(hi[k]), -xs[si[k]], -xg[gi[k]], -xt[ti[k]]), x
+    return (float(throughput[k]), float(mid[k]), -batch, float(hi[k]), -xs[si[k]], -xg[gi[k]], -xt[ti[k]]), x
 
 
 @dataclass(frozen=True)
@@ -244,21 +268,26 @@ class ElasticController:
     def _compare(self, factors: Mapping[str, float]) -> tuple[float, Plan, Plan]:
         """Relative gain of the best plan over the current one, both under the profile corrected by `factors`."""
         corrected = self.profile.corrected(factors)
-        now = evaluate(corrected, self.current.x, self.current.batch)
+        now = evaluate(corrected, self.current.x, self.current.batch, self.current.groups)
         best = plan(corrected, self.totals, self.num_envs, self.batches, self.fixed)
         return best.throughput / now.throughput - 1, now, best
 
     def _reason(self, old: Plan, new: Plan, gain: float, busy: Mapping[str, float] | None) -> str:
-        neck = old.bottleneck
-        others = ", ".join(f"{s} {_rate(old.rates[s])}" for s in STAGES if s != neck)
         busy_text = f"; busy {', '.join(f'{s} {b:.0%}' for s, b in busy.items())}" if busy else ""
+        if old.limited_by == CYCLE:
+            limit = (f"{CYCLE} (simulate {_rate(old.rates['simulate'])} + generate {_rate(old.rates['generate'])} "
+                     f"in {groups_text(old.groups)}) limits to {_rate(old.cycle)} env steps/s "
+                     f"(vs train {_rate(old.rates['train'])}{busy_text})")
+        else:
+            neck = old.bottleneck
+            others = ", ".join(f"{s} {_rate(old.rates[s])}" for s in STAGES if s != neck)
+            limit = f"{neck} is the bottleneck ({_rate(old.rates[neck])} env steps/s vs {others}{busy_text})"
         share = "SM share" if self.totals.gpus else "core share"
         labels = {"simulate": "sim cores", "generate": f"generate {share}", "train": f"train {share}"}
         changes = [f"{labels[s]} {old.x[s]:.3g} -> {new.x[s]:.3g}" for s in STAGES if old.x[s] != new.x[s]]
         if old.batch != new.batch:
             changes.append(f"batch {old.batch} -> {new.batch}")
-        return (f"{neck} is the bottleneck ({_rate(old.rates[neck])} env steps/s vs {others}{busy_text}) for "
-                f"{self.window} observations; {', '.join(changes)}: predicted {_rate(old.throughput)} -> "
+        return (f"{limit} for {self.window} observations; {', '.join(changes)}: predicted {_rate(old.throughput)} -> "
                 f"{_rate(new.throughput)} env steps/s ({gain:+.0%})")
 
 
@@ -273,6 +302,11 @@ class StaticController:
     def observe(self, measured: Mapping[str, float], busy: Mapping[str, float] | None = None) -> None:
         """Ignore the observation: a static split never moves."""
         return None
+
+
+def groups_text(groups: int) -> str:
+    """The group count in words: '1 group', '2 groups'."""
+    return f"{groups} group{'s' if groups != 1 else ''}"
 
 
 def _rate(value: float) -> str:
