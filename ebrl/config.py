@@ -15,6 +15,8 @@ from omegaconf import MISSING, DictConfig
 from ebrl.envs.base import REWARDS
 from ebrl.runtime.resources import PARTITIONS
 
+GENERATION_PLACES = ("supervisor", "process")
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot work; the message is one line."""
@@ -158,6 +160,9 @@ class SchedulerConfig:
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
     sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first
+    # where generation runs: supervisor (no process boundary on the hot path) | process (its own, mapping the
+    # published weights; a new MPS share is a respawn); null: process under MPS, else supervisor
+    generation: Optional[str] = None
     # A simulator that dies, fails in a chunk, or sends no result for chunk_timeout_s is replaced by a fresh one;
     # more than max_sim_failures replacements within sim_failure_window_s stop the run (with a checkpoint)
     chunk_timeout_s: Optional[float] = 120.0  # null: wait for ever
@@ -479,6 +484,12 @@ def _check_failures(cfg: DictConfig) -> None:
                           f"{fault.chunk} >= 1")
 
 
+def generation_place(cfg: Any) -> str:
+    """Where a pipelined run generates: its scheduler.generation, or its own process under MPS (whose share is fixed
+    for a process's life, so an allocator's new share is a respawn), else the supervisor."""
+    return cfg.scheduler.generation or ("process" if sm_partition(cfg.hw) == "mps" else "supervisor")
+
+
 def sm_partition(hw: Any) -> str:
     """How SM shares are enforced on this hw: its sm_partition, or MPS where it runs MPS daemons, else none."""
     return hw.sm_partition or ("mps" if hw.mps else "none")
@@ -492,6 +503,10 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
     if partition != "none" and hw.gpus == 0:
         raise ConfigError(f"hw.sm_partition={partition} shares the SMs of a GPU and hw={hw.name} has none; "
                           "use hw.sm_partition=none (and hw.mps=false)")
+    if partition == "green":  # (torch's contexts also all start at the first SMs: ResourcePool's GreenPartition)
+        raise ConfigError("hw.sm_partition=green splits SMs between the streams of one process, and a run generates "
+                          "and trains in two (colocated: one after the other), which without MPS take turns on the "
+                          "GPU; use hw.sm_partition=mps (or none)")
     if a.name == "elastic" and cfg.scheduler.name == "colocated":
         raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
                           "runs every stage in one; use scheduler=ebrl (or async, hybrid)")
@@ -534,6 +549,8 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
     if not 0 <= s.sim_nice <= 19:
         raise ConfigError(f"scheduler.sim_nice={s.sim_nice} must be a nice value from 0 (none) to 19")
+    if s.generation is not None:
+        _one_of(cfg, "scheduler.generation", GENERATION_PLACES)
     if s.is_clip <= 0:
         raise ConfigError(f"scheduler.is_clip={s.is_clip} must be > 0 (2.0 is usual)")
     for key in ("queue_size", "train_threads"):

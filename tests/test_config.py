@@ -4,7 +4,7 @@ import itertools
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from ebrl.config import ConfigError, validate
+from ebrl.config import ConfigError, _check_allocator, validate
 from tests.conftest import compose_config, group_options
 
 POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_options("hw")
@@ -69,6 +69,8 @@ def test_composition_errors(override, error):
         (["allocator.ema=0"], "allocator.ema=0.0 must be in (0, 1]"),
         (["hw.sm_partition=green"], "hw.sm_partition=green shares the SMs of a GPU and hw=cpu has none"),
         (["hw.sm_partition=slices"], "hw.sm_partition='slices' is not available; accepted: none, mps, green"),
+        (["scheduler=ebrl", "scheduler.generation=gpu"],
+         "scheduler.generation='gpu' is not available; accepted: supervisor, process"),
     ],
 )
 def test_values_that_cannot_work(overrides, needle):
@@ -81,3 +83,10 @@ def test_values_that_cannot_work(overrides, needle):
 
 def test_defaults_validate():
     validate(compose_config())
+
+
+def test_green_contexts_are_refused_for_a_run_of_two_processes():
+    """Past the GPU count (this machine fails that first): green contexts split SMs only within one process."""
+    for scheduler in ("ebrl", "colocated"):
+        with pytest.raises(ConfigError, match="hw.sm_partition=green splits SMs between the streams of one process"):
+            _check_allocator(compose_config(f"scheduler={scheduler}", "hw=h200x1", "hw.sm_partition=green"), cores=2)

@@ -6,7 +6,7 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
           at once (rates about 1:3); a client with a 2 GiB pinned-memory limit must fail to allocate 4 GiB; once
           stopped, the daemon's control pipe must be gone
   green   green contexts with 1/4 and 3/4 of the SMs, the matmul loop on each one's stream; rebuilt with the shares
-          swapped, with the rebuild's time
+          swapped, with the rebuild's time; then both loops at once, to tell separate SM sets from shared ones
   memory  a budget of 10% of the device memory: an allocation past it must raise OutOfMemoryError
   nvml    GpuMonitor readings during a matmul burst (GPM SM utilisation where supported)
   policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update
@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -190,6 +191,25 @@ def check_green(args: argparse.Namespace) -> tuple[bool, dict]:
     figures["swapped"] = rates()
     first, swapped = figures["first"], figures["swapped"]
     ok = first["a"]["tflops"] < first["b"]["tflops"] and swapped["a"]["tflops"] > swapped["b"]["tflops"]
+
+    # both at once, a thread per context: on SMs of their own they add up; on shared SMs (torch creates every
+    # context from the first SMs, see GreenPartition) together is about the larger one alone. Reported, not judged.
+    together: dict[str, float] = {}
+    both = {stage: matmul_operands() for stage in ("a", "b")}
+
+    def loop(stage: str) -> None:
+        with part.use(stage):
+            together[stage] = tflops(matmul_rate(both[stage], args.seconds / 2))
+
+    threads = [threading.Thread(target=loop, args=(stage,)) for stage in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    alone = swapped["a"]["tflops"] + swapped["b"]["tflops"]
+    figures["together_tflops"] = {stage: round(v, 1) for stage, v in together.items()}
+    figures["together_over_sum_alone"] = round(sum(together.values()) / alone, 2) if alone else math.nan
+    figures["sm_sets"] = "separate" if figures["together_over_sum_alone"] > 0.8 else "shared"
     return ok, figures
 
 

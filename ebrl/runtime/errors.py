@@ -44,6 +44,7 @@ def exit_cleanly() -> Iterator[None]:
     from ebrl.runtime.checkpoint import CheckpointError
     from ebrl.runtime.distributed import DistributedError
     from ebrl.envs.worker import SimulatorsFailing
+    from ebrl.runtime.generation import GenerationError
     from ebrl.runtime.trainer_process import TrainerError
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
@@ -55,7 +56,8 @@ def exit_cleanly() -> Iterator[None]:
             remove_if_only_hydra_files(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    except (TrainerError, DistributedError, SimulatorsFailing, RunStopped) as e:  # the run folder keeps its last checkpoint
+    # the run folder keeps its last checkpoint
+    except (TrainerError, GenerationError, DistributedError, SimulatorsFailing, RunStopped) as e:
         print(f"error: {e}; continue with resume=<run folder>", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except Exception as e:  # a failure in this process (generation, the schedule): one line, the traceback kept

@@ -1,7 +1,7 @@
 """The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints."""
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import math
 import os
@@ -17,7 +17,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, describe
-from ebrl.config import ConfigError, rank_cores, sm_partition, validate
+from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
 from ebrl.envs.base import EnvSpec, one_line
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool
 from ebrl.policies.base import Policy
@@ -134,6 +134,8 @@ class Experiment:
         self.allocator: Allocator | None = None  # pipelined schedules: plans the stages' cores (ebrl/alloc)
         self.resources: ResourcePool | None = None  # and the leases that apply the plan
         self.mps: MpsDaemons | None = None  # hw.mps: one control daemon per GPU, for this run
+        self.generation = "supervisor"  # or "process" (pipelined: config.generation_place)
+        self.cpu_shares: ProcessCpu | None = None  # where the CPU went, per group of processes (while training)
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -181,6 +183,7 @@ class Experiment:
         torch.set_flush_denormal(True)
 
         pipelined = cfg.scheduler.name != "colocated"
+        self.generation = generation_place(cfg) if pipelined else "supervisor"
         if pipelined and cfg.scheduler.train_share is None:  # (disaggregated keeps the split that defines it)
             self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
             console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
@@ -193,9 +196,10 @@ class Experiment:
                 if self.resources.partition == "mps":  # before any CUDA starts: a client's share is fixed then
                     self.mps = MpsDaemons(range(gpus), self.out_dir)
                     self.mps.start()
-                    os.environ.update(self.resources.child_env("generate"))  # generation runs in this process
-                    for stage in ("generate", "train"):
-                        self.resources.on_requota(stage, self._requota_later)
+                    if self.generation == "supervisor":  # generation in this process: its share is this one's
+                        os.environ.update(self.resources.child_env("generate"))
+                    self.resources.on_requota("generate", self._requota_generation)
+                    self.resources.on_requota("train", self._requota_trainer)
             except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
                 raise ConfigError(str(e)) from None
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
@@ -205,7 +209,10 @@ class Experiment:
                                   failure_window_s=s.sim_failure_window_s)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
-            self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
+            # generation in its own process: this process only tokenizes, keeps the first weights and restores a
+            # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
+            here = torch.device("cpu") if self.generation == "process" else self.device
+            self.policy = build_policy(conf["policy"], self.pool.spec).to(here)
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise
@@ -219,13 +226,18 @@ class Experiment:
             if pipelined:
                 optimizer = self._resume_ckpt["optimizer"] if self._resume_ckpt else None
                 pooled = self.resources is not None
-                with self.resources.spawn_env("train") if pooled else contextlib.nullcontext():  # MPS share, GPU
-                    self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf,
-                                                       self.cores, base_version=self.iteration,
-                                                       optimizer_state=optimizer)
+                self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
+                                                   base_version=self.iteration, optimizer_state=optimizer,
+                                                   generation=self.generation, seed=self.seed + 2,
+                                                   spawn_env=self.resources.spawn_env if pooled else None)
                 if pooled:
-                    for stage, pid in (("generate", os.getpid()), ("train", self.scheduler.trainer.process.pid)):
+                    generation = self.scheduler.generation
+                    for stage, pid in (("generate", generation.pid), ("train", self.scheduler.trainer.process.pid)):
                         self.resources.attach(stage, pid)
+                    # a respawned process's successor takes the lease over
+                    self.scheduler.on_trainer_switch = functools.partial(self._switched, "train", "trainer")
+                    if self.generation == "process":
+                        generation.on_switch = functools.partial(self._switched, "generate", "main")
                 if self.allocator is not None and self.allocator.current is not None:
                     self.scheduler.simulate_on(self.allocator.leases["simulate"])
                     self._apply_batch()
@@ -266,12 +278,39 @@ class Experiment:
     def _apply_batch(self) -> None:
         """Generation batches of the plan's size: the scheduler regroups the envs at its next common segment
         boundary (a no-op when the batch did not change)."""
-        self.scheduler.regroup(self.cfg.env.num_envs // self.allocator.current.batch)
+        self.scheduler.regroup(self.allocator.current.groups)
 
-    def _requota_later(self, lease: Lease) -> None:
-        # an MPS share is fixed for a process's life, and generation lives in this process: recorded, not applied
-        console.print(f"allocator: {lease.stage}'s SM share {lease.sm_share:.2f} is recorded; under MPS it applies "
-                      "from the process's next start (live re-quota is not built yet)", soft_wrap=True)
+    # An MPS share (and memory cap) is read when a process's CUDA starts: a new one is a new process, started under
+    # it while the old one works on (make before break).
+    def _requota_generation(self, lease: Lease) -> None:
+        if self.generation != "process":  # (scheduler.generation=supervisor: this process's share is fixed)
+            return self._requota_recorded(lease, "generation runs in this process (scheduler.generation=supervisor)")
+        with self.resources.spawn_env("generate"):
+            self.scheduler.generation.respawn(cpus=lease.cpus)
+        self._requota_started(lease, "generation", "the running one serves until it is ready")
+
+    def _requota_trainer(self, lease: Lease) -> None:
+        if self.ranks.distributed:  # a successor would have to join the other ranks' process group
+            return self._requota_recorded(lease, "the trainer is one of several ranks' data-parallel group")
+        with self.resources.spawn_env("train"):
+            self.scheduler.respawn_trainer(cpus=lease.cpus)
+        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state")
+
+    def _requota_started(self, lease: Lease, what: str, how: str) -> None:
+        share = "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
+        console.print(f"allocator: {what} restarts with {share} (an MPS share is fixed for a process's life); {how}",
+                      soft_wrap=True)
+
+    def _requota_recorded(self, lease: Lease, why: str) -> None:
+        console.print(f"allocator: {lease.stage}'s SM share {lease.sm_share} is recorded, not applied: {why}, and an "
+                      "MPS share is fixed for a process's life", soft_wrap=True)
+
+    def _switched(self, stage: str, cpu_group: str, old_pid: int, new_pid: int) -> None:
+        """A respawned stage's successor took over: the lease moves to it, and its CPU time counts for the stage."""
+        self.resources.detach(stage, old_pid)
+        self.resources.attach(stage, new_pid)
+        if self.cpu_shares is not None:  # (the allocator reads generation's CPU time from the main group)
+            self.cpu_shares.add(cpu_group, new_pid)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         restore_weights(self.policy, ckpt, f"resume={self.cfg.resume}")
@@ -300,7 +339,7 @@ class Experiment:
             gpu.start()
             if not gpu.available:
                 console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
-        shares = ProcessCpu(self.stage_processes(), len(self.cores))
+        shares = self.cpu_shares = ProcessCpu(self.stage_processes(), len(self.cores))
         measured_steps, measured_wall, busy, stage_busy = 0, 0.0, [], {}
         cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from `cpu`
         start = time.perf_counter()
@@ -467,9 +506,11 @@ class Experiment:
         self.log.log_images(plots, self.env_steps)
 
     def stage_processes(self) -> dict[str, list[int]]:
-        """Which processes do which stage's work: simulators, this one (generation, orchestration; colocated:
-        training too), the trainer process (pipelined)."""
+        """Which processes do which stage's work: simulators, this one (orchestration; generation, and colocated
+        training too) with a generation process of its own, the trainer process (pipelined)."""
         out = {"simulate": [w.pid for w in self.pool.workers], "main": [os.getpid()]}
+        if self.generation == "process":
+            out["main"].append(self.scheduler.generation.pid)
         if self.trainer is None:
             out["trainer"] = [self.scheduler.trainer.process.pid]
         return out

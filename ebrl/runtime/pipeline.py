@@ -1,7 +1,7 @@
 """The pipelined runtime behind `scheduler=ebrl | async | hybrid | disaggregated` (DESIGN.md sections 2-3).
 
-One event loop in the supervisor drives the simulator processes, generation (in this process) and
-the trainer process. The modes are switches of this one loop, not separate code:
+One event loop in the supervisor drives the simulator processes, generation (in this process, or in its own:
+ebrl/runtime/generation.py) and the trainer process. The modes are switches of this one loop, not separate code:
 
 - `overlap`: the trainer trains on iteration i-1 while rollout i collects (the rollout runs at most
   one iteration ahead of the finished updates). Weights come back with a version and are
@@ -22,6 +22,7 @@ observations, rewards and dones cross through each env's shared-memory slot.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -31,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
 from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, discard_partial_episode, stack_steps
+from ebrl.runtime.generation import GenerationProcess, InProcessGeneration
 from ebrl.runtime.resources import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
@@ -202,10 +204,19 @@ class Dispatcher:
         now = time.monotonic()
         return [conn for conn, env in self._running.items() if now - self._since[env] >= self.pool.chunk_timeout_s]
 
+    def swap_trainer(self, trainer: TrainerProcess) -> None:
+        """Wait on this trainer's pipes from the next round on (a respawn's successor); messages of the one before
+        are dropped from then on (it has answered everything it was sent)."""
+        with self._lock:
+            self.trainer = trainer
+        self._wake_send.send_bytes(b"!")
+
     def _run(self) -> None:
-        results, died = self.trainer.waitables
         try:
             while not self._stopping:
+                with self._lock:
+                    trainer = self.trainer
+                results, died = trainer.waitables
                 self._start_ready()
                 ready = multiprocessing.connection.wait([*self._running, results, died, self._wake_recv],
                                                         timeout=self._until_overdue())
@@ -215,7 +226,8 @@ class Dispatcher:
                         while conn.poll():
                             conn.recv_bytes()
                     elif conn is results or (conn is died and not results.poll()):
-                        self.events.put(("trainer", self.trainer.receive()))
+                        if trainer is self.trainer:  # (else it was replaced while we waited)
+                            self.events.put(("trainer", trainer.receive()))
                     elif conn in self._running:
                         env = self._running.pop(conn)
                         since = self._since.pop(env)
@@ -297,7 +309,8 @@ class PipelineScheduler:
 
     def __init__(self, pool: SimWorkerPool, policy: Policy, timers: StageTimers, device: torch.device,
                  conf: dict[str, Any], cores: Sequence[int], base_version: int = 0,
-                 optimizer_state: dict | None = None) -> None:
+                 optimizer_state: dict | None = None, generation: str = "supervisor", seed: int | None = None,
+                 spawn_env: Callable[[str], ContextManager] | None = None) -> None:
         self.pool, self.policy, self.timers, self.device = pool, policy, timers, device
         self.schedule = Schedule.from_config(conf["scheduler"])
         self.chunks = int(conf["algo"]["rollout_chunks"])
@@ -328,11 +341,30 @@ class PipelineScheduler:
         # training alone on its cores may use them all; sharing them with the rollout on CPU, one thread
         # (see experiment.generation_threads)
         threads = self.schedule.train_threads or (len(self.train_cpus) if k or device.type == "cuda" else 1)
-        self.trainer = TrainerProcess(conf, pool.spec, policy, self.train_cpus, threads, train_device,
-                                      optimizer_state)
+        # each child starts in its stage's environment (spawn_env: a resource pool's MPS share and GPU)
+        spawn_env = spawn_env or (lambda stage: contextlib.nullcontext())
+        self.conf, self._train_threads, self._train_device = conf, threads, train_device
+        with spawn_env("train"):
+            self.trainer = TrainerProcess(conf, pool.spec, policy, self.train_cpus, threads, train_device,
+                                          optimizer_state)
+        self._successor: TrainerProcess | None = None  # a trainer started to take over (respawn_trainer)
+        self._retired: list[TrainerProcess] = []  # stopped predecessors, their pipes closed at close()
+        self.on_trainer_switch: Callable[[int, int], None] | None = None  # (old pid, new pid), after a handover
+        if generation == "process":  # its own process, on the simulators' cores until a lease moves it
+            seed = int(conf["seed"]) + 2 if seed is None else seed
+            try:
+                with spawn_env("generate"):
+                    self.generation: InProcessGeneration | GenerationProcess = GenerationProcess(
+                        conf["policy"], pool.spec, self.trainer.channel, self.sim_cpus, torch.get_num_threads(),
+                        str(device), seed)
+            except BaseException:
+                self.trainer.close()
+                raise
+        else:
+            self.generation = InProcessGeneration(policy, device, self.trainer.channel)
         self.base_version = base_version  # updates made before this run started (a resumed run)
         self.iterations = int(conf["iterations"]) - base_version  # updates this run makes
-        self.version = 0  # of the weights generation holds, counted by the channel
+        self.version = 0  # of the weights generation sampled with last, counted by the channel
         self.queue: deque[_Group] = deque()  # groups waiting for generation
         self.waiting: list[_Group] = []  # groups ready but held back: queue full or too far ahead of training
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
@@ -427,15 +459,39 @@ class PipelineScheduler:
             self.queue.extend(self.groups)
         return True
 
+    def respawn_trainer(self, cpus: Sequence[int] | None = None) -> None:
+        """Start a successor trainer in this process's environment of the moment (a new MPS share: set it around
+        this call), on `cpus` if given. Once it is ready it takes over between two updates: the trainer finishes
+        the updates sent to it, its model and Adam state go to the successor, and it stops. Rollout goes on
+        meanwhile; only the handover waits for the update in flight. A successor still starting is replaced."""
+        if self._successor is not None:
+            self._successor.close()
+        cpus = self.train_cpus = list(cpus) if cpus is not None else self.train_cpus
+        self._successor = TrainerProcess(self.conf, self.pool.spec, self.policy, cpus, self._train_threads,
+                                         self._train_device, channel=self.trainer.channel, wait=False)
+
+    def wait_trainer_switch(self, timeout: float = 600.0) -> None:
+        """Block until a started successor has taken over (tests; a run's end)."""
+        if self._successor is not None:
+            self._successor.expect("ready", timeout)
+            self._hand_over()
+
     def close(self) -> None:
         self.dispatcher.stop()
+        self.generation.close()
+        for trainer in (self._successor, *self._retired):
+            if trainer is not None:
+                trainer.close()
         self.trainer.close()
         set_process_affinity(os.getpid(), self._affinity)
 
     # --- the loop ------------------------------------------------------------------------------
     def _step(self) -> None:
-        """Generate for the queued groups (if any), then handle what the dispatcher reported meanwhile
-        (waiting for at least one event when there was nothing to generate)."""
+        """Hand training over to a successor that is ready, generate for the queued groups (if any), then handle
+        what the dispatcher reported meanwhile (waiting for at least one event when there was nothing to generate)."""
+        if self._successor is not None and self._successor.results.poll(0):
+            self._successor.expect("ready", 0)
+            self._hand_over()
         if self.queue:
             self._generate()
         events = self.dispatcher.events
@@ -502,7 +558,7 @@ class PipelineScheduler:
             if cut:  # values of the obs episodes were cut off on (their step limit), by the weights that acted
                 finals = [obs for _, rec in cut for obs in rec["final_obs"]]
                 envs = [g.envs[j] for g, rec in cut for j in rec["cut"]]
-                values = self._value(self._batch_obs(finals, envs))
+                values = self.generation.value(self._batch_obs(finals, envs))
                 at = 0
                 for _, rec in cut:
                     rec["cutoff_value"][rec["cut"]] = values[at: at + len(rec["cut"])]
@@ -514,7 +570,7 @@ class PipelineScheduler:
             ending = [g for g in groups if len(g.steps) == self.chunks]
             if ending:
                 envs = [i for g in ending for i in g.envs]
-                values = self._value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
+                values = self.generation.value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
                 at = 0
                 for g in ending:
                     self._finish_segment(g, values[at: at + len(g.envs)])
@@ -524,26 +580,26 @@ class PipelineScheduler:
                 if not self._park(g):
                     (starting if self._may_start(g) else self.waiting).append(g)
             if starting:
-                self.version = self.trainer.channel.pull(self.policy, self.version)
                 envs = [i for g in starting for i in g.envs]
                 obs = self._batch_obs([self.pool.workers[i].obs for i in envs], envs)
-                out = self.policy.sample({k: v.to(self.device) for k, v in obs.items()})
-                chunk = out.chunk.float().cpu()
+                out = self.generation.sample(obs)  # newer weights first (a chunk boundary)
+                self.version = out.version
+                chunk = out.chunk.float()
                 at = 0
                 for g in starting:
                     rows = slice(at, at + len(g.envs))
                     at += len(g.envs)
                     g.pending = dict(
-                        obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows].cpu(),
-                        extras={k: v[rows].cpu() for k, v in out.extras.items()},
-                        log_prob=out.log_prob[rows].cpu(), value=out.value[rows].float().cpu(),
+                        obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows],
+                        extras={k: v[rows] for k, v in out.extras.items()},
+                        log_prob=out.log_prob[rows], value=out.value[rows],
                         version=torch.full((len(g.envs),), self.base_version + self.version, dtype=torch.long),
                     )
                     for i, actions in zip(g.envs, chunk[rows].numpy()):
                         self.pool.workers[i].actions[: len(actions)] = actions
                     self.dispatcher.ready(g.envs)
         self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in groups],
-                       version=self.version)
+                       version=self.version, pid=self.generation.pid)
 
     def _finish_segment(self, group: _Group, last_value: torch.Tensor) -> None:
         """The group collected its chunks of one iteration; once every group did, ship that iteration."""
@@ -566,6 +622,19 @@ class PipelineScheduler:
             k = self.base_version + iteration + 1  # the run's count after this update
             gather = k % self.checkpoint_every == 0 or k == self.base_version + self.iterations
             self.trainer.train(iteration, batch, decoupled=decoupled, is_clip=self.schedule.is_clip, gather=gather)
+
+    def _hand_over(self) -> None:
+        """The trainer's state after every update sent to it goes to the ready successor, which trains from now on
+        (the dispatcher waits on its pipes from its next round); the old one stops."""
+        successor, self._successor = self._successor, None
+        model, optimizer = self.training_state()  # the results of those updates are handled meanwhile
+        successor.load(model, optimizer)
+        old, self.trainer = self.trainer, successor
+        self.dispatcher.swap_trainer(successor)
+        old.stop()
+        self._retired.append(old)
+        if self.on_trainer_switch is not None:
+            self.on_trainer_switch(int(old.process.pid), int(successor.process.pid))
 
     def _trainer_message(self, message: tuple) -> None:
         if message[0] == "state":
@@ -591,6 +660,3 @@ class PipelineScheduler:
     # --- helpers -------------------------------------------------------------------------------
     def _batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
         return batch_obs(per_env, self.tokens, self.token_mask, envs)
-
-    def _value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()

@@ -2,7 +2,8 @@
 
 Cores are real: the affinity of every thread of a stage's processes. SM shares come from NVIDIA MPS (set in a
 child's environment before its CUDA starts and fixed for the process's life, so a re-quota respawns the worker), from
-CUDA green contexts (re-created in-process), or, with partition "none", are only recorded and the GPU time-slices.
+CUDA green contexts (re-created in-process; caps that overlap, see GreenPartition), or, with partition "none", are
+only recorded and the GPU time-slices.
 torch is imported only where a GPU is touched, so spawned CPU workers that import this module start fast.
 """
 from __future__ import annotations
@@ -174,8 +175,14 @@ def green_sm_count(share: float, sm_count: int, rule: tuple[int, int]) -> int:
 
 
 class GreenPartition:
-    """One CUDA green context per stage on one GPU of this process, each on its share of the SMs; `rebuild` re-creates
-    them with new shares (what a re-quota is under hw.sm_partition=green, no respawn needed)."""
+    """One CUDA green context per stage on one GPU of this process, each capped at its share of the SMs; `rebuild`
+    re-creates them with new shares (a re-quota without a respawn).
+
+    A cap, not a slice of its own: torch's GreenContext.create splits the whole device each time and keeps the first
+    group, so every context starts at the same SMs and two contexts overlap on the smaller one's (gpu_check measures
+    both loops at once). Contexts of two processes without MPS also take turns on the GPU, which is why a run, whose
+    generation and training are two processes, refuses hw.sm_partition=green (config._check_allocator).
+    """
 
     def __init__(self, device: int, shares: dict[str, float]) -> None:
         import torch

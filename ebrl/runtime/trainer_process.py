@@ -75,21 +75,17 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
            weights' publication [published, end); with gather (a checkpoint is due after this update) then also
            ("state", model, optimizer, iteration) (FSDP: gathered by every rank's trainer at the same update)
     ("state",)                                      -> ("state", model state_dict, optimizer state_dict, None)
+    ("load", model state_dict, optimizer state_dict) -> nothing: continue from them (a respawn's handover)
     A failure answers ("error", one line) and ends the process.
     """
     from omegaconf import OmegaConf
 
-    from ebrl.runtime.experiment import TRAINERS, build_policy
+    from ebrl.runtime.experiment import TRAINERS
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
     try:
-        os.sched_setaffinity(0, set(cpus))
-        torch.set_num_threads(threads)
-        torch.set_flush_denormal(True)  # as the supervisor does (experiment.py)
-        torch.manual_seed(int(conf["seed"]) + 1)
-        policy = build_policy({**conf["policy"], "checkpoint": None}, spec).to(device)
-        channel.pull(policy, -1)  # the supervisor's weights (a loaded checkpoint included)
-        policy.eval()
+        # the supervisor's weights (a loaded checkpoint included)
+        policy, _ = child_policy(conf["policy"], spec, channel, cpus, threads, device, int(conf["seed"]) + 1)
         ranks = Ranks.from_env()  # a child of the supervisor: torchrun's environment is ours too
         group = None
         if ranks.distributed:  # data-parallel with the other ranks' trainers
@@ -123,15 +119,39 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
                 if gather:
                     results.send(("state", _copied(state), _copied(trainer.optimizer_state()), iteration))
+            elif message[0] == "load":  # a predecessor's state (one rank: see PipelineScheduler.respawn_trainer)
+                policy.load_state_dict(message[1])
+                trainer.load_optimizer_state(message[2])
             elif message[0] == "state":  # (not sharded: the gathering would need every rank's trainer at once)
                 results.send(("state", _copied(policy.state_dict()), _copied(trainer.optimizer_state()), None))
             else:
                 raise ValueError(f"unknown request {message[0]!r}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
-        try:
-            results.send(("error", one_line(e)))
-        except OSError:
-            pass
+        report_failure(results, e)
+
+
+def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, seed: int) -> tuple[torch.nn.Module, int]:
+    """A spawned worker's start: its cores and threads, subnormals flushed as the supervisor does (experiment.py),
+    its seed, and the policy (eval mode) with the latest published weights; and their version."""
+    from ebrl.runtime.experiment import build_policy
+
+    os.sched_setaffinity(0, set(cpus))
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    torch.manual_seed(seed)
+    policy = build_policy({**policy_conf, "checkpoint": None}, spec).to(device)
+    version = channel.pull(policy, -1)
+    policy.eval()
+    return policy, version
+
+
+def report_failure(results: multiprocessing.connection.Connection, e: Exception) -> None:
+    """Answer a worker's failure as ("error", one line); the supervisor stops the run."""
+    try:
+        results.send(("error", one_line(e)))
+    except OSError:
+        pass
 
 
 def _copied(obj: Any) -> Any:
@@ -146,26 +166,63 @@ def _copied(obj: Any) -> Any:
     return obj
 
 
-class TrainerProcess:
-    """Supervisor-side handle of the trainer process."""
+class PipedProcess:
+    """A spawned child that reads requests from one pipe and answers on another; `what` names it in errors."""
 
-    def __init__(self, conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, cpus: Sequence[int],
-                 threads: int, device: str, optimizer_state: dict | None = None, start_timeout: float = 600.0) -> None:
-        import torch.multiprocessing as tmp
+    what = "child process"
 
-        ctx = tmp.get_context("spawn")
-        self.channel = WeightChannel(policy, ctx)
+    def __init__(self, ctx: Any, target: Any, name: str, head: tuple, tail: tuple) -> None:
+        """Start target(*head, requests, results, *tail) in a process of the `ctx` (spawn) context."""
         self._requests, their_requests = ctx.Pipe(duplex=False)[::-1]
         their_results, self.results = ctx.Pipe(duplex=False)[::-1]
-        self.process = ctx.Process(
-            target=trainer_main, name="ebrl-trainer", daemon=True,
-            args=(conf, spec, self.channel, their_requests, their_results, list(cpus), threads, device,
-                  optimizer_state),
-        )
+        self.process = ctx.Process(target=target, name=name, daemon=True,
+                                   args=(*head, their_requests, their_results, *tail))
         self.process.start()
         their_requests.close()
         their_results.close()
-        self.expect("ready", start_timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the child to stop, kill it if it does not within `timeout`, and close the pipes."""
+        self.stop(timeout)
+        self._requests.close()
+        self.results.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the child to stop and kill it if it does not within `timeout`; the pipes stay open (another thread
+        may still be waiting on them)."""
+        if self.process.is_alive():
+            try:
+                self._requests.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout)
+
+    def _died(self) -> str:
+        self.process.join(1.0)
+        return f"{self.what} (pid {self.process.pid}) stopped; exit code {self.process.exitcode}"
+
+
+class TrainerProcess(PipedProcess):
+    """Supervisor-side handle of the trainer process."""
+
+    what = "trainer process"
+
+    def __init__(self, conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, cpus: Sequence[int],
+                 threads: int, device: str, optimizer_state: dict | None = None, start_timeout: float = 600.0,
+                 channel: WeightChannel | None = None, wait: bool = True) -> None:
+        """`channel`: publish into this one (a successor's: its predecessor's), else a new one from `policy`'s
+        weights. Without `wait` the caller takes the ("ready",) message itself."""
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self.channel = channel or WeightChannel(policy, ctx)
+        super().__init__(ctx, trainer_main, "ebrl-trainer", (conf, spec, self.channel),
+                         (list(cpus), threads, device, optimizer_state))
+        if wait:
+            self.expect("ready", start_timeout)
 
     @property
     def waitables(self) -> list[Any]:
@@ -195,30 +252,17 @@ class TrainerProcess:
             raise TrainerError(f"trainer process sent {message[0]!r}, expected {kind!r}")
         return message
 
+    def load(self, model: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Continue from this model and optimizer state (a predecessor's, handed over)."""
+        self._send(("load", model, optimizer))
+
     def request_state(self) -> None:
         """Ask for the model and optimizer state after every update sent so far; it comes back as
         ("state", model, optimizer) in the results."""
         self._send(("state",))
-
-    def close(self, timeout: float = 10.0) -> None:
-        if self.process.is_alive():
-            try:
-                self._requests.send(("stop",))
-            except OSError:
-                pass
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(timeout)
-        self._requests.close()
-        self.results.close()
 
     def _send(self, message: tuple) -> None:
         try:
             self._requests.send(message)
         except OSError as e:
             raise TrainerError(self._died()) from e
-
-    def _died(self) -> str:
-        self.process.join(1.0)
-        return f"trainer process (pid {self.process.pid}) stopped; exit code {self.process.exitcode}"

@@ -61,29 +61,36 @@ class CpuMonitor:
 
 class ProcessCpu:
     """CPU seconds (user + system) each group of processes used between two calls to `read`, as a
-    share of the cores: where the machine's CPU went, whatever the schedule overlapped."""
+    share of the cores: where the machine's CPU went, whatever the schedule overlapped. A process
+    that ended counts what it used up to the last read; one added later counts from its `add`."""
 
     def __init__(self, groups: dict[str, list[int]], cores: int) -> None:
         self.procs = {name: [psutil.Process(pid) for pid in pids] for name, pids in groups.items()}
         self.cores = cores
-        self._last = self._times()
+        self._last = self._times()  # per pid
         self._t = time.perf_counter()
 
-    def _times(self) -> dict[str, float]:
+    def add(self, name: str, pid: int) -> None:
+        """Count `pid` in group `name` from now on (a respawned worker)."""
+        proc = psutil.Process(pid)
+        self.procs.setdefault(name, []).append(proc)
+        self._last.update(self._times([proc]))
+
+    def _times(self, procs: list[psutil.Process] | None = None) -> dict[int, float]:
         out = {}
-        for name, procs in self.procs.items():
-            total = 0.0
-            for p in procs:
-                try:
-                    total += sum(p.cpu_times()[:2])
-                except psutil.NoSuchProcess:
-                    pass
-            out[name] = total
+        for p in procs if procs is not None else [p for group in self.procs.values() for p in group]:
+            try:
+                out[p.pid] = sum(p.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
         return out
 
     def read(self) -> dict[str, float]:
         now, t = self._times(), time.perf_counter()
         wall = max(t - self._t, 1e-9)
-        out = {f"perf/cpu_share_{name}": (now[name] - self._last[name]) / (wall * self.cores) for name in now}
+        out = {}
+        for name, procs in self.procs.items():
+            used = sum(now[p.pid] - self._last.get(p.pid, now[p.pid]) for p in procs if p.pid in now)
+            out[f"perf/cpu_share_{name}"] = used / (wall * self.cores)
         self._last, self._t = now, t
         return out

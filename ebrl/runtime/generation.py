@@ -1,0 +1,233 @@
+"""Generation: the policy that samples the next chunk of every ready group, and values the observations an episode
+was cut off on or a segment ends on (DESIGN.md sections 2.4 and 4).
+
+It runs in one of two places behind one interface:
+- in the supervisor (`InProcessGeneration`): nothing crosses a process boundary on the hot path;
+- in a process of its own (`GenerationProcess`), which maps the trainer's published weights from shared memory
+  (`WeightChannel`) and holds no other state. A process's MPS share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) is read
+  once, when its CUDA starts, so generation's new share is a new process: `respawn` starts the successor under the
+  environment of the moment (the caller sets it, ResourcePool.spawn_env), the old process serves until the successor
+  says it is ready, and the next call switches over (make before break: the pipeline does not wait for the start).
+`scheduler.generation` picks the place; under MPS it is the process, so that an allocator's new share can apply.
+"""
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ebrl.envs.base import EnvSpec
+from ebrl.policies.base import Policy
+from ebrl.runtime.trainer_process import PipedProcess, WeightChannel, child_policy, report_failure
+
+
+class GenerationError(RuntimeError):
+    """The generation process failed or died; the message is its one-line reason."""
+
+
+@dataclass
+class Sampled:
+    """One call's chunks (CPU tensors, rows in the order of the observations) and the weight version that sampled."""
+
+    chunk: torch.Tensor  # (B, H, action_dim) in the policy's dtype
+    extras: dict[str, torch.Tensor]
+    log_prob: torch.Tensor
+    value: torch.Tensor  # float32
+    version: int  # the channel's count of the weights that sampled
+
+
+def _to(obs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in obs.items()}
+
+
+def _sample(policy: Policy, obs: dict[str, torch.Tensor], device: torch.device, version: int) -> Sampled:
+    out = policy.sample(_to(obs, device))
+    return Sampled(out.chunk.cpu(), {k: v.cpu() for k, v in out.extras.items()}, out.log_prob.cpu(),
+                   out.value.float().cpu(), version)
+
+
+def _value(policy: Policy, obs: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    return policy.value(_to(obs, device)).float().cpu()
+
+
+class InProcessGeneration:
+    """Generation in the supervisor, on its policy: newer published weights are copied in before each sample."""
+
+    def __init__(self, policy: Policy, device: torch.device, channel: WeightChannel) -> None:
+        self.policy, self.device, self.channel = policy, device, channel
+        self.version = 0  # of the weights the policy holds, counted by the channel
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
+        """Swap in newer weights (a chunk boundary), then sample a chunk per row."""
+        self.version = self.channel.pull(self.policy, self.version)
+        return _sample(self.policy, obs, self.device, self.version)
+
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) values by the weights held now (those that acted), no swap."""
+        return _value(self.policy, obs, self.device)
+
+    def respawn(self) -> None:
+        raise GenerationError("generation runs in the supervisor (scheduler.generation=supervisor) and cannot be "
+                              "respawned; scheduler.generation=process runs it in a process that can")
+
+    def close(self) -> None:
+        pass
+
+
+def generation_main(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
+                    requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
+                    cpus: Sequence[int], threads: int, device: str, seed: int) -> None:
+    """Body of a generation process: build the policy from the published weights, say ("ready", version), then serve
+    ("sample", obs) -> ("sampled", Sampled) and ("value", obs) -> ("value", values) until ("stop",) or the
+    supervisor is gone. A failure answers ("error", one line) and ends the process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
+    try:
+        dev = torch.device(device)
+        # the latest published weights (before any update, the supervisor's)
+        policy, version = child_policy(policy_conf, spec, channel, cpus, threads, device, seed)
+        results.send(("ready", version))
+        while True:
+            try:
+                message = requests.recv()
+            except (EOFError, OSError):  # the supervisor is gone
+                return
+            # no_grad, not inference_mode: the answers cross the pipe through shared memory, which inference
+            # tensors cannot be moved to
+            with torch.no_grad():
+                if message[0] == "stop":
+                    return
+                if message[0] == "sample":
+                    version = channel.pull(policy, version)
+                    results.send(("sampled", _sample(policy, message[1], dev, version)))
+                elif message[0] == "value":
+                    results.send(("value", _value(policy, message[1], dev)))
+                else:
+                    raise ValueError(f"unknown request {message[0]!r}")
+    except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
+        report_failure(results, e)
+
+
+class _Worker(PipedProcess):
+    """One generation process and its two pipes."""
+
+    what = "generation process"
+
+    def __init__(self, ctx: Any, args: tuple) -> None:
+        super().__init__(ctx, generation_main, "ebrl-generation", args[:3], args[3:])
+
+    def call(self, message: tuple, answer: str) -> Any:
+        try:
+            self._requests.send(message)
+            reply = self.results.recv()
+        except (EOFError, OSError) as e:
+            raise GenerationError(self._died()) from e
+        return self.check(reply, answer)
+
+    def check(self, reply: tuple, answer: str) -> Any:
+        if reply[0] == "error":
+            raise GenerationError(f"generation process (pid {self.process.pid}) failed: {reply[1]}")
+        if reply[0] != answer:
+            raise GenerationError(f"generation process sent {reply[0]!r}, expected {answer!r}")
+        return reply[1]
+
+
+class GenerationProcess:
+    """Generation in a process of its own (see the module docstring); `respawn` replaces it without a pause.
+
+    `on_switch(old_pid, new_pid)` is called when a successor takes over (a resource pool moves its lease there).
+    Each process seeds its sampling from `seed` plus 1000 times its place in the line of successors.
+    """
+
+    def __init__(self, policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, seed: int, start_timeout: float = 600.0,
+                 on_switch: Callable[[int, int], None] | None = None) -> None:
+        import torch.multiprocessing as tmp
+
+        self._ctx = tmp.get_context("spawn")
+        self._args = (policy_conf, spec, channel, list(cpus), threads, device)
+        self.seed, self.start_timeout, self.on_switch = seed, start_timeout, on_switch
+        self.respawns = 0  # successors started
+        self.version = 0
+        self._worker = self._start()
+        self.version = self._ready(self._worker, start_timeout)
+        self._successor: _Worker | None = None
+
+    @property
+    def pid(self) -> int:
+        """The process serving now."""
+        return int(self._worker.process.pid)
+
+    @property
+    def switching(self) -> bool:
+        """A successor was started and has not taken over yet."""
+        return self._successor is not None
+
+    def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
+        """The serving process swaps in newer weights, then samples a chunk per row."""
+        self._take_over()
+        sampled = self._worker.call(("sample", obs), "sampled")
+        self.version = sampled.version
+        return sampled
+
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) values by the weights the serving process holds (those that acted), no swap."""
+        return self._worker.call(("value", obs), "value")
+
+    def respawn(self, cpus: Sequence[int] | None = None) -> None:
+        """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
+        on `cpus` if given; it takes over at the first call after it is ready. A successor still starting is
+        replaced by this one."""
+        if cpus is not None:
+            self._args = (*self._args[:3], list(cpus), *self._args[4:])
+        if self._successor is not None:
+            self._successor.close()
+        self.respawns += 1
+        self._successor = self._start()
+
+    def wait_switch(self, timeout: float | None = None) -> None:
+        """Block until a started successor serves (tests, and a run that must not end with one still starting)."""
+        if self._successor is not None:
+            self._ready(self._successor, self.start_timeout if timeout is None else timeout)
+            self._switch()
+
+    def close(self) -> None:
+        for worker in (self._successor, self._worker):
+            if worker is not None:
+                worker.close()
+        self._successor = None
+
+    def _start(self) -> _Worker:
+        return _Worker(self._ctx, (*self._args, self.seed + 1000 * self.respawns))
+
+    def _ready(self, worker: _Worker, timeout: float) -> int:
+        if not worker.results.poll(timeout):
+            worker.close()
+            raise GenerationError(f"generation process (pid {worker.process.pid}) was not ready within {timeout:.0f} s")
+        try:
+            reply = worker.results.recv()
+        except (EOFError, OSError) as e:
+            raise GenerationError(worker._died()) from e
+        return worker.check(reply, "ready")
+
+    def _take_over(self) -> None:
+        """Switch to the successor if it has said it is ready (its start failing is this call's error)."""
+        successor = self._successor
+        if successor is None or not (successor.results.poll(0) or not successor.process.is_alive()):
+            return
+        self._ready(successor, 0)
+        self._switch()
+
+    def _switch(self) -> None:
+        old, self._worker, self._successor = self._worker, self._successor, None
+        old_pid = old.process.pid
+        old.close()
+        if self.on_switch is not None:
+            self.on_switch(int(old_pid), self.pid)
