@@ -10,6 +10,8 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   memory  a budget of 10% of the device memory: an allocation past it must raise OutOfMemoryError
   nvml    GpuMonitor readings during a matmul burst (GPM SM utilisation where supported)
   policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update
+  run     python run.py hw=h200x1 scheduler=ebrl: MPS daemon, trainer and generation as clients, both respawned
+          with the shares the plan gives them at iteration 2, the daemon's pipes gone at the end
 The figures also go to --out as JSON, rewritten after every check. Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 N = 4096  # matmul size
-CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy")
+CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "run")
 
 
 class Skip(Exception):
@@ -296,9 +299,44 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     return all(math.isfinite(v) for v in metrics.values()), figures
 
 
+def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
+    """`python run.py hw=h200x1 scheduler=ebrl` end to end: MPS daemon, trainer and generation processes as clients,
+    the plan calibrated at iteration 2 giving both their SM shares (a respawn each), the daemon stopped at the end."""
+    from ebrl.runtime.resources import MPS_CONTROL
+
+    if shutil.which(MPS_CONTROL) is None:
+        raise Skip(f"{MPS_CONTROL} is not on PATH")
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="ebrl-run-") as tmp:
+        command = [sys.executable, str(repo / "run.py"), "hw=h200x1", "scheduler=ebrl", "policy.preset=small",
+                   "env.num_envs=8", f"iterations={args.run_iterations}", "logger=none", "progress=false",
+                   "checkpoint_every=1000", f"hydra.run.dir={tmp}/run"]
+        t0 = time.perf_counter()
+        done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=args.run_timeout)
+        out = done.stdout + done.stderr
+        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if done.returncode == 0 else []
+        metrics = [json.loads(line) for line in lines]
+        figures: dict[str, Any] = {
+            "exit": done.returncode, "wall_s": round(time.perf_counter() - t0, 1), "iterations": len(metrics),
+            "plan": next((line for line in out.splitlines() if "allocator: plan" in line), ""),
+            "generation_respawned": "generation restarts with SM share" in out,
+            "trainer_respawned": "the trainer restarts with SM share" in out,
+            "mps_pipes_left": sorted(str(p) for p in (Path(tmp) / "run" / "mps").rglob("control")),
+        }
+        if metrics:
+            last = metrics[-1]
+            figures.update({k: round(float(last[k]), 2) for k in ("perf/env_steps_per_s", "sched/weights_version",
+                                                                  "alloc/generate", "alloc/train") if k in last})
+        if done.returncode:
+            figures["tail"] = out.strip().splitlines()[-3:]
+    ok = (done.returncode == 0 and len(metrics) == args.run_iterations and figures["generation_respawned"]
+          and figures["trainer_respawned"] and not figures["mps_pipes_left"])
+    return ok, figures
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
     "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
-    "policy": check_policy,
+    "policy": check_policy, "run": check_run,
 }
 
 
@@ -325,9 +363,11 @@ def run_check(name: str, args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go as JSON")
-    parser.add_argument("--timeout", type=int, default=280, help="seconds for the whole script")
+    parser.add_argument("--timeout", type=int, default=450, help="seconds for the whole script")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only")
+    parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
+    parser.add_argument("--run-timeout", type=int, default=200, help="seconds the end-to-end run may take")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (run this on a GPU node)")

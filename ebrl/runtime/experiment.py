@@ -101,6 +101,10 @@ def run_device(cfg: DictConfig) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
+def _share(lease: Lease) -> str:
+    return "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
+
+
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
     """Instantiate the policy class named by `_target_` for this env's observations and actions."""
     kwargs = {k: v for k, v in policy_cfg.items() if k not in ("_target_", "name", "checkpoint")}
@@ -296,14 +300,15 @@ class Experiment:
             self.scheduler.respawn_trainer(cpus=lease.cpus)
         self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state")
 
-    def _requota_started(self, lease: Lease, what: str, how: str) -> None:
-        share = "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
-        console.print(f"allocator: {what} restarts with {share} (an MPS share is fixed for a process's life); {how}",
-                      soft_wrap=True)
+    @staticmethod
+    def _requota_started(lease: Lease, what: str, how: str) -> None:
+        console.print(f"allocator: {what} restarts with {_share(lease)} (an MPS share is fixed for a process's "
+                      f"life); {how}", soft_wrap=True)
 
-    def _requota_recorded(self, lease: Lease, why: str) -> None:
-        console.print(f"allocator: {lease.stage}'s SM share {lease.sm_share} is recorded, not applied: {why}, and an "
-                      "MPS share is fixed for a process's life", soft_wrap=True)
+    @staticmethod
+    def _requota_recorded(lease: Lease, why: str) -> None:
+        console.print(f"allocator: {lease.stage}'s {_share(lease)} is recorded, not applied: {why}, and an MPS share "
+                      "is fixed for a process's life", soft_wrap=True)
 
     def _switched(self, stage: str, cpu_group: str, old_pid: int, new_pid: int) -> None:
         """A respawned stage's successor took over: the lease moves to it, and its CPU time counts for the stage."""

@@ -74,10 +74,6 @@ class InProcessGeneration:
         """(B,) values by the weights held now (those that acted), no swap."""
         return _value(self.policy, obs, self.device)
 
-    def respawn(self) -> None:
-        raise GenerationError("generation runs in the supervisor (scheduler.generation=supervisor) and cannot be "
-                              "respawned; scheduler.generation=process runs it in a process that can")
-
     def close(self) -> None:
         pass
 
@@ -155,9 +151,8 @@ class GenerationProcess:
         self._args = (policy_conf, spec, channel, list(cpus), threads, device)
         self.seed, self.start_timeout, self.on_switch = seed, start_timeout, on_switch
         self.respawns = 0  # successors started
-        self.version = 0
         self._worker = self._start()
-        self.version = self._ready(self._worker, start_timeout)
+        self._ready(self._worker, start_timeout)
         self._successor: _Worker | None = None
 
     @property
@@ -165,17 +160,10 @@ class GenerationProcess:
         """The process serving now."""
         return int(self._worker.process.pid)
 
-    @property
-    def switching(self) -> bool:
-        """A successor was started and has not taken over yet."""
-        return self._successor is not None
-
     def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
         """The serving process swaps in newer weights, then samples a chunk per row."""
         self._take_over()
-        sampled = self._worker.call(("sample", obs), "sampled")
-        self.version = sampled.version
-        return sampled
+        return self._worker.call(("sample", obs), "sampled")
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) values by the weights the serving process holds (those that acted), no swap."""
@@ -220,7 +208,7 @@ class GenerationProcess:
     def _take_over(self) -> None:
         """Switch to the successor if it has said it is ready (its start failing is this call's error)."""
         successor = self._successor
-        if successor is None or not (successor.results.poll(0) or not successor.process.is_alive()):
+        if successor is None or not successor.results.poll(0):  # (a successor that died reads as EOF: ready too)
             return
         self._ready(successor, 0)
         self._switch()
