@@ -479,9 +479,24 @@ class Experiment:
             console.print("no final checkpoint: checkpoints/last.pt stays the one written before", soft_wrap=True)
             return
         try:
-            self.save_checkpoint(on_the_way_out=True)
+            state = None
+            if self.trainer is None:  # pipelined: the trainer's newest state, after updates not yet logged
+                state = self.scheduler.training_state()
+                self._log_unreturned()
+            self.save_checkpoint(state)
         except (TrainerError, DistributedError, OSError) as e:
             console.print(f"no final checkpoint ({e}); checkpoints/last.pt is the one written before", soft_wrap=True)
+
+    def _log_unreturned(self) -> None:
+        """Count and log the updates the trainer finished that the loop has not handed out (a run stopping): their
+        rollout's and training's figures, without the iteration's timing, which nobody measured."""
+        for stats, train_metrics in self.scheduler.unreturned():
+            self.iteration += 1
+            # (several ranks: the others' steps are not here; each rank collects as many as this one)
+            steps = stats.env_steps * self.ranks.world
+            self.env_steps += steps
+            self.log.log({"iteration": self.iteration, "perf/iteration_env_steps": steps, **stats.metrics(),
+                          **train_metrics, "env_steps": self.env_steps})
 
     def _summarise(self, summary: RunSummary, start: float, measured_steps: int, measured_wall: float,
                    busy: list[float], stage_busy: dict[str, list[float]]) -> None:
@@ -530,16 +545,14 @@ class Experiment:
             return self.scheduler.collect(chunks, reset_seeds=seeds)
         return self.scheduler.collect(cfg.algo.rollout_chunks)
 
-    def save_checkpoint(self, on_the_way_out: bool = False) -> Path:
+    def save_checkpoint(self, state: tuple[dict, dict] | None = None) -> Path:
+        """checkpoints/last.pt at self.iteration: `state` (model, optimizer), or the state of this iteration's update
+        (pipelined: what the trainer process sent right after it)."""
         path = self.run_dir / "checkpoints" / "last.pt"
-        iteration, env_steps = self.iteration, self.env_steps
-        if self.trainer is None and not on_the_way_out:  # the trainer process sent its state after this update
+        if state is not None:
+            model, optimizer = state
+        elif self.trainer is None:
             model, optimizer = self.scheduler.gathered_state(self.iteration)
-        elif self.trainer is None:  # stopping: the trainer's newest state, and the iterations it has trained
-            model, optimizer = self.scheduler.training_state()
-            extra, steps = self.scheduler.unreturned()
-            # (several ranks: the others' steps of those iterations are not here; they collect as many as this one)
-            iteration, env_steps = iteration + extra, env_steps + steps * self.ranks.world
         else:
             model, optimizer = self.policy.state_dict(), self.trainer.optimizer.state_dict()
         atomic_save(
@@ -548,8 +561,8 @@ class Experiment:
                 "policy": policy_identity(self.conf["policy"]),
                 "model": model,
                 "optimizer": optimizer,
-                "iteration": iteration,
-                "env_steps": env_steps,
+                "iteration": self.iteration,
+                "env_steps": self.env_steps,
                 "torch_rng": torch.get_rng_state(),
                 "numpy_rng": np.random.get_state(),
                 "wandb_id": self.log.wandb_id if self.log else None,

@@ -403,7 +403,7 @@ class PipelineScheduler:
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The trainer's model and optimizer state after every update sent so far (a checkpoint on the way out). Those
-        updates' results arrive before it, so `unreturned` then says which of them the caller has not seen."""
+        updates' results arrive before it, so `unreturned` then hands out those the caller has not seen."""
         self.trainer.request_state()
         while self._state is None:
             try:
@@ -414,9 +414,12 @@ class PipelineScheduler:
         state, self._state = self._state, None
         return state
 
-    def unreturned(self) -> tuple[int, int]:
-        """Updates the trainer finished that `next_iteration` has not handed out yet, and their env steps."""
-        return len(self.results), sum(stats.env_steps for stats, _ in self.results.values())
+    def unreturned(self) -> list[tuple[RolloutStats, dict[str, float]]]:
+        """The results of updates the trainer finished that `next_iteration` has not handed out yet, in order; handed
+        out now (a run stopping counts them)."""
+        out = [self.results.pop(k) for k in sorted(self.results)]
+        self.returned += len(out)
+        return out
 
     def simulate_on(self, cpus: Sequence[int]) -> None:
         """Simulate on these cores from now on (an allocator's plan): the core pool's cores, or, without core

@@ -118,10 +118,12 @@ def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: P
     assert "Traceback" not in proc.stderr
     assert last_line(proc.stderr).startswith("error: 3 simulator failures within 600 s, more than "
                                              "scheduler.max_sim_failures=2 (the last: sim worker 0")
-    # written on the way out: the trainer's newest weights, with the iterations they were trained on (the last
-    # logged one, or the one after it when its update was done but not yet logged)
-    logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
-    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] in (logged, logged + 1)
+    # written on the way out: the trainer's newest weights, with the iterations they were trained on; an update done
+    # but not yet handed to the loop is logged then, so the metrics end where the checkpoint is
+    rows = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert [row["iteration"] for row in rows] == list(range(1, ckpt["iteration"] + 1))
+    assert ckpt["env_steps"] == (rows[-1]["env_steps"] if rows else 0)
 
 
 def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -140,9 +142,11 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
     assert proc.returncode == 130, err[-3000:]
     assert last_line(err) == "interrupted by SIGTERM: continue with resume=<run folder>"
     # the only checkpoint is the one written on the way out: the trainer's newest weights, with the iterations they
-    # were trained on (the last logged one, or the one after it when its update was done but not yet logged)
+    # were trained on; updates done but not yet handed to the loop are logged then. (One past the last line only when
+    # the signal lands inside the loop's few lines between counting an iteration and logging it.)
     rows, ckpt = metrics(run_dir), load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert len(rows) >= 2 and ckpt["iteration"] in (len(rows), len(rows) + 1)
+    assert [row["iteration"] for row in rows] == list(range(1, len(rows) + 1))
     assert (ckpt["env_steps"] == rows[-1]["env_steps"]) == (ckpt["iteration"] == len(rows))
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
