@@ -17,6 +17,7 @@ The figures also go to --out as JSON, rewritten after every check. Without CUDA 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -306,6 +307,9 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
 
     if shutil.which(MPS_CONTROL) is None:
         raise Skip(f"{MPS_CONTROL} is not on PATH")
+    missing = [name for name in ("hydra", "robosuite") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Skip(f"{' and '.join(missing)} not installed (the run simulates robosuite Lift)")
     repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="ebrl-run-") as tmp:
         command = [sys.executable, str(repo / "run.py"), "hw=h200x1", "scheduler=ebrl", "policy.preset=small",
