@@ -42,6 +42,8 @@ BAD_INPUTS: list = [
     (("hw.nodes=0",), "hw.nodes=0 must be a positive number"),
     (("scheduler=ebrl", "scheduler.groups=0"), "scheduler.groups=0 must be between 1 and env.num_envs=8"),
     (("scheduler=ebrl", "scheduler.queue_size=0"), "scheduler.queue_size=0 must be >= 1 or null"),
+    (("scheduler=ebrl", "scheduler.generation=gpu"),
+     "scheduler.generation='gpu' is not available; accepted: supervisor, process"),
     (("mode=eval", "checkpoint={tmp}", "eval.episodes=0"), "eval.episodes=0 must be at least 1"),
     (("hw.gpus=-1",), "hw.gpus=-1 must be >= 0"),
     (("algo.max_nonfinite_updates=0",), "algo.max_nonfinite_updates=0 must be a positive number"),

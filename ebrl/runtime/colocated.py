@@ -108,10 +108,7 @@ class ColocatedScheduler:
                 if r.executed:
                     self.trace.add(f"simulate/env{i}", "chunk", r.started, r.ended, steps=r.executed,
                                    step_s=float(r.step_times.sum()), cpus=list(r.cpus))
-            outcome = chunk_outcome(reports, H, stats)
-            for i, r in enumerate(reports):
-                if r.failed:
-                    discard_partial_episode(steps, i, stats)
+            outcome = chunk_outcome(reports, H, stats, steps)
             steps.append(
                 dict(obs=obs, chunk=out.chunk.cpu(), extras={k: v.cpu() for k, v in out.extras.items()},
                      log_prob=out.log_prob.cpu(), value=out.value.cpu(), cutoff_value=cutoff_value, **outcome)
@@ -142,15 +139,19 @@ def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_
     return obs
 
 
-def chunk_outcome(reports: Sequence[ChunkReport], chunk_len: int, stats: RolloutStats) -> dict[str, torch.Tensor]:
+def chunk_outcome(reports: Sequence[ChunkReport], chunk_len: int, stats: RolloutStats,
+                  steps: list[dict]) -> dict[str, torch.Tensor]:
     """One chunk step's reward (summed over executed steps), done and executed-action mask per env, as
-    tensors; what the envs reported goes into `stats`."""
+    tensors; what the envs reported goes into `stats`. An env whose simulator failed in this chunk has its
+    partial episode discarded from `steps`, the chunk steps recorded before this one."""
     n = len(reports)
     reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, chunk_len), bool)
     for i, r in enumerate(reports):
         reward[i] = r.rewards.sum()
         done[i] = r.done  # (a failed chunk ends the episode: the replacement simulator starts a new one)
         mask[i, : r.executed] = True
+        if r.failed:
+            discard_partial_episode(steps, i, stats)
         stats.failures += r.failed is not None
         stats.env_steps += r.executed
         stats.step_times.append(r.step_times)

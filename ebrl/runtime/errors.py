@@ -14,14 +14,12 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 
 EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
 class RunStopped(RuntimeError):
     """The run stopped itself on a failure it detected (e.g. NaN updates); the message is one line."""
-
-
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
 def _hydra_output_dir() -> Path | None:

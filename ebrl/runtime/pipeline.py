@@ -41,7 +41,7 @@ from ebrl.config import train_core_count
 from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
-from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, discard_partial_episode, stack_steps
+from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
 from ebrl.runtime.generation import GenerationProcess, InProcessGeneration
 from ebrl.runtime.resources import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
@@ -529,10 +529,8 @@ class PipelineScheduler:
         group.reports = {}
         rec = group.pending
         group.pending = None
-        rec.update(chunk_outcome(reports, self.policy.chunk_len, group.stats), cutoff_value=torch.zeros(len(reports)))
-        for j, r in enumerate(reports):
-            if r.failed:
-                discard_partial_episode(group.steps, j, group.stats)
+        rec.update(chunk_outcome(reports, self.policy.chunk_len, group.stats, group.steps),
+                   cutoff_value=torch.zeros(len(reports)))
         rec["cut"] = [j for j, r in enumerate(reports) if r.truncated and r.final_obs is not None]
         rec["final_obs"] = [reports[j].final_obs for j in rec["cut"]]
         group.steps.append(rec)

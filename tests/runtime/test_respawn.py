@@ -76,19 +76,32 @@ def test_respawned_generation_and_trainer_take_over_with_their_new_environment_a
     assert after == sorted(after, key=lambda pid: pid == second)
 
 
-def test_cpu_shares_count_a_process_added_later_and_one_that_ended():
-    burn = [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"]
-    old = subprocess.Popen(burn)
-    shares = ProcessCpu({"main": [old.pid]}, cores=1)
-    old.wait()
-    new = subprocess.Popen([*burn[:2], burn[2] + "\ntime.sleep(30)"])
+def test_cpu_shares_count_a_process_added_later_and_do_not_take_back_one_that_ended():
+    def burner(seconds: float) -> tuple[subprocess.Popen, psutil.Process]:
+        code = f"import time\nt = time.process_time()\nwhile time.process_time() - t < {seconds}: pass\ntime.sleep(60)"
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        return proc, psutil.Process(proc.pid)
+
+    def burnt(p: psutil.Process, seconds: float) -> None:
+        while sum(p.cpu_times()[:2]) < seconds:
+            time.sleep(0.02)
+
+    old, old_ps = burner(0.6)
+    new = None
     try:
+        shares = ProcessCpu({"main": [old.pid]}, cores=1)
+        burnt(old_ps, 0.6)
+        shares.read()  # the old process's 0.6 CPU-seconds are counted here
+        old.kill()
+        old.wait()
+        new, new_ps = burner(0.2)
         shares.add("main", new.pid)
-        time.sleep(1.0)
+        burnt(new_ps, 0.2)
         share = shares.read()["perf/cpu_share_main"]
     finally:
-        new.kill()
-        new.wait()
-    # the ended process is not read as negative CPU; the new one counts from its add
+        for proc in (old, new):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    # the new process's CPU since its add counts; the ended one's 0.6 s are not taken back (which would read < 0)
     assert share > 0
-
