@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from ebrl.envs.base import REWARDS
-from ebrl.runtime.resources import PARTITIONS
+from ebrl.runtime.resources import PARTITIONS, visible_gpu_count
 
 GENERATION_PLACES = ("supervisor", "process")
 
@@ -341,9 +341,12 @@ def rank_cores(cfg: Any) -> list[int]:
 
 
 def cuda_device_count() -> int:
-    import torch
+    """The GPUs CUDA would show this process (CUDA_VISIBLE_DEVICES honoured); 0 without an NVIDIA driver. Counted
+    through NVML: once CUDA initialises, CUDA_VISIBLE_DEVICES no longer applies, and `pin_gpu` has yet to set it."""
+    from ebrl.telemetry.monitor import gpu_uuids
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    uuids = gpu_uuids()
+    return 0 if uuids is None else visible_gpu_count(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
 
 
 def _check_groups(cfg: DictConfig) -> None:

@@ -3,13 +3,13 @@
 The stages' amounts become leases here (`cpu_sets`): on CPU, simulate gets the first ceil(x_sim) cores, train the
 last ones and generate those before train's (a fractional amount shares its core; the simulators run niced, so
 the policy's stages get a shared core first). On a GPU node simulate gets cores, and generate and train SM shares
-of the GPU. The run's ResourcePool applies the leases (ebrl.runtime.experiment), the scheduler the simulators'
-cores (`PipelineScheduler.simulate_on`).
+of the GPU and cores of their own for their CPU side. The run's ResourcePool applies the leases
+(ebrl.runtime.experiment), the scheduler the simulators' cores (`PipelineScheduler.simulate_on`).
 
 A stage's measured rate is the env steps/s it would sustain alone on its amount. On CPU it comes from CPU time:
 cost = CPU-seconds the stage's processes used per env step, rate = amount / cost (so a stage that waits, e.g.
 for a full queue, is not read as slow). On a GPU node generate and train are GPU work: rate = env steps/s / the
-stage's busy fraction of the wall time (from the trace).
+stage's busy fraction of the wall time (from the trace), at its SM share (the whole GPU while calibrating).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ebrl.alloc.planner import (CYCLE, Decision, ElasticController, Plan, PlanError, StaticController, Totals, evaluate,
-                                groups_text)
+from ebrl.alloc.planner import (CYCLE, GPU_STAGE_CORES, Decision, ElasticController, Plan, PlanError, StaticController,
+                                Totals, evaluate, groups_text)
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
 from ebrl.config import ConfigError, rank_cores
 
@@ -73,21 +73,29 @@ def find_profile(cfg: Any) -> tuple[StageProfile | None, str]:
 def totals_of(cfg: Any, cores: int) -> Totals:
     if not cfg.hw.gpus:
         return Totals(cores=cores)
-    # MPS takes whole percent (a run refuses green contexts, whose granule is 8 SMs on Hopper: config.py)
-    return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=0.01)
+    # MPS takes whole percent (a run refuses green contexts, whose granule is 8 SMs on Hopper: config.py); a rank
+    # with too few cores to keep one each for generate and train lets them share what simulate leaves
+    stage_cores = GPU_STAGE_CORES if cores >= 2 + 2 * GPU_STAGE_CORES else 0
+    return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=0.01, gpu_stage_cores=stage_cores)
 
 
-def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False) -> dict[str, list[int]]:
+def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
+             gpu_stage_cores: int = GPU_STAGE_CORES) -> dict[str, list[int]]:
     """Core sets per stage from the amounts. Simulate: the first ceil(x_sim) cores. On CPU, train the last
     ceil(x_train) cores and generate the ceil(x_gen) before them: the two are on every env's critical path and
     must not queue behind each other on one core, while the simulators, niced, yield any core they share with
     them (measured, small preset: generation and training on one core 76.4 env steps/s, on their own 80.9). On
-    a GPU node generate and train run on the GPU and share the cores simulate leaves (at least the last one)."""
+    a GPU node generate and train run on the GPU and need cores for their CPU side: train gets the last
+    gpu_stage_cores cores, generate the others simulate leaves, its own and the supervisor's (whose process
+    generates, unless generation has one of its own); with too few left the two share them."""
     cores, ceil = list(cores), lambda a: min(len(cores), max(1, math.ceil(a - 1e-9)))
     n_sim = ceil(x["simulate"])
     if gpu:
-        policy_cores = cores[n_sim:] or cores[-1:]
-        return {"simulate": cores[:n_sim], "generate": policy_cores, "train": policy_cores}
+        rest = cores[n_sim:] or cores[-1:]
+        n_train = min(gpu_stage_cores, len(rest) - 1)  # generate keeps at least one
+        if n_train < 1:
+            return {"simulate": cores[:n_sim], "generate": rest, "train": rest}
+        return {"simulate": cores[:n_sim], "generate": rest[:-n_train], "train": rest[-n_train:]}
     n_train, n_gen = ceil(x["train"]), ceil(x["generate"])
     end = len(cores) - n_train  # generate ends where train starts, or shares train's cores when none are left
     generate = cores[end - n_gen: end] if end >= n_gen else cores[len(cores) - n_gen:]
@@ -173,24 +181,26 @@ class Allocator:
     @property
     def leases(self) -> dict[str, list[int]] | None:
         """Core sets per stage of the current plan; None while calibrating (every stage on every core)."""
-        return None if self.current is None else cpu_sets(self.current.x, self.cores, self.gpu)
+        if self.current is None:
+            return None
+        return cpu_sets(self.current.x, self.cores, self.gpu, self.totals.gpu_stage_cores)
 
     def observe(self, metrics: Mapping[str, float]) -> tuple[str | None, dict[str, float]]:
         """Read one iteration's metrics; returns a line to print when the plan changed, and `alloc/` metrics."""
         m = Measured.from_figures(metrics["perf/env_steps_per_s"], metrics, prefix="perf/")
         self.observations += 1
         line = None
-        if self.current is None:  # calibrating: every stage ran on every core
-            every = {s: float(len(self.cores)) for s in STAGES}
+        if self.current is None:  # calibrating: every stage ran on every core, and on a GPU node on the whole GPU
+            resource = {s: "cores" if s == "simulate" or not self.gpu else "sm" for s in STAGES}
+            every = {s: float(len(self.cores)) if resource[s] == "cores" else 1.0 for s in STAGES}
             rates = m.rates(every, len(self.cores), self.gpu)
             costs = {s: every[s] / r for s, r in rates.items() if math.isfinite(r) and r > 0}
             if len(costs) < len(STAGES) or self.observations < CALIBRATE_AT:
                 return None, {}
-            resource = {s: "cores" if s == "simulate" or not self.gpu else "sm" for s in STAGES}
-            max_x = {s: float(len(self.cores)) if resource[s] == "cores" else 1.0 for s in STAGES}
-            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), max_x)
+            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), every)
             self._start(self.profile)
-            line = (f"allocator: calibrated from iteration {self.observations} (CPU ms per env step: "
+            unit = "CPU ms per env step of simulate, GPU ms of the others" if self.gpu else "CPU ms per env step"
+            line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "
                     + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}")
             return line, self._metrics(rates)
         rates = m.rates(self.current.x, len(self.cores), self.gpu)

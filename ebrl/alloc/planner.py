@@ -13,6 +13,9 @@ import numpy as np
 from ebrl.alloc.profile import STAGES, StageProfile
 
 EPS = 1e-9  # slack on sums of amounts: 0.75 + 0.25 must fit in 1
+# CPU cores of their own that generate and train each need on a GPU node: kernel launches, pickling batches through
+# pipes, weight copies and the Python of their loops run on the CPU
+GPU_STAGE_CORES = 1
 CYCLE = "the group cycle"  # what Plan.limited_by names when the cycle of groups binds, not a stage
 
 
@@ -28,6 +31,12 @@ class Totals:
     gpus: int = 0  # 0: a CPU-only node, where generate and train take time-sliced core shares
     sm_granule: float = 0.01  # SM shares come in these steps: 8/132 for green contexts on Hopper, 0.01 for MPS
     core_granule: float = 0.25  # core shares of generate and train on a CPU-only node come in these steps
+    gpu_stage_cores: int = GPU_STAGE_CORES  # GPU node: whole cores each of generate and train keeps from simulate
+
+    @property
+    def max_sim_cores(self) -> int:
+        """The most cores simulate may take on a GPU node: all but the supervisor's and generate's and train's."""
+        return self.cores - 1 - 2 * self.gpu_stage_cores
 
 
 @dataclass(frozen=True)
@@ -72,10 +81,11 @@ def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence
     CPU-only node: all three take core shares (multiples of core_granule; simulate at least 1 core) summing to at
     most `cores`: shares time-slice cores, so few cores still host every stage, and the simulators, which run
     niced, also fill what the policy's stages leave of a shared core (see ebrl.alloc.allocator.cpu_sets).
-    GPU node: simulate takes 1..cores-1 cores (one stays with the supervisor), generate and train SM shares of one
-    GPU (multiples of sm_granule) summing to at most 1. The batch is one of `batches` (default: the profile's
-    generate batches) that divides num_envs. `fixed` pins stages' amounts. Ties go to the larger second-smallest
-    stage rate, then the smaller batch, then the larger third rate, then smaller amounts (simulate, generate, train).
+    GPU node: simulate takes 1..totals.max_sim_cores whole cores (one stays with the supervisor and gpu_stage_cores
+    with each of generate and train), generate and train SM shares of one GPU (multiples of sm_granule) summing to
+    at most 1. The batch is one of `batches` (default: the profile's generate batches) that divides num_envs.
+    `fixed` pins stages' amounts. Ties go to the larger second-smallest stage rate, then the smaller batch, then the
+    larger third rate, then smaller amounts (simulate, generate, train).
     """
     gpu = _check_totals(totals, num_envs)
     fixed = dict(fixed or {})
@@ -112,8 +122,12 @@ def _check_totals(totals: Totals, num_envs: int) -> bool:
     if totals.gpus:
         if not 0 < totals.sm_granule <= 1:
             raise PlanError(f"totals.sm_granule={totals.sm_granule}: needs a share of one GPU in (0, 1]")
-        if totals.cores < 2:
-            raise PlanError(f"totals.cores={totals.cores}: a GPU node needs 2 cores (simulate, supervisor)")
+        if totals.gpu_stage_cores < 0:
+            raise PlanError(f"totals.gpu_stage_cores={totals.gpu_stage_cores}: needs 0 or more cores")
+        if totals.max_sim_cores < 1:
+            need, each = totals.cores - totals.max_sim_cores + 1, totals.gpu_stage_cores
+            raise PlanError(f"totals.cores={totals.cores}: a GPU node needs {need} cores (1 to simulate, 1 for the "
+                            f"supervisor, {each} each for generate and train)")
         return True
     if not totals.core_granule > 0:
         raise PlanError(f"totals.core_granule={totals.core_granule}: needs a core share > 0")
@@ -142,14 +156,14 @@ def _options(totals: Totals, gpu: bool, fixed: dict[str, float]) -> dict[str, np
         raise PlanError(f"fixed: unknown stage(s) {', '.join(unknown)}; expected {', '.join(STAGES)}")
     granule = totals.sm_granule if gpu else totals.core_granule
     shares = np.round(np.arange(1, math.floor((1 if gpu else totals.cores) / granule + EPS) + 1) * granule, 12)
-    if gpu:  # whole cores, one left to the supervisor
-        sim = np.arange(1, totals.cores, dtype=float)
+    if gpu:  # whole cores, what the supervisor, generate and train keep aside
+        sim = np.arange(1, totals.max_sim_cores + 1, dtype=float)
     else:
         sim = np.round(np.arange(1, totals.cores + EPS, totals.core_granule), 12)
     options = {"simulate": sim, "generate": shares, "train": shares}
     for stage, amount in fixed.items():
-        if gpu and stage == "simulate" and not (amount == int(amount) and 1 <= amount <= totals.cores - 1):
-            raise PlanError(f"fixed['simulate']={amount}: needs whole cores in 1..{totals.cores - 1}")
+        if gpu and stage == "simulate" and not (amount == int(amount) and 1 <= amount <= totals.max_sim_cores):
+            raise PlanError(f"fixed['simulate']={amount}: needs whole cores in 1..{totals.max_sim_cores}")
         if not amount > 0:
             raise PlanError(f"fixed[{stage!r}]={amount}: needs an amount > 0")
         options[stage] = np.array([float(amount)])

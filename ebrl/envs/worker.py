@@ -38,7 +38,7 @@ import weakref
 from pathlib import Path
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -114,6 +114,41 @@ def _split(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
 def worker_environment() -> dict[str, str]:
     """Environment variables a simulator process needs before numpy or a simulator loads."""
     return {name: "1" for name in THREAD_VARS}  # one core per simulator: no thread pools inside
+
+
+def egl_environment(visible: str | None, gpus: int, uuids: Sequence[str] = ()) -> dict[str, str]:
+    """The variables that make a simulator render on its supervisor's first visible GPU (a rank's own under torchrun),
+    given the supervisor's CUDA_VISIBLE_DEVICES (None: unset), the hw's GPU count and NVML's GPU UUIDs; none on a
+    CPU-only node, which renders with Mesa's software EGL.
+
+    robosuite (1.4 in LIBERO, 1.5, RoboCasa's fork alike: renderers/context/egl_context.py) takes
+    MUJOCO_EGL_DEVICE_ID, else CUDA_VISIBLE_DEVICES, as an index into all of the machine's EGL devices, and
+    (utils/binding_utils.py) asserts that MUJOCO_EGL_DEVICE_ID is digits found in a non-empty CUDA_VISIBLE_DEVICES.
+    So both get the GPU's machine-wide index: a GPU-UUID entry is looked up in `uuids`, and the simulator's
+    CUDA_VISIBLE_DEVICES no longer depends on what its supervisor's became (an MPS client's "0")."""
+    if gpus <= 0:
+        return {}
+    if visible is None:  # every GPU visible: the run's is the first
+        return {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    first = visible.split(",")[0].strip()
+    if not first.isdigit():
+        found = [i for i, uuid in enumerate(uuids) if first.startswith("GPU-") and uuid.startswith(first)]
+        if len(found) != 1:  # no GPU shown, a MIG instance, an unknown UUID: robosuite's own rule applies
+            return {}
+        first = str(found[0])
+    return {"MUJOCO_EGL_DEVICE_ID": first, "CUDA_VISIBLE_DEVICES": first}
+
+
+def simulator_gpu_environment(gpus: int) -> dict[str, str]:
+    """`egl_environment` for this process's CUDA_VISIBLE_DEVICES (taken after `pin_gpu`, before an MPS client's
+    environment replaces it); GPU-UUIDs are looked up through NVML."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    uuids: Sequence[str] = ()
+    if gpus > 0 and visible and not visible.split(",")[0].strip().isdigit():
+        from ebrl.telemetry.monitor import gpu_uuids  # (the supervisor's side: workers need no NVML)
+
+        uuids = gpu_uuids() or ()
+    return egl_environment(visible, gpus, uuids)
 
 
 def _prepare_process(env_cfg: dict[str, Any], cpus: Sequence[int] | None) -> None:
@@ -320,7 +355,8 @@ class SimWorker:
     """Main-process handle of one simulator process and its shared-memory slot."""
 
     def __init__(self, env_cfg: dict[str, Any], seed: int, chunk_len: int | None = None, index: int = 0,
-                 cpus: Sequence[int] | None = None, start_timeout: float = 600.0) -> None:
+                 cpus: Sequence[int] | None = None, start_timeout: float = 600.0,
+                 process_env: Mapping[str, str] | None = None) -> None:
         if chunk_len is not None and chunk_len < 1:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
         self.python = worker_python(env_cfg.get("name", ""), env_cfg.get("python"))  # this worker's interpreter
@@ -333,6 +369,7 @@ class SimWorker:
         self.index = index
         self.cpus = list(cpus) if cpus else None
         self.start_timeout = start_timeout
+        self.process_env = dict(process_env or {})  # set in its process's environment (egl_environment)
         self.spec: EnvSpec | None = None  # set once the slot is attached
         self._received_spec: EnvSpec | None = None
         self.obs: dict[str, np.ndarray] = {}
@@ -355,7 +392,7 @@ class SimWorker:
         if self._res.process is not None:
             raise RuntimeError(f"sim worker {self.index} was started already")
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, **worker_environment())
+        env = {**os.environ, **worker_environment(), **self.process_env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
             process = subprocess.Popen([self.python, "-m", "ebrl.envs.worker", str(theirs.fileno())],
@@ -568,7 +605,8 @@ class SimWorkerPool:
 
     def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
                  cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
-                 chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0) -> None:
+                 chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
+                 process_env: Mapping[str, str] | None = None) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
@@ -582,7 +620,8 @@ class SimWorkerPool:
         fault = env_cfg.get("fault") or {}  # env.fault (tests): {kind: hang|error|exit|None, env: i, chunk: k, again}
         self.workers = [
             SimWorker({k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)},
-                      seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None)
+                      seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None,
+                      process_env=process_env)
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None

@@ -277,6 +277,30 @@ def visible_gpu(index: int) -> str:
     return visible[index].strip() if index < len(visible) else str(index)
 
 
+def visible_gpu_count(visible: str | None, uuids: Sequence[str]) -> int:
+    """The GPUs CUDA shows a process started with CUDA_VISIBLE_DEVICES=`visible` (None: unset) on a machine whose
+    GPUs have these UUIDs (NVML's list); entries are indices or (prefixes of) GPU-UUIDs, MIG-UUIDs are taken as given.
+
+    CUDA's rule, as torch.cuda._parse_visible_devices encodes it: the first entry that names no GPU ends the list,
+    and a GPU named twice leaves none."""
+    if visible is None:
+        return len(uuids)
+    seen: list[str] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            found = [uuids[int(entry)]] if int(entry) < len(uuids) else []
+        elif entry.startswith("GPU-"):
+            found = [u for u in uuids if u.startswith(entry)]
+        else:
+            found = [entry] if entry.startswith("MIG-") else []  # NVML lists MIG devices under their GPU's handle
+        if len(found) != 1:  # no such GPU, or an ambiguous UUID prefix
+            break
+        if found[0] in seen:
+            return 0
+        seen.append(found[0])
+    return len(seen)
+
+
 def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
     """The pipe and log directories of GPU `gpu`'s MPS daemon under a run folder."""
     base = Path(run_dir) / "mps" / f"gpu{gpu}"

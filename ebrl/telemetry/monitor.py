@@ -69,6 +69,47 @@ class CpuSampler(_Sampler):
         return dict(zip(self._cpu.cores, self._cpu.per_core()))
 
 
+def open_nvml() -> tuple[Any, str]:
+    """pynvml after nvmlInit, and ""; or None and why NVML is unavailable. NVML counts and reads the GPUs without
+    initialising CUDA, so it is safe before `pin_gpu`."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # ImportError, or pynvml.NVMLError when there is no driver
+        return None, f"NVML unavailable ({type(e).__name__}: {e}): no NVIDIA driver on this machine?"
+    return pynvml, ""
+
+
+def gpu_uuids() -> list[str] | None:
+    """The UUIDs of every GPU of this machine in NVML's order (CUDA_VISIBLE_DEVICES aside); None without NVML."""
+    nvml, _ = open_nvml()
+    if nvml is None:
+        return None
+    try:
+        return [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(nvml.nvmlDeviceGetCount())]
+    except nvml.NVMLError:
+        return None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def gpu_free_bytes(entry: str) -> int | None:
+    """Free memory of the GPU a CUDA_VISIBLE_DEVICES entry names (an index or a GPU-UUID), from NVML (no CUDA
+    context); None without NVML."""
+    nvml, _ = open_nvml()
+    if nvml is None:
+        return None
+    try:
+        handle = (nvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
+                  else nvml.nvmlDeviceGetHandleByUUID(entry))
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except nvml.NVMLError:
+        return None
+    finally:
+        nvml.nvmlShutdown()
+
+
 class GpuMonitor(_Sampler):
     """Device totals per GPU from NVML: utilization.gpu (%), memory used (bytes) and, where GPM is supported (Hopper
     and later), SM utilisation and SM occupancy (%) between two consecutive samples.
@@ -87,12 +128,8 @@ class GpuMonitor(_Sampler):
         self.gpm: list[bool] = []
         self._gpm_last: dict[int, Any] = {}
         self._read_from = 0  # samples already summed up by `read`
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as e:  # ImportError, or pynvml.NVMLError when there is no driver
-            self.reason = f"NVML unavailable ({type(e).__name__}: {e}): no NVIDIA driver on this machine?"
+        pynvml, self.reason = open_nvml()
+        if pynvml is None:
             return
         self._nvml = pynvml
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]

@@ -26,7 +26,9 @@ def test_cpu_sets_keep_generation_and_training_apart_and_let_the_simulators_fill
     assert cpu_sets({"simulate": 5, "generate": 1.25, "train": 1.75}, list(range(8))) == {
         "simulate": [0, 1, 2, 3, 4], "generate": [4, 5], "train": [6, 7]}
     assert cpu_sets({"simulate": 1, "generate": 0.25, "train": 1.75}, [0, 1])["generate"] == [1]  # no core left
-    assert cpu_sets({"simulate": 5, "generate": 0.3, "train": 0.3}, list(range(8)), gpu=True)["train"] == [5, 6, 7]
+    # a GPU node: train its own core, generate its own and the supervisor's (tests/alloc/test_gpu_node.py)
+    assert cpu_sets({"simulate": 5, "generate": 0.3, "train": 0.3}, list(range(8)), gpu=True) == {
+        "simulate": [0, 1, 2, 3, 4], "generate": [5, 6], "train": [7]}
 
 
 def test_stage_rates_from_cpu_time():

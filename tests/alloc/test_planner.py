@@ -47,8 +47,8 @@ def test_gpu_split_gives_sm_shares_of_one_gpu_in_granules():
     granule = 8 / 132  # green contexts on Hopper
     profile = linear_profile({"simulate": 0.010, "generate": 0.0005, "train": 0.001}, [8], GPU, {},
                              {"simulate": 4, "generate": 1.0, "train": 1.0})
-    best = plan(profile, Totals(cores=4, gpus=1, sm_granule=granule), num_envs=8)
-    assert best.x["simulate"] == 3  # one core stays with the supervisor
+    best = plan(profile, Totals(cores=6, gpus=1, sm_granule=granule), num_envs=8)
+    assert best.x["simulate"] == 3  # one core each stays with the supervisor, generate and train
     assert best.x["generate"] + best.x["train"] <= 1 + 1e-9
     for stage in ("generate", "train"):
         units = best.x[stage] / granule
@@ -70,7 +70,7 @@ def test_fixed_amounts_are_honoured():
         plan(cpu_profile(), Totals(cores=8), num_envs=8, fixed={"simulate": 8})
     gpu_profile = StageProfile(cpu_profile().points, resource=GPU)
     with pytest.raises(PlanError, match="whole cores in 1..3"):
-        plan(gpu_profile, Totals(cores=4, gpus=1), num_envs=8, fixed={"simulate": 4})
+        plan(gpu_profile, Totals(cores=6, gpus=1), num_envs=8, fixed={"simulate": 4})
     with pytest.raises(PlanError, match="unknown stage\\(s\\) learn"):
         plan(cpu_profile(), Totals(cores=8), num_envs=8, fixed={"learn": 1})
 
@@ -93,7 +93,8 @@ def test_equal_rates_at_every_batch_pick_the_smaller_batch():
 @pytest.mark.parametrize("totals, needed", [
     (Totals(cores=1), "a CPU-only node needs 1.5 cores"),
     (Totals(cores=0), "needs 1.5 cores"),
-    (Totals(cores=1, gpus=1), "a GPU node needs 2 cores"),
+    (Totals(cores=3, gpus=1), "a GPU node needs 4 cores \\(1 to simulate, 1 for the supervisor, 1 each for generate"),
+    (Totals(cores=1, gpus=1, gpu_stage_cores=0), "a GPU node needs 2 cores"),
 ])
 def test_too_small_a_node_says_what_is_needed(totals, needed):
     with pytest.raises(PlanError, match=needed):
@@ -171,7 +172,7 @@ def brute_force(profile: StageProfile, totals: Totals, num_envs: int) -> float:
     gpu = totals.gpus > 0
     granule = totals.sm_granule if gpu else totals.core_granule
     shares = [k * granule for k in range(1, int(round((1 if gpu else totals.cores) / granule)) + 1)]
-    sims = range(1, totals.cores) if gpu else np.arange(1, totals.cores + 1e-9, totals.core_granule)
+    sims = range(1, totals.max_sim_cores + 1) if gpu else np.arange(1, totals.cores + 1e-9, totals.core_granule)
     best = 0.0
     for batch in (b for b in profile.batches("generate") if num_envs % b == 0):
         for s, g, t in itertools.product(sims, shares, shares):
@@ -187,7 +188,8 @@ def brute_force(profile: StageProfile, totals: Totals, num_envs: int) -> float:
 def test_plan_is_the_best_split_on_random_profiles(seed):
     rng = np.random.default_rng(seed)
     gpu = seed % 2 == 1
-    totals = Totals(cores=int(rng.integers(2, 6)), gpus=int(gpu), sm_granule=0.125, core_granule=0.5)
+    # (a GPU node keeps 3 cores from simulate: the supervisor's, generate's and train's)
+    totals = Totals(cores=int(rng.integers(2, 6)) + 2 * gpu, gpus=int(gpu), sm_granule=0.125, core_granule=0.5)
     points = []
     for stage, grid in (("simulate", [1, 2, 3]), ("generate", [0.25, 0.5, 1.0]), ("train", [0.25, 0.5, 1.0])):
         for batch in (2, 3, 4, 8):  # rates need not grow with x or batch, and batches need not share xs
@@ -201,7 +203,7 @@ def test_plan_is_the_best_split_on_random_profiles(seed):
     assert best.x["simulate"] >= 1 and (best.x["simulate"] == int(best.x["simulate"]) if gpu else
                                         (best.x["simulate"] / totals.core_granule).is_integer())
     shares = best.x["generate"] + best.x["train"]
-    assert (shares <= 1 + 1e-9 and best.x["simulate"] <= totals.cores - 1) if gpu else \
+    assert (shares <= 1 + 1e-9 and best.x["simulate"] <= totals.max_sim_cores) if gpu else \
         best.x["simulate"] + shares <= totals.cores + 1e-9
     assert best.throughput == pytest.approx(brute_force(profile, totals, num_envs=8), rel=1e-12)
 

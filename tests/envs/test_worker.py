@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.worker import SimFailure, SimulatorsFailing, SimWorker, SimWorkerPool, SlotLayout
+from ebrl.envs.worker import (SimFailure, SimulatorsFailing, SimWorker, SimWorkerPool, SlotLayout, egl_environment,
+                               simulator_gpu_environment)
 
 LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
             max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
@@ -205,3 +206,56 @@ def test_missing_interpreter_is_one_line():
     worker.close()
     assert "env.python='/nonexistent/bin/python' cannot be started" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def robosuite_egl_device(env: dict[str, str]) -> int:
+    """The EGL device robosuite renders on in a process with `env` (its utils/binding_utils.py assertion and its
+    renderers/context/egl_context.py choice, the same in 1.4 (LIBERO), 1.5 and RoboCasa's fork), with device_id -1."""
+    visible, chosen = env.get("CUDA_VISIBLE_DEVICES", ""), env.get("MUJOCO_EGL_DEVICE_ID")
+    if visible != "" and chosen is not None:
+        assert chosen.isdigit() and chosen in visible
+    selected = chosen if chosen is not None else env.get("CUDA_VISIBLE_DEVICES")
+    if selected is None:
+        return 0
+    return int(selected) if selected.isdigit() else [int(x) for x in selected.split(",")][0]
+
+
+UUIDS = ["GPU-0aa3c1d2-7e51-4f0c-9b6e-1d2f3a4b5c6d", "GPU-5bb8e2f1-0c3d-4a5e-8f7a-9b0c1d2e3f4a"]
+
+
+@pytest.mark.parametrize("visible, gpus, device", [
+    (None, 1, 0),  # python run.py on a one-GPU node: CUDA's device 0
+    ("5", 8, 5),  # a torchrun rank, pinned to the node's GPU 5: its simulators render there too
+    ("2,3", 2, 2),  # one process given GPUs 2 and 3 runs on the first
+    ("GPU-5bb8", 2, 1),  # a UUID (prefix) is looked up: robosuite would fail on int("GPU-...")
+])
+def test_simulators_on_a_gpu_node_render_on_their_supervisors_gpu(visible, gpus, device):
+    env = egl_environment(visible, gpus, UUIDS)
+    assert env["MUJOCO_EGL_DEVICE_ID"] == str(device) and robosuite_egl_device(env) == device
+    # whatever the supervisor's own CUDA_VISIBLE_DEVICES became (an MPS client's "0"), robosuite's check holds
+    assert robosuite_egl_device({"CUDA_VISIBLE_DEVICES": "0", **env}) == device
+
+
+@pytest.mark.parametrize("visible, gpus", [(None, 0), ("3", 0), ("", 2), ("GPU-ffff", 2), ("MIG-0aa3", 1)])
+def test_cpu_nodes_and_gpus_it_cannot_name_get_no_egl_device(visible, gpus):
+    # a CPU-only node (hw.gpus=0, on any machine) renders with Mesa's software EGL as before; no GPU shown, an unknown
+    # UUID or a MIG instance: robosuite's own rule
+    assert egl_environment(visible, gpus, UUIDS) == {}
+
+
+def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    extra = simulator_gpu_environment(gpus=1)
+    assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    assert simulator_gpu_environment(gpus=0) == {}
+    pool = SimWorkerPool(LIFT, num_envs=1, seed=0, chunk_len=4, process_env=extra)
+    worker = pool.workers[0]
+    worker.start(wait=False)  # (the environment is the process's from exec on: no need to wait for Lift)
+    try:
+        with open(f"/proc/{worker.pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        pool.close()
+    assert environ[b"MUJOCO_EGL_DEVICE_ID"] == b"0" and environ[b"CUDA_VISIBLE_DEVICES"] == b"0"
+    assert environ[b"OMP_NUM_THREADS"] == b"1"  # beside the worker's own variables
