@@ -91,6 +91,16 @@ class PolicyConfig:
     preset: str = "tiny"  # tiny (CPU tests, <1M params) | small (CPU benchmark, a few M) | full (published shapes)
     chunk: Optional[int] = None  # actions per chunk; null: the preset's
     checkpoint: Optional[str] = None  # local safetensors file to start from
+    # Weights and compute: float32 | bfloat16; null: bfloat16 for the full preset or a CUDA run, else float32. The
+    # trainer keeps float32 master weights of what it trains and runs under autocast; log-densities stay float32
+    dtype: Optional[str] = None
+    # What RL trains: all | action_expert (the vision-language backbone frozen) | lora (the backbone's attention and
+    # MLP through LoRA adapters, the action expert and RL heads whole); frozen weights carry no gradient and no
+    # optimizer state
+    train: str = "all"
+    lora_rank: int = 16  # policy.train=lora: rank of the adapters
+    lora_alpha: float = 16.0  # policy.train=lora: the adapters' update is scaled by lora_alpha / lora_rank
+    grad_checkpoint: Optional[bool] = None  # recompute each transformer block in the backward pass; null: on for full
 
 
 @dataclass
@@ -204,6 +214,10 @@ class AlgoConfig:
     value_coef: float = 0.5  # ppo; grpo has no critic
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
+    # rows per forward/backward pass; their gradients accumulate to the minibatch, which stays one optimizer step
+    # (also the rows of the trainer's proximal pass); null: the whole minibatch in one pass
+    micro_batch: Optional[int] = None
+    optimizer_dtype: str = "float32"  # Adam's moments: float32 | bfloat16 (half their memory)
     normalize_advantages: bool = True
     target_kl: Optional[float] = None  # stop the epochs of an update once approx KL per action exceeds it
     # A step whose gradient holds NaN/inf is skipped and counted (train/nonfinite_steps); after this many updates in a
@@ -320,6 +334,8 @@ LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
 PRESETS = ("tiny", "small", "full")
 VARIANTS = ("pi0", "pi05")
+DTYPES = ("float32", "bfloat16")
+TRAIN_OPTIONS = ("all", "action_expert", "lora")
 
 
 def _one_of(cfg: DictConfig, key: str, accepted: tuple[str, ...]) -> None:
@@ -385,6 +401,7 @@ def validate(cfg: DictConfig) -> None:
             )
     if "variant" in cfg.policy:
         _one_of(cfg, "policy.variant", VARIANTS)
+    _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
     _check_numbers(cfg)
     _check_failures(cfg)
@@ -464,6 +481,19 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key, value, ok, want in checks:
         if not ok:
             raise ConfigError(f"{key}={value} must be {want}")
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    """policy.dtype, what is trained, and how the trainer batches and stores its optimizer state."""
+    if cfg.policy.dtype is not None:
+        _one_of(cfg, "policy.dtype", DTYPES)
+    _one_of(cfg, "policy.train", TRAIN_OPTIONS)
+    _one_of(cfg, "algo.optimizer_dtype", DTYPES)
+    if cfg.policy.train == "lora":
+        for key in ("policy.lora_rank", "policy.lora_alpha"):
+            _positive(cfg, key)
+    if cfg.algo.micro_batch is not None:
+        _positive(cfg, "algo.micro_batch")
 
 
 FAULTS = ("hang", "error", "exit")

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from ebrl.config import register_configs
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.base import Policy
+from ebrl.policies.build import family_kwargs
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 FAMILIES = ("openpi", "openpi:pi05", "openvla_oft", "gr00t", "wam")
@@ -31,8 +32,7 @@ def build(family: str, preset: str, spec: EnvSpec) -> Policy:
     overrides = [f"policy={name}", f"policy.preset={preset}"] + ([f"policy.variant={variant}"] if variant else [])
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides).policy, resolve=True)
-    kwargs = {k: v for k, v in cfg.items() if k not in ("_target_", "name", "checkpoint")}
-    return get_class(cfg["_target_"])(env_spec=spec, **kwargs)
+    return get_class(cfg["_target_"])(env_spec=spec, **family_kwargs(cfg))
 
 
 def make_obs(policy: Policy, batch: int) -> dict[str, torch.Tensor]:

@@ -302,12 +302,12 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.runtime.experiment import build_policy
+    from ebrl.policies.build import build_policy
 
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed) as pool:
-        policy = build_policy(conf["policy"], pool.spec)
+        policy = build_policy(conf["policy"], pool.spec, train=True)
         pool.attach(policy.chunk_len)
         pool.reset_all()
         n = cfg.env.num_envs
@@ -336,7 +336,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.runtime.colocated import stack_steps
-    from ebrl.runtime.experiment import build_policy
+    from ebrl.policies.build import build_policy
 
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
@@ -349,7 +349,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     try:
         torch.manual_seed(cfg.seed)
         obs, _ = venv.reset(seed=[cfg.seed * 1000 + i for i in range(n)])
-        policy = build_policy(conf["policy"], spec)
+        policy = build_policy(conf["policy"], spec, train=True)
         trainer = PPOTrainer(policy, cfg.algo)
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
         H = policy.chunk_len

@@ -8,8 +8,9 @@ Observation batches are dicts of tensors:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import numpy as np
 import torch
@@ -40,6 +41,21 @@ class Policy(nn.Module):
     # a full preset may record the figure it is checked against: {variant or "default": (parameters, source)}
     PUBLISHED_PARAMETERS: dict[str, tuple[float, str]] = {}
 
+    def __init__(self) -> None:
+        super().__init__()
+        # what the matmuls run in (policy.dtype): the dtype the policy is built in, unless the trainer keeps float32
+        # master weights of a bfloat16 policy (ebrl/policies/build.py)
+        self.compute_dtype = torch.get_default_dtype()
+
+    def precision(self) -> ContextManager:
+        """Autocast to `compute_dtype` (a no-op in float32): a bfloat16 policy's matmuls run in bfloat16 whether its
+        weights are bfloat16 (generation) or float32 masters mixed with frozen bfloat16 ones (the trainer). Every
+        entry point (sample, value, evaluate, the supervised losses) runs inside it; log-densities stay float32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        device = next(self.parameters()).device
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
     def num_parameters(self) -> int:
         """Total parameter count (works on the meta device)."""
         return sum(p.numel() for p in self.parameters())
@@ -47,6 +63,26 @@ class Policy(nn.Module):
     def rl_heads(self) -> list[str]:
         """Name prefixes of the parameters RL adds to the published model (value head, exploration noise/std)."""
         raise NotImplementedError
+
+    def action_expert(self) -> list[str]:
+        """Name prefixes of what `policy.train=action_expert` trains besides the RL heads: the parts that turn the
+        backbone's features into actions."""
+        raise NotImplementedError
+
+    def lora_targets(self) -> str:
+        """A regular expression over module names: the backbone's attention and MLP projections that
+        `policy.train=lora` adapts."""
+        raise NotImplementedError
+
+    def init_head(self, prefix: str) -> None:
+        """Initialise the head under `prefix` (an RL head, or one a published checkpoint may lack) as the constructor
+        does: after a build that allocates without initialising (ebrl/policies/build.py), for what the file lacked.
+        Modules get their layers' reset_parameters; families add what their constructor does on top."""
+        target = getattr(self, prefix.rstrip("."), None)
+        if isinstance(target, nn.Module):
+            for module in target.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
 
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """A local checkpoint's tensors under this policy's keys, and the key prefixes it may lack (the RL heads a

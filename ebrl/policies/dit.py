@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ebrl.policies.layers import RMSNorm, time_embedding
+from ebrl.policies.layers import Block, RMSNorm, attention, time_embedding
 
 NORM_TYPES = ("layer_norm", "ada_norm", "ada_norm_zero")
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -115,13 +115,13 @@ class Attention(nn.Module):
         fixed context's once per observation and passes them to every denoising step."""
         return self.norm_k(self._heads(self.to_k(source))), self._heads(self.to_v(source))
 
-    def forward(self, x: torch.Tensor, kv: KV, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (N, Lq, dim) attends to kv; mask: True where a query may attend, (N, Lk) for all queries alike or
-        (N, Lq, Lk)."""
-        if mask is not None:
-            mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
+    def forward(self, x: torch.Tensor, kv: KV, mask: torch.Tensor | None = None, past: KV | None = None,
+                ) -> torch.Tensor:
+        """x (N, Lq, dim) attends to [past, kv]; mask: True where a query may attend, (N, Lk) for all queries alike
+        or (N, Lq, Lk). A fixed context's kv (cross-attention) or the past may hold one row per observation for
+        several rows of x each (`layers.attention`)."""
         q = self.norm_q(self._heads(self.to_q(x)))
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+        out = attention(q, kv, mask=mask) if past is None else attention(q, past, kv, mask)
         return self.to_out(out.transpose(1, 2).flatten(2))
 
 
@@ -147,7 +147,7 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
-class BasicTransformerBlock(nn.Module):
+class BasicTransformerBlock(Block):
     """Pre-norm DiT block: attn1 (self-attention, or cross-attention to the context when attn1_cross), optional attn2
     (cross-attention to the context), feed-forward; how the norms use the timestep embedding is `norm_type` (see the
     module docstring).
@@ -220,10 +220,8 @@ class BasicTransformerBlock(nn.Module):
             new_kv = None
             x = self._residual(x, self.attn1(h, context_kv, context_mask), gate)
         else:
-            new_kv = kv = self.attn1.key_value(h)
-            if past_kv is not None:
-                kv = (torch.cat([past_kv[0], kv[0]], 2), torch.cat([past_kv[1], kv[1]], 2))
-            x = self._residual(x, self.attn1(h, kv, attention_mask), gate)
+            new_kv = self.attn1.key_value(h)
+            x = self._residual(x, self.attn1(h, new_kv, attention_mask, past_kv), gate)
         if self.attn2 is not None:
             h, gate = self._norm(self.norm2, x, temb, groups, shared)
             x = self._residual(x, self.attn2(h, context_kv, context_mask), gate)

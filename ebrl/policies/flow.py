@@ -7,7 +7,11 @@ Two ways to make the chain stochastic (`policy.logprob`):
 - flow_sde (Flow-GRPO's SDE): the reverse-time SDE with the same marginals as the ODE, sigma_t = a sqrt(t / (1 - t)):
   mean = x + dt [v + sigma_t^2 / (2t) (x + (1 - t) v)], std = sigma_t sqrt(|dt|); a = policy.sde_noise_level.
 The log-prob of an action is the sum over the K steps of its dims' Gaussian log-densities; evaluate recomputes it from
-the stored chain, all K steps in one batched pass.
+the stored chain, all K steps in one batched pass. The chain, its means, stds and densities are float32 whatever the
+policy's dtype (a bfloat16 policy's velocity is cast up): a ratio is a product of K x action-dims Gaussian factors.
+Only the env's action dims are stochastic. The padded dims (the model's flow_dim is wider) follow flow matching's
+straight path from their starting noise to 0, t x_0, as training on zero-padded actions shaped them: no noise is
+injected there and their values do not depend on the weights, so leaving them out of the density biases nothing.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.policies.base import Policy, PolicySample
-from ebrl.policies.layers import expand_rows, map_tensors, repeat_rows
+from ebrl.policies.layers import expand_rows, map_tensors
 
 LOGPROBS = ("flow_noise", "flow_sde")
 
@@ -63,8 +67,17 @@ class FlowPolicy(Policy):
         if logprob == "flow_noise":
             self.noise_std_head = nn.Sequential(nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(),
                                                 nn.Linear(feature_dim, flow_dim))
-            nn.init.zeros_(self.noise_std_head[-1].weight)  # starts at the geometric mean of the bounds everywhere
-            nn.init.zeros_(self.noise_std_head[-1].bias)
+            self._close_noise_head()
+
+    def _close_noise_head(self) -> None:
+        """The noise std starts at the geometric mean of its bounds everywhere."""
+        nn.init.zeros_(self.noise_std_head[-1].weight)
+        nn.init.zeros_(self.noise_std_head[-1].bias)
+
+    def init_head(self, prefix: str) -> None:
+        super().init_head(prefix)
+        if prefix.rstrip(".") == "noise_std_head":
+            self._close_noise_head()
 
     # --- subclass API ------------------------------------------------------------------------
     def encode(self, obs: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
@@ -82,18 +95,19 @@ class FlowPolicy(Policy):
         return 1.0 - torch.arange(steps, device=device, dtype=torch.float32) / steps
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """v(x, t) (N, H, flow_dim) and, for flow_noise, the log noise std of this step in [log min, log max]."""
+        """v(x, t) (N, H, flow_dim) and, for flow_noise, the log noise std of this step in [log min, log max], both
+        float32. cond may hold the rows of N / r observations for N = r x that many chains (`layers.attention`)."""
         h, temb = self.features(x, t, cond)
-        v = self.velocity_out(h)
+        v = self.velocity_out(h).float()
         if self.logprob != "flow_noise":
             return v, None
         if temb.dim() == 2:
             temb = temb[:, None].expand(-1, h.shape[1], -1)
-        raw = self.noise_std_head(torch.cat([h, temb.to(h.dtype)], -1))
+        raw = self.noise_std_head(torch.cat([h, temb.to(h.dtype)], -1)).float()
         return v, self.log_std_min + (self.log_std_max - self.log_std_min) * raw.sigmoid()
 
     def step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and log std (both (N, H, flow_dim)) of x at the next time, from x at times t (N,)."""
+        """Mean and log std (both (N, H, flow_dim), float32) of x at the next time, from x (float32) at times t (N,)."""
         steps = self.denoise_steps
         v, log_std = self.velocity(x, t, cond)
         dt = -1.0 / steps
@@ -106,55 +120,71 @@ class FlowPolicy(Policy):
         mean = x + dt * (v + sigma.pow(2) / (2.0 * t) * (x + (1.0 - t) * v))
         return mean, torch.log(sigma * math.sqrt(-dt)).expand_as(mean)
 
+    def advance(self, start: torch.Tensor, k: int, mean: torch.Tensor, log_std: torch.Tensor,
+                noise: torch.Tensor) -> torch.Tensor:
+        """x after Euler step k of a chain that started at `start`: the env's dims drawn around the step's mean, the
+        padded dims at (1 - (k + 1) / K) x_0 on their straight path to 0 (module docstring)."""
+        x = mean + log_std.exp() * noise
+        if self.action_dim == self.flow_dim:
+            return x
+        t_next = 1.0 - (k + 1) / self.denoise_steps
+        return torch.cat([x[..., : self.action_dim], t_next * start[..., self.action_dim:]], -1)
+
     def log_density(self, x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
-        """Gaussian log-density summed over the env's action dims (padded dims stay in the chain but do not count)."""
+        """Gaussian log-density summed over the env's action dims (the padded dims are deterministic: no density)."""
         z = (x - mean) * torch.exp(-log_std)
         return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi))[..., : self.action_dim].sum(-1)
 
     @torch.no_grad()
     def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
         """x_0 ~ N(0, I), then K stochastic Euler steps from t = 1 to t = 0; the chain goes to extras for evaluate."""
-        cond, pooled = self.encode(obs)
-        batch, steps = pooled.shape[0], self.denoise_steps
-        times = self.times(steps, pooled.device)
-        x = torch.randn(batch, self.chunk_len, self.flow_dim, device=pooled.device, dtype=pooled.dtype)
-        chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=pooled.device)
-        for k in range(steps):
-            mean, log_std = self.step(x, times[k].expand(batch), cond)
-            x = mean + log_std.exp() * torch.randn_like(mean)
-            log_prob += self.log_density(x, mean, log_std)
-            chain.append(x)
-        return PolicySample(chunk=x[..., : self.action_dim], log_prob=log_prob,
-                            value=self.value_head(pooled).squeeze(-1), extras={"chain": torch.stack(chain, 1)})
+        with self.precision():
+            cond, pooled = self.encode(obs)
+            batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
+            times = self.times(steps, device)
+            x = start = torch.randn(batch, self.chunk_len, self.flow_dim, device=device)
+            chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=device)
+            for k in range(steps):
+                mean, log_std = self.step(x, times[k].expand(batch), cond)
+                x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
+                log_prob += self.log_density(x, mean, log_std)
+                chain.append(x)
+            value = self.value_head(pooled).squeeze(-1).float()
+        return PolicySample(chunk=x[..., : self.action_dim], log_prob=log_prob, value=value,
+                            extras={"chain": torch.stack(chain, 1)})
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Value head on the pooled features, without sampling a chunk."""
-        return self.value_head(self.encode(obs)[1]).squeeze(-1)
+        with self.precision():
+            return self.value_head(self.encode(obs)[1]).squeeze(-1).float()
 
     def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused."""
-        cond, pooled = self.encode(obs)
-        chain = extras["chain"].to(pooled.device, pooled.dtype)  # (B, K+1, H, flow_dim)
-        batch, steps, horizon, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2], chain.shape[3]
-        # all K steps in one pass: row b*K + k is step k of batch row b
-        x = chain[:, :-1].reshape(batch * steps, horizon, dim)
-        mean, log_std = self.step(x, self.times(steps, x.device).repeat(batch), repeat_rows(cond, steps))
-        log_prob = self.log_density(chain[:, 1:].reshape_as(x), mean, log_std)
-        entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.action_dim].sum(-1)
-        return (log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1),
-                self.value_head(pooled).squeeze(-1))
+        """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused.
+        All K steps go through the velocity in one pass whose rows b*K + k attend to observation b's features
+        as they are (no per-step copy of them)."""
+        with self.precision():
+            cond, pooled = self.encode(obs)
+            chain = extras["chain"].to(pooled.device, torch.float32)  # (B, K+1, H, flow_dim)
+            batch, steps, horizon, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2], chain.shape[3]
+            x = chain[:, :-1].reshape(batch * steps, horizon, dim)
+            mean, log_std = self.step(x, self.times(steps, x.device).repeat(batch), cond)
+            log_prob = self.log_density(chain[:, 1:].reshape_as(x), mean, log_std)
+            entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.action_dim].sum(-1)
+            value = self.value_head(pooled).squeeze(-1).float()
+        return log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1), value
 
     def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
         """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (env action dims)."""
-        cond, pooled = self.encode(obs)
-        a = F.pad(actions.to(pooled.device, pooled.dtype), (0, self.flow_dim - actions.shape[-1]))
-        noise = torch.randn_like(a)
-        t = sample_flow_time(a.shape[0], a)
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
-        v, _ = self.velocity(x_t, t, cond)
-        return F.mse_loss(v[..., : self.action_dim], (noise - a)[..., : self.action_dim])
+        with self.precision():
+            cond, pooled = self.encode(obs)
+            a = F.pad(actions.to(pooled.device, torch.float32), (0, self.flow_dim - actions.shape[-1]))
+            noise = torch.randn_like(a)
+            t = sample_flow_time(a.shape[0], a)
+            x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
+            v, _ = self.velocity(x_t, t, cond)
+            return F.mse_loss(v[..., : self.action_dim], (noise - a)[..., : self.action_dim])
 
     # --- the first policy ----------------------------------------------------------------------
     def neutral_obs(self) -> dict[str, torch.Tensor]:
@@ -170,7 +200,8 @@ class FlowPolicy(Policy):
         return obs
 
     @torch.no_grad()
-    def init_contracting_velocity(self, probe: int = 32, gain: float = 3.0) -> None:
+    def init_contracting_velocity(self, probe: int = 32, gain: float = 3.0, fit_tokens: int = 4096,
+                                  centre_tokens: int = 640) -> None:
         """Fit `velocity_out` so that v(x, t) ~= c x, c = min(3, K), on random x (call after the subclass made x
         linearly readable from the velocity features).
 
@@ -178,17 +209,20 @@ class FlowPolicy(Policy):
         exploration would go uncredited. A contraction shrinks x by (1 - c/K) per step, so x_0 fades to ~e^-3 of its
         scale and the first chunks are mostly credited noise around 0; any mean in [-1, 1] stays reachable through
         the bias and the features. Then the bias is shifted so that the mean action is 0 (`centre_actions`). A loaded
-        checkpoint overwrites all of this.
+        checkpoint makes all of this moot, so a build with given weights skips it (ebrl/policies/build.py).
+        `probe` chains per step, at most `fit_tokens` action tokens in all (4x the features of the widest expert),
+        and `centre_tokens` per step of the centring chains: the full presets' fit stays a few passes.
         """
-        steps = self.denoise_steps
+        steps, horizon = self.denoise_steps, self.chunk_len
         generator = torch.Generator().manual_seed(0)
-        cond, _ = self.encode(self.neutral_obs())
-        n = probe * steps
-        cond = expand_rows(cond, n)  # views: a full-size prefix is not copied n times
-        device = self.velocity_out.weight.device
-        x = torch.randn(n, self.chunk_len, self.flow_dim, generator=generator).to(device)
-        h, _ = self.features(x, self.times(steps, device).repeat(probe), cond)
-        h = torch.cat([h.flatten(0, 1), h.new_ones(n * self.chunk_len, 1)], 1).float()
+        with self.precision():
+            cond, _ = self.encode(self.neutral_obs())
+            n = min(probe, max(1, fit_tokens // (horizon * steps))) * steps
+            cond = expand_rows(cond, n)  # views: a full-size prefix is not copied n times
+            device = self.velocity_out.weight.device
+            x = torch.randn(n, horizon, self.flow_dim, generator=generator).to(device)
+            h, _ = self.features(x, self.times(steps, device).repeat(n // steps), cond)
+        h = torch.cat([h.flatten(0, 1), h.new_ones(n * horizon, 1)], 1).float()
         target = min(gain, steps) * x.flatten(0, 1)[:, : self.action_dim].float()
         ridge = 1e-3 * h.shape[0] * torch.eye(h.shape[1], device=device)
         solution = torch.linalg.solve(h.T @ h + ridge, h.T @ target)  # (feature_dim + 1, action_dim)
@@ -197,8 +231,9 @@ class FlowPolicy(Policy):
         out.bias.zero_()
         out.weight[: self.action_dim] = solution[:-1].T.to(out.weight.dtype)
         out.bias[: self.action_dim] = solution[-1].to(out.bias.dtype)
-        rows = min(n, 64)  # 64 chains x H actions: the mean to ~0.01
-        self.centre_actions(map_tensors(cond, lambda t: t[:rows]), rows, min(gain, steps), generator)
+        rows = min(n, 64, max(1, centre_tokens // horizon))  # 64 chains x H actions: the mean to ~0.01
+        with self.precision():
+            self.centre_actions(map_tensors(cond, lambda t: t[:rows]), rows, min(gain, steps), generator)
 
     @torch.no_grad()
     def centre_actions(self, cond: Any, rows: int, gain: float, generator: torch.Generator, rounds: int = 3) -> None:
@@ -220,7 +255,7 @@ class FlowPolicy(Policy):
             x = start
             for k in range(steps):
                 mean, log_std = self.step(x, times[k].expand(rows), cond)
-                x = mean + log_std.exp() * noise[k]
+                x = self.advance(start, k, mean, log_std, noise[k])
             return x[..., :dims].float().mean((0, 1))
 
         bias = self.velocity_out.bias

@@ -35,10 +35,12 @@ from ebrl.policies.dit import AdaLayerNorm, BasicTransformerBlock, TimestepEncod
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import (
     BYTE_VOCAB,
+    DECODER_PROJECTIONS,
     DecoderLayer,
     RMSNorm,
     SiglipVisionModel,
     byte_tokenize,
+    call_block,
     camera_images,
     instruction_tokens,
     rotary,
@@ -173,7 +175,7 @@ class EagleModel(nn.Module):
         vm = self.vision_model.vision_model
         x = vm.embeddings(images)
         for layer in vm.encoder.layers:
-            x = layer(x)
+            x = call_block(layer, layer, x)
         return self.mlp1(x)
 
 
@@ -313,6 +315,14 @@ class GR00TPolicy(FlowPolicy):
     def language_model(self) -> Qwen3Model:
         return self.backbone.eagle_model.language_model.model
 
+    def action_expert(self) -> list[str]:
+        """The whole action head (vlln, vl_self_attention, the DiT and the per-embodiment MLPs)."""
+        return ["action_head."]
+
+    def lora_targets(self) -> str:
+        """The cut Qwen3's layers (the vision tower stays frozen)."""
+        return r"backbone\.eagle_model\.language_model\.model\.layers" + DECODER_PROJECTIONS
+
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
         return byte_tokenize(texts, self.dims.max_tokens)
@@ -347,7 +357,7 @@ class GR00TPolicy(FlowPolicy):
         vl, mask = self.vl_features(obs)
         vl = head.vlln(vl)
         for block in head.vl_self_attention.transformer_blocks:
-            vl, _ = block(vl, attention_mask=mask[:, None, :].expand(-1, mask.shape[1], -1))
+            vl, _ = call_block(block, block, vl, attention_mask=mask[:, None, :].expand(-1, mask.shape[1], -1))
         weights = mask[..., None].to(vl.dtype)
         pooled = (vl * weights).sum(1) / weights.sum(1)
         state = obs["state"].to(vl.device, vl.dtype)
@@ -358,16 +368,17 @@ class GR00TPolicy(FlowPolicy):
 
     def features(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The action decoder's hidden layer (N, H, hidden_size) for noisy chunks x at FlowPolicy times t, and the
-        DiT's time embedding (N, inner)."""
+        DiT's time embedding (N, inner). cond may be that of N / r observations, r chains each (`layers.attention`)."""
         head, dit = self.action_head, self.action_head.model
         tau = 1.0 - t  # GR00T's time: 0 = noise, 1 = data (module docstring)
         temb = dit.timestep_encoder(tau)
         horizon = x.shape[1]
         actions = head.action_encoder(x, tau, EMBODIMENT) + head.position_embedding.weight[:horizon]
         future = head.future_tokens.weight.expand(x.shape[0], -1, -1)
-        h = torch.cat([cond["state"], future, actions], 1)
+        state = cond["state"].repeat_interleave(x.shape[0] // cond["state"].shape[0], 0)
+        h = torch.cat([state.to(actions.dtype), future.to(actions.dtype), actions], 1)
         for block, kv in zip(dit.transformer_blocks, cond["cross_kv"]):
-            h, _ = block(h, temb, context_kv=kv, context_mask=cond["mask"])
+            h, _ = call_block(block, block, h, temb, context_kv=kv, context_mask=cond["mask"])
         h = dit.proj_out_2(dit.norm_out(h, temb)[0])[:, -horizon:]
         return head.action_decoder.hidden(h, EMBODIMENT), temb
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
@@ -56,6 +57,68 @@ class AdaRMSNorm(nn.Module):
         """scale, shift and gate, each (N, L or 1, dim)."""
         modulation = self.dense(cond)
         return (modulation[:, None] if modulation.dim() == 2 else modulation).chunk(3, -1)
+
+
+class Block(nn.Module):
+    """A transformer block whose activations `call_block` may recompute in the backward pass instead of storing them
+    (`policy.grad_checkpoint`, set on every block by ebrl/policies/build.py)."""
+
+    grad_checkpoint = False
+
+
+def call_block(block: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), one block's work; with the block's grad_checkpoint on and gradients wanted, only its
+    inputs are kept and the rest is recomputed when the backward pass reaches it."""
+    if getattr(block, "grad_checkpoint", False) and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
+              own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention of q (N, heads, Lq, d) over `shared` keys and values (rows, kv heads, Ls, d)
+    followed by `own` ones (N rows, Lo), grouped-query where kv heads are fewer. mask: True where a query may
+    attend, (N, Lq, Ls + Lo), or (N or shared rows, Ls + Lo) for every query alike; None: everything.
+
+    `shared` may hold B = N / r rows, query row b*r + j belonging to shared row b (evaluate's r denoising steps of one
+    observation): the r rows of an observation then become one sequence of r*Lq queries that reads its shared keys
+    once (a broadcast, not r copies of a prefix cache) and each row its own keys only. That costs r*Lq x r*Lo scores
+    for the own part, so where r*Lo would outgrow Ls the shared keys are repeated instead.
+    """
+    n, b, ls = q.shape[0], shared[0].shape[0], shared[0].shape[2]
+    r, lq, lo = n // b, q.shape[2], 0 if own is None else own[0].shape[2]
+    if mask is not None and mask.shape[0] != n:  # one row per observation
+        mask = mask.repeat_interleave(n // mask.shape[0], 0)
+    gqa = shared[0].shape[1] != q.shape[1]
+    if r == 1 or r * lo > ls:
+        if r > 1:
+            shared = (shared[0].repeat_interleave(r, 0), shared[1].repeat_interleave(r, 0))
+        k, v = shared if own is None else (torch.cat([shared[0], own[0]], 2), torch.cat([shared[1], own[1]], 2))
+        if mask is not None:
+            mask = mask[:, None] if mask.dim() == 3 else mask[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def fold(t: torch.Tensor) -> torch.Tensor:  # (b*r, h, L, d) -> (b, h, r*L, d)
+        return t.unflatten(0, (b, r)).transpose(1, 2).flatten(2, 3)
+
+    k, v = shared
+    if own is not None:
+        k, v = torch.cat([k, fold(own[0])], 2), torch.cat([v, fold(own[1])], 2)
+    if mask is not None and mask.dim() == 2 and own is None:  # every query alike: one row per observation
+        mask = mask[::r, None, None, :]
+    elif mask is not None or own is not None:
+        if mask is None:
+            mask = q.new_ones(n, lq, ls + lo, dtype=torch.bool)
+        elif mask.dim() == 2:
+            mask = mask[:, None, :].expand(-1, lq, -1)
+        rows = mask.unflatten(0, (b, r))  # (b, r, Lq, Ls + Lo)
+        parts = [rows[..., :ls].flatten(1, 2)]
+        if own is not None:  # row j's queries see row j's own keys only: a block diagonal
+            same = torch.eye(r, dtype=torch.bool, device=q.device)[None, :, None, :, None]
+            parts.append((rows[..., None, ls:] & same).flatten(3, 4).flatten(1, 2))
+        mask = torch.cat(parts, -1)[:, None]
+    out = F.scaled_dot_product_attention(fold(q), k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.unflatten(2, (r, lq)).transpose(1, 2).flatten(0, 1)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
@@ -102,7 +165,11 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+# module names of a decoder layer's attention and MLP projections, under its layers' ModuleList: what LoRA adapts
+DECODER_PROJECTIONS = r"\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+
+
+class DecoderLayer(Block):
     """Pre-norm decoder layer (GQA, rotary, gated MLP), split at attention so several streams can share one attention.
 
     norm="gemma": RMSNorm(1 + w), GeGLU; norm="llama": RMSNorm(w), SwiGLU; cond_dim: pi0.5's adaptive norms with
@@ -155,21 +222,24 @@ def run_layers(streams: Sequence[tuple[torch.Tensor, Sequence[DecoderLayer], tor
     """Each stream (x, its layers, its norm condition) through its own layers, with one attention over all streams per
     layer: a mixture of transformers (pi0) or, with one stream, a plain decoder.
 
-    positions (B, L) cover the concatenated streams; mask (B, L, Lpast + L) is True where a query may attend; past holds
-    per-layer (k, v) put before the streams' keys. Returns the streams' outputs and this call's per-layer (k, v).
+    positions (N, L) cover the concatenated streams; mask (N, L, Lpast + L) is True where a query may attend; past holds
+    per-layer (k, v) put before the streams' keys, for the N rows or for N / r observations (`attention`). Returns
+    the streams' outputs and this call's per-layer (k, v).
     """
     xs = [x for x, _, _ in streams]
     sizes = [x.shape[1] for x in xs]
     stream_positions = positions.split(sizes, 1)
-    kvs = []
-    for i in range(len(streams[0][1])):
+
+    def layer(i: int, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         q, k, v = (torch.cat(parts, 2) for parts in
                    zip(*(layers[i].qkv(x, p, c) for x, (_, layers, c), p in zip(xs, streams, stream_positions))))
-        kvs.append((k, v))
-        if past is not None:
-            k, v = torch.cat([past[i][0], k], 2), torch.cat([past[i][1], v], 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
-        xs = [layers[i].finish(x, o, c) for x, (_, layers, c), o in zip(xs, streams, out.split(sizes, 2))]
+        out = attention(q, (k, v), mask=mask) if past is None else attention(q, past[i], (k, v), mask)
+        return [layers[i].finish(x, o, c) for x, (_, layers, c), o in zip(xs, streams, out.split(sizes, 2))], (k, v)
+
+    kvs = []
+    for i in range(len(streams[0][1])):
+        xs, kv = call_block(streams[0][1][i], layer, i, xs)
+        kvs.append(kv)
     return xs, kvs
 
 
@@ -200,7 +270,7 @@ class VisionMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-class VisionLayer(nn.Module):
+class VisionLayer(Block):
     """Pre-norm ViT block (SigLIP: LayerNorm, attention with biases, GELU MLP)."""
 
     def __init__(self, width: int, mlp: int, heads: int) -> None:
@@ -252,7 +322,7 @@ class SiglipVisionModel(nn.Module):
         vm = self.vision_model
         x = vm.embeddings(images)
         for layer in vm.encoder.layers:
-            x = layer(x)
+            x = call_block(layer, layer, x)
         return vm.post_layernorm(x)
 
 
@@ -261,11 +331,11 @@ def camera_images(obs: dict[str, torch.Tensor], cameras: Sequence[str], size: in
     """The cameras' uint8 (B, H, W, 3) images, each resized to size x size, as one (B * cameras, 3, size, size)
     float batch in [-1, 1], camera-major within each row (row b's cameras are b*C .. b*C+C-1)."""
     per_camera = []
-    for cam in cameras:
-        image = obs[cam].to(device).permute(0, 3, 1, 2).to(dtype) / 127.5 - 1.0
+    for cam in cameras:  # (resized in float32: antialiased resizing has no bfloat16 kernel on CPU)
+        image = obs[cam].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
         if image.shape[-2:] != (size, size):  # cameras may differ in size: each is resized on its own
             image = F.interpolate(image, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-        per_camera.append(image)
+        per_camera.append(image.to(dtype))
     return torch.stack(per_camera, 1).flatten(0, 1)
 
 

@@ -27,6 +27,7 @@ from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import (
     BYTE_VOCAB,
+    DECODER_PROJECTIONS,
     AdaRMSNorm,
     DecoderLayer,
     RMSNorm,
@@ -212,6 +213,15 @@ class OpenPIPolicy(FlowPolicy):
     def expert(self) -> GemmaModel:
         return self.paligemma_with_expert.gemma_expert.model
 
+    def action_expert(self) -> list[str]:
+        """The Gemma-300M-shaped expert and the projections into and out of it."""
+        return ["paligemma_with_expert.gemma_expert.", "action_in_proj", "action_out_proj", "state_proj",
+                "action_time_mlp_in", "action_time_mlp_out", "time_mlp_in", "time_mlp_out"]
+
+    def lora_targets(self) -> str:
+        """PaliGemma's Gemma layers (the vision tower stays frozen)."""
+        return r"paligemma_with_expert\.paligemma\.model\.language_model\.layers" + DECODER_PROJECTIONS
+
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
         return byte_tokenize(texts, self.dims.max_tokens)
@@ -277,11 +287,13 @@ class OpenPIPolicy(FlowPolicy):
         return self.action_time_mlp_out(F.silu(h)), None, temb
 
     def features(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert output of the action tokens (N, H, expert_width) after the final norm, attending to the cache."""
+        """Expert output of the action tokens (N, H, expert_width) after the final norm, attending to the cache (of
+        the N rows, or of N / r observations whose r rows each read it as it is: `layers.attention`)."""
         emb, cond, temb = self.embed_suffix(x, t)
         n, horizon = x.shape[:2]
-        positions = cache.mask.sum(1, keepdim=True) + torch.arange(horizon, device=x.device)
-        mask = torch.cat([cache.mask[:, None, :].expand(-1, horizon, -1),
+        real = cache.mask.repeat_interleave(n // cache.mask.shape[0], 0)  # the cache may be of N / r observations
+        positions = real.sum(1, keepdim=True) + torch.arange(horizon, device=x.device)
+        mask = torch.cat([real[:, None, :].expand(-1, horizon, -1),
                           torch.ones(n, horizon, horizon, dtype=torch.bool, device=x.device)], -1)
         (out,), _ = run_layers([(emb, self.expert.layers, cond)], positions, mask, past=cache.kv)
         return self.expert.final_norm(out, cond), temb

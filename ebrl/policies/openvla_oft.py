@@ -36,11 +36,14 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy, PolicySample
+from ebrl.policies import layers
 from ebrl.policies.layers import (
     BYTE_VOCAB,
+    DECODER_PROJECTIONS,
     DecoderLayer,
     RMSNorm,
     byte_tokenize,
+    call_block,
     camera_images,
     instruction_tokens,
     run_layers,
@@ -146,7 +149,7 @@ class Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))  # timm's default nn.GELU (OpenVLA overrides no activation)
 
 
-class Block(nn.Module):
+class Block(layers.Block):
     """Pre-norm ViT block; LayerScale on both residual branches when `layer_scale` is given (DINOv2)."""
 
     def __init__(self, width: int, mlp: int, heads: int, layer_scale: float | None) -> None:
@@ -212,7 +215,7 @@ class VisionTransformer(nn.Module):
                   if hasattr(self, name)]
         x = torch.cat([*prefix, x], 1)
         for block in self.blocks[:-1]:
-            x = block(x)
+            x = call_block(block, block, x)
         return x[:, self.num_prefix_tokens:]
 
 
@@ -228,12 +231,11 @@ class PrismaticVisionBackbone(nn.Module):
         self.fused_featurizer = VisionTransformer(d.image_size, d.patch_size, d.siglip_width, d.siglip_depth,
                                                   d.siglip_mlp, d.siglip_heads, attn_pool=True)
         self.embed_dim = d.dino_width + d.siglip_width
-        self.register_buffer("dino_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("dino_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) in [-1, 1] (SigLIP's normalisation) -> (N, patches, dino_width + siglip_width)."""
-        dino_images = ((images + 1.0) / 2.0 - self.dino_mean.to(images.dtype)) / self.dino_std.to(images.dtype)
+        mean, std = (images.new_tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        dino_images = ((images + 1.0) / 2.0 - mean) / std
         return torch.cat([self.featurizer(dino_images), self.fused_featurizer(images)], -1)
 
 
@@ -369,19 +371,42 @@ class OpenVLAOFTPolicy(Policy):
         self.proprio_projector = ProprioProjector(d.max_state_dim, d.width)
         # one token per action dim, so the head's input is action_dim hidden states (as OFT sizes it by ACTION_DIM)
         self.action_head = L1RegressionActionHead(d.width, self.action_dim, d.head_blocks)
-        with torch.no_grad():  # like a PPO actor's last layer: the first means are ~0 and exploration is the std's
-            self.action_head.model.fc2.weight.mul_(0.01)
-            self.action_head.model.fc2.bias.zero_()
+        with torch.no_grad():
+            self.init_head("action_head", reset=False)
         # RL heads. std = exp(log_std), log_std = log min + (log max - log min) sigmoid(logit): bounded, and smooth
         # at the bounds (a clamp would stop the gradient there)
         self.log_std_min, self.log_std_max = math.log(action_std_min), math.log(action_std_max)
-        span = self.log_std_max - self.log_std_min
-        frac = min(max((math.log(action_std_init) - self.log_std_min) / span, 1e-4), 1 - 1e-4) if span > 0 else 0.5
-        self.log_std_logit = nn.Parameter(torch.full((self.action_dim,), math.log(frac / (1 - frac))))
+        self.action_std_init = action_std_init
+        self.log_std_logit = nn.Parameter(torch.empty(self.action_dim))
+        with torch.no_grad():
+            self.init_head("log_std_logit")
         self.value_head = nn.Sequential(nn.Linear(d.width, d.width), nn.Tanh(), nn.Linear(d.width, 1))
 
     def rl_heads(self) -> list[str]:
         return ["value_head", "log_std_logit"]
+
+    def init_head(self, prefix: str, reset: bool = True) -> None:
+        """As the constructor: the L1 head's last layer near zero (like a PPO actor's: the first means are ~0 and
+        exploration is the std's), the std at action_std_init; `reset` first re-draws the layers' defaults."""
+        name = prefix.rstrip(".")
+        if name == "log_std_logit":
+            span = self.log_std_max - self.log_std_min
+            frac = min(max((math.log(self.action_std_init) - self.log_std_min) / span, 1e-4), 1 - 1e-4) if span else 0.5
+            self.log_std_logit.fill_(math.log(frac / (1 - frac)))
+            return
+        if reset:
+            super().init_head(prefix)
+        if name == "action_head":
+            self.action_head.model.fc2.weight.mul_(0.01)
+            self.action_head.model.fc2.bias.zero_()
+
+    def action_expert(self) -> list[str]:
+        """OFT's own modules: the L1 head and the proprio projector."""
+        return ["action_head.", "proprio_projector."]
+
+    def lora_targets(self) -> str:
+        """Llama-2's layers, as OFT fine-tunes OpenVLA (the vision backbone stays frozen)."""
+        return r"language_model\.model\.layers" + DECODER_PROJECTIONS
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
@@ -431,10 +456,11 @@ class OpenVLAOFTPolicy(Policy):
 
     def mean_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The L1 head's actions (B, H, action_dim) in float32 and the value (B,), from one backbone pass."""
-        hidden, prompt_len = self.encode(obs)
-        actions_hidden = hidden[:, prompt_len:]
-        mean = self.action_head.predict_action(actions_hidden).float()
-        return mean, self.value_head(actions_hidden.mean(1)).squeeze(-1).float()
+        with self.precision():
+            hidden, prompt_len = self.encode(obs)
+            actions_hidden = hidden[:, prompt_len:]
+            mean = self.action_head.predict_action(actions_hidden).float()
+            return mean, self.value_head(actions_hidden.mean(1)).squeeze(-1).float()
 
     @torch.no_grad()
     def predict_action(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:

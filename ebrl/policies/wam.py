@@ -49,7 +49,14 @@ from torch import nn
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.dit import AdaLayerNorm, BasicTransformerBlock, TimestepEncoder
 from ebrl.policies.flow import FlowPolicy, sample_flow_time
-from ebrl.policies.layers import BYTE_VOCAB, RMSNorm, byte_tokenize, camera_images, instruction_tokens
+from ebrl.policies.layers import (
+    BYTE_VOCAB,
+    RMSNorm,
+    byte_tokenize,
+    call_block,
+    camera_images,
+    instruction_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,15 @@ class WAMPolicy(FlowPolicy):
     def velocity_out(self) -> nn.Linear:  # type: ignore[override]
         return self.action_out_proj
 
+    def action_expert(self) -> list[str]:
+        """The action-specific projections; the DiT itself is shared by frames and actions, so it is the backbone
+        here (policy.train=lora adapts it)."""
+        return ["action_in_proj", "action_position", "action_out_proj", "state_proj"]
+
+    def lora_targets(self) -> str:
+        """The DiT blocks' attention and MLP projections."""
+        return r"blocks\.\d+\.(attn[12]\.to_(q|k|v|out)|ff\.net\.(0\.proj|2))"
+
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
         return byte_tokenize(texts, self.dims.max_tokens)
@@ -267,7 +283,8 @@ class WAMPolicy(FlowPolicy):
         text_kv, past = [], []
         for block in self.blocks:
             text_kv.append(block.cross_kv(text))
-            h, kv = block(h, temb, context_kv=text_kv[-1], context_mask=text_mask, groups=groups, shared=shared)
+            h, kv = call_block(block, block, h, temb, context_kv=text_kv[-1], context_mask=text_mask, groups=groups,
+                               shared=shared)
             past.append(kv)
         pooled = self.final_layer.norm.norm(h).mean(1)
         return {"text_kv": text_kv, "text_mask": text_mask, "past": past}, pooled
@@ -287,7 +304,7 @@ class WAMPolicy(FlowPolicy):
             times, sizes = [t_frames, t], [frames.shape[1], horizon]
         temb, shared = self.time_conditions(times)
         groups = torch.repeat_interleave(torch.arange(len(sizes), device=x.device),
-                                         torch.tensor(sizes, device=x.device))
+                                         torch.tensor(sizes, device=x.device), output_size=sum(sizes))
         mask = None
         if frames is not None and frames_visible is not None:
             n, past = x.shape[0], cond["past"][0][0].shape[2]
@@ -296,8 +313,8 @@ class WAMPolicy(FlowPolicy):
                               torch.ones(n, horizon, dtype=torch.bool, device=x.device)], 1)
             mask = keys[:, None, :].expand(-1, h.shape[1], -1)
         for block, text_kv, past_kv in zip(self.blocks, cond["text_kv"], cond["past"]):
-            h, _ = block(h, temb, context_kv=text_kv, context_mask=cond["text_mask"], past_kv=past_kv,
-                         attention_mask=mask, groups=groups, shared=shared)
+            h, _ = call_block(block, block, h, temb, context_kv=text_kv, context_mask=cond["text_mask"],
+                              past_kv=past_kv, attention_mask=mask, groups=groups, shared=shared)
         h, _ = self.final_layer.norm(h, temb, groups, shared)
         frame_velocity = self.final_layer.linear(h[:, : sizes[0]]) if frames is not None else None
         return h[:, -horizon:], frame_velocity, temb[:, -1]
@@ -317,32 +334,33 @@ class WAMPolicy(FlowPolicy):
         action-only path of rollouts is trained (module docstring). future_images: {camera: (B, H, W, 3) uint8},
         the frames at the chunk's end; a state-only env passes {} and gets zero frame terms.
         """
-        cond, _ = self.encode(obs)
-        weight = self.action_in_proj.weight
-        a = F.pad(actions.to(weight.device, weight.dtype), (0, self.flow_dim - actions.shape[-1]))
-        batch = a.shape[0]
-        noise = torch.randn_like(a)
-        t = sample_flow_time(batch, a)
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
-        zero = a.new_zeros(())
-        if not self.cameras:
-            h, _, _ = self.denoise(cond, x_t, t)
+        with self.precision():
+            cond, _ = self.encode(obs)
+            weight = self.action_in_proj.weight
+            a = F.pad(actions.to(weight.device, weight.dtype), (0, self.flow_dim - actions.shape[-1]))
+            batch = a.shape[0]
+            noise = torch.randn_like(a)
+            t = sample_flow_time(batch, a)
+            x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
+            zero = a.new_zeros(())
+            if not self.cameras:
+                h, _, _ = self.denoise(cond, x_t, t)
+                action = F.mse_loss(self.velocity_out(h)[..., : self.action_dim], (noise - a)[..., : self.action_dim])
+                return {"action": action, "frame": zero, "reconstruction": zero}
+            current, future = self.frames(obs), self.frames(future_images)
+            codec = self.frame_codec
+            target = self.patchify(codec.encode(future)).detach()  # the codec learns from reconstruction only
+            frame_noise = torch.randn_like(target)
+            t_frames = torch.rand(batch, device=a.device, dtype=a.dtype)
+            z_t = t_frames[:, None, None] * frame_noise + (1 - t_frames[:, None, None]) * target
+            visible = torch.rand(batch, device=a.device) >= self.FRAME_DROP
+            h, frame_velocity, _ = self.denoise(cond, x_t, t, z_t, t_frames, visible)
             action = F.mse_loss(self.velocity_out(h)[..., : self.action_dim], (noise - a)[..., : self.action_dim])
-            return {"action": action, "frame": zero, "reconstruction": zero}
-        current, future = self.frames(obs), self.frames(future_images)
-        codec = self.frame_codec
-        target = self.patchify(codec.encode(future)).detach()  # the codec learns from reconstruction only
-        frame_noise = torch.randn_like(target)
-        t_frames = torch.rand(batch, device=a.device, dtype=a.dtype)
-        z_t = t_frames[:, None, None] * frame_noise + (1 - t_frames[:, None, None]) * target
-        visible = torch.rand(batch, device=a.device) >= self.FRAME_DROP
-        h, frame_velocity, _ = self.denoise(cond, x_t, t, z_t, t_frames, visible)
-        action = F.mse_loss(self.velocity_out(h)[..., : self.action_dim], (noise - a)[..., : self.action_dim])
-        per_row = (frame_velocity - (frame_noise - target)).pow(2).mean((1, 2))
-        frame = (per_row * visible).sum() / visible.sum().clamp(min=1)
-        pixels = torch.cat([current, future])
-        reconstruction = F.mse_loss(codec.decode(codec.encode(pixels)), pixels)
-        return {"action": action, "frame": frame, "reconstruction": reconstruction}
+            per_row = (frame_velocity - (frame_noise - target)).pow(2).mean((1, 2))
+            frame = (per_row * visible).sum() / visible.sum().clamp(min=1)
+            pixels = torch.cat([current, future])
+            reconstruction = F.mse_loss(codec.decode(codec.encode(pixels)), pixels)
+            return {"action": action, "frame": frame, "reconstruction": reconstruction}
 
     @torch.no_grad()
     def imagine(self, obs: dict[str, torch.Tensor]) -> dict:

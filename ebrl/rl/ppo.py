@@ -14,6 +14,7 @@ weight proximal / behaviour, so stale data neither widens the trust region nor b
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
+from ebrl.policies.training import trained_parameters
+from ebrl.rl.optim import make_optimizer
 from ebrl.runtime.distributed import is_sharded
 
 
@@ -93,8 +96,10 @@ def ppo_loss(
     clip: float,
     behaviour_log_prob: torch.Tensor | None = None,
     is_clip: float = 2.0,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate per action, averaged over executed actions.
+    """Clipped surrogate per action, averaged over executed actions (over `count` of them: a micro-batch's share of
+    its minibatch's mean, so that the micro-batches' losses and stats add up to the minibatch's).
 
     new/old_log_prob, behaviour_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
     With `behaviour_log_prob` (decoupled PPO) `old_log_prob` is the proximal policy's: the ratio is clipped around
@@ -106,7 +111,7 @@ def ppo_loss(
     adv = advantage.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
     m = mask.float()
-    n = m.sum().clamp_min(1.0)
+    n = m.sum().clamp_min(1.0) if count is None else count
     if behaviour_log_prob is not None:
         if not is_clip > 0:
             raise ValueError(f"is_clip={is_clip} must be > 0 (the cap on the importance weight; 2.0 is usual)")
@@ -131,7 +136,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class PPOTrainer:
-    """Adam over the policy's parameters; `update` runs epochs x minibatches on one rollout.
+    """Adam over the parameters the policy trains (`policy.train`); `update` runs epochs x minibatches on one rollout,
+    each minibatch one optimizer step over `algo.micro_batch` rows at a time.
 
     Subclasses change how advantages are made by overriding `advantages` (GRPO: group-relative
     returns, no critic); the clipped loss, epochs, minibatches and early stop stay this one.
@@ -152,7 +158,7 @@ class PPOTrainer:
             ids = [self.device] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.model, device_ids=ids, process_group=group,
                                                  find_unused_parameters=True)
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
+        self.optimizer = make_optimizer(trained_parameters(policy), cfg.lr, cfg.get("optimizer_dtype", "float32"))
 
     def load_optimizer_state(self, state: dict) -> None:
         """Continue from a checkpoint's Adam moments, at this config's learning rate (a resumed run may change it).
@@ -217,12 +223,17 @@ class PPOTrainer:
         chunk, old_lp, mask = _flat(batch.chunk).to(dev), _flat(batch.log_prob).to(dev), _flat(batch.mask).to(dev)
         B = chunk.shape[0]
         mb = B // cfg.minibatches
+        rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
         self.policy.train()
         behaviour_lp = None
         if decoupled:
-            behaviour_lp, (old_lp, value) = old_lp, self.proximal(obs, chunk, extras, mb)
+            behaviour_lp, (old_lp, value) = old_lp, self.proximal(obs, chunk, extras, rows)
             # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks
             batch = dataclasses.replace(batch, value=value.view_as(batch.value).to(batch.value))
+        elif self.policy.compute_dtype != torch.float32:
+            # the data's weights are these, but a bfloat16 forward pass in other batch shapes (generation's) differs
+            # from this one by ~0.1 in log-prob per action: the ratio is taken against this pass's own numbers
+            old_lp = self.proximal(obs, chunk, extras, rows)[0]
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         ret = _flat(ret).to(dev) if ret is not None else None
@@ -236,36 +247,13 @@ class PPOTrainer:
         for _ in range(cfg.epochs):
             epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
-                new_lp, entropy, value = self.model(
-                    {k: v[idx] for k, v in obs.items()}, chunk[idx], {k: v[idx] for k, v in extras.items()}
-                )
-                pg_loss, stats = ppo_loss(new_lp, old_lp[idx], adv[idx], mask[idx], cfg.clip,
-                                          None if behaviour_lp is None else behaviour_lp[idx], is_clip)
-                m = mask[idx].float()
-                # without a critic the value head gets no loss (and no gradient); rows that executed no action (a
-                # failed simulator's, a stale chunk's) have no return to learn from
-                rows = m.amax(-1)
-                if ret is None:
-                    value_loss = pg_loss.new_zeros(())
-                elif bool(rows.all()):  # (the usual case, bit for bit the plain mean)
-                    value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
-                else:
-                    value_loss = 0.5 * ((value - ret[idx]).pow(2) * rows).sum() / rows.sum().clamp_min(1.0)
-                ent = (entropy * m).sum() / m.sum().clamp_min(1.0)
-                loss = pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, ret, mask,
+                                        is_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], cfg.max_grad_norm)
                 if isinstance(grad_norm, DTensor):  # sharded: the norm over every rank's shards
                     grad_norm = grad_norm.full_tensor()
-                step = {
-                    "losses/policy": pg_loss.detach(),
-                    "losses/entropy": ent.detach(),
-                    "train/grad_norm": grad_norm,
-                    **stats,
-                }
-                if ret is not None:
-                    step["losses/value"] = value_loss.detach()
+                step["train/grad_norm"] = grad_norm
                 # (under DDP every rank sees the same averaged gradient, so all skip the same steps)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
@@ -274,7 +262,7 @@ class PPOTrainer:
                 for k, v in step.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
-                epoch_kl += float(stats["train/approx_kl"]) / cfg.minibatches
+                epoch_kl += float(step["train/approx_kl"]) / cfg.minibatches
             if cfg.target_kl is not None and self._mean_over_ranks(epoch_kl) > cfg.target_kl:
                 stopped_early = 1.0  # the policy moved far enough from the one that collected the data
                 break
@@ -284,6 +272,44 @@ class PPOTrainer:
         out["train/nonfinite_steps"] = float(skipped)
         out.update(metrics)
         return out
+
+    def _accumulate(self, idx: torch.Tensor, parts: tuple[torch.Tensor, ...], obs: dict[str, torch.Tensor],
+                    chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,
+                    behaviour_lp: torch.Tensor | None, adv: torch.Tensor, ret: torch.Tensor | None, mask: torch.Tensor,
+                    is_clip: float) -> dict[str, torch.Tensor]:
+        """The gradient of minibatch `idx`'s loss, one backward pass per part (micro-batch) adding up to it: every
+        part's terms are divided by the whole minibatch's counts. Returns the minibatch's loss terms and stats."""
+        cfg = self.cfg
+        m = mask[idx].float()
+        actions = m.sum().clamp_min(1.0)
+        # without a critic the value head gets no loss (and no gradient); rows that executed no action (a failed
+        # simulator's, a stale chunk's) have no return to learn from
+        value_rows = m.amax(-1).sum().clamp_min(1.0)
+        out: dict[str, torch.Tensor] = {}
+        for i, part in enumerate(parts):
+            with self._sync_gradients(i == len(parts) - 1):
+                new_lp, entropy, value = self.model(
+                    {k: v[part] for k, v in obs.items()}, chunk[part], {k: v[part] for k, v in extras.items()}
+                )
+                pm = mask[part].float()
+                pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
+                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, actions)
+                value_loss = (pg_loss.new_zeros(()) if ret is None else
+                              0.5 * ((value - ret[part]).pow(2) * pm.amax(-1)).sum() / value_rows)
+                ent = (entropy * pm).sum() / actions
+                (pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent).backward()
+            terms = {"losses/policy": pg_loss.detach(), "losses/entropy": ent.detach(), **stats}
+            if ret is not None:
+                terms["losses/value"] = value_loss.detach()
+            for k, v in terms.items():
+                out[k] = out[k] + v if k in out else v
+        return out
+
+    def _sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
+        """Under DDP, all-reduce the gradients at the minibatch's last backward pass only."""
+        if last or not isinstance(self.model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def _mean_over_ranks(self, value: float) -> float:
         """`value` averaged over the data-parallel ranks, so that they all take the same decision (the same

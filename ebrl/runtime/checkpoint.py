@@ -3,18 +3,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ebrl.policies.base import Policy
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, corrupt or made for another policy; the message is one line."""
-
+from ebrl.policies.training import load_state, lora_scaling, merge_lora, split_lora
+from ebrl.policies.weights import CheckpointError, check_state_dict
 
 CHECKPOINT_FORMAT = 1
 
@@ -44,29 +41,62 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         raise
 
 
+def detached_copy(obj: Any) -> Any:
+    """A copy of a state dict's tensors, nested ones too (Adam's moments), on the host: what a checkpoint holds while
+    training goes on changing the originals in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: detached_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(detached_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Checkpoints written off the loop's critical path: `save` hands a checkpoint to a thread that writes it as
+    `atomic_save` does (temp file, fsync, rename, the one before kept as previous.pt) and returns. The next save and
+    `wait` wait for the write in flight; a failed write raises there."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, obj: Any, path: Path, keep_previous: bool = True) -> None:
+        """Write `obj` (whose tensors nothing changes any more: a copy) to `path` in the background."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(obj, path, keep_previous), name="ebrl-checkpoint")
+        self._thread.start()
+
+    def _write(self, obj: Any, path: Path, keep_previous: bool) -> None:
+        try:
+            atomic_save(obj, path, keep_previous)
+        except BaseException as e:  # noqa: BLE001  (raised in the loop's thread by wait)
+            self._error = e
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+IDENTITY = ("name", "preset", "variant", "chunk", "denoise_steps", "logprob", "train")
+
+
 def policy_identity(policy_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config keys that must match for weights to mean the same thing."""
-    return {k: policy_cfg.get(k) for k in ("name", "preset", "variant", "chunk", "denoise_steps", "logprob")}
+    """The config keys that must match for weights (and their optimizer state) to mean the same thing."""
+    return {k: policy_cfg.get(k) or ("all" if k == "train" else None) for k in IDENTITY}
 
 
-def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
-                     may_miss: tuple[str, ...] = ()) -> None:
-    """One line naming the first mismatched keys, or nothing when `state` fits `model` (keys under the prefixes in
-    `may_miss` may be absent)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state and not k.startswith(may_miss)]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in state and tuple(state[k].shape) != tuple(v.shape)]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-    if shapes:
-        problems.append(f"{len(shapes)} with other shapes (e.g. {'; '.join(shapes[:3])})")
-    if problems:
-        raise CheckpointError(f"{source} does not fit this policy: keys " + ", ".join(problems))
+def model_entries(state: dict[str, torch.Tensor], policy_cfg: dict[str, Any]) -> dict[str, Any]:
+    """A trainer's state dict as a checkpoint holds it: "model" in the family's layout (what evaluation and
+    generation load), "lora" the adapters apart with their "lora_scaling" (so that training resumes as it was)."""
+    base, lora = split_lora(state)
+    return {"model": base, "lora": lora, "lora_scaling": lora_scaling(policy_cfg)}
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -102,11 +132,15 @@ def checkpoint_file(path: str | Path) -> Path:
     return p / "checkpoints" / "last.pt" if p.is_dir() else p
 
 
-def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str) -> dict[str, Any]:
+def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str,
+                           resume: bool = True) -> dict[str, Any]:
     """A checkpoint (`load_checkpoint`) made for the policy `policy_cfg` configures; otherwise one line that starts
-    with `source` (the key that named it, e.g. "resume=runs/...") and names the policy keys that differ."""
+    with `source` (the key that named it, e.g. "resume=runs/...") and names the policy keys that differ. What was
+    trained (policy.train) must match only to `resume` training: the weights mean the same either way."""
     ckpt = load_checkpoint(path)
-    want, have = policy_identity(policy_cfg), ckpt["policy"]
+    want, have = policy_identity(policy_cfg), {"train": "all", **ckpt["policy"]}  # (older checkpoints trained all)
+    if not resume:
+        want["train"] = have["train"]
     if want != have:
         diff = ", ".join(f"policy.{k}={have[k]} (asked {want[k]})" for k in want if want[k] != have[k])
         raise CheckpointError(f"{source} holds a checkpoint of another policy: {diff}")
@@ -114,23 +148,15 @@ def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str) 
 
 
 def restore_weights(model: Policy, ckpt: dict[str, Any], source: str) -> None:
-    """Load a checkpoint's weights into `model`, or one line (starting with `source`) naming keys that do not fit."""
-    check_state_dict(model, ckpt["model"], source)
-    model.load_state_dict(ckpt["model"])
-
-
-def load_weights(model: Policy, path: str) -> None:
-    """Start from a local safetensors file (policy.checkpoint=...): the policy's own keys, or its family's published
-    layout as `Policy.import_state_dict` maps it; the RL heads may be absent and then keep their initialisation."""
-    from safetensors.torch import load_file
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise CheckpointError(f"policy.checkpoint={path} does not exist; give a local .safetensors file")
-    try:
-        state = load_file(str(p))
-    except Exception as e:
-        raise CheckpointError(f"policy.checkpoint={path} is not a readable safetensors file ({type(e).__name__})")
-    state, may_miss = model.import_state_dict(state)
-    check_state_dict(model, state, f"policy.checkpoint={path}", tuple(may_miss))
-    model.load_state_dict(state, strict=False)
+    """Load a checkpoint's weights into `model`, or one line (starting with `source`) naming keys that do not fit: a
+    trainer with LoRA adapters takes them as they were, any other policy the adapters folded in."""
+    base, lora = ckpt["model"], ckpt.get("lora")
+    if getattr(model, "lora_scaling", None) is not None:
+        try:
+            load_state(model, base, lora)
+        except KeyError as e:
+            raise CheckpointError(f"{source} does not fit this policy: {e}") from None
+        return
+    state = merge_lora(base, lora, ckpt.get("lora_scaling"))
+    check_state_dict(model, state, source)
+    model.load_state_dict(state)

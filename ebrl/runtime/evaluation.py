@@ -20,10 +20,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.config import ConfigError, rank_cores, validate
-from ebrl.envs.worker import SimWorkerPool
+from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
 from ebrl.runtime.checkpoint import checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.runtime.colocated import batch_obs
-from ebrl.runtime.experiment import build_policy, run_device, seed_everything
+from ebrl.policies.build import build_policy
+from ebrl.runtime.experiment import run_device, seed_everything
 from ebrl.telemetry.report import ProgressBar, console, print_eval
 
 MODES = ("train", "eval")
@@ -104,7 +105,8 @@ class Evaluation:
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
         self.ckpt_path = checkpoint_file(cfg.checkpoint)
-        self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}")
+        self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}",
+                                           resume=False)
         trained_on = self.ckpt["config"]["env"]
         if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
             console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task={trained_on['task']}"
@@ -113,10 +115,11 @@ class Evaluation:
         self.device = run_device(cfg)
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed)
+        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed,
+                                  process_env=simulator_gpu_environment(cfg.hw.gpus))
         try:
             self.pool.start()
-            self.policy = build_policy(conf["policy"], self.pool.spec).to(self.device)
+            self.policy = build_policy(conf["policy"], self.pool.spec, self.device, weights="given")
             restore_weights(self.policy, self.ckpt, f"checkpoint={cfg.checkpoint}")
             self.policy.eval()  # as generation runs in training (PPOTrainer.update leaves it so)
             self.pool.attach(self.policy.chunk_len)

@@ -13,21 +13,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, describe
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
 from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
-from ebrl.envs.base import EnvSpec, one_line
-from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool
-from ebrl.policies.base import Policy
+from ebrl.envs.base import one_line
+from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
+from ebrl.policies.build import build_policy
 from ebrl.rl.grpo import GRPOTrainer, group_seeds
 from ebrl.rl.ppo import PPOTrainer, RolloutBatch
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
-    atomic_save,
+    CheckpointWriter,
+    detached_copy,
     load_policy_checkpoint,
-    load_weights,
+    model_entries,
     policy_identity,
     restore_weights,
 )
@@ -46,10 +47,17 @@ from ebrl.runtime.distributed import (
 )
 from ebrl.runtime.errors import RunStopped, remove_if_only_hydra_files
 from ebrl.runtime.pipeline import PipelineScheduler
-from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool
+from ebrl.runtime.resources import (
+    Lease,
+    MpsDaemons,
+    ResourceError,
+    ResourcePool,
+    apply_memory_budget,
+    visible_gpu,
+)
 from ebrl.runtime.trainer_process import TrainerError
 from ebrl.telemetry.metrics import MetricsLog
-from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
+from ebrl.telemetry.monitor import CpuSampler, GpuMonitor, gpu_free_bytes
 from ebrl.telemetry.plots import write_plots
 from ebrl.telemetry.report import ProgressBar, console, print_summary
 from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
@@ -105,15 +113,6 @@ def _share(lease: Lease) -> str:
     return "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
 
 
-def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec) -> Policy:
-    """Instantiate the policy class named by `_target_` for this env's observations and actions."""
-    kwargs = {k: v for k, v in policy_cfg.items() if k not in ("_target_", "name", "checkpoint")}
-    policy = get_class(policy_cfg["_target_"])(env_spec=spec, **kwargs)
-    if policy_cfg.get("checkpoint"):
-        load_weights(policy, policy_cfg["checkpoint"])
-    return policy
-
-
 class Experiment:
     """One training run: simulator workers, policy, trainer (PPO or GRPO) and the colocated schedule."""
 
@@ -140,6 +139,8 @@ class Experiment:
         self.mps: MpsDaemons | None = None  # hw.mps: one control daemon per GPU, for this run
         self.generation = "supervisor"  # or "process" (pipelined: config.generation_place)
         self.cpu_shares: ProcessCpu | None = None  # where the CPU went, per group of processes (while training)
+        self.writer = CheckpointWriter()  # checkpoints reach the disk in the background
+        self.memory_budgets: dict[str, int] = {}  # GPU bytes per stage (pipelined runs on a GPU: _plan_memory)
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -186,6 +187,8 @@ class Experiment:
         # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
         torch.set_flush_denormal(True)
 
+        # the simulators render on this rank's GPU: read before an MPS client's environment replaces this process's
+        sim_env = simulator_gpu_environment(cfg.hw.gpus)
         pipelined = cfg.scheduler.name != "colocated"
         self.generation = generation_place(cfg) if pipelined else "supervisor"
         if pipelined and cfg.scheduler.train_share is None:  # (disaggregated keeps the split that defines it)
@@ -200,23 +203,24 @@ class Experiment:
                 if self.resources.partition == "mps":  # before any CUDA starts: a client's share is fixed then
                     self.mps = MpsDaemons(range(gpus), self.out_dir)
                     self.mps.start()
-                    if self.generation == "supervisor":  # generation in this process: its share is this one's
-                        os.environ.update(self.resources.child_env("generate"))
-                    self.resources.on_requota("generate", self._requota_generation)
-                    self.resources.on_requota("train", self._requota_trainer)
             except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
                 raise ConfigError(str(e)) from None
         group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
         s = cfg.scheduler
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed, group_size=group_size,
                                   chunk_timeout_s=s.chunk_timeout_s, max_failures=s.max_sim_failures,
-                                  failure_window_s=s.sim_failure_window_s)
+                                  failure_window_s=s.sim_failure_window_s, process_env=sim_env)
         try:
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
+            if pipelined:
+                self._plan_memory()
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a
             # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
             here = torch.device("cpu") if self.generation == "process" else self.device
-            self.policy = build_policy(conf["policy"], self.pool.spec).to(here)
+            # colocated trains this policy (float32 masters of what it trains); a pipelined run's only acts. A resumed
+            # run's weights come from its checkpoint, so none are initialised
+            weights = "given" if self._resume_ckpt is not None else "init"
+            self.policy = build_policy(conf["policy"], self.pool.spec, here, train=not pipelined, weights=weights)
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise
@@ -228,10 +232,10 @@ class Experiment:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
             if pipelined:
-                optimizer = self._resume_ckpt["optimizer"] if self._resume_ckpt else None
+                resume = str(self.run_dir / "checkpoints" / "last.pt") if self._resume_ckpt else None
                 pooled = self.resources is not None
                 self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
-                                                   base_version=self.iteration, optimizer_state=optimizer,
+                                                   base_version=self.iteration, resume=resume,
                                                    generation=self.generation, seed=self.seed + 2,
                                                    spawn_env=self.resources.spawn_env if pooled else None)
                 if pooled:
@@ -261,15 +265,45 @@ class Experiment:
 
         return dist.new_group(backend="nccl") if self.device.type == "cuda" else dist.group.WORLD
 
+    def _plan_memory(self) -> None:
+        """Before the trainer and generation start (and any CUDA in this process): stop, with one line, when
+        /dev/shm or the GPU cannot hold what the memory model says the run needs; on a GPU lease generation and the
+        trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child)."""
+        cfg, spec = self.cfg, self.pool.spec
+        gpu = self.device.type == "cuda"
+        model = MemoryModel.of(self.conf["policy"], spec, cfg.algo.optimizer_dtype, self.device.type, trace=gpu)
+        chunks = (math.ceil(spec.max_episode_steps / model.chunk_len) if cfg.algo.name == "grpo"
+                  else cfg.algo.rollout_chunks)
+        rows = cfg.env.num_envs * chunks
+        one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
+        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
+        if gpu and self.resources is not None:
+            micro = cfg.algo.micro_batch or max(1, rows // cfg.algo.minibatches)
+            self.memory_budgets = budgets(model, self.resources.gpu_memory_bytes, cfg.env.num_envs, micro, rows,
+                                          rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
+            try:
+                self._lease_plan()
+            except ResourceError as e:
+                raise ConfigError(str(e)) from None
+        if self.resources is not None and self.resources.partition == "mps":
+            if self.generation == "supervisor":  # generation in this process: its share is this one's
+                os.environ.update(self.resources.child_env("generate"))
+            self.resources.on_requota("generate", self._requota_generation)
+            self.resources.on_requota("train", self._requota_trainer)
+        elif gpu and self.generation == "supervisor" and "generate" in self.memory_budgets:
+            apply_memory_budget(self.memory_budgets["generate"], 0)
+
     def _lease_plan(self) -> None:
-        """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares;
-        before there is a plan (calibrating), every core and no SM share. Attached processes move at once."""
+        """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares
+        and memory budgets (`_plan_memory`); before there is a plan (calibrating), every core and no SM share.
+        Attached processes move at once."""
         plan = self.allocator.current
         cpus = self.allocator.leases or {stage: self.cores for stage in ("simulate", "generate", "train")}
         gpu = 0 if self.cfg.hw.gpus else None
         for stage in ("generate", "train"):
             share = None if gpu is None or plan is None else plan.x[stage]
-            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=share)
+            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=share,
+                                 mem_bytes=self.memory_budgets.get(stage) if gpu is not None else None)
         self.resources.lease("simulate", cpus["simulate"])
 
     def _apply_plan(self) -> None:
@@ -289,16 +323,23 @@ class Experiment:
     def _requota_generation(self, lease: Lease) -> None:
         if self.generation != "process":  # (scheduler.generation=supervisor: this process's share is fixed)
             return self._requota_recorded(lease, "generation runs in this process (scheduler.generation=supervisor)")
+        free = gpu_free_bytes(visible_gpu(0)) if self.cfg.hw.gpus else None
+        need = self.memory_budgets.get("generate", 0)
+        overlap = free is None or free >= need  # (room for a second copy of generation's weights while it starts)
         with self.resources.spawn_env("generate"):
-            self.scheduler.generation.respawn(cpus=lease.cpus)
-        self._requota_started(lease, "generation", "the running one serves until it is ready")
+            self.scheduler.generation.respawn(cpus=lease.cpus, overlap=overlap)
+        how = ("the running one serves until it is ready" if overlap else
+               f"the GPU has {free / 2**30:.1f} GiB free and a second generation needs {need / 2**30:.1f}: the running "
+               "one stopped first, and generation waited for the new one")
+        self._requota_started(lease, "generation", how)
 
     def _requota_trainer(self, lease: Lease) -> None:
         if self.ranks.distributed:  # a successor would have to join the other ranks' process group
             return self._requota_recorded(lease, "the trainer is one of several ranks' data-parallel group")
         with self.resources.spawn_env("train"):
             self.scheduler.respawn_trainer(cpus=lease.cpus)
-        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state")
+        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state; "
+                              "the old one frees the GPU before the new one allocates")
 
     @staticmethod
     def _requota_started(lease: Lease, what: str, how: str) -> None:
@@ -547,33 +588,35 @@ class Experiment:
 
     def save_checkpoint(self, state: tuple[dict, dict] | None = None) -> Path:
         """checkpoints/last.pt at self.iteration: `state` (model, optimizer), or the state of this iteration's update
-        (pipelined: what the trainer process sent right after it)."""
+        (pipelined: what the trainer process sent right after it). Written in the background (`CheckpointWriter`):
+        the run goes on while it reaches the disk; the next save, and closing, wait for it."""
         path = self.run_dir / "checkpoints" / "last.pt"
         if state is not None:
             model, optimizer = state
-        elif self.trainer is None:
+        elif self.trainer is None:  # (the trainer process sent copies)
             model, optimizer = self.scheduler.gathered_state(self.iteration)
-        else:
-            model, optimizer = self.policy.state_dict(), self.trainer.optimizer.state_dict()
-        atomic_save(
-            {
-                "format": CHECKPOINT_FORMAT,
-                "policy": policy_identity(self.conf["policy"]),
-                "model": model,
-                "optimizer": optimizer,
-                "iteration": self.iteration,
-                "env_steps": self.env_steps,
-                "torch_rng": torch.get_rng_state(),
-                "numpy_rng": np.random.get_state(),
-                "wandb_id": self.log.wandb_id if self.log else None,
-                "config": self.conf,
-            },
-            path,
-            keep_previous=True,  # checkpoints/previous.pt: the one before, should this one turn out unreadable
-        )
+        else:  # colocated: the next update changes these in place
+            model, optimizer = detached_copy((self.policy.state_dict(), self.trainer.optimizer.state_dict()))
+        self.writer.save({
+            "format": CHECKPOINT_FORMAT,
+            "policy": policy_identity(self.conf["policy"]),
+            **model_entries(model, self.conf["policy"]),
+            "optimizer": optimizer,
+            "iteration": self.iteration,
+            "env_steps": self.env_steps,
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "wandb_id": self.log.wandb_id if self.log else None,
+            "config": self.conf,
+        }, path)  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
         return path
 
     def close(self) -> None:
+        try:
+            self.writer.wait()  # the last checkpoint on disk before anything goes
+        except OSError as e:
+            console.print(f"the last checkpoint was not written ({one_line(e)}); checkpoints/previous.pt is the one "
+                          "before", soft_wrap=True)
         if isinstance(getattr(self, "scheduler", None), PipelineScheduler):
             self.scheduler.close()
         if self.pool is not None:

@@ -22,7 +22,8 @@ import torch
 
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
-from ebrl.runtime.trainer_process import PipedProcess, WeightChannel, child_policy, report_failure
+from ebrl.runtime.channel import WeightChannel
+from ebrl.runtime.trainer_process import PipedProcess, child_policy, report_failure
 
 
 class GenerationError(RuntimeError):
@@ -74,6 +75,10 @@ class InProcessGeneration:
         """(B,) values by the weights held now (those that acted), no swap."""
         return _value(self.policy, obs, self.device)
 
+    def release(self) -> None:
+        """Let go of the trainer's device slots (it is about to be replaced); the weights held stay."""
+        self.channel.release()
+
     def close(self) -> None:
         pass
 
@@ -105,6 +110,9 @@ def generation_main(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightC
                     results.send(("sampled", _sample(policy, message[1], dev, version)))
                 elif message[0] == "value":
                     results.send(("value", _value(policy, message[1], dev)))
+                elif message[0] == "release":  # the trainer that owns the device slots is about to go
+                    channel.release()
+                    results.send(("released", None))
                 else:
                     raise ValueError(f"unknown request {message[0]!r}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
@@ -169,16 +177,31 @@ class GenerationProcess:
         """(B,) values by the weights the serving process holds (those that acted), no swap."""
         return self._worker.call(("value", obs), "value")
 
-    def respawn(self, cpus: Sequence[int] | None = None) -> None:
+    def release(self) -> None:
+        """Every process lets go of the trainer's device slots (it is about to be replaced); a successor that is
+        still starting is waited for first."""
+        self.wait_switch()
+        self._worker.call(("release",), "released")
+
+    def respawn(self, cpus: Sequence[int] | None = None, overlap: bool = True) -> None:
         """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
         on `cpus` if given; it takes over at the first call after it is ready. A successor still starting is
-        replaced by this one."""
+        replaced by this one. Without `overlap` (no room on the GPU for a second copy of the weights) the serving
+        process stops first and this call waits for the successor."""
         if cpus is not None:
             self._args = (*self._args[:3], list(cpus), *self._args[4:])
         if self._successor is not None:
             self._successor.close()
         self.respawns += 1
-        self._successor = self._start()
+        if overlap:
+            self._successor = self._start()
+            return
+        old_pid = self.pid
+        self._worker.close()
+        self._worker = self._start()
+        self._ready(self._worker, self.start_timeout)
+        if self.on_switch is not None:
+            self.on_switch(int(old_pid), self.pid)
 
     def wait_switch(self, timeout: float | None = None) -> None:
         """Block until a started successor serves (tests, and a run that must not end with one still starting)."""

@@ -37,12 +37,14 @@ from typing import Any, Callable, ContextManager, Sequence
 import numpy as np
 import torch
 
-from ebrl.config import train_core_count
+from ebrl.config import cuda_device_count, train_core_count
 from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
+from ebrl.policies.training import lora_scaling
 from ebrl.rl.ppo import RolloutBatch, batch_shapes
 from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
 from ebrl.runtime.generation import GenerationProcess, InProcessGeneration
+from ebrl.runtime.channel import WeightChannel
 from ebrl.runtime.resources import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
@@ -308,8 +310,8 @@ class PipelineScheduler:
     """Rollout by one event loop over simulator pipes and the trainer's pipe; see the module docstring."""
 
     def __init__(self, pool: SimWorkerPool, policy: Policy, timers: StageTimers, device: torch.device,
-                 conf: dict[str, Any], cores: Sequence[int], base_version: int = 0,
-                 optimizer_state: dict | None = None, generation: str = "supervisor", seed: int | None = None,
+                 conf: dict[str, Any], cores: Sequence[int], base_version: int = 0, resume: str | None = None,
+                 generation: str = "supervisor", seed: int | None = None,
                  spawn_env: Callable[[str], ContextManager] | None = None) -> None:
         self.pool, self.policy, self.timers, self.device = pool, policy, timers, device
         self.schedule = Schedule.from_config(conf["scheduler"])
@@ -336,7 +338,7 @@ class PipelineScheduler:
         cores = CorePool(self.sim_cpus) if self.schedule.core_rebinding else None
 
         train_device = str(device)
-        if device.type == "cuda" and k and torch.cuda.device_count() > 1:
+        if device.type == "cuda" and k and cuda_device_count() > 1:  # (NVML: starts no CUDA here)
             train_device = "cuda:1"  # disaggregated: training on its own GPU
         # training alone on its cores may use them all; sharing them with the rollout on CPU, one thread
         # (see experiment.generation_threads)
@@ -344,9 +346,12 @@ class PipelineScheduler:
         # each child starts in its stage's environment (spawn_env: a resource pool's MPS share and GPU)
         spawn_env = spawn_env or (lambda stage: contextlib.nullcontext())
         self.conf, self._train_threads, self._train_device = conf, threads, train_device
+        # on one GPU generation reads the trainer's published weights on the device (CUDA IPC), else from host memory
+        channel = WeightChannel(policy.state_dict(), torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
+                                cuda=device.type == "cuda" and train_device == str(device),
+                                lora_scaling=lora_scaling(conf["policy"]))
         with spawn_env("train"):
-            self.trainer = TrainerProcess(conf, pool.spec, policy, self.train_cpus, threads, train_device,
-                                          optimizer_state)
+            self.trainer = TrainerProcess(conf, pool.spec, channel, self.train_cpus, threads, train_device, resume)
         self._successor: TrainerProcess | None = None  # a trainer started to take over (respawn_trainer)
         self._retired: list[TrainerProcess] = []  # stopped predecessors, their pipes closed at close()
         self.on_trainer_switch: Callable[[int, int], None] | None = None  # (old pid, new pid), after a handover
@@ -449,18 +454,25 @@ class PipelineScheduler:
                        enumerate(np.array_split(np.arange(len(self.pool.workers)), groups))]
         self.group_of = {i: g for g in self.groups for i in g.envs}
 
-    def _park(self, group: _Group) -> bool:
-        """Hold a group at the requested regroup's segment boundary; once every group is held, split anew and
-        queue the new groups (their envs' observations are in shared memory). True if the group was held."""
-        if self.regroup_at is None or group.steps or group.segment < self.regroup_at[1]:
-            return False
+    def _next(self, group: _Group, ending: bool) -> str:
+        """What a served group does next: "start" its next chunk, "park" at a requested regroup's segment boundary,
+        or "wait" (more than `ahead` iterations beyond the updates done, or past the run's iterations). `ending`: its
+        segment ends in this serving (its segment count moves on)."""
+        segment = group.segment + ending
+        if self.regroup_at is not None and (ending or not group.steps) and segment >= self.regroup_at[1]:
+            return "park"
+        may = segment - self.trained <= self.schedule.ahead and segment < self.iterations
+        return "start" if may else "wait"
+
+    def _park(self, group: _Group) -> None:
+        """Hold a group at the requested regroup's segment boundary; once every group is held, split anew and queue
+        the new groups (their envs' observations are in shared memory)."""
         self.parked.append(group)
         if len(self.parked) == len(self.groups):
             groups, segment = self.regroup_at
             self.regroup_at, self.parked = None, []
             self._split(groups, segment)
             self.queue.extend(self.groups)
-        return True
 
     def respawn_trainer(self, cpus: Sequence[int] | None = None) -> None:
         """Start a successor trainer in this process's environment of the moment (a new MPS share: set it around
@@ -470,8 +482,8 @@ class PipelineScheduler:
         if self._successor is not None:
             self._successor.close()
         cpus = self.train_cpus = list(cpus) if cpus is not None else self.train_cpus
-        self._successor = TrainerProcess(self.conf, self.pool.spec, self.policy, cpus, self._train_threads,
-                                         self._train_device, channel=self.trainer.channel, wait=False)
+        self._successor = TrainerProcess(self.conf, self.pool.spec, self.trainer.channel, cpus, self._train_threads,
+                                         self._train_device, successor=True, wait=False)
 
     def wait_trainer_switch(self, timeout: float = 600.0) -> None:
         """Block until a started successor has taken over (tests; a run's end)."""
@@ -569,17 +581,19 @@ class PipelineScheduler:
                     g.steps[-1].pop("cut", None)
                     g.steps[-1].pop("final_obs", None)
             ending = [g for g in groups if len(g.steps) == self.chunks]
-            if ending:
-                envs = [i for g in ending for i in g.envs]
+            plan = {g.index: self._next(g, g in ending) for g in groups}
+            starting = [g for g in groups if plan[g.index] == "start"]
+            # a segment's bootstrap value: by the weights that acted, without sampling, for a group that does not go
+            # on now; a group that starts its next chunk gets it from that sample (its prefix runs once, with the
+            # newest weights)
+            held = [g for g in ending if plan[g.index] != "start"]
+            if held:
+                envs = [i for g in held for i in g.envs]
                 values = self.generation.value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
                 at = 0
-                for g in ending:
+                for g in held:
                     self._finish_segment(g, values[at: at + len(g.envs)])
                     at += len(g.envs)
-            starting = []
-            for g in groups:
-                if not self._park(g):
-                    (starting if self._may_start(g) else self.waiting).append(g)
             if starting:
                 envs = [i for g in starting for i in g.envs]
                 obs = self._batch_obs([self.pool.workers[i].obs for i in envs], envs)
@@ -590,6 +604,8 @@ class PipelineScheduler:
                 for g in starting:
                     rows = slice(at, at + len(g.envs))
                     at += len(g.envs)
+                    if g in ending:
+                        self._finish_segment(g, out.value[rows])
                     g.pending = dict(
                         obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows],
                         extras={k: v[rows] for k, v in out.extras.items()},
@@ -599,6 +615,11 @@ class PipelineScheduler:
                     for i, actions in zip(g.envs, chunk[rows].numpy()):
                         self.pool.workers[i].actions[: len(actions)] = actions
                     self.dispatcher.ready(g.envs)
+            for g in groups:
+                if plan[g.index] == "park":
+                    self._park(g)
+                elif plan[g.index] == "wait":
+                    self.waiting.append(g)
         self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in groups],
                        version=self.version, pid=self.generation.pid)
 
@@ -626,13 +647,18 @@ class PipelineScheduler:
 
     def _hand_over(self) -> None:
         """The trainer's state after every update sent to it goes to the ready successor, which trains from now on
-        (the dispatcher waits on its pipes from its next round); the old one stops."""
+        (the dispatcher waits on its pipes from its next round). The old one stops first, so its GPU memory is free
+        before the successor allocates (the successor built nothing until then); with the weights' slots on the GPU,
+        generation lets go of the old trainer's slots before it goes and keeps its weights until the successor's."""
         successor, self._successor = self._successor, None
         model, optimizer = self.training_state()  # the results of those updates are handled meanwhile
-        successor.load(model, optimizer)
+        if self.trainer.channel.cuda:
+            self.trainer.channel.withdraw()
+            self.generation.release()
         old, self.trainer = self.trainer, successor
         self.dispatcher.swap_trainer(successor)
         old.stop()
+        successor.load(model, optimizer)
         self._retired.append(old)
         if self.on_trainer_switch is not None:
             self.on_trainer_switch(int(old.process.pid), int(successor.process.pid))

@@ -242,6 +242,9 @@ class GreenPartition:
             ctx.pop_context()
 
 
+MEMORY_BUDGET_VAR = "EBRL_GPU_MEMORY_BYTES"  # a child's memory budget where no MPS daemon enforces one
+
+
 def apply_memory_budget(mem_bytes: int, device: int) -> float:
     """Cap this process's CUDA caching allocator at mem_bytes on `device` (past it an allocation raises
     OutOfMemoryError); returns the fraction of the device's memory that is."""
@@ -544,8 +547,11 @@ class ResourcePool:
         lease = self._held(stage)
         if lease.gpu is None:
             return {}
-        if self.partition != "mps":
-            return {"CUDA_VISIBLE_DEVICES": visible_gpu(lease.gpu)}
+        if self.partition != "mps":  # (a budget without MPS: torch's per-process cap, set by the child, start_worker)
+            env = {"CUDA_VISIBLE_DEVICES": visible_gpu(lease.gpu)}
+            if lease.mem_bytes is not None:
+                env[MEMORY_BUDGET_VAR] = str(lease.mem_bytes)
+            return env
         # our daemon of this GPU was started with CUDA_VISIBLE_DEVICES=<gpu> and shows it to clients as device 0;
         # without a run folder the child uses a system daemon that sees every GPU by its own index
         env = {"CUDA_VISIBLE_DEVICES": "0" if self.run_dir else visible_gpu(lease.gpu)}

@@ -1,11 +1,11 @@
 """The trainer in its own process (DESIGN.md sections 2.1 and 4): it trains on one rollout while the
 next one collects, and publishes each update's weights with a version number.
 
-Weights travel through shared memory (`WeightChannel`): the trainer copies its parameters into one
-shared set and bumps the version; generation copies them out at a chunk boundary when the version it
-holds is older. Rollout batches go to the trainer as torch tensors over a pipe (torch moves their
-storage to shared memory; only handles are pickled); results come back on another pipe, which the
-scheduler waits on beside the simulator pipes.
+Weights travel through the `WeightChannel` (ebrl/runtime/channel.py): after each update the trainer writes
+them, in policy.dtype, into the slot generation is not reading and bumps the version; generation copies them
+in at a chunk boundary when the version it holds is older. Rollout batches go to the trainer as torch tensors
+over a pipe (torch moves their storage to shared memory; only handles are pickled); results come back on
+another pipe, which the scheduler waits on beside the simulator pipes.
 """
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ebrl.envs.base import EnvSpec, one_line
+from ebrl.policies.build import build_policy
+from ebrl.policies.training import load_state
+from ebrl.runtime.channel import WeightChannel
+from ebrl.runtime.checkpoint import detached_copy
+from ebrl.runtime.resources import MEMORY_BUDGET_VAR, apply_memory_budget
 from ebrl.runtime.distributed import (
     Ranks,
     close_group,
@@ -35,40 +40,15 @@ class TrainerError(RuntimeError):
     """The trainer process failed or died; the message is its one-line reason."""
 
 
-class WeightChannel:
-    """The latest published weights in shared memory, with their version; a lock keeps a reader from
-    copying a half-written set."""
-
-    def __init__(self, module: torch.nn.Module, ctx: Any) -> None:
-        self.tensors = {k: v.detach().to("cpu").clone().share_memory_() for k, v in module.state_dict().items()}
-        self._version = ctx.Value("q", 0, lock=False)
-        self._lock = ctx.Lock()
-
-    @property
-    def version(self) -> int:
-        return int(self._version.value)
-
-    def publish(self, state: dict[str, torch.Tensor]) -> int:
-        """Copy these weights (a module's whole state dict) in and return the new version (trainer side)."""
-        with self._lock, torch.no_grad():
-            for key, value in state.items():
-                self.tensors[key].copy_(value)
-            self._version.value += 1
-            return int(self._version.value)
-
-    def pull(self, module: torch.nn.Module, have: int) -> int:
-        """Load the published weights into `module` if they are newer than version `have`; the version it now holds."""
-        if self.version == have:
-            return have
-        with self._lock:
-            module.load_state_dict(self.tensors)
-            return int(self._version.value)
-
-
 def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                  requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
-                 cpus: Sequence[int], threads: int, device: str, optimizer_state: dict | None) -> None:
+                 cpus: Sequence[int], threads: int, device: str, resume: str | None, successor: bool) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
+
+    The first weights: a resumed run's checkpoint (`resume`, the float32 masters and Adam state as they were), else
+    policy.checkpoint's file, else the supervisor's (version 0 of the channel). A `successor` (a respawn under a new
+    MPS share) holds nothing until its predecessor's state arrives: it allocates only once that one has gone.
+    With the channel's slots on the GPU, the trainer attaches its own once it holds weights.
 
     ("train", iteration, batch, decoupled, is_clip, gather)
         -> ("trained", iteration, metrics, version, start, published, end): the update ran [start, published), the
@@ -84,8 +64,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
     try:
-        # the supervisor's weights (a loaded checkpoint included)
-        policy, _ = child_policy(conf["policy"], spec, channel, cpus, threads, device, int(conf["seed"]) + 1)
+        start_worker(cpus, threads, int(conf["seed"]) + 1, device)
         ranks = Ranks.from_env()  # a child of the supervisor: torchrun's environment is ours too
         group = None
         if ranks.distributed:  # data-parallel with the other ranks' trainers
@@ -93,11 +72,20 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 torch.cuda.set_device(torch.device(device).index or 0)
             join_trainers(ranks, trainer_backend(device), float(conf["distributed"]["timeout_s"]))
             group = dist.group.WORLD
-            if conf["distributed"]["strategy"] == "fsdp":
+
+        def make_trainer(policy: torch.nn.Module) -> Any:
+            if group is not None and conf["distributed"]["strategy"] == "fsdp":
                 shard(policy)
-        trainer = TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device), group)
-        if optimizer_state is not None:
-            trainer.load_optimizer_state(optimizer_state)
+            return TRAINERS[conf["algo"]["name"]](policy, OmegaConf.create(conf["algo"]), torch.device(device), group)
+
+        policy = trainer = None
+        if not successor:
+            policy, checkpoint = trainer_policy(conf["policy"], spec, channel, device, resume)
+            trainer = make_trainer(policy)
+            if checkpoint is not None:
+                trainer.load_optimizer_state(checkpoint["optimizer"])
+            if channel.cuda:
+                channel.attach(device, full_state(policy))
         results.send(("ready",))
         while True:
             try:
@@ -118,32 +106,58 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                     metrics["dist/weights_sum"] = weights_sum(state)
                 results.send(("trained", iteration, metrics, version, start, published, time.perf_counter()))
                 if gather:
-                    results.send(("state", _copied(state), _copied(trainer.optimizer_state()), iteration))
+                    results.send(("state", detached_copy(state), detached_copy(trainer.optimizer_state()), iteration))
             elif message[0] == "load":  # a predecessor's state (one rank: see PipelineScheduler.respawn_trainer)
+                if policy is None:  # a successor: allocated now that the predecessor has gone
+                    policy = build_policy(conf["policy"], spec, device, train=True, weights="given")
+                    trainer = make_trainer(policy)
                 policy.load_state_dict(message[1])
                 trainer.load_optimizer_state(message[2])
+                if channel.cuda:
+                    channel.attach(device, full_state(policy))
             elif message[0] == "state":  # (not sharded: the gathering would need every rank's trainer at once)
-                results.send(("state", _copied(policy.state_dict()), _copied(trainer.optimizer_state()), None))
+                results.send(("state", detached_copy(policy.state_dict()), detached_copy(trainer.optimizer_state()),
+                              None))
             else:
                 raise ValueError(f"unknown request {message[0]!r}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
         report_failure(results, e)
 
 
-def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, seed: int) -> tuple[torch.nn.Module, int]:
+def start_worker(cpus: Sequence[int], threads: int, seed: int, device: str) -> None:
     """A spawned worker's start: its cores and threads, subnormals flushed as the supervisor does (experiment.py),
-    its seed, and the policy (eval mode) with the latest published weights; and their version."""
-    from ebrl.runtime.experiment import build_policy
-
+    its seed, and on a GPU without MPS its memory budget (ResourcePool.child_env)."""
     os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(seed)
-    policy = build_policy({**policy_conf, "checkpoint": None}, spec).to(device)
-    version = channel.pull(policy, -1)
-    policy.eval()
-    return policy, version
+    budget = os.environ.get(MEMORY_BUDGET_VAR)
+    if budget and torch.device(device).type == "cuda":
+        apply_memory_budget(int(budget), torch.device(device).index or 0)
+
+
+def trainer_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, device: str,
+                   resume: str | None) -> tuple[torch.nn.Module, dict | None]:
+    """The trainer's policy with its first weights (see trainer_main), and the resumed checkpoint (or None)."""
+    if resume is not None:  # the float32 masters as they were, not the channel's policy.dtype copy
+        policy = build_policy(policy_conf, spec, device, train=True, weights="given")
+        checkpoint = torch.load(resume, map_location="cpu", weights_only=False, mmap=True)
+        load_state(policy, checkpoint["model"], checkpoint.get("lora"))
+        return policy, checkpoint
+    if policy_conf.get("checkpoint"):  # the published file, read in full precision
+        return build_policy(policy_conf, spec, device, train=True), None
+    policy = build_policy(policy_conf, spec, device, train=True, weights="given")
+    channel.pull(policy, -1)
+    return policy, None
+
+
+def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, seed: int) -> tuple[torch.nn.Module, int]:
+    """A generation process's start (`start_worker`) and its policy (eval mode, policy.dtype) with the latest
+    published weights; and their version."""
+    start_worker(cpus, threads, seed, device)
+    policy = build_policy(policy_conf, spec, device, weights="given")
+    return policy, channel.pull(policy, -1)
 
 
 def report_failure(results: multiprocessing.connection.Connection, e: Exception) -> None:
@@ -152,18 +166,6 @@ def report_failure(results: multiprocessing.connection.Connection, e: Exception)
         results.send(("error", one_line(e)))
     except OSError:
         pass
-
-
-def _copied(obj: Any) -> Any:
-    """A copy of a state dict's tensors, nested ones too (Adam's moments). A tensor sent over the pipe shares its
-    storage with ours, and the next update changes the weights and moments in place while the supervisor saves."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _copied(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copied(v) for v in obj)
-    return obj
 
 
 class PipedProcess:
@@ -210,17 +212,16 @@ class TrainerProcess(PipedProcess):
 
     what = "trainer process"
 
-    def __init__(self, conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, cpus: Sequence[int],
-                 threads: int, device: str, optimizer_state: dict | None = None, start_timeout: float = 600.0,
-                 channel: WeightChannel | None = None, wait: bool = True) -> None:
-        """`channel`: publish into this one (a successor's: its predecessor's), else a new one from `policy`'s
-        weights. Without `wait` the caller takes the ("ready",) message itself."""
+    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, resume: str | None = None, successor: bool = False,
+                 start_timeout: float = 600.0, wait: bool = True) -> None:
+        """Start the trainer publishing into `channel` (see trainer_main for `resume` and `successor`). Without
+        `wait` the caller takes the ("ready",) message itself."""
         import torch.multiprocessing as tmp
 
-        ctx = tmp.get_context("spawn")
-        self.channel = channel or WeightChannel(policy, ctx)
-        super().__init__(ctx, trainer_main, "ebrl-trainer", (conf, spec, self.channel),
-                         (list(cpus), threads, device, optimizer_state))
+        self.channel = channel
+        super().__init__(tmp.get_context("spawn"), trainer_main, "ebrl-trainer", (conf, spec, channel),
+                         (list(cpus), threads, device, resume, successor))
         if wait:
             self.expect("ready", start_timeout)
 

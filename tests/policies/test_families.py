@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.base import Policy
+from ebrl.policies.build import family_kwargs
 from tests.conftest import compose_config, group_options
 
 STATE_DIM, ACTION_DIM = 10, 7
@@ -36,7 +37,7 @@ def make_spec(cameras: tuple[str, ...] = (), size: int | tuple[int, int] = 64, s
 def policy_kwargs(name: str, extra: tuple[str, ...] = (), **overrides: Any) -> tuple[type, dict[str, Any]]:
     """The class and constructor arguments `run.py policy=<name> <extra>` would build."""
     cfg = OmegaConf.to_container(compose_config(f"policy={name}", *extra).policy, resolve=True)
-    kwargs = {k: v for k, v in cfg.items() if k not in ("_target_", "name", "checkpoint")}
+    kwargs = family_kwargs(cfg)
     kwargs.update(overrides)
     return get_class(cfg["_target_"]), kwargs
 

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from ebrl.config import ConfigError
 from ebrl.policies.layers import run_layers
 from ebrl.policies.openpi import OpenPIPolicy
-from ebrl.runtime.checkpoint import CheckpointError, load_weights
+from ebrl.policies.weights import CheckpointError, load_weights
 from tests.policies.test_families import ACTION_DIM, STATE_DIM, learns_state_mapping, make_obs, make_spec
 
 

@@ -10,7 +10,7 @@ from ebrl.config import ALGOS, ConfigError, validate
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_seeds
 from ebrl.runtime.colocated import stack_steps
-from ebrl.runtime.experiment import build_policy
+from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
 from tests.runtime.test_run import SMALL, metrics, run_py
 
@@ -76,10 +76,12 @@ def one_episode_rollout(policy, chunks: int = 2, num_envs: int = 4):
     """What collect(reset_seeds=...) returns, from the policy's own samples on made-up states: env 0's
     episode ends in the first chunk (its later actions are masked), the others' in the last."""
     gen = torch.Generator().manual_seed(1)
-    tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([LIFT_SPEC.instruction] * num_envs))
+    spec = policy.env_spec
+    tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * num_envs))
     steps = []
     for t in range(chunks):
-        obs = {"state": torch.randn(num_envs, 60, generator=gen), "tokens": tokens, "token_mask": token_mask}
+        obs = {"state": torch.randn(num_envs, spec.obs["state"].shape[0], generator=gen), "tokens": tokens,
+               "token_mask": token_mask}
         out = policy.sample(obs)
         done = torch.tensor([t == 0] + [t == chunks - 1] * (num_envs - 1))
         mask = torch.ones(num_envs, policy.chunk_len, dtype=torch.bool)

@@ -5,7 +5,8 @@ from safetensors.torch import save_file
 
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.openpi import OpenPIPolicy
-from ebrl.runtime.checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_save, load_checkpoint, load_weights
+from ebrl.policies.weights import load_weights
+from ebrl.runtime.checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_save, detached_copy, load_checkpoint
 
 SPEC = EnvSpec(obs={"state": ArraySpec((12,), "float32")}, action_dim=7, instruction="lift the red cube",
                max_episode_steps=40)
@@ -78,13 +79,11 @@ def test_safetensors_start_loads_and_mismatch_names_keys(tmp_path):
 
 def test_the_trainers_state_message_is_a_copy_the_next_update_leaves_alone():
     # tensors sent over a pipe share storage with the sender; Adam updates its moments in place
-    from ebrl.runtime.trainer_process import _copied
-
     weight = torch.nn.Parameter(torch.ones(3))
     adam = torch.optim.Adam([weight])
     weight.grad = torch.ones(3)
     adam.step()
-    sent = _copied({"model": {"weight": weight}, "optimizer": adam.state_dict()})
+    sent = detached_copy({"model": {"weight": weight}, "optimizer": adam.state_dict()})
     kept = [sent["model"]["weight"].clone(), sent["optimizer"]["state"][0]["exp_avg"].clone()]
     weight.grad = torch.full((3,), 5.0)
     adam.step()

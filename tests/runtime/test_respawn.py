@@ -49,7 +49,7 @@ def test_respawned_generation_and_trainer_take_over_with_their_new_environment_a
         obs = s._batch_obs([w.obs for w in exp.pool.workers], list(range(4)))
         sampled = s.generation.sample(obs)
         model, optimizer = s.training_state()
-        exp.policy.load_state_dict(s.trainer.channel.tensors)
+        exp.policy.load_state_dict(s.trainer.channel.state())
         with torch.no_grad():
             local = exp.policy.value(obs)
         served = s.generation.value(obs)

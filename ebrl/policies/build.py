@@ -1,0 +1,107 @@
+"""A policy as a run builds it (DESIGN.md section 11): in `policy.dtype`, on its device, its weights initialised by
+the family or left for the caller to load, its blocks checkpointed, and, for the trainer, what `policy.train` trains
+held in float32.
+
+With weights to come (a checkpoint, the published weights, a predecessor's state), the policy is built on the meta
+device and allocated once, in its dtype, without initialisation: no random init of billions of weights and no fit of
+the first policy that the loaded weights would overwrite. A published checkpoint that lacks the RL heads gets them
+initialised as the constructor would.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from hydra.utils import get_class
+
+from ebrl.envs.base import EnvSpec
+from ebrl.policies.base import Policy
+from ebrl.policies.layers import Block
+from ebrl.policies.training import prepare_training
+from ebrl.policies.weights import load_weights
+
+# policy.* keys the runtime applies; the rest are the family constructor's arguments
+RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha", "grad_checkpoint")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def family_kwargs(policy_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The family constructor's arguments in a resolved `policy` config."""
+    return {k: v for k, v in policy_cfg.items() if k not in RUNTIME_KEYS}
+
+
+def policy_dtype(policy_cfg: dict[str, Any], device: torch.device | str) -> torch.dtype:
+    """policy.dtype, or bfloat16 for the full preset and for CUDA, float32 otherwise (tiny and small on CPU)."""
+    name = policy_cfg.get("dtype")
+    if name is None:
+        name = "bfloat16" if policy_cfg.get("preset") == "full" or torch.device(device).type == "cuda" else "float32"
+    return DTYPES[name]
+
+
+def grad_checkpointing(policy_cfg: dict[str, Any]) -> bool:
+    """policy.grad_checkpoint, or on for the full preset."""
+    on = policy_cfg.get("grad_checkpoint")
+    return policy_cfg.get("preset") == "full" if on is None else bool(on)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters a constructor creates are in `dtype` (and initialised in it: one allocation, no cast)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def materialize(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Allocate a meta-device module's parameters and buffers on `device`, floating-point ones in `dtype`, without
+    initialising them (the caller loads them)."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                kind = dtype if p.is_floating_point() else p.dtype
+                sub._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
+                                                           requires_grad=p.requires_grad)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype,
+                                                 device=device)
+
+
+def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device | str = "cpu", *,
+                 train: bool = False, weights: str = "init") -> Policy:
+    """The policy `policy_cfg` (a resolved `policy` config) names, for this env, on `device`, in eval mode.
+
+    weights: "init" -> the family's initialisation, or `policy.checkpoint`'s file (with the RL heads it lacks
+    initialised); "given" -> allocated only, for the caller to load every weight (a run's checkpoint, the published
+    weights). train: the trainer's copy: what `policy.train` trains in float32 master weights (LoRA adapters
+    added), the rest frozen in policy.dtype, and the blocks checkpointed if `policy.grad_checkpoint`.
+    """
+    dtype = policy_dtype(policy_cfg, device)
+    if torch.device(device).type == "cuda":  # float32 matmuls in TF32 (a float32 policy's, a bfloat16 one's rest)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    cls = get_class(policy_cfg["_target_"])
+    checkpoint = policy_cfg.get("checkpoint") if weights == "init" else None
+    if weights == "given" or checkpoint:
+        with torch.device("meta"):
+            policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+        materialize(policy, device, dtype)
+        if checkpoint:
+            for prefix in load_weights(policy, checkpoint):  # what the file lacked: the constructor's init
+                with torch.no_grad():
+                    policy.init_head(prefix)
+    elif dtype == torch.float32 and torch.device(device).type == "cpu":  # (tiny and small: as they always were)
+        policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+    else:
+        with torch.device(device), default_dtype(dtype):
+            policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+    policy.compute_dtype = dtype
+    if train:
+        prepare_training(policy, policy_cfg)
+        for module in policy.modules():
+            if isinstance(module, Block):
+                module.grad_checkpoint = grad_checkpointing(policy_cfg)
+    return policy.eval()

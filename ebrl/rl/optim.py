@@ -1,0 +1,66 @@
+"""The trainer's optimizer: Adam over the parameters `policy.train` trains, its moments in `algo.optimizer_dtype`.
+
+float32 moments are torch's Adam. bfloat16 moments halve the optimizer's memory (for pi0 at full size, 26 GB of
+moments become 13 GB): each step computes in float32 and stores the moments back with stochastic rounding, since
+bfloat16's 8-bit mantissa would otherwise round away Adam's small per-step changes (v <- 0.999 v + 0.001 g^2 moves v
+by less than half a bfloat16 step, so round-to-nearest would freeze it).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHUNK = 1 << 24  # elements per slice of a step
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float, moments: str = "float32",
+                   eps: float = 1e-5) -> torch.optim.Optimizer:
+    """Adam at `lr` with its moments in `moments` (float32 | bfloat16)."""
+    if DTYPES[moments] == torch.float32:
+        return torch.optim.Adam(params, lr=lr, eps=eps)
+    return LowPrecisionAdam(params, lr=lr, eps=eps, state_dtype=DTYPES[moments])
+
+
+def stochastic_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up with the probability of the dropped fraction (unbiased in expectation)."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # (exact: the low bits are zero)
+
+
+class LowPrecisionAdam(torch.optim.Optimizer):
+    """Adam (Kingma and Ba 2015, no weight decay) with its moments held in `state_dtype` (see the module docstring);
+    the parameters keep their own dtype (the trainer's float32 master weights)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-5, state_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+        self.state_dtype = state_dtype
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+                step = float(state["step"])
+                lr1, c2 = group["lr"] / (1 - beta1 ** step), 1 - beta2 ** step
+                # in slices, so that the float32 temporaries stay small beside a 0.5B-parameter embedding table
+                flat = [t.view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                for start in range(0, p.numel(), CHUNK):
+                    param, grad, m, v = (t[start: start + CHUNK] for t in flat)
+                    g = grad.float()
+                    m32 = m.float().lerp_(g, 1 - beta1)
+                    v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    m.copy_(stochastic_round(m32))
+                    v.copy_(stochastic_round(v32))
+                    param.add_(m32.div_(v32.div_(c2).sqrt_().add_(group["eps"])).mul_(-lr1).to(param.dtype))
