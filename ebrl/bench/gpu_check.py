@@ -10,6 +10,13 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   memory  a budget of 10% of the device memory: an allocation past it must raise OutOfMemoryError
   nvml    GpuMonitor readings during a matmul burst (GPM SM utilisation where supported)
   policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update
+  full    pi0 at full size in bfloat16 (2 cameras at 224 px), built with given weights: build time, policy.sample at
+          batch 1, 8 and 32, one PPO update (train=all) at algo.micro_batch=4; the peak memory allocated against the
+          memory model's prediction, and the CUDA context's size
+  publish one publication of a pi0-sized bfloat16 payload from a trainer process to a reader on the same GPU, through
+          CUDA IPC (the channel's device slots) and through shared memory (host slots): publish and pull times
+  ranks   torchrun with two ranks on two GPUs: each rank's supervisor and trainer on its own GPU (skipped on one GPU)
+  egl     a MuJoCo EGL rendering context on the GPU: the device memory one simulator's context holds
   run     python run.py hw=h200x1 scheduler=ebrl: MPS daemon, trainer and generation as clients, both respawned
           with the shares the plan gives them at iteration 2, the daemon's pipes gone at the end
 The figures also go to --out as JSON, rewritten after every check. Without CUDA it says so and exits 0.
@@ -35,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 N = 4096  # matmul size
-CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "run")
+CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "publish", "ranks", "egl", "run")
 
 
 class Skip(Exception):
@@ -301,6 +308,176 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     return all(math.isfinite(v) for v in metrics.values()), figures
 
 
+def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.alloc.memory import MemoryModel
+    from ebrl.bench.memory import compose, env_spec, fill, policy_config
+    from ebrl.policies.build import build_policy
+    from ebrl.rl.ppo import PPOTrainer, RolloutBatch
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    spec = env_spec(2)
+    cfg = policy_config("openpi", "all")
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # what the device holds beyond torch's allocator: this process's CUDA context (no other process runs now)
+    context_mib = round((total - free - torch.cuda.memory_reserved()) / 2**20)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    policy = build_policy(cfg, spec, cuda, train=True, weights="given")
+    fill(policy)
+    torch.cuda.synchronize()
+    figures: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2),
+                               "parameters_b": round(policy.num_parameters() / 1e9, 3)}
+
+    def obs_of(batch: int) -> dict[str, torch.Tensor]:
+        tokens, mask = policy.tokenize([spec.instruction] * batch)
+        out = {"state": torch.randn(batch, 8, device=cuda), "tokens": torch.from_numpy(tokens).to(cuda),
+               "token_mask": torch.from_numpy(mask).to(cuda)}
+        out.update({k: torch.randint(0, 256, (batch, 224, 224, 3), dtype=torch.uint8, device=cuda)
+                    for k in spec.obs if k.startswith("image/")})
+        return out
+
+    for batch in (1, 8, 32):
+        obs = obs_of(batch)
+        policy.sample(obs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            policy.sample(obs)
+        torch.cuda.synchronize()
+        figures[f"sample_ms_b{batch}"] = round(1e3 * (time.perf_counter() - t0) / 3, 1)
+    rows, micro = 8, 4
+    obs = obs_of(rows)
+    out = policy.sample(obs)
+    batch = RolloutBatch(obs={k: v[None] for k, v in obs.items()}, chunk=out.chunk[None],
+                         extras={k: v[None] for k, v in out.extras.items()}, log_prob=out.log_prob[None],
+                         value=out.value[None], reward=torch.randn(1, rows, device=cuda),
+                         done=torch.zeros(1, rows, dtype=torch.bool, device=cuda),
+                         mask=torch.ones(1, rows, policy.chunk_len, dtype=torch.bool, device=cuda),
+                         last_value=torch.zeros(rows, device=cuda), cutoff_value=torch.zeros(1, rows, device=cuda))
+    algo = compose("algo.epochs=1", "algo.minibatches=1", f"algo.micro_batch={micro}").algo
+    trainer = PPOTrainer(policy, algo, device=cuda)
+    trainer.update(batch)  # (the first step allocates Adam's moments)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    metrics = trainer.update(batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    predicted = MemoryModel.of(cfg, spec).trainer(micro, rows)
+    figures.update({"update_s": round(time.perf_counter() - t0, 2), "rows": rows, "micro_batch": micro,
+                    "peak_allocated_gib": round(peak / 2**30, 2), "predicted_gib": round(predicted.total / 2**30, 2),
+                    "error": round((predicted.total - peak) / peak, 3),
+                    "predicted": {k: round(v / 2**30, 2) for k, v in predicted.parts.items()},
+                    "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                    "nonfinite_steps": metrics["train/nonfinite_steps"]})
+    figures["cuda_context_mib"] = context_mib
+    return abs(figures["error"]) < 0.15, figures
+
+
+def publish_writer(channel: Any, numel: int, count: int, reports: Any) -> None:
+    """A trainer-like process: `count` publications of a state of `numel` bfloat16 values from its GPU."""
+    try:
+        state = {f"w{i}": torch.randn(numel // 16, device="cuda").to(torch.bfloat16) for i in range(16)}
+        if channel.cuda:
+            channel.attach("cuda", state)
+        reports.put(("ready", None))
+        times = []
+        for _ in range(count):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            channel.publish(state)
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.5)
+        reports.put(("done", times))
+        time.sleep(5)  # the device slots stay alive while the reader copies the last version
+    except Exception as e:
+        reports.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.runtime.channel import WeightChannel
+
+    numel = 3_246_475_057 // 16 * 16  # pi0's parameters, bfloat16
+    ctx = mp.get_context("spawn")
+    figures: dict[str, Any] = {"payload_gib": round(numel * 2 / 2**30, 2)}
+    for mode in ("cuda_ipc", "shared_memory"):
+        first = {f"w{i}": torch.zeros(numel // 16, dtype=torch.bfloat16) for i in range(16)}
+        channel = WeightChannel(first, ctx, torch.bfloat16, cuda=mode == "cuda_ipc")
+        del first
+        reader = torch.nn.Module()
+        for i in range(16):
+            reader.register_parameter(f"w{i}", torch.nn.Parameter(torch.empty(numel // 16, dtype=torch.bfloat16,
+                                                                              device="cuda")))
+        reports = ctx.Queue()
+        writer = ctx.Process(target=publish_writer, args=(channel, numel, 3, reports), daemon=True)
+        writer.start()
+        _collect(reports, 1, 180)
+        have, pulls = 0, []
+        while have < 3:
+            if channel.version > have:
+                t0 = time.perf_counter()
+                have = channel.pull(reader, have)
+                pulls.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+        publishes = _collect(reports, 1, 180)[0]
+        channel.release()
+        writer.join(30)
+        figures[mode] = {"publish_s": [round(t, 3) for t in publishes], "pull_s": [round(t, 3) for t in pulls]}
+        del reader, channel
+        torch.cuda.empty_cache()
+    ipc, shm = figures["cuda_ipc"], figures["shared_memory"]
+    figures["ipc_over_shm"] = round((min(ipc["publish_s"]) + min(ipc["pull_s"]))
+                                    / (min(shm["publish_s"]) + min(shm["pull_s"])), 3)
+    return figures["ipc_over_shm"] < 1.0, figures
+
+
+def check_ranks(args: argparse.Namespace) -> tuple[bool, dict]:
+    if torch.cuda.device_count() < 2:
+        raise Skip(f"{torch.cuda.device_count()} GPU: placing two ranks needs two")
+    code = ("import os, torch; from ebrl.runtime.distributed import Ranks, pin_gpu; r = Ranks.from_env(); pin_gpu(r); "
+            "torch.cuda.init(); import pynvml; pynvml.nvmlInit(); "
+            "print('RANK', r.rank, os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.get_device_properties(0).uuid)")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--no-python", sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    lines = sorted(line.split(maxsplit=3)[1:] for line in done.stdout.splitlines() if line.startswith("RANK"))
+    figures = {"ranks": lines, "exit": done.returncode}
+    return done.returncode == 0 and len(lines) == 2 and lines[0][2] != lines[1][2], figures
+
+
+def check_egl(args: argparse.Namespace) -> tuple[bool, dict]:
+    if importlib.util.find_spec("mujoco") is None:
+        raise Skip("mujoco is not installed")
+    code = ("import os; os.environ['MUJOCO_GL'] = 'egl'; import mujoco, time; "
+            "m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos=\"0 0 3\"/><geom type=\"box\" "
+            "size=\".1 .1 .1\"/></worldbody></mujoco>'); d = mujoco.MjData(m); r = mujoco.Renderer(m, 128, 128); "
+            "r.update_scene(d); r.render(); print('READY', flush=True); time.sleep(8)")
+    from ebrl.telemetry.monitor import open_nvml
+
+    nvml, why = open_nvml()
+    if nvml is None:
+        raise Skip(why)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MUJOCO_EGL_DEVICE_ID": "0"})
+    try:
+        ready = proc.stdout.readline().strip() == "READY"
+        time.sleep(1)
+        used = {p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+        used.update({p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)})
+    finally:
+        proc.kill()
+        err = proc.communicate()[1]
+        nvml.nvmlShutdown()
+    mib = (used.get(proc.pid) or 0) / 2**20
+    figures = {"rendered": ready, "egl_context_mib": round(mib, 1), "processes_seen": len(used)}
+    if not ready:
+        figures["stderr"] = err.strip().splitlines()[-2:]
+    return ready and mib > 0, figures
+
+
 def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
     """`python run.py hw=h200x1 scheduler=ebrl` end to end: MPS daemon, trainer and generation processes as clients,
     the plan calibrated at iteration 2 giving both their SM shares (a respawn each), the daemon stopped at the end."""
@@ -341,7 +518,8 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
     "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
-    "policy": check_policy, "run": check_run,
+    "policy": check_policy, "full": check_full, "publish": check_publish, "ranks": check_ranks, "egl": check_egl,
+    "run": check_run,
 }
 
 
@@ -368,7 +546,7 @@ def run_check(name: str, args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go as JSON")
-    parser.add_argument("--timeout", type=int, default=450, help="seconds for the whole script")
+    parser.add_argument("--timeout", type=int, default=470, help="seconds for the whole script")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only")
     parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
