@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHUNK = 1 << 24  # elements per slice of a step
@@ -28,6 +29,11 @@ def stochastic_round(x: torch.Tensor) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32)
     noise = torch.randint_like(bits, 0, 1 << 16)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # (exact: the low bits are zero)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (in place: the same storage); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):
@@ -54,8 +60,9 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 step = float(state["step"])
                 lr1, c2 = group["lr"] / (1 - beta1 ** step), 1 - beta2 ** step
-                # in slices, so that the float32 temporaries stay small beside a 0.5B-parameter embedding table
-                flat = [t.view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                # in slices, so that the float32 temporaries stay small beside a 0.5B-parameter embedding table; a
+                # sharded (FSDP) parameter's, its rank's shard
+                flat = [_local(t).view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 for start in range(0, p.numel(), CHUNK):
                     param, grad, m, v = (t[start: start + CHUNK] for t in flat)
                     g = grad.float()
