@@ -29,7 +29,9 @@ import torch
 
 from ebrl.policies.training import folded, load_state, split_lora
 
-VERSION, SEQ0, SEQ1, EPOCH, HANDLES = range(5)  # the meta tensor's cells; EPOCH: device slots' generation, 0 = none
+# the meta tensor's cells; EPOCH: which trainer's device slots readers open (0: none, or withdrawn), ATTACHED: how many
+# trainers have attached slots, so an epoch never repeats
+VERSION, SEQ0, SEQ1, EPOCH, HANDLES, ATTACHED = range(6)
 HANDLE_BYTES = 1 << 16
 
 
@@ -67,7 +69,7 @@ class WeightChannel:
         """`state`: the first weights (version 0), a state dict in the family's layout; `dtype`: the payload's."""
         self.entries, self.numel = layout(state)
         self.dtype, self.cuda, self.lora_scaling = dtype, cuda, lora_scaling
-        self.meta = torch.zeros(5, dtype=torch.int64).share_memory_()
+        self.meta = torch.zeros(6, dtype=torch.int64).share_memory_()
         self.handles = torch.zeros(HANDLE_BYTES, dtype=torch.uint8).share_memory_()
         # host slots: two, or one that only brings the first weights when the slots are on the GPU
         self.host = [torch.empty(self.numel, dtype=dtype).share_memory_() for _ in range(1 if cuda else 2)]
@@ -96,14 +98,16 @@ class WeightChannel:
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._device = [torch.empty(self.numel, dtype=self.dtype, device=device) for _ in range(2)]
-        self._write(self._device[self.version % 2], state)
+        with torch.no_grad():
+            self._write(self._device[self.version % 2], folded(*split_lora(state)))
         torch.cuda.synchronize(device)
         blob = pickle.dumps([reduce_tensor(slot) for slot in self._device])
         if len(blob) > HANDLE_BYTES:
             raise RuntimeError(f"CUDA IPC handles take {len(blob)} bytes, more than the channel's {HANDLE_BYTES}")
         self.handles[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         self.meta[HANDLES] = len(blob)
-        self._epoch = int(self.meta[EPOCH]) + 1
+        self.meta[ATTACHED] += 1
+        self._epoch = int(self.meta[ATTACHED])
         self.meta[EPOCH] = self._epoch
 
     def withdraw(self) -> None:
