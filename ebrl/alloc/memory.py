@@ -225,7 +225,7 @@ class MemoryModel:
         return Footprint(parts)
 
 
-def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_rows: int,
+def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
             rendering: bool, where: str, headroom: float = 1.25) -> dict[str, int]:
     """Each GPU stage's memory budget on one GPU of `gpu_bytes`: generation its footprint with `headroom`, the
     trainer the rest less the simulators' EGL contexts; one line (`where` names the hw) when the model says the run
@@ -233,7 +233,7 @@ def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int,
     from ebrl.config import ConfigError
 
     generate = int(headroom * (model.generation(num_envs).total + CUDA_CONTEXT_BYTES))
-    need = model.gpu(micro_batch, num_envs, rollout_rows // max(num_envs, 1), rendering)
+    need = model.gpu(micro_batch, num_envs, rollout_chunks, rendering)
     trainer = sum(v for k, v in need.parts.items() if k.startswith("trainer")) + need.parts["published slots"]
     egl = need.parts["EGL contexts"]
     trainer += CUDA_CONTEXT_BYTES

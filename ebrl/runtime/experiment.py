@@ -279,7 +279,7 @@ class Experiment:
         check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
         if gpu and self.resources is not None:
             micro = cfg.algo.micro_batch or max(1, rows // cfg.algo.minibatches)
-            self.memory_budgets = budgets(model, self.resources.gpu_memory_bytes, cfg.env.num_envs, micro, rows,
+            self.memory_budgets = budgets(model, self.resources.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
                                           rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
             try:
                 self._lease_plan()

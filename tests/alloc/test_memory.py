@@ -68,11 +68,11 @@ def test_the_meta_trace_bounds_what_a_real_pass_saves(name: str) -> None:
 def test_budgets_split_the_gpu_or_say_what_does_not_fit() -> None:
     model = MemoryModel.of(policy_config("openpi", "policy.preset=small"), LIFT_SPEC)
     gpu = 8 * 2**30
-    split = budgets(model, gpu, num_envs=8, micro_batch=4, rollout_rows=80, rendering=False, where="hw=test")
+    split = budgets(model, gpu, num_envs=8, micro_batch=4, rollout_chunks=10, rendering=False, where="hw=test")
     assert split["generate"] > model.generation(8).total and split["generate"] + split["train"] == gpu
     assert split["train"] > model.trainer(4, 80).total
     with pytest.raises(ConfigError) as e:
-        budgets(model, 2**30, num_envs=8, micro_batch=4, rollout_rows=80, rendering=True, where="hw=test")
+        budgets(model, 2**30, num_envs=8, micro_batch=4, rollout_chunks=10, rendering=True, where="hw=test")
     message = str(e.value)
     assert message.startswith("hw=test's GPU has 1.00 GiB and this run needs about") and "\n" not in message
     assert "policy.train=lora" in message and "algo.optimizer_dtype=bfloat16" in message

@@ -103,6 +103,9 @@ def test_a_build_with_given_weights_initialises_nothing(monkeypatch) -> None:
     """No fit of the first policy (and, built on the meta device, no random init of a real tensor): the trainer,
     generation and a resumed run load every weight themselves (the full preset's init and fit took minutes here)."""
     monkeypatch.setattr(FlowPolicy, "init_contracting_velocity", lambda *a, **k: pytest.fail("fitted"))
+    for name in ("openpi", "gr00t", "wam"):  # (an init build of these fits: the spy would fail it)
+        policy = build_policy(policy_config(name), make_spec(), weights="given")
+        assert all(not p.is_meta for p in policy.parameters())
     for name in ("openpi", "gr00t", "wam"):
         policy = build_policy(policy_config(name, "policy.preset=full"), make_spec(("base",), size=224),
                               weights="given", device="meta")
