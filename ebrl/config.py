@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -90,7 +90,9 @@ class PolicyConfig:
     name: str = MISSING
     preset: str = "tiny"  # tiny (CPU tests, <1M params) | small (CPU benchmark, a few M) | full (published shapes)
     chunk: Optional[int] = None  # actions per chunk; null: the preset's
-    checkpoint: Optional[str] = None  # local safetensors file to start from
+    # a checkpoint to start from: a folder as its writer saved it (lerobot save_pretrained, openpi PyTorch or
+    # converted, HF sharded) or a .safetensors file
+    checkpoint: Optional[str] = None
     # Weights and compute: float32 | bfloat16; null: bfloat16 for the full preset or a CUDA run, else float32. The
     # trainer keeps float32 master weights of what it trains and runs under autocast; log-densities stay float32
     dtype: Optional[str] = None
@@ -116,7 +118,23 @@ class FlowPolicyConfig(PolicyConfig):
 class OpenPIPolicyConfig(FlowPolicyConfig):
     _target_: str = "ebrl.policies.openpi.OpenPIPolicy"
     name: str = "openpi"
-    variant: str = "pi0"  # pi0 (state token, time mixed into the action tokens) | pi05 (adaRMS time, discrete state)
+    # pi0 (state token, time mixed into the action tokens) | pi05 (adaRMS time, discrete state); null: pi0, or the
+    # checkpoint's
+    variant: Optional[str] = None
+    # What a published checkpoint was trained with; a checkpoint folder fills what is left null (its tokenizer.model,
+    # statistics, config.json). tokenizer: PaliGemma's SentencePiece model file (null: byte-level stand-in)
+    tokenizer: Optional[str] = None
+    norm_stats: Optional[str] = None  # openpi norm_stats.json | lerobot policy_preprocessor.json | a folder with one
+    norm_mode: Optional[str] = None  # mean_std | quantiles; null: the checkpoint's (pi0 mean_std, pi05 quantiles)
+    # checkpoint camera slot -> env camera (null masks the slot), in the checkpoint's order, e.g.
+    # {base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, right_wrist_0_rgb: null}; null: the env's cameras
+    cameras: Optional[Dict[str, Optional[str]]] = None
+    action_dims: Optional[List[int]] = None  # the checkpoint action dim behind each env action dim; null: 0..A-1
+    action_scale: Optional[List[float]] = None  # a factor per env action dim (e.g. -1 flips a gripper's sign)
+    # whose processors made the prompts it was trained on: openpi | lerobot; null: lerobot for a lerobot policy
+    # folder, else openpi (ebrl/policies/tokenizer.py)
+    prompt_style: Optional[str] = None
+    dims: Optional[Dict[str, int]] = None  # sizes that replace the preset's (a checkpoint at sizes of its own)
 
 
 @dataclass
@@ -132,6 +150,10 @@ class OpenVLAOFTPolicyConfig(PolicyConfig):
 class GR00TPolicyConfig(FlowPolicyConfig):
     _target_: str = "ebrl.policies.gr00t.GR00TPolicy"
     name: str = "gr00t"
+    # the per-embodiment projectors' slot the policy runs: GR00T's EMBODIMENT_TAG_MAPPING (lerobot's groot processor
+    # the same): new_embodiment 31 (what fine-tunes train), gr1 24, agibot_genie1 26, oxe_droid 17, so100 2,
+    # unitree_g1 3; null: new_embodiment (31 at full; tiny/small have one slot, 0)
+    embodiment_id: Optional[int] = None
 
 
 @dataclass
@@ -252,6 +274,9 @@ class EvalConfig:
 
     episodes: int = 20  # complete episodes; success rate with a 95% Wilson interval over them
     videos: int = 2  # episodes saved as mp4 (the first ones; needs env.cameras)
+    # flow families: plain Euler steps over the velocity, no injected noise (how openpi and lerobot sample); false:
+    # the stochastic chain RL rolls out with
+    deterministic: bool = True
 
 
 @dataclass

@@ -3,6 +3,12 @@
 Benchmarks whose simulator stack conflicts with ours (LIBERO pins robosuite 1.4, we use 1.5.2)
 run their simulator workers under a virtual environment of their own, at
 `<root>/<benchmark>` with root = $EBRL_ENVS_DIR or ~/.cache/ebrl/envs. Standard library only.
+
+`lerobot` is not a benchmark but the reference implementation our pi0 / pi0.5 / GR00T parity tests
+compare against (tests/policies/lerobot_reference.py runs under it). lerobot 0.4.4 pins torch<2.11 and
+transformers<5, and its pi0/pi05 need openpi's patched transformers (`transformers-openpi` 4.53.3 on
+PyPI: transformers 4.53 with openpi's transformers_replace applied), so its venv sees this interpreter's
+packages (our torch, numpy) and installs exact pins without their dependencies on top.
 Idempotent: a marker file in the venv records the pins it was built with; a second run with the
 same pins does nothing. Prints one line per step; exits non-zero with one line on failure.
 """
@@ -40,6 +46,23 @@ BENCHMARKS: dict[str, list[str]] = {
         "praxis-robosuite==1.5.2.post1",
         "mujoco==3.3.1",
         "numpy==2.2.5",
+    ],
+}
+
+
+# Venvs on top of this interpreter's packages (--system-site-packages, pip --no-deps): the torch we have is reused,
+# not replaced by the gigabytes of another one. lerobot 0.4.4 is the newest lerobot release on PyPI (0.6 is not);
+# these are the packages `import lerobot.policies.{pi0,pi05,groot}` and their processors need, at versions inside
+# lerobot's and transformers-openpi's ranges. torchvision 0.28.0 is the release built for torch 2.13.0; PyPI's wheel
+# links CUDA, so its C ops do not load on a CPU torch (the reference script defines the two op schemas its Python
+# modules register against; none of the policies under test calls torchvision).
+REFERENCES: dict[str, list[str]] = {
+    "lerobot": [
+        "lerobot==0.4.4", "transformers-openpi==4.53.3", "huggingface-hub==0.35.3", "tokenizers==0.21.4",
+        "torchvision==0.28.0", "draccus==0.10.0", "mergedeep==1.3.4", "pyyaml-include==1.4.1", "toml==0.10.2",
+        "typing-inspect==0.9.0", "datasets==4.0.0", "dill==0.3.8", "multiprocess==0.70.16", "pandas==2.2.3",
+        "pytz==2025.2", "pyarrow==17.0.0", "diffusers==0.35.2", "pyserial==3.5", "deepdiff==8.6.1",
+        "orderly-set==5.5.0", "cachebox==5.0.1", "av==15.1.0", "einops==0.8.1", "sentencepiece==0.2.1",
     ],
 }
 
@@ -115,9 +138,10 @@ def du(path: Path) -> str:
 
 def setup(name: str) -> Path:
     """Build (or confirm) the venv of benchmark `name`; returns its interpreter."""
-    if name not in BENCHMARKS:
-        raise InstallError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}")
-    pins = BENCHMARKS[name]
+    if name not in BENCHMARKS and name not in REFERENCES:
+        raise InstallError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted({**BENCHMARKS, **REFERENCES}))}")
+    reference = name in REFERENCES
+    pins = REFERENCES[name] if reference else BENCHMARKS[name]
     venv = venv_dir(name)
     record = marker_record(name, pins)
     if is_current(venv, record):
@@ -130,12 +154,15 @@ def setup(name: str) -> Path:
         shutil.rmtree(venv)
     say(f"{name}: creating venv {venv} (Python {sys.version.split()[0]})")
     venv.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
+    run([sys.executable, "-m", "venv", "--clear", *(["--system-site-packages"] if reference else []), str(venv)],
+        "python -m venv")
     python = venv_python(venv)
-    say(f"{name}: pip install {' '.join(pins)}")
-    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], "pip install")
-    say(f"{name}: checking the installed packages")
-    run([str(python), "-m", "pip", "check"], "pip check")
+    say(f"{name}: pip install {'--no-deps ' if reference else ''}{' '.join(pins)}")
+    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *(["--no-deps"] if reference else []),
+         *pins], "pip install")
+    if not reference:  # (a reference venv's pins are exact and dependency-free on purpose: pip check would list
+        say(f"{name}: checking the installed packages")  # lerobot's torch<2.11 against the torch it reuses)
+        run([str(python), "-m", "pip", "check"], "pip check")
     marker.write_text(json.dumps(record, indent=1) + "\n")  # last: a marker means a complete setup
     say(f"{name}: ready in {time.perf_counter() - start:.0f} s, {du(venv)} on disk; interpreter: {python}")
     return python
@@ -145,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print(f"usage: {SETUP_COMMAND.format(name='<benchmark> [<benchmark> ...]')}  "
-              f"(benchmarks: {', '.join(sorted(BENCHMARKS))})", file=sys.stderr)
+              f"(benchmarks: {', '.join(sorted(BENCHMARKS))}; references: {', '.join(sorted(REFERENCES))})", file=sys.stderr)
         return 2
     try:
         for name in args:

@@ -9,7 +9,9 @@ Observation batches are dicts of tensors:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ContextManager
 
 import numpy as np
@@ -36,6 +38,7 @@ class Policy(nn.Module):
     env_spec: EnvSpec
     chunk_len: int  # H: actions per chunk
     action_dim: int  # env action dims
+    model_action_dim: int  # the model's real action dims (a checkpoint's; `to_env` maps them to the env's)
     cameras: list[str]  # the env's "image/<cam>" keys, sorted
 
     # a full preset may record the figure it is checked against: {variant or "default": (parameters, source)}
@@ -89,13 +92,19 @@ class Policy(nn.Module):
         published checkpoint does not have). Families whose public checkpoints name things differently map here."""
         return state, self.rl_heads()
 
-    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec) -> Any:
+    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec, dims: dict[str, int] | None = None) -> Any:
         """Take this env's spec (env_spec, action_dim, the sorted camera keys) and return the dims of
-        `policy.preset`; one line for an unknown preset or an env whose state (or actions) exceed the preset's
-        padded max_state_dim (max_action_dim)."""
+        `policy.preset`, with `policy.dims` (a checkpoint at sizes of its own) replacing some; one line for an unknown
+        preset or size, or an env whose state (or actions) exceed the padded max_state_dim (max_action_dim)."""
         if preset not in presets:
             raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
         d = presets[preset]
+        if dims:
+            known = [f.name for f in dataclasses.fields(d)]
+            unknown = [k for k in dims if k not in known]
+            if unknown:
+                raise ConfigError(f"policy.dims has no size {', '.join(unknown)}; accepted: {', '.join(known)}")
+            d = dataclasses.replace(d, **{k: int(v) for k, v in dims.items()})
         state_dim = env_spec.obs["state"].shape[0]
         if state_dim > d.max_state_dim:
             raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
@@ -105,8 +114,25 @@ class Policy(nn.Module):
             raise ConfigError(f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
                               f"{env_spec.action_dim}: use a preset with a larger max_action_dim")
         self.env_spec, self.action_dim = env_spec, env_spec.action_dim
+        self.model_action_dim = env_spec.action_dim
         self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
         return d
+
+    def to_env(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's actions (B, H, model_action_dim) as the env takes them (a checkpoint's families un-normalise and
+        map dims here); the identity by default."""
+        return x
+
+    def from_env(self, actions: torch.Tensor) -> torch.Tensor:
+        """Env actions (demonstrations) in the model's action space: `to_env`'s inverse."""
+        return actions.float()
+
+    @classmethod
+    def checkpoint_defaults(cls, folder: Path, config: dict, keys: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The family's constructor arguments completed from a checkpoint folder (its config.json as `config`, its
+        tensor names as `keys`): what the user left unset. Families whose folders carry more (tokenizer,
+        statistics) read them here."""
+        return kwargs
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Instruction strings -> (tokens (B, L) int64, mask (B, L) bool)."""

@@ -19,7 +19,7 @@ from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
 from ebrl.policies.layers import Block
 from ebrl.policies.training import prepare_training
-from ebrl.policies.weights import load_weights
+from ebrl.policies.weights import CheckpointError, checkpoint_config, checkpoint_folder, load_weights, weight_files
 
 # policy.* keys the runtime applies; the rest are the family constructor's arguments
 RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha", "grad_checkpoint")
@@ -71,6 +71,22 @@ def materialize(module: torch.nn.Module, device: torch.device | str, dtype: torc
                                                  device=device)
 
 
+def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The family's arguments completed from the checkpoint's folder (`Policy.checkpoint_defaults`): its config.json,
+    tensor names (read from the files' headers, not their data) and the files beside them."""
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for f in weight_files(checkpoint):
+        try:
+            with safe_open(str(f), "pt") as handle:
+                keys.extend(handle.keys())
+        except Exception as e:
+            raise CheckpointError(f"policy.checkpoint={checkpoint}: {f.name} is not a readable safetensors file "
+                                  f"({type(e).__name__})") from None
+    return cls.checkpoint_defaults(checkpoint_folder(checkpoint), checkpoint_config(checkpoint), keys, dict(kwargs))
+
+
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device | str = "cpu", *,
                  train: bool = False, weights: str = "init") -> Policy:
     """The policy `policy_cfg` (a resolved `policy` config) names, for this env, on `device`, in eval mode.
@@ -84,20 +100,23 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
     if torch.device(device).type == "cuda":  # float32 matmuls in TF32 (a float32 policy's, a bfloat16 one's rest)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     cls = get_class(policy_cfg["_target_"])
+    kwargs = family_kwargs(policy_cfg)
+    if policy_cfg.get("checkpoint"):  # what the checkpoint folder says (a run's own checkpoint too: the same file)
+        kwargs = checkpoint_kwargs(cls, policy_cfg["checkpoint"], kwargs)
     checkpoint = policy_cfg.get("checkpoint") if weights == "init" else None
     if weights == "given" or checkpoint:
         with torch.device("meta"):
-            policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+            policy = cls(env_spec=spec, **kwargs)
         materialize(policy, device, dtype)
         if checkpoint:
             for prefix in load_weights(policy, checkpoint):  # what the file lacked: the constructor's init
                 with torch.no_grad():
                     policy.init_head(prefix)
     elif dtype == torch.float32 and torch.device(device).type == "cpu":  # (tiny and small: as they always were)
-        policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+        policy = cls(env_spec=spec, **kwargs)
     else:
         with torch.device(device), default_dtype(dtype):
-            policy = cls(env_spec=spec, **family_kwargs(policy_cfg))
+            policy = cls(env_spec=spec, **kwargs)
     policy.compute_dtype = dtype
     if train:
         prepare_training(policy, policy_cfg)

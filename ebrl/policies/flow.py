@@ -125,32 +125,40 @@ class FlowPolicy(Policy):
         """x after Euler step k of a chain that started at `start`: the env's dims drawn around the step's mean, the
         padded dims at (1 - (k + 1) / K) x_0 on their straight path to 0 (module docstring)."""
         x = mean + log_std.exp() * noise
-        if self.action_dim == self.flow_dim:
+        if self.model_action_dim == self.flow_dim:
             return x
         t_next = 1.0 - (k + 1) / self.denoise_steps
-        return torch.cat([x[..., : self.action_dim], t_next * start[..., self.action_dim:]], -1)
+        return torch.cat([x[..., : self.model_action_dim], t_next * start[..., self.model_action_dim:]], -1)
 
     def log_density(self, x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
         """Gaussian log-density summed over the env's action dims (the padded dims are deterministic: no density)."""
         z = (x - mean) * torch.exp(-log_std)
-        return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi))[..., : self.action_dim].sum(-1)
+        return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi))[..., : self.model_action_dim].sum(-1)
 
     @torch.no_grad()
-    def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
-        """x_0 ~ N(0, I), then K stochastic Euler steps from t = 1 to t = 0; the chain goes to extras for evaluate."""
+    def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False,
+               noise: torch.Tensor | None = None) -> PolicySample:
+        """x_0 ~ N(0, I) (or `noise`, (B, H, flow_dim)), then K stochastic Euler steps from t = 1 to t = 0; the chain
+        goes to extras for evaluate. deterministic: plain Euler steps x + dt v over every dim, as openpi, lerobot and
+        GR00T sample (evaluation: a loaded checkpoint's real success); its log-probs are 0. The chunk is in the env's
+        action space (`to_env`), the chain in the model's."""
         with self.precision():
             cond, pooled = self.encode(obs)
             batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
             times = self.times(steps, device)
-            x = start = torch.randn(batch, self.chunk_len, self.flow_dim, device=device)
+            x = start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
+                         else noise.to(device, torch.float32))
             chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=device)
             for k in range(steps):
-                mean, log_std = self.step(x, times[k].expand(batch), cond)
-                x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
-                log_prob += self.log_density(x, mean, log_std)
+                if deterministic:
+                    x = x - self.velocity(x, times[k].expand(batch), cond)[0] / steps
+                else:
+                    mean, log_std = self.step(x, times[k].expand(batch), cond)
+                    x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
+                    log_prob += self.log_density(x, mean, log_std)
                 chain.append(x)
             value = self.value_head(pooled).squeeze(-1).float()
-        return PolicySample(chunk=x[..., : self.action_dim], log_prob=log_prob, value=value,
+        return PolicySample(chunk=self.to_env(x[..., : self.model_action_dim]), log_prob=log_prob, value=value,
                             extras={"chain": torch.stack(chain, 1)})
 
     @torch.no_grad()
@@ -171,7 +179,7 @@ class FlowPolicy(Policy):
             x = chain[:, :-1].reshape(batch * steps, horizon, dim)
             mean, log_std = self.step(x, self.times(steps, x.device).repeat(batch), cond)
             log_prob = self.log_density(chain[:, 1:].reshape_as(x), mean, log_std)
-            entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.action_dim].sum(-1)
+            entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.model_action_dim].sum(-1)
             value = self.value_head(pooled).squeeze(-1).float()
         return log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1), value
 
@@ -179,12 +187,13 @@ class FlowPolicy(Policy):
         """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (env action dims)."""
         with self.precision():
             cond, pooled = self.encode(obs)
-            a = F.pad(actions.to(pooled.device, torch.float32), (0, self.flow_dim - actions.shape[-1]))
+            a = self.from_env(actions.to(pooled.device, torch.float32))
+            a = F.pad(a, (0, self.flow_dim - a.shape[-1]))
             noise = torch.randn_like(a)
             t = sample_flow_time(a.shape[0], a)
             x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
             v, _ = self.velocity(x_t, t, cond)
-            return F.mse_loss(v[..., : self.action_dim], (noise - a)[..., : self.action_dim])
+            return F.mse_loss(v[..., : self.model_action_dim], (noise - a)[..., : self.model_action_dim])
 
     # --- the first policy ----------------------------------------------------------------------
     def neutral_obs(self) -> dict[str, torch.Tensor]:
@@ -223,14 +232,14 @@ class FlowPolicy(Policy):
             x = torch.randn(n, horizon, self.flow_dim, generator=generator).to(device)
             h, _ = self.features(x, self.times(steps, device).repeat(n // steps), cond)
         h = torch.cat([h.flatten(0, 1), h.new_ones(n * horizon, 1)], 1).float()
-        target = min(gain, steps) * x.flatten(0, 1)[:, : self.action_dim].float()
+        target = min(gain, steps) * x.flatten(0, 1)[:, : self.model_action_dim].float()
         ridge = 1e-3 * h.shape[0] * torch.eye(h.shape[1], device=device)
         solution = torch.linalg.solve(h.T @ h + ridge, h.T @ target)  # (feature_dim + 1, action_dim)
         out = self.velocity_out
         out.weight.zero_()
         out.bias.zero_()
-        out.weight[: self.action_dim] = solution[:-1].T.to(out.weight.dtype)
-        out.bias[: self.action_dim] = solution[-1].to(out.bias.dtype)
+        out.weight[: self.model_action_dim] = solution[:-1].T.to(out.weight.dtype)
+        out.bias[: self.model_action_dim] = solution[-1].to(out.bias.dtype)
         rows = min(n, 64, max(1, centre_tokens // horizon))  # 64 chains x H actions: the mean to ~0.01
         with self.precision():
             self.centre_actions(map_tensors(cond, lambda t: t[:rows]), rows, min(gain, steps), generator)
@@ -246,7 +255,7 @@ class FlowPolicy(Policy):
         linear, so after the first step the response is measured (the same chains and noise every round, so the
         change is the bias's alone) and the correction repeated.
         """
-        steps, dims = self.denoise_steps, self.action_dim
+        steps, dims = self.denoise_steps, self.model_action_dim
         times = self.times(steps, self.velocity_out.weight.device)
         start = torch.randn(rows, self.chunk_len, self.flow_dim, generator=generator).to(times.device)
         noise = [torch.randn(start.shape, generator=generator).to(start) for _ in range(steps)]

@@ -326,14 +326,29 @@ class SiglipVisionModel(nn.Module):
         return vm.post_layernorm(x)
 
 
+def resize_with_pad(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """openpi's resize_with_pad (shared/image_tools.py, the PyTorch version lerobot's pi0 also runs) on float
+    (N, 3, H, W) images in [-1, 1]: bilinear (no antialiasing) to the largest size of the same aspect ratio that
+    fits, clipped to [-1, 1], centred on black (-1) padding, the odd pixel at the bottom / right."""
+    cur_h, cur_w = images.shape[-2:]
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    out = F.interpolate(images, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    return F.pad(out, (left, width - new_w - left, top, height - new_h - top), value=-1.0)
+
+
 def camera_images(obs: dict[str, torch.Tensor], cameras: Sequence[str], size: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, pad: bool = False) -> torch.Tensor:
     """The cameras' uint8 (B, H, W, 3) images, each resized to size x size, as one (B * cameras, 3, size, size)
-    float batch in [-1, 1], camera-major within each row (row b's cameras are b*C .. b*C+C-1)."""
+    float batch in [-1, 1], camera-major within each row (row b's cameras are b*C .. b*C+C-1). pad: openpi's
+    resize-with-pad (`resize_with_pad`) instead of an antialiased stretch."""
     per_camera = []
     for cam in cameras:  # (resized in float32: antialiased resizing has no bfloat16 kernel on CPU)
         image = obs[cam].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-        if image.shape[-2:] != (size, size):  # cameras may differ in size: each is resized on its own
+        if image.shape[-2:] != (size, size) and pad:
+            image = resize_with_pad(image, size, size)
+        elif image.shape[-2:] != (size, size):  # cameras may differ in size: each is resized on its own
             image = F.interpolate(image, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
         per_camera.append(image.to(dtype))
     return torch.stack(per_camera, 1).flatten(0, 1)

@@ -9,14 +9,29 @@ transformers); flow matching with an Euler sampler (flow.py adds the stochastic 
 - pi0.5 (variant=pi05): the state is discretised into 256 bins, one token per dim, in the prefix; the time conditions
   every expert layer through adaptive RMSNorms with gated residuals (time_mlp_in/out -> adaRMS).
 Module and parameter names follow openpi's PyTorch port (as lerobot's pi0/pi05 policies save them, with their
-"model." prefix), so `policy.checkpoint=model.safetensors` loads a real checkpoint by name.
-Not reproduced: the PaliGemma SentencePiece tokenizer (a byte-level one stands in; no tokenizer file is fetched) and
-pi0.5's text-formatted state prompt (its state tokens are reserved ids at the top of the vocabulary instead).
+"model." prefix), so `policy.checkpoint=<folder>` loads a real checkpoint by name (`import_state_dict`,
+`checkpoint_defaults`).
+
+A checkpoint acts as it was trained (the parity tests compare it with lerobot 0.4.4's PI0Policy / PI05Policy):
+- the prompt is openpi's, through PaliGemma's SentencePiece model (`policy.tokenizer`, ebrl/policies/tokenizer.py),
+  pi0.5's with its discretised state written into the text; without a tokenizer file (the tiny and small presets) a
+  byte-level stand-in tokenizes, and pi0.5's state is then one reserved id per dim at the top of the vocabulary;
+- the state is normalised and the actions un-normalised with the checkpoint's statistics (`policy.norm_stats`,
+  ebrl/policies/normalize.py): the chain, its log-probs and RL's updates live in the normalised space, the env gets
+  the un-normalised actions, mapped to its dims by `policy.action_dims` / `policy.action_scale`;
+- images are resized with padding to 224 (openpi's resize_with_pad) in [-1, 1]; `policy.cameras` maps the
+  checkpoint's camera slots (base_0_rgb, left_wrist_0_rgb, right_wrist_0_rgb) to env cameras, and a slot no env
+  camera fills is masked as openpi masks it (its tokens are attended by nothing and take no position, so they are
+  left out of the sequence: the same outputs, less work);
+- `sample(obs, deterministic=True)` integrates the flow with plain Euler steps over every dim, as openpi samples.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,6 +40,8 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
+from ebrl.policies.normalize import Normalizer, find_norm_stats, read_norm_stats
+from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, find_tokenizer
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DECODER_PROJECTIONS,
@@ -41,6 +58,11 @@ from ebrl.policies.layers import (
 
 STATE_BINS = 256  # pi0.5 discretises each (normalised) state dim into 256 bins over [-1, 1]
 VARIANTS = ("pi0", "pi05")
+# openpi's camera slots, in the order its models take them (pi0_config: IMAGE_KEYS)
+OPENPI_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+# the Gemma sizes openpi names (gemma.get_config): width, depth, mlp, heads, kv_heads, head_dim
+GEMMA_VARIANTS = {"gemma_2b": (2048, 18, 16384, 8, 1, 256), "gemma_300m": (1024, 18, 4096, 8, 1, 256)}
+NORM_MODES = {"pi0": "mean_std", "pi05": "quantiles"}  # lerobot's normalization_mapping, openpi's use_quantile_norm
 
 
 @dataclass(frozen=True)
@@ -170,15 +192,37 @@ class OpenPIPolicy(FlowPolicy):
         "pi05": (3.3e9, "Physical Intelligence 2025, pi0.5 paper sec. IV: the pi0 architecture (3.3B) with adaRMS"),
     }
 
-    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", variant: str = "pi0", chunk: int | None = None,
+    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", variant: str | None = None, chunk: int | None = None,
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5) -> None:
+                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5, dims: dict[str, int] | None = None,
+                 tokenizer: str | None = None, norm_stats: str | None = None, norm_mode: str | None = None,
+                 cameras: dict[str, str | None] | None = None, action_dims: list[int] | None = None,
+                 action_scale: list[float] | None = None, prompt_style: str | None = None) -> None:
         super().__init__()
+        variant = variant or "pi0"
         if variant not in VARIANTS:
             raise ConfigError(f"policy.variant={variant!r} is not available; accepted: {', '.join(VARIANTS)}")
-        d = self.dims = self.bind(PRESETS, preset, env_spec)
+        d = self.dims = self.bind(PRESETS, preset, env_spec, dims)
         self.variant = variant
         pi05 = variant == "pi05"
+        self.bind_cameras(cameras)
+        self.tokenizer, self._decoded = None, {}  # (pi0.5: instruction ids -> their text)
+        if tokenizer:
+            self.tokenizer = PaligemmaTokenizer(tokenizer, (dims or {}).get("max_tokens") or MAX_TOKENS[variant],
+                                                prompt_style or "openpi")
+            if self.tokenizer.vocab_size > d.vocab:
+                raise ConfigError(f"policy.tokenizer={tokenizer} has {self.tokenizer.vocab_size} pieces, more than "
+                                  f"the preset's vocabulary of {d.vocab}")
+        self.normalizer = None
+        if norm_stats:
+            stats = read_norm_stats(norm_stats)
+            mode = norm_mode or stats.modes.get("action") or NORM_MODES[variant]
+            self.normalizer = Normalizer(stats, norm_mode or stats.modes.get("state") or NORM_MODES[variant], mode)
+        elif norm_mode:
+            raise ConfigError(f"policy.norm_mode={norm_mode} needs statistics: give policy.norm_stats=<file> or a "
+                              "checkpoint folder that has them")
+        self.bind_actions(action_dims, action_scale, self.normalizer.dims("action") if self.normalizer else None,
+                          d.max_action_dim)
         w = d.expert_width
         self.paligemma_with_expert = PaliGemmaWithExpert(d, bool(self.cameras), adaptive=pi05)
         self.action_in_proj = nn.Linear(d.max_action_dim, w)
@@ -223,8 +267,155 @@ class OpenPIPolicy(FlowPolicy):
         return r"paligemma_with_expert\.paligemma\.model\.language_model\.layers" + DECODER_PROJECTIONS
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
-        return byte_tokenize(texts, self.dims.max_tokens)
+        """The instruction's tokens: pi0's whole prompt with PaliGemma's tokenizer; for pi0.5, whose prompt holds the
+        state, the cleaned instruction alone (no BOS), which `embed_prefix` decodes and writes into the prompt with
+        each row's state. Without a tokenizer file, byte-level: BOS, then UTF-8 bytes + 3, to the preset's
+        max_tokens."""
+        if self.tokenizer is None:
+            return byte_tokenize(texts, self.dims.max_tokens)
+        if self.variant == "pi0":
+            return self.tokenizer.tokenize(texts)
+        from ebrl.policies.tokenizer import clean
+        return self.tokenizer.pad([self.tokenizer.processor.Encode(clean(t)) for t in texts])
+
+    def state_prompt_tokens(self, tokens: torch.Tensor, mask: torch.Tensor, state: torch.Tensor,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi0.5's prompt for each row: its instruction (decoded from `tokenize`'s ids) and its normalised state."""
+        assert self.tokenizer is not None
+        rows = [tuple(r[m].tolist()) for r, m in zip(tokens.cpu(), mask.cpu())]
+        texts = [self._decoded.get(r) or self._decoded.setdefault(r, self.tokenizer.decode(list(r))) for r in rows]
+        values = state.float()
+        if self.tokenizer.style == "lerobot":  # (lerobot digitises the zero-padded state)
+            values = F.pad(values, (0, self.dims.max_state_dim - values.shape[-1]))
+        out, out_mask = self.tokenizer.tokenize(texts, values.cpu().numpy())
+        return torch.from_numpy(out).to(tokens.device), torch.from_numpy(out_mask).to(tokens.device)
+
+    # --- cameras, state and actions as the checkpoint has them ------------------------------------
+    def bind_cameras(self, cameras: dict[str, str | None] | None) -> None:
+        """The camera slots in the checkpoint's order and the env image each reads (None: masked). Without a
+        mapping, every env camera in sorted order. One line for a slot mapped to a camera the env lacks."""
+        env_cameras = self.cameras  # (bind: the env's image keys, sorted)
+        if cameras is None:
+            self.camera_slots, self.camera_sources = [c[len("image/"):] for c in env_cameras], list(env_cameras)
+            return
+        have = [c[len("image/"):] for c in env_cameras]
+        for slot, cam in cameras.items():
+            if cam is not None and f"image/{cam}" not in env_cameras:
+                raise ConfigError(f"policy.cameras maps the checkpoint's camera {slot} to env camera {cam!r}, which "
+                                  f"the env lacks (env.cameras: {have or 'none'}); add it to env.cameras or map the "
+                                  f"slot to null to mask it")
+        self.camera_slots = list(cameras)
+        self.camera_sources = [None if cam is None else f"image/{cam}" for cam in cameras.values()]
+        self.cameras = [c for c in self.camera_sources if c is not None]
+
+    def bind_actions(self, action_dims: list[int] | None, action_scale: list[float] | None,
+                     stats_dims: int | None, max_action_dim: int) -> None:
+        """Which of the model's action dims drive which env dims, with what factor (e.g. -1 for a gripper whose sign
+        convention differs): `model_action_dim` real dims (the statistics', else the highest mapped + 1, else the
+        env's), the rest padding. One line for a mapping that does not fit."""
+        env_dim = self.env_spec.action_dim
+        if action_dims is None:
+            action_dims = list(range(env_dim))
+            if stats_dims is not None and stats_dims < env_dim:
+                raise ConfigError(f"the checkpoint's actions have {stats_dims} dims, the env's {env_dim}: give "
+                                  f"policy.action_dims (a checkpoint dim for each env dim)")
+        if len(action_dims) != env_dim:
+            raise ConfigError(f"policy.action_dims has {len(action_dims)} entries, the env's actions {env_dim} dims: "
+                              "give one checkpoint action dim per env dim")
+        model_dim = stats_dims if stats_dims is not None else max(max(action_dims) + 1, env_dim)
+        bad = [i for i in action_dims if not 0 <= i < model_dim]
+        if bad or model_dim > max_action_dim:
+            raise ConfigError(f"policy.action_dims={list(action_dims)} names dims outside the checkpoint's "
+                              f"{min(model_dim, max_action_dim)} action dims (0..{min(model_dim, max_action_dim) - 1})")
+        scale = [1.0] * env_dim if action_scale is None else [float(x) for x in action_scale]
+        if len(scale) != env_dim or 0.0 in scale:
+            raise ConfigError(f"policy.action_scale={action_scale} must give one non-zero factor per env action dim "
+                              f"({env_dim})")
+        self.model_action_dim = model_dim
+        identity = list(action_dims) == list(range(env_dim)) and model_dim == env_dim and set(scale) == {1.0}
+        self._action_map = None if identity else (list(action_dims), scale)
+
+    def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state if self.normalizer is None else self.normalizer.normalize("state", state).to(state.dtype)
+
+    def to_env(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, model_action_dim) normalised actions -> (B, H, env action dims) as the env takes them."""
+        if self.normalizer is not None:
+            x = self.normalizer.unnormalize("action", x)
+        if self._action_map is None:
+            return x
+        dims, scale = self._action_map
+        return x[..., dims] * torch.tensor(scale, dtype=x.dtype, device=x.device)
+
+    def from_env(self, actions: torch.Tensor) -> torch.Tensor:
+        """Env actions (B, H, env dims) -> the model's normalised (B, H, model_action_dim); dims no env dim maps
+        to are 0 (in the normalised space)."""
+        a = actions.float()
+        if self._action_map is not None:
+            dims, scale = self._action_map
+            out = a.new_zeros(*a.shape[:-1], self.model_action_dim)
+            out[..., dims] = a / torch.tensor(scale, dtype=a.dtype, device=a.device)
+            a = out
+        if self.normalizer is None:
+            return a
+        z = self.normalizer.normalize("action", a)
+        if self._action_map is not None:  # unmapped dims: 0 after normalisation too
+            mapped = torch.zeros(self.model_action_dim, dtype=torch.bool, device=a.device)
+            mapped[self._action_map[0]] = True
+            z = torch.where(mapped, z, torch.zeros_like(z))
+        return z
+
+    @classmethod
+    def checkpoint_defaults(cls, folder: Path, config: dict, keys: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The policy keys the user left unset, from the checkpoint folder: its tokenizer and statistics, the variant,
+        chunk, steps and sizes its config.json records (lerobot's policy config, openpi's converter record), and the
+        camera slots it was trained with. One line where the folder and an explicit setting disagree."""
+        out = dict(kwargs)
+        kind = config.get("type")
+        variant = {"pi0": "pi0", "pi05": "pi05"}.get(kind) if kind else None
+        if variant is None:  # openpi's converter does not record the variant: pi0.5 is the one with time_mlp_in
+            variant = "pi05" if any(k == "time_mlp_in.weight" or k.endswith(".time_mlp_in.weight") for k in keys) \
+                else "pi0"
+        if out.get("variant") not in (None, variant):
+            raise ConfigError(f"policy.checkpoint={folder} is a {variant} checkpoint, policy.variant={out['variant']}: "
+                              f"drop policy.variant or set it to {variant}")
+        out["variant"] = variant
+        if out.get("tokenizer") is None and find_tokenizer(folder) is not None:
+            out["tokenizer"] = str(find_tokenizer(folder))
+        if out.get("norm_stats") is None and find_norm_stats(folder) is not None:
+            out["norm_stats"] = str(find_norm_stats(folder))
+        if kind in ("pi0", "pi05") and out.get("prompt_style") is None:
+            out["prompt_style"] = "lerobot"  # a lerobot policy folder: trained on lerobot's processors' prompts
+        for ours, theirs in (("chunk", "chunk_size"), ("chunk", "action_horizon"),
+                             ("denoise_steps", "num_inference_steps")):
+            if out.get(ours) is None and config.get(theirs) is not None:
+                out[ours] = int(config[theirs])
+        dims = dict(out.get("dims") or {})
+        for ours, theirs in (("max_state_dim", "max_state_dim"), ("max_action_dim", "max_action_dim"),
+                             ("max_action_dim", "action_dim"), ("max_tokens", "tokenizer_max_length")):
+            if theirs in config and ours not in dims:
+                dims[ours] = int(config[theirs])
+        for key in ("paligemma_variant", "action_expert_variant"):  # (policy.dims, when given, says the sizes)
+            name = config.get(key)
+            if name is not None and not out.get("dims") and (name not in GEMMA_VARIANTS or out.get("preset") != "full"):
+                raise ConfigError(f"policy.checkpoint={folder} has {key}={name}: build it with policy.preset=full"
+                                  if name in GEMMA_VARIANTS else
+                                  f"{folder}/config.json: {key}={name} is not a size openpi names "
+                                  f"({', '.join(GEMMA_VARIANTS)}); give its sizes in policy.dims")
+        out["dims"] = dims or None
+        features = config.get("input_features") or {}
+        slots = [k[len("observation.images."):] for k in features if k.startswith("observation.images.")]
+        if slots and out.get("cameras") is None:
+            raise ConfigError(f"policy.checkpoint={folder} was trained on cameras {', '.join(slots)}: map them to env "
+                              f"cameras, e.g. policy.cameras='{{{slots[0]}: agentview}}' (a slot mapped to null, or "
+                              "left out, is masked)")
+        if slots and out.get("cameras") is not None:
+            unknown = [s for s in out["cameras"] if s not in slots]
+            if unknown:
+                raise ConfigError(f"policy.cameras names {', '.join(unknown)}, which the checkpoint has no slot for "
+                                  f"(its cameras: {', '.join(slots)})")
+            out["cameras"] = {s: out["cameras"].get(s) for s in slots}
+        return out
 
     # --- the prefix ------------------------------------------------------------------------------
     def state_tokens(self, state: torch.Tensor) -> torch.Tensor:
@@ -236,17 +427,19 @@ class OpenPIPolicy(FlowPolicy):
         """Image, language (and pi0.5's state) tokens (B, Lp, width) and which are real (B, Lp)."""
         weight = self.action_in_proj.weight
         device, dtype, d = weight.device, weight.dtype, self.dims
-        state = obs["state"].to(device, dtype)
+        state = self.normalize_state(obs["state"].to(device, torch.float32)).to(dtype)
         batch = state.shape[0]
         pali = self.paligemma_with_expert.paligemma.model
         parts, real = [], []
-        if self.cameras:
-            images = camera_images(obs, self.cameras, d.image_size, dtype, device)
+        if self.cameras:  # the slots an env camera fills; masked ones are left out (module docstring)
+            images = camera_images(obs, self.cameras, d.image_size, dtype, device, pad=True)
             image_tokens = pali.multi_modal_projector(pali.vision_tower(images)).reshape(batch, -1, d.width)
             parts.append(image_tokens)
             real.append(torch.ones(batch, image_tokens.shape[1], dtype=torch.bool, device=device))
         tokens, token_mask = instruction_tokens(obs, self.tokenize, self.env_spec.instruction, batch, device)
-        if self.variant == "pi05":
+        if self.variant == "pi05" and self.tokenizer is not None:
+            tokens, token_mask = self.state_prompt_tokens(tokens, token_mask, state)
+        elif self.variant == "pi05":
             tokens = torch.cat([tokens, self.state_tokens(state)], 1)
             token_mask = torch.cat([token_mask, torch.ones_like(state, dtype=torch.bool)], 1)
         parts.append(self.vlm.embed_tokens(tokens) * math.sqrt(d.width))
@@ -265,7 +458,7 @@ class OpenPIPolicy(FlowPolicy):
         if self.variant == "pi05":
             return PrefixCache(kv, mask), pooled
         # pi0's state token attends to the prefix and itself only: once per observation, then part of the cache
-        state = obs["state"].to(emb.device, emb.dtype)
+        state = self.normalize_state(obs["state"].to(emb.device, torch.float32)).to(emb.dtype)
         token = self.state_proj(F.pad(state, (0, self.dims.max_state_dim - state.shape[-1])))[:, None]
         ones = torch.ones(mask.shape[0], 1, dtype=torch.bool, device=mask.device)
         (state_out,), state_kv = run_layers([(token, self.expert.layers, None)], mask.sum(1, keepdim=True),
@@ -305,6 +498,12 @@ class OpenPIPolicy(FlowPolicy):
         the vision tower too. The RL heads may be missing."""
         if state and all(k.startswith("model.") for k in state):
             state = {k[len("model."):]: v for k, v in state.items()}
+        # PaliGemma ties lm_head to embed_tokens, and safetensors' save_model (openpi's converter and trainer, lerobot's
+        # save_pretrained) keeps one name of a shared tensor: lm_head's, dropping embed_tokens
+        embed, head = ("paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
+                       "paligemma_with_expert.paligemma.lm_head.weight")
+        if embed not in state and head in state:
+            state = {**state, embed: state[head]}
         drop = ("paligemma_with_expert.paligemma.lm_head.", "paligemma_with_expert.gemma_expert.lm_head.")
         if not self.cameras:
             drop += ("paligemma_with_expert.paligemma.model.vision_tower.",
@@ -332,4 +531,4 @@ class OpenPIPolicy(FlowPolicy):
             for layer in self.expert.layers:
                 layer.self_attn.o_proj.weight.zero_()
         self.action_in_proj.weight.zero_()
-        self.action_in_proj.weight[:, : self.action_dim].normal_(std=self.action_dim ** -0.5)
+        self.action_in_proj.weight[:, : self.model_action_dim].normal_(std=self.model_action_dim ** -0.5)

@@ -1,7 +1,17 @@
 """Weights that come from a file: a family's published checkpoint (`policy.checkpoint`), checked key by key against
-the policy before anything is loaded."""
+the policy before anything is loaded.
+
+`policy.checkpoint` is a file or a folder as its writer left it:
+- a safetensors file, or a folder with `model.safetensors` (openpi's JAX-to-PyTorch converter output and its PyTorch
+  training checkpoints, lerobot's `save_pretrained`), or with HF's sharded `model-0000N-of-0000M.safetensors` and
+  their `model.safetensors.index.json` (NVIDIA's GR00T release, OpenVLA);
+- a lerobot training output's step folder, whose `pretrained_model/` holds the above.
+The folder's other files (config.json, normalisation statistics, tokenizer) are read by the family (`Policy.
+import_state_dict` maps names; ebrl/policies/build.py passes the folder to the constructor).
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -34,20 +44,75 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: s
         raise CheckpointError(f"{source} does not fit this policy: keys " + ", ".join(problems))
 
 
-def load_weights(model: Policy, path: str) -> list[str]:
-    """Start from a local safetensors file (policy.checkpoint=...): the policy's own keys, or its family's published
-    layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads a
-    published checkpoint lacks); their parameters are left as they were."""
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def checkpoint_folder(path: str) -> Path | None:
+    """The folder holding a checkpoint's files (config.json, statistics, tokenizer): the folder given (or its
+    `pretrained_model/`), or the folder of the file given; None when the path does not exist."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p.parent
+    if not p.is_dir():
+        return None
+    return p / "pretrained_model" if (p / "pretrained_model" / SINGLE).is_file() or \
+        (p / "pretrained_model" / INDEX).is_file() else p
+
+
+def checkpoint_config(path: str) -> dict:
+    """The checkpoint folder's config.json (lerobot's policy config, openpi's converter record), or {}."""
+    folder = checkpoint_folder(path)
+    try:
+        return json.loads((folder / "config.json").read_text()) if folder else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def weight_files(path: str) -> list[Path]:
+    """The safetensors files a `policy.checkpoint` path names: the file, the folder's model.safetensors, or the
+    shards its index lists; one line when there is none."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [p]
+    folder = checkpoint_folder(path)
+    if folder is None:
+        raise CheckpointError(f"policy.checkpoint={path} does not exist; give a local checkpoint folder or "
+                              ".safetensors file")
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    if (folder / INDEX).is_file():
+        try:
+            shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{folder / INDEX} is not a safetensors index ({type(e).__name__})") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder / INDEX} lists {len(missing)} shards that are not there "
+                                  f"(e.g. {', '.join(missing[:3])})")
+        return [folder / s for s in shards]
+    raise CheckpointError(f"policy.checkpoint={path} holds no {SINGLE} or {INDEX}; give the checkpoint folder "
+                          "its writer saved, or a .safetensors file")
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint `path` names, in one flat dict under the file's own names."""
     from safetensors.torch import load_file
 
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise CheckpointError(f"policy.checkpoint={path} does not exist; give a local .safetensors file")
-    try:
-        state = load_file(str(p))
-    except Exception as e:
-        raise CheckpointError(f"policy.checkpoint={path} is not a readable safetensors file ({type(e).__name__})")
-    state, may_miss = model.import_state_dict(state)
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"policy.checkpoint={path}: {f.name} is not a readable safetensors file "
+                                  f"({type(e).__name__})") from None
+    return state
+
+
+def load_weights(model: Policy, path: str) -> list[str]:
+    """Start from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's published
+    layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads a
+    published checkpoint lacks); their parameters are left as they were."""
+    state, may_miss = model.import_state_dict(read_weights(path))
     check_state_dict(model, state, f"policy.checkpoint={path}", tuple(may_miss))
     model.load_state_dict(state, strict=False)
     return [prefix for prefix in may_miss if not any(k.startswith(prefix) for k in state)]

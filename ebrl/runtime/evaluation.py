@@ -183,7 +183,9 @@ class Evaluation:
             while any(done < want for done, want in zip(finished, quota)):
                 envs = [i for i in range(n) if finished[i] < quota[i]]
                 obs = batch_obs([workers[i].obs for i in envs], tokens, token_mask, envs)
-                chunks = policy.sample({k: v.to(self.device) for k, v in obs.items()}).chunk.float().cpu().numpy()
+                batch = {k: v.to(self.device) for k, v in obs.items()}
+                out = policy.sample(batch, deterministic=True) if cfg.eval.deterministic else policy.sample(batch)
+                chunks = out.chunk.float().cpu().numpy()
                 chunk_of = {i: chunks[row] for row, i in enumerate(envs)}
                 pos = dict.fromkeys(envs, 0)  # actions of its chunk each env has executed
                 while pos:

@@ -221,6 +221,10 @@ class Experiment:
             # run's weights come from its checkpoint, so none are initialised
             weights = "given" if self._resume_ckpt is not None else "init"
             self.policy = build_policy(conf["policy"], self.pool.spec, here, train=not pipelined, weights=weights)
+            if cfg.policy.preset == "full" and getattr(self.policy, "tokenizer", False) is None:
+                console.print(f"policy={cfg.policy.name} preset=full tokenizes with a byte-level stand-in: give "
+                              "policy.tokenizer=<paligemma_tokenizer.model> for the prompts the checkpoint was "
+                              "trained on", soft_wrap=True)
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise

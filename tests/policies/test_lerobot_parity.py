@@ -1,0 +1,131 @@
+"""Our pi0 / pi0.5 against lerobot 0.4.4's PI0Policy / PI05Policy (the reference users have; lerobot 0.6 is not on
+PyPI), on the same weights, observations, statistics and noise.
+
+lerobot_reference.py runs under lerobot's own interpreter (`python -m ebrl.envs.setup lerobot`) and writes, with
+lerobot's and safetensors' writers, its save_pretrained folder and openpi's converter layout of the same weights,
+plus what lerobot acts on a batch. We load both folders and compare: the tokens its processor gives (with a real
+SentencePiece model trained here), its normalised state, and its deterministic chunk through its post-processor.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ebrl.config import ConfigError
+from ebrl.envs.base import ArraySpec, EnvSpec
+from ebrl.envs.setup import benchmark_python
+from ebrl.policies.build import build_policy
+from ebrl.policies.layers import resize_with_pad
+from ebrl.policies.tokenizer import PaligemmaTokenizer
+
+REFERENCE = Path(__file__).with_name("lerobot_reference.py")
+CORPUS = ["pick up the black bowl between the plate and the ramekin and place it on the plate",
+          "put the cream cheese in the bowl", "open the top drawer and put the bowl inside", "turn on the stove",
+          "Task: lift the red cube, State: 12 128 255 0 77 3;\nAction: ", "push the plate to the front of the stove",
+          "put both the alphabet soup and the tomato sauce in the basket"]
+
+
+def train_sentencepiece(path: Path) -> Path:
+    """A small SentencePiece model trained the way Gemma's is set up: BPE with byte fallback, digits split, no
+    normalisation or dummy prefix, "\\n" a piece of its own, ids pad 0 / eos 1 / bos 2 / unk 3."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 50), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, user_defined_symbols=["\n"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        character_coverage=1.0, minloglevel=2)
+    path.write_bytes(model.getvalue())
+    return path
+
+
+@pytest.fixture(scope="module", params=["pi0", "pi05"])
+def reference(request, tmp_path_factory) -> tuple[str, Path]:
+    python = benchmark_python("lerobot")
+    if python is None:
+        pytest.skip("lerobot's interpreter is not set up: python -m ebrl.envs.setup lerobot")
+    out = tmp_path_factory.mktemp(f"lerobot_{request.param}")
+    model = train_sentencepiece(out / "paligemma_tokenizer.model")
+    subprocess.run([str(python), str(REFERENCE), str(out), request.param, str(model)], check=True,
+                   capture_output=True, timeout=300)
+    return request.param, out
+
+
+def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, dict, dict]:
+    meta = json.loads((out / "reference.json").read_text())
+    ref = load_file(str(out / "reference.safetensors"))
+    obs = {"state": ArraySpec((meta["state_dim"],), "float32"), "image/agentview": ArraySpec((224, 224, 3), "uint8"),
+           "image/wrist": ArraySpec((224, 224, 3), "uint8")}
+    spec = EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
+    vlm, expert, vision = meta["vlm"], meta["expert"], meta["vision"]
+    dims = dict(image_size=224, patch_size=vision["patch_size"], vit_width=vision["hidden_size"],
+                vit_depth=vision["num_hidden_layers"], vit_mlp=vision["intermediate_size"],
+                vit_heads=vision["num_attention_heads"], width=vlm["width"], depth=vlm["depth"], mlp=vlm["mlp_dim"],
+                heads=vlm["num_heads"], kv_heads=vlm["num_kv_heads"], head_dim=vlm["head_dim"],
+                expert_width=expert["width"], expert_mlp=expert["mlp_dim"])
+    cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full", "dtype": "float32",
+           "checkpoint": str(out / layout), "tokenizer": str(out / "paligemma_tokenizer.model"), "dims": dims,
+           "cameras": {"base_0_rgb": "agentview", "left_wrist_0_rgb": "wrist", "right_wrist_0_rgb": None},
+           **overrides}
+    return build_policy(cfg, spec), meta, ref
+
+
+def test_lerobot_and_openpi_layouts_act_as_lerobot(reference) -> None:
+    variant, out = reference
+    for layout, overrides in (("lerobot", {}),
+                              # openpi's converter records neither the steps nor how its prompts were made: the
+                              # reference's (lerobot's processors, 3 steps) are given
+                              ("openpi", {"denoise_steps": 3, "prompt_style": "lerobot"})):
+        policy, meta, ref = build_ours(out, layout, **overrides)
+        assert policy.variant == variant
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize(meta["tasks"]))
+        state = policy.normalize_state(ref["state"])
+        # the statistics: lerobot's eps for its folder, openpi's 1e-6 for norm_stats.json
+        assert (state - ref["normalized_state"][:, : state.shape[1]]).abs().max() < (1e-6 if layout == "lerobot"
+                                                                                     else 1e-5)
+        if variant == "pi05":  # the prompt holds the state
+            tokens, mask = policy.state_prompt_tokens(tokens, mask, state)
+        assert torch.equal(tokens, ref["tokens"]) and torch.equal(mask, ref["token_mask"]), layout
+        obs = {"state": ref["state"], "image/agentview": ref["image/base_0_rgb"],
+               "image/wrist": ref["image/left_wrist_0_rgb"], **dict(zip(("tokens", "token_mask"),
+                                                                        (torch.from_numpy(a) for a in
+                                                                         policy.tokenize(meta["tasks"]))))}
+        sample = policy.sample(obs, deterministic=True, noise=ref["noise"])
+        model_chunk = sample.extras["chain"][:, -1, :, : meta["action_dim"]]
+        assert (model_chunk - ref["model_chunk"]).abs().max() < 1e-4, layout
+        assert (sample.chunk - ref["actions"]).abs().max() < 1e-4 * max(1.0, ref["actions"].abs().max()), layout
+
+
+def test_resize_with_pad_is_openpis(reference) -> None:
+    _, out = reference
+    ref = load_file(str(out / "reference.safetensors"))
+    ours = resize_with_pad(ref["wide"].permute(0, 3, 1, 2), 224, 224).permute(0, 2, 3, 1)
+    assert ours.shape == ref["wide_padded"].shape and (ours - ref["wide_padded"]).abs().max() < 1e-6
+
+
+def test_openpi_prompts(tmp_path) -> None:
+    """openpi's rules (its tokenizer does not install here: jax, orbax): cleaned text, BOS, "\\n" encoded apart;
+    pi0.5's state digitised into 256 bins (np.digitize: below -1 gives -1, at or above 1 gives 255, as openpi writes
+    them); padded to the budget with a False mask; truncated past it."""
+    import sentencepiece
+
+    model = train_sentencepiece(tmp_path / "tokenizer.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    tok = PaligemmaTokenizer(model, max_len=48)
+    tokens, mask = tok.tokenize(["put_the bowl\non the plate "])
+    want = sp.Encode("put the bowl on the plate", add_bos=True) + sp.Encode("\n")
+    assert tokens[0, : len(want)].tolist() == want and mask[0].sum() == len(want) and not tokens[0, len(want):].any()
+    state = np.array([-1.5, -1.0, 0.0, 0.999, 1.0, 2.0])
+    ids = PaligemmaTokenizer(model, max_len=200).ids("lift it", state)
+    assert sp.Decode(ids) == "Task: lift it, State: -1 0 128 255 255 255;\nAction: "
+    assert PaligemmaTokenizer(model, max_len=5).tokenize([CORPUS[0]])[1].all()
+    with pytest.raises(ConfigError, match="policy.tokenizer=.* does not exist"):
+        PaligemmaTokenizer(tmp_path / "missing.model", 48)
