@@ -10,11 +10,15 @@ Cosmos' MiniTrainDIT use it):
   through a low-rank (LoRA) modulation plus a term shared by all blocks: Cosmos-Predict2's Block (self-attention,
   cross-attention to the text as attn2, MLP; q/k RMSNorm per head, no biases).
 Parameter names follow diffusers (norm1.linear, attn1.to_q/to_k/to_v/to_out, ff.net.0.proj, ff.net.2,
-timestep_embedder.linear_1/linear_2), so the structure of GR00T's checkpoints is recognisable; Cosmos' names map one
-to one (self_attn -> attn1, cross_attn -> attn2, mlp.layer1/2 -> ff.net.0.proj/ff.net.2, adaln_modulation_* -> norm*).
+timestep_embedder.linear_1/linear_2); with out_list=True attn1's output is diffusers' to_out.0, so GR00T's
+checkpoints load as they are (with TimestepEncoder(sinusoid="diffusers"), GR00T's DiT computes as lerobot's); Cosmos'
+names map one to one (self_attn -> attn1, cross_attn -> attn2, mlp.layer1/2 -> ff.net.0.proj/ff.net.2,
+adaln_modulation_* -> norm*).
 Dropout is left out (RL fine-tuning runs without it).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -38,20 +42,34 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
-class TimestepEncoder(nn.Module):
-    """Flow time t (any shape) -> sinusoidal features (layers.time_embedding) -> MLP, (*t.shape, out_dim).
+def diffusers_timesteps(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """diffusers' Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=1) of timesteps t (N,) -> (N, dim),
+    float32 as diffusers computes it: frequencies max_period^(-i / (dim/2 - 1)), [cos, sin]."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - 1)
+    angles = t[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], -1)
 
-    GR00T discretises t into 1000 buckets for diffusers' Timesteps; the continuous pi0 embedding stands in for it.
+
+class TimestepEncoder(nn.Module):
+    """Time t (any shape) -> sinusoidal features -> MLP, (*t.shape, out_dim).
+
+    sinusoid="pi0": layers.time_embedding of a flow time in [0, 1] (Cosmos' stand-in); "diffusers": diffusers'
+    Timesteps (flip_sin_to_cos, downscale_freq_shift=1) of a timestep, as GR00T feeds it its 1000 time buckets.
     """
 
-    def __init__(self, embedding_dim: int, freq_dim: int = 256, out_dim: int | None = None, bias: bool = True) -> None:
+    def __init__(self, embedding_dim: int, freq_dim: int = 256, out_dim: int | None = None, bias: bool = True,
+                 sinusoid: str = "pi0") -> None:
         super().__init__()
-        self.freq_dim = freq_dim
+        if sinusoid not in ("pi0", "diffusers"):
+            raise ValueError(f"sinusoid={sinusoid!r}; accepted: pi0, diffusers")
+        self.freq_dim, self.sinusoid = freq_dim, sinusoid
         self.timestep_embedder = TimestepEmbedding(freq_dim, embedding_dim, out_dim, bias)
 
     def project(self, t: torch.Tensor) -> torch.Tensor:
         """The sinusoidal features alone (Cosmos feeds them, RMS-normalised, to every modulation)."""
-        return time_embedding(t.reshape(-1), self.freq_dim).view(*t.shape, self.freq_dim)
+        embed = diffusers_timesteps if self.sinusoid == "diffusers" else time_embedding
+        return embed(t.reshape(-1), self.freq_dim).view(*t.shape, self.freq_dim)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         weight = self.timestep_embedder.linear_1.weight
@@ -93,17 +111,19 @@ class AdaLayerNorm(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention (diffusers' Attention names: to_q, to_k, to_v, to_out); keys and values come from the
     tokens or, for cross-attention, from a context of `context_dim`. qk_norm: RMSNorm per head on q and k (norm_q,
-    norm_k), as Cosmos and Qwen3 do."""
+    norm_k), as Cosmos and Qwen3 do. out_list: to_out is diffusers' list (to_out.0; its dropout is left out)."""
 
     def __init__(self, query_dim: int, heads: int, head_dim: int, context_dim: int | None = None, bias: bool = True,
-                 out_bias: bool = True, qk_norm: bool = False) -> None:
+                 out_bias: bool = True, qk_norm: bool = False, out_list: bool = False) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
         self.to_q = nn.Linear(query_dim, inner, bias=bias)
         self.to_k = nn.Linear(context_dim or query_dim, inner, bias=bias)
         self.to_v = nn.Linear(context_dim or query_dim, inner, bias=bias)
-        self.to_out = nn.Linear(inner, query_dim, bias=out_bias)
+        out = nn.Linear(inner, query_dim, bias=out_bias)
+        # out_list: diffusers' own layout, to_out = [Linear, Dropout] (keys to_out.0.*; GR00T's checkpoints have it)
+        self.to_out: nn.Module = nn.Sequential(out) if out_list else out
         self.norm_q = RMSNorm(head_dim, 1e-6, offset=False) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(head_dim, 1e-6, offset=False) if qk_norm else nn.Identity()
 
@@ -159,7 +179,7 @@ class BasicTransformerBlock(Block):
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, *, norm_type: str = "ada_norm",
                  cond_dim: int | None = None, cross_attention_dim: int | None = None, attn1_cross: bool = False,
                  ff_inner_dim: int | None = None, bias: bool = True, qk_norm: bool = False,
-                 lora_dim: int | None = None, norm_eps: float = 1e-5) -> None:
+                 lora_dim: int | None = None, norm_eps: float = 1e-5, out_list: bool = False) -> None:
         super().__init__()
         if norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r}; accepted: {', '.join(NORM_TYPES)}")
@@ -177,11 +197,12 @@ class BasicTransformerBlock(Block):
             return nn.LayerNorm(dim, eps=norm_eps, elementwise_affine=False)
 
         self.norm1 = norm(True)
-        self.attn1 = Attention(dim, heads, head_dim, cross_attention_dim if attn1_cross else None, bias, bias, qk_norm)
+        self.attn1 = Attention(dim, heads, head_dim, cross_attention_dim if attn1_cross else None, bias, bias, qk_norm,
+                               out_list)
         self.attn2: Attention | None = None
         if cross_attention_dim is not None and not attn1_cross:
             self.norm2 = norm(False)
-            self.attn2 = Attention(dim, heads, head_dim, cross_attention_dim, bias, bias, qk_norm)
+            self.attn2 = Attention(dim, heads, head_dim, cross_attention_dim, bias, bias, qk_norm, out_list)
         self.norm3 = norm(False)
         self.ff = FeedForward(dim, ff_inner_dim or 4 * dim, bias)
 

@@ -7,21 +7,32 @@ and the N1.5 release: model GR00T-N1.5-3B) laid out like NVIDIA/Isaac-GR00T's mo
   Qwen3-1.7B language model cut after select_layer=12 of its 28 layers (q/k RMSNorm per head, rope theta 1e6),
   causal over [image tokens, instruction tokens]; its final norm gives the backbone features.
 - Action head (`action_head`): vlln (LayerNorm) and vl_self_attention (4 plain transformer blocks) over the VL
-  features; per-embodiment state encoder, action encoder (W1, W2, W3 with a time embedding) and action decoder MLPs
-  (CategorySpecific*, 32 embodiments at full size, embodiment 0 at run time); a 16-layer DiT (dit.py, adaLN on the
-  flow time; even layers cross-attend to the VL features, odd layers self-attend) over [state token, 32 learned
-  future tokens, action tokens + position embedding]; 4 Euler steps, chunk 16.
+  features; per-embodiment state encoder, action encoder (W1, W2, W3 with a time encoding) and action decoder MLPs
+  (CategorySpecific*: W (C, in, out), b (C, out), 32 embodiments at full size; the run-time slot is
+  `policy.embodiment_id`, null = new_embodiment = 31, GR00T's EMBODIMENT_TAG_MAPPING); a 16-layer DiT (dit.py,
+  adaLN on the time; even layers cross-attend to the VL features, odd layers self-attend; to_out.0 as diffusers
+  names it; norm_out modulated by proj_out_1's (shift, scale)) over [state token, 32 learned future tokens, action
+  tokens + position embedding]; 4 Euler steps, chunk 16.
 - RL: a value head on the VL features pooled over their real tokens; flow.py's noise head and chain.
-Flow time: GR00T's code has t = 0 noise, t = 1 data (x_t = (1 - t) noise + t a, target a - noise); FlowPolicy's chain
-has t = 1 noise -> t = 0 data with v = noise - a. The DiT is fed tau = 1 - t, so it sees GR00T's time, and flow.py
-stays the single convention; the output's sign differs from GR00T's (a loaded action_decoder would be negated).
+As lerobot 0.4.4's `groot` (GR00T N1.5) computes it, checked in float32 to ~1e-6 at a small size
+(tests/policies/test_groot_parity.py): the time is GR00T's tau (0 = noise, 1 = data) discretised into 1000 buckets,
+fed to diffusers' Timesteps (DiT) and the sinusoidal encoding (action encoder) as GR00T does; neither the
+vl_self_attention nor the DiT's cross-attention masks anything (GR00T passes no mask: padded instruction tokens are
+attended to); the action decoder's output is GR00T's velocity, data - noise. So the parameters load as NVIDIA's
+release and lerobot's fine-tunes name and lay them out (`import_state_dict`).
+Where FlowPolicy differs: its chain runs t = 1 noise -> t = 0 data with v = noise - a; `features` feeds the DiT
+GR00T's bucket of tau = 1 - t and `velocity` negates the decoder's output, so flow.py stays the single convention
+(its Euler step x - v/K is GR00T's x + v_GR00T/K). The contracting first policy (flow.py's init) is fitted in
+flow.py's sign and stored negated; CategorySpecificLinear starts like nn.Linear, not GR00T's N(0, 0.02).
 Simplified: the byte-level tokenizer (no Qwen3 tokenizer file is fetched) and no chat template (image tokens, then
-the instruction); the time is embedded continuously (GR00T discretises it into 1000 buckets); the cross-attention
-masks the VL padding (GR00T's passes no mask); no dropout; no FLARE loss. The SigLIP attention-pooling head, which
-N1.5 never runs, is not built, and Qwen3's lm_head is tied to embed_tokens (so neither adds parameters).
+the instruction); the backbone's attention masks padded instruction tokens (Eagle's, fed unpadded instructions, has
+none to mask); no dropout; no FLARE loss; one embodiment per policy (GR00T picks one per batch row). The SigLIP
+attention-pooling head, which N1.5 never runs, is not built, and Qwen3's lm_head is tied to embed_tokens (so
+neither adds parameters; a file's copies of them are dropped on load).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +42,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.dit import AdaLayerNorm, BasicTransformerBlock, TimestepEncoder
+from ebrl.policies.dit import BasicTransformerBlock, TimestepEncoder
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import (
     BYTE_VOCAB,
@@ -45,11 +56,7 @@ from ebrl.policies.layers import (
     instruction_tokens,
     rotary,
     run_layers,
-    time_embedding,
 )
-
-EMBODIMENT = 0  # the run-time embodiment of the per-embodiment MLPs
-
 
 @dataclass(frozen=True)
 class GR00TDims:
@@ -186,17 +193,67 @@ class EagleBackbone(nn.Module):
 
 
 # --- action head -------------------------------------------------------------------------------
+TIME_BUCKETS = 1000  # GR00T's num_timestep_buckets
+NEW_EMBODIMENT = 31  # GR00T's EMBODIMENT_TAG_MAPPING["new_embodiment"] (lerobot's groot processor: the same)
+
+
+def time_buckets(t: torch.Tensor) -> torch.Tensor:
+    """FlowPolicy times t (1 = noise) -> GR00T's discrete timesteps (float, integer-valued): floor(tau x 1000) of its
+    time tau = 1 - t (0 = noise). GR00T's inference takes int(k / K x 1000) at step k; t = 1 - k/K in float32 can put
+    (1 - t) x 1000 a hair under that integer (K = 5: 199.99998), so a 1e-3 bucket margin goes before the floor."""
+    tau = 1.0 - t.double()
+    return (tau * TIME_BUCKETS + 1e-3).floor().clamp(0, TIME_BUCKETS).float()
+
+
+def sinusoid_encoding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """GR00T's action-encoder SinusoidalPositionalEncoding of timesteps (N,) -> (N, dim), float32 as it computes it:
+    frequencies 10000^(-i / (dim/2)), [sin, cos]."""
+    half = dim // 2
+    exponent = -torch.arange(half, dtype=torch.float32, device=timesteps.device) * (math.log(10000.0) / half)
+    angles = timesteps.float()[:, None] * torch.exp(exponent)[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], -1)
+
+
+class EmbodimentLinear:
+    """One embodiment's slice of a CategorySpecificLinear seen as a Linear (weight (out, in) = W[e].T, bias = b[e],
+    views: writes go to W and b), for FlowPolicy's `velocity_out`. Not a module: it owns no parameters."""
+
+    def __init__(self, layer: "CategorySpecificLinear", embodiment: int) -> None:
+        self.layer, self.embodiment = layer, embodiment
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.layer.W[self.embodiment].T
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.layer.b[self.embodiment]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.embodiment)
+
+
 class CategorySpecificLinear(nn.Module):
-    """One Linear per embodiment (GR00T keeps them as W (C, in, out), b (C, out)); the run-time one is an nn.Linear
-    so the flow chain can use the last layer as its velocity output. nn.Linear's default init, not GR00T's
-    N(0, 0.02): from scratch it gives the contracting first policy a better fit (a checkpoint overwrites either)."""
+    """One linear map per embodiment, as GR00T keeps them: W (C, in, out), b (C, out); x @ W[e] + b[e] for the
+    run-time embodiment e. Initialised like nn.Linear (uniform +-1/sqrt(in)), not GR00T's N(0, 0.02) W and zero b:
+    from scratch it gives the contracting first policy a better fit (a checkpoint overwrites either)."""
 
     def __init__(self, num_categories: int, input_dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.embodiments = nn.ModuleList(nn.Linear(input_dim, hidden_dim) for _ in range(num_categories))
+        self.num_categories = num_categories
+        self.W = nn.Parameter(torch.empty(num_categories, input_dim, hidden_dim))
+        self.b = nn.Parameter(torch.empty(num_categories, hidden_dim))
+        if not self.W.is_meta:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = self.W.shape[1] ** -0.5
+        nn.init.uniform_(self.W, -bound, bound)
+        nn.init.uniform_(self.b, -bound, bound)
 
     def forward(self, x: torch.Tensor, embodiment: int) -> torch.Tensor:
-        return self.embodiments[embodiment](x)
+        return F.linear(x, self.W[embodiment].T, self.b[embodiment])
 
 
 class CategorySpecificMLP(nn.Module):
@@ -213,7 +270,7 @@ class CategorySpecificMLP(nn.Module):
 
 
 class MultiEmbodimentActionEncoder(nn.Module):
-    """Noisy actions and the flow time -> action tokens: W3(swish(W2([W1 a, sinusoid(tau)])))."""
+    """Noisy actions and GR00T's timestep bucket -> action tokens: W3(swish(W2([W1 a, sinusoid(bucket)])))."""
 
     def __init__(self, action_dim: int, hidden_size: int, num_embodiments: int) -> None:
         super().__init__()
@@ -222,33 +279,39 @@ class MultiEmbodimentActionEncoder(nn.Module):
         self.W2 = CategorySpecificLinear(num_embodiments, 2 * hidden_size, hidden_size)
         self.W3 = CategorySpecificLinear(num_embodiments, hidden_size, hidden_size)
 
-    def forward(self, actions: torch.Tensor, tau: torch.Tensor, embodiment: int) -> torch.Tensor:
+    def forward(self, actions: torch.Tensor, timesteps: torch.Tensor, embodiment: int) -> torch.Tensor:
         a = self.W1(actions, embodiment)
-        tau_emb = time_embedding(tau, self.hidden_size).to(a.dtype)[:, None].expand_as(a)
+        tau_emb = sinusoid_encoding(timesteps, self.hidden_size).to(a.dtype)[:, None].expand_as(a)
         return self.W3(F.silu(self.W2(torch.cat([a, tau_emb], -1), embodiment)), embodiment)
 
 
 class DiT(nn.Module):
-    """GR00T's DiT: timestep_encoder, transformer_blocks (adaLN on the time; attn1 cross-attends to the VL features
-    in even blocks, self-attends in odd ones), then norm_out (modulated by proj_out_1's shift/scale) and proj_out_2."""
+    """GR00T's DiT: timestep_encoder (diffusers' Timesteps of the time bucket, then an MLP), transformer_blocks
+    (adaLN on the time; attn1 cross-attends to the VL features in even blocks, self-attends in odd ones:
+    interleave_self_attention), then norm_out (no affine) modulated by proj_out_1's (shift, scale) and proj_out_2."""
 
     def __init__(self, d: GR00TDims) -> None:
         super().__init__()
         inner = d.dit_heads * d.dit_head_dim
-        self.timestep_encoder = TimestepEncoder(inner)
+        self.timestep_encoder = TimestepEncoder(inner, sinusoid="diffusers")
         self.transformer_blocks = nn.ModuleList(
-            BasicTransformerBlock(inner, d.dit_heads, d.dit_head_dim, norm_type="ada_norm",
+            BasicTransformerBlock(inner, d.dit_heads, d.dit_head_dim, norm_type="ada_norm", out_list=True,
                                   cross_attention_dim=d.width if i % 2 == 0 else None, attn1_cross=i % 2 == 0)
             for i in range(d.dit_layers))
-        self.norm_out = AdaLayerNorm(inner, inner, eps=1e-6)  # GR00T: norm_out + proj_out_1
+        self.norm_out = nn.LayerNorm(inner, eps=1e-6, elementwise_affine=False)
+        self.proj_out_1 = nn.Linear(inner, 2 * inner)
         self.proj_out_2 = nn.Linear(inner, d.dit_output_dim)
+
+    def output(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.proj_out_1(F.silu(temb)).chunk(2, -1)
+        return self.proj_out_2(self.norm_out(h) * (1 + scale[:, None]) + shift[:, None])
 
 
 class VLSelfAttention(nn.Module):
     def __init__(self, d: GR00TDims) -> None:
         super().__init__()
         self.transformer_blocks = nn.ModuleList(
-            BasicTransformerBlock(d.width, d.vl_heads, d.vl_head_dim, norm_type="layer_norm")
+            BasicTransformerBlock(d.width, d.vl_heads, d.vl_head_dim, norm_type="layer_norm", out_list=True)
             for _ in range(d.vl_layers))
 
 
@@ -259,7 +322,9 @@ class FlowmatchingActionHead(nn.Module):
         self.model = DiT(d)
         self.state_encoder = CategorySpecificMLP(d.embodiments, d.max_state_dim, d.hidden_size, inner)
         self.action_encoder = MultiEmbodimentActionEncoder(d.max_action_dim, inner, d.embodiments)
-        self.action_decoder = CategorySpecificMLP(d.embodiments, d.dit_output_dim, d.hidden_size, d.max_action_dim)
+        # GR00T's decoder reads hidden_size features: its DiT's output_dim must be hidden_size (1024 in N1.5)
+        assert d.dit_output_dim == d.hidden_size, "dit_output_dim must equal hidden_size"
+        self.action_decoder = CategorySpecificMLP(d.embodiments, d.hidden_size, d.hidden_size, d.max_action_dim)
         self.future_tokens = nn.Embedding(d.future_tokens, inner)
         nn.init.normal_(self.future_tokens.weight, std=0.02)
         self.vlln = nn.LayerNorm(d.width)
@@ -289,12 +354,19 @@ class GR00TPolicy(FlowPolicy):
 
     def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5) -> None:
+                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5, embodiment_id: int | None = None) -> None:
         super().__init__()
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
         if chunk > d.max_seq_len:
             raise ConfigError(f"policy.chunk={chunk} is more than the preset's {d.max_seq_len} action positions")
+        if embodiment_id is None:  # "new_embodiment": GR00T's last projector slot, the one fine-tunes train
+            embodiment_id = NEW_EMBODIMENT if d.embodiments > NEW_EMBODIMENT else d.embodiments - 1
+        if not 0 <= embodiment_id < d.embodiments:
+            raise ConfigError(f"policy.embodiment_id={embodiment_id} is not one of the preset's {d.embodiments} "
+                              f"embodiment slots (0..{d.embodiments - 1}); null picks new_embodiment")
+        self.embodiment = embodiment_id
+        self._flow_sign = False  # True only while flow.py's init fits velocity_out in its own sign
         self.backbone = EagleBackbone(d, bool(self.cameras))
         self.action_head = FlowmatchingActionHead(d)
         inner = d.dit_heads * d.dit_head_dim
@@ -308,8 +380,27 @@ class GR00TPolicy(FlowPolicy):
 
     @property
     def velocity_out(self) -> nn.Linear:  # type: ignore[override]
-        """The run-time embodiment's last action-decoder layer."""
-        return self.action_head.action_decoder.layer2.embodiments[EMBODIMENT]
+        """The run-time embodiment's last action-decoder layer (a view of layer2's W and b): its output is GR00T's
+        velocity, data - noise, which `velocity` negates into FlowPolicy's noise - data."""
+        return EmbodimentLinear(self.action_head.action_decoder.layer2, self.embodiment)  # type: ignore[return-value]
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FlowPolicy's velocity (t = 1 noise -> 0 data, v = noise - a): minus GR00T's action-head output at its
+        time 1 - t; the noise head (flow_noise) reads the same features."""
+        v, log_std = super().velocity(x, t, cond)
+        return (v if self._flow_sign else -v), log_std
+
+    @torch.no_grad()
+    def init_contracting_velocity(self, *args, **kwargs) -> None:
+        """flow.py's fit of velocity_out, made in FlowPolicy's sign, then stored in GR00T's (negated)."""
+        self._flow_sign = True
+        try:
+            super().init_contracting_velocity(*args, **kwargs)
+        finally:
+            self._flow_sign = False
+        out = self.velocity_out
+        out.weight.neg_()
+        out.bias.neg_()
 
     @property
     def language_model(self) -> Qwen3Model:
@@ -327,20 +418,48 @@ class GR00TPolicy(FlowPolicy):
         """Byte-level: BOS, then UTF-8 bytes + 3; padded/truncated to the preset's max_tokens."""
         return byte_tokenize(texts, self.dims.max_tokens)
 
+    # --- checkpoints ----------------------------------------------------------------------------------
+    LEROBOT_PREFIX = "_groot_model."  # lerobot's GrootPolicy keeps GR00TN15 as this attribute
+    UNUSED = ("backbone.eagle_model.language_model.lm_head.",  # tied to embed_tokens; N1.5 reads hidden states
+              "backbone.eagle_model.vision_model.vision_model.head.")  # SigLIP's pooling head, never run by N1.5
+
+    def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """NVIDIA's release (GR00TN15's own names: backbone.eagle_model.*, action_head.*, as its save_pretrained
+        shards them) and lerobot's fine-tunes (the same under `_groot_model.`) load as they are: our modules carry
+        GR00T's names, W/b layouts and velocity sign. Dropped: what N1.5 never runs (lm_head, SigLIP's pooling head)
+        and, in a state-only env (no vision tower built), the vision tower and mlp1. The RL heads may be missing."""
+        own = self.state_dict()
+        vision = ("backbone.eagle_model.vision_model.", "backbone.eagle_model.mlp1.")
+        out = {}
+        for key, value in state.items():
+            key = key.removeprefix(self.LEROBOT_PREFIX)
+            if key not in own and (key.startswith(self.UNUSED) or (not self.cameras and key.startswith(vision))):
+                continue
+            out[key] = value
+        return out, self.rl_heads()
+
     # --- backbone and the per-observation part of the head ------------------------------------------
     def vl_features(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Eagle: [image tokens, instruction tokens] through the cut Qwen3, causal; (B, L, width) and real (B, L)."""
         weight = self.action_head.future_tokens.weight
         device, dtype, d = weight.device, weight.dtype, self.dims
         batch = obs["state"].shape[0]
+        images = camera_images(obs, self.cameras, d.image_size, dtype, device) if self.cameras else None
+        tokens, token_mask = instruction_tokens(obs, self.tokenize, self.env_spec.instruction, batch, device)
+        return self.backbone_features(images, tokens, token_mask)
+
+    def backbone_features(self, images: torch.Tensor | None, tokens: torch.Tensor, token_mask: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GR00T's backbone_features (B, L, width) and real (B, L) of images (B x cameras, 3, S, S) in [-1, 1] (None:
+        no cameras) and instruction tokens (B, T): Eagle's language model over [image tokens, instruction tokens],
+        the hidden state after its last kept layer (select_layer) through its final norm."""
+        batch, device, d = tokens.shape[0], tokens.device, self.dims
         eagle = self.backbone.eagle_model
         parts, real = [], []
-        if self.cameras:
-            images = camera_images(obs, self.cameras, d.image_size, dtype, device)
+        if images is not None:
             image_tokens = eagle.image_features(images).reshape(batch, -1, d.width)
             parts.append(image_tokens)
             real.append(torch.ones(batch, image_tokens.shape[1], dtype=torch.bool, device=device))
-        tokens, token_mask = instruction_tokens(obs, self.tokenize, self.env_spec.instruction, batch, device)
         parts.append(self.language_model.embed_tokens(tokens))
         real.append(token_mask)
         emb, mask = torch.cat(parts, 1), torch.cat(real, 1)
@@ -351,36 +470,42 @@ class GR00TPolicy(FlowPolicy):
         return self.language_model.norm(out), mask
 
     def encode(self, obs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
-        """Once per observation: the VL features through vlln and vl_self_attention, their keys/values for every
-        cross-attending DiT block, and the state token; the value head's features are the VL features pooled."""
-        head = self.action_head
+        """Once per observation: the backbone features, then `encode_features`."""
         vl, mask = self.vl_features(obs)
+        return self.encode_features(vl, mask, obs["state"])
+
+    def encode_features(self, vl: torch.Tensor, mask: torch.Tensor, state: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """GR00T's process_backbone_output and state encoding: the backbone features (B, L, width) through vlln and
+        vl_self_attention (unmasked, as GR00T runs them), their keys/values for every cross-attending DiT block, and
+        the state token of the env state (B, S), zero-padded to max_state_dim; the value head's features are the
+        VL features pooled over the real tokens (mask (B, L))."""
+        head = self.action_head
         vl = head.vlln(vl)
         for block in head.vl_self_attention.transformer_blocks:
-            vl, _ = call_block(block, block, vl, attention_mask=mask[:, None, :].expand(-1, mask.shape[1], -1))
+            vl, _ = call_block(block, block, vl)
         weights = mask[..., None].to(vl.dtype)
         pooled = (vl * weights).sum(1) / weights.sum(1)
-        state = obs["state"].to(vl.device, vl.dtype)
+        state = state.to(vl.device, vl.dtype)
         state = F.pad(state, (0, self.dims.max_state_dim - state.shape[-1]))
-        cond = {"state": head.state_encoder(state, EMBODIMENT)[:, None],
-                "cross_kv": [block.cross_kv(vl) for block in head.model.transformer_blocks], "mask": mask}
+        cond = {"state": head.state_encoder(state, self.embodiment)[:, None],
+                "cross_kv": [block.cross_kv(vl) for block in head.model.transformer_blocks]}
         return cond, pooled
 
     def features(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The action decoder's hidden layer (N, H, hidden_size) for noisy chunks x at FlowPolicy times t, and the
         DiT's time embedding (N, inner). cond may be that of N / r observations, r chains each (`layers.attention`)."""
         head, dit = self.action_head, self.action_head.model
-        tau = 1.0 - t  # GR00T's time: 0 = noise, 1 = data (module docstring)
-        temb = dit.timestep_encoder(tau)
+        buckets = time_buckets(t)  # GR00T's time: 0 = noise, 1000 = data (module docstring)
+        temb = dit.timestep_encoder(buckets)
         horizon = x.shape[1]
-        actions = head.action_encoder(x, tau, EMBODIMENT) + head.position_embedding.weight[:horizon]
+        actions = head.action_encoder(x, buckets, self.embodiment) + head.position_embedding.weight[:horizon]
         future = head.future_tokens.weight.expand(x.shape[0], -1, -1)
         state = cond["state"].repeat_interleave(x.shape[0] // cond["state"].shape[0], 0)
         h = torch.cat([state.to(actions.dtype), future.to(actions.dtype), actions], 1)
         for block, kv in zip(dit.transformer_blocks, cond["cross_kv"]):
-            h, _ = call_block(block, block, h, temb, context_kv=kv, context_mask=cond["mask"])
-        h = dit.proj_out_2(dit.norm_out(h, temb)[0])[:, -horizon:]
-        return head.action_decoder.hidden(h, EMBODIMENT), temb
+            h, _ = call_block(block, block, h, temb, context_kv=kv)  # no mask: GR00T's cross-attention has none
+        h = dit.output(h[:, -horizon:], temb)
+        return head.action_decoder.hidden(h, self.embodiment), temb
 
     # --- initialisation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -390,8 +515,8 @@ class GR00TPolicy(FlowPolicy):
         # PPO actor's near-zero last layer the first policy is the same for every obs, and the attention outputs get
         # gradients and learn to read the VL features and the state. W1 reads only the env's dims, at unit gain.
         for block in self.action_head.model.transformer_blocks:
-            block.attn1.to_out.weight.zero_()
-            block.attn1.to_out.bias.zero_()
-        w1 = self.action_head.action_encoder.W1.embodiments[EMBODIMENT].weight
+            block.attn1.to_out[0].weight.zero_()
+            block.attn1.to_out[0].bias.zero_()
+        w1 = self.action_head.action_encoder.W1.W[self.embodiment]  # (in, out)
         w1.zero_()
-        w1[:, : self.action_dim].normal_(std=self.action_dim ** -0.5)
+        w1[: self.action_dim].normal_(std=self.action_dim ** -0.5)

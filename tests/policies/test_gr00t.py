@@ -31,7 +31,7 @@ def test_actions_read_image_and_instruction_through_cross_attention() -> None:
     assert torch.allclose(base, velocity(policy, other_text, x, t), atol=1e-6)
     # opening only the cross-attention output makes the actions depend on the image and on the instruction
     with torch.no_grad():
-        torch.nn.init.normal_(blocks[0].attn1.to_out.weight, std=0.2)
+        torch.nn.init.normal_(blocks[0].attn1.to_out[0].weight, std=0.2)
     base = velocity(policy, obs, x, t)
     assert (base - velocity(policy, other_image, x, t)).abs().max() > 1e-3
     assert (base - velocity(policy, other_text, x, t)).abs().max() > 1e-3
@@ -41,9 +41,10 @@ def test_the_dit_sees_gr00t_time() -> None:
     policy = GR00TPolicy(make_spec())
     seen = []
     policy.action_head.model.timestep_encoder.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
-    t = torch.tensor([1.0, 0.75, 0.25])  # FlowPolicy: 1 = noise
-    velocity(policy, make_obs(policy, 3), torch.randn(3, policy.chunk_len, policy.flow_dim), t)
-    assert torch.equal(seen[0], 1.0 - t)  # GR00T: 0 = noise, 1 = data
+    t = torch.tensor([1.0, 0.8, 0.75, 0.25])  # FlowPolicy: 1 = noise
+    velocity(policy, make_obs(policy, 4), torch.randn(4, policy.chunk_len, policy.flow_dim), t)
+    # GR00T: 0 = noise, 1 = data, in 1000 buckets (float32's 1 - 0.8 still lands in bucket 200, as int(1/5 * 1000))
+    assert seen[0].tolist() == [0.0, 200.0, 250.0, 750.0]
 
 
 def test_backbone_is_causal_with_images_first() -> None:
@@ -88,9 +89,11 @@ def test_full_preset_components() -> None:
     assert count(eagle) == pytest.approx(1.330e9, rel=2e-3)  # SigLIP-2 + mlp1 + Qwen3 cut at layer 12
     assert count(head.model) == pytest.approx(550.4e6, rel=1e-3)  # the DiT
     assert count(head) == pytest.approx(1.069e9, rel=2e-3)
-    assert len(head.state_encoder.layer1.embodiments) == 32  # max_num_embodiments
+    assert head.state_encoder.layer1.W.shape == (32, 64, 1024)  # max_num_embodiments x max_state_dim x hidden
+    assert full.embodiment == 31  # new_embodiment
     blocks = head.model.transformer_blocks
     assert len(blocks) == 16 and isinstance(blocks[0], BasicTransformerBlock)
     assert blocks[0].attn1.to_k.in_features == 2048 and blocks[1].attn1.to_k.in_features == 1536
     assert (full.chunk_len, full.denoise_steps, full.flow_dim) == (16, 4, 32)
-    assert len(GR00TPolicy(make_spec()).action_head.state_encoder.layer1.embodiments) == 1  # tiny: one embodiment
+    tiny = GR00TPolicy(make_spec())
+    assert tiny.action_head.state_encoder.layer1.W.shape[0] == 1 and tiny.embodiment == 0  # tiny: one embodiment
