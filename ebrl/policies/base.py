@@ -138,8 +138,17 @@ class Policy(nn.Module):
         """Instruction strings -> (tokens (B, L) int64, mask (B, L) bool)."""
         raise NotImplementedError
 
+    @classmethod
+    def read_checkpoint(cls, path: str) -> dict[str, torch.Tensor]:
+        """Every tensor of `policy.checkpoint` under the files' own names (`import_state_dict` maps them): the
+        safetensors files (ebrl/policies/weights.py); families whose releases keep parts in other files read those."""
+        from ebrl.policies.weights import read_weights
+
+        return read_weights(path)
+
     @torch.no_grad()
-    def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
+    def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicySample:
+        """deterministic: the family's noise-free action (evaluation), where it has one."""
         raise NotImplementedError
 
     @torch.no_grad()

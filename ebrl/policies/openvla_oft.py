@@ -16,6 +16,13 @@ and a value head on the action tokens' mean final hidden state (they have seen t
 Names follow OpenVLA's HF port and OFT's modules (vision_backbone.featurizer / fused_featurizer in timm's names with
 LayerScale's `scale_factor`, projector.fc1-3, language_model.model.layers.N..., language_model.lm_head,
 proprio_projector.fc1-2, action_head.model...), so a checkpoint merged into one safetensors file loads by name.
+A released OpenVLA-OFT folder (e.g. moojink/openvla-7b-oft-finetuned-libero-spatial, as openvla-oft's
+vla-scripts/finetune.py `save_training_checkpoint` writes it) is read by `read_oft_folder`: the LoRA-merged VLA as HF
+sharded safetensors (`save_pretrained`: model-0000N-of-0000M.safetensors + model.safetensors.index.json, keys of
+OpenVLAForActionPrediction), and OFT's modules as separate torch files `<component>--<step>_checkpoint.pt`
+(`torch.save` of the DDP-wrapped module's state_dict, so keys start with `module.`, which openvla-oft's
+`load_component_state_dict` strips); `read_oft_statistics` reads its dataset_statistics.json (per-dataset action and
+proprio q01/q99/mean/std/min/max, the action's normalisation mask).
 What OpenVLA builds but OFT's L1 path never runs (lm_head: no token is decoded; each ViT's last block and final norm:
 features come from the second-to-last block; SigLIP's attention-pool head) is built so the count and a checkpoint
 match, and frozen so it gets no optimizer state.
@@ -25,8 +32,11 @@ zero-padded to the preset's max_state_dim (OFT's projector takes the robot's pro
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +47,7 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy, PolicySample
 from ebrl.policies import layers
+from ebrl.policies.weights import CheckpointError, read_weights
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DECODER_PROJECTIONS,
@@ -478,11 +489,12 @@ class OpenVLAOFTPolicy(Policy):
         return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
 
     @torch.no_grad()
-    def sample(self, obs: dict[str, torch.Tensor]) -> PolicySample:
-        """a = mean + std * eps for every action of the chunk; log_prob (B, H) sums the action dims."""
+    def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicySample:
+        """a = mean + std * eps for every action of the chunk; log_prob (B, H) sums the action dims.
+        deterministic: the L1 head's actions themselves, as OFT acts (evaluation)."""
         mean, value = self.mean_and_value(obs)
         log_std = self.log_std()
-        chunk = mean + log_std.exp() * torch.randn_like(mean)
+        chunk = mean if deterministic else mean + log_std.exp() * torch.randn_like(mean)
         return PolicySample(chunk=chunk, log_prob=self._log_density(chunk, mean, log_std), value=value, extras={})
 
     @torch.no_grad()
@@ -505,17 +517,45 @@ class OpenVLAOFTPolicy(Policy):
         return F.l1_loss(mean, actions.to(mean.device, mean.dtype))
 
     # --- checkpoints and counts -----------------------------------------------------------------
+    @classmethod
+    def read_checkpoint(cls, path: str) -> dict[str, torch.Tensor]:
+        """A released OFT folder: the VLA's shards and its component .pt files (`read_oft_folder`); a file as it is."""
+        return read_weights(path) if Path(path).expanduser().is_file() else read_oft_folder(path)
+
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """OpenVLA's HF port (with OFT's action_head. and proprio_projector. merged in) as this policy's state
-        dict: the proprio projector's input is zero-padded to max_state_dim; a state-only env drops the vision
-        tower. A plain OpenVLA checkpoint has no OFT modules, so they may be missing, as may the RL heads."""
-        state = dict(state)
+        """A released OpenVLA-OFT checkpoint (`read_oft_folder`: OpenVLA's HF port with OFT's action_head. and
+        proprio_projector. merged in), or a plain OpenVLA one, as this policy's state dict. Mapped: timm's LayerScale
+        `gamma` to the HF port's `scale_factor`; a `module.` (DDP) left after a component's prefix is dropped, as are
+        Llama's `rotary_emb.inv_freq` buffers (older transformers saved them; they follow from the config); the
+        proprio projector's input is zero-padded to max_state_dim (OFT's is the robot's proprio, 8 dims on LIBERO);
+        a state-only env drops the vision tower. A plain OpenVLA checkpoint has no OFT modules, so they may be
+        missing (but not in part), as may the RL heads. One line for a diffusion checkpoint (this policy builds the
+        L1 head) or an OFT module the checkpoint has only part of."""
+        diffusion = [k for k in state if k.startswith(("noisy_action_projector.", "action_head.noise_predictor."))]
+        if diffusion:
+            raise CheckpointError(f"a diffusion OpenVLA-OFT checkpoint ({diffusion[0]}): this policy builds OFT's L1 "
+                                  "regression head only; use an L1 checkpoint (use_l1_regression=True)")
+        mapped: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            if key.endswith(".rotary_emb.inv_freq"):
+                continue
+            key = COMPONENT_DDP.sub(r"\1.", key)
+            if key.startswith("vision_backbone.") and key.endswith((".ls1.gamma", ".ls2.gamma")):
+                key = key[: -len("gamma")] + "scale_factor"
+            mapped[key] = value
+        own = self.state_dict().keys()
+        for prefix in ("proprio_projector.", "action_head."):  # may be absent, but not in part
+            if any(k.startswith(prefix) for k in mapped):
+                lacking = [k for k in own if k.startswith(prefix) and k not in mapped]
+                if lacking:
+                    raise CheckpointError(f"the checkpoint has part of {prefix.rstrip('.')}: keys {len(lacking)} "
+                                          f"missing (e.g. {', '.join(lacking[:3])})")
         key = "proprio_projector.fc1.weight"
-        if key in state and state[key].shape[1] < self.dims.max_state_dim:
-            state[key] = F.pad(state[key], (0, self.dims.max_state_dim - state[key].shape[1]))
+        if key in mapped and mapped[key].ndim == 2 and mapped[key].shape[1] < self.dims.max_state_dim:
+            mapped[key] = F.pad(mapped[key], (0, self.dims.max_state_dim - mapped[key].shape[1]))
         if not self.cameras:
-            state = {k: v for k, v in state.items() if not k.startswith(("vision_backbone.", "projector."))}
-        return state, [*self.rl_heads(), "proprio_projector.", "action_head."]
+            mapped = {k: v for k, v in mapped.items() if not k.startswith(("vision_backbone.", "projector."))}
+        return mapped, [*self.rl_heads(), "proprio_projector.", "action_head."]
 
     def parameter_breakdown(self) -> dict[str, int]:
         """Parameters per component (works on the meta device)."""
@@ -532,3 +572,139 @@ class OpenVLAOFTPolicy(Policy):
         parts["action_head (OFT)"] = count(self.action_head)
         parts["value_head + log_std_logit (RL)"] = count(self.value_head) + self.log_std_logit.numel()
         return parts
+
+
+# --- released checkpoint folders ------------------------------------------------------------------
+# OFT's own modules, each saved by openvla-oft's vla-scripts/finetune.py (`save_training_checkpoint`) as
+# torch.save(<DDP-wrapped module>.state_dict(), "<name>--<step>_checkpoint.pt") ("<name>--latest_checkpoint.pt" with
+# save_latest_checkpoint_only); experiments/robot/openvla_utils.py (`load_component_state_dict`) reads them back and
+# strips the "module." each key starts with. Names: action_head, proprio_projector, noisy_action_projector
+# (diffusion), vision_backbone (FiLM: the whole backbone).
+COMPONENT_FILE = re.compile(r"(?P<name>[A-Za-z0-9_]+)--(?P<step>\d+|latest)_checkpoint\.pt")
+COMPONENT_DDP = re.compile(r"^(action_head|proprio_projector|noisy_action_projector)\.module\.")
+DDP_PREFIX = "module."
+STATISTICS = "dataset_statistics.json"
+STAT_KEYS = ("q01", "q99", "mean", "std", "min", "max")
+
+
+def oft_component_files(folder: str | Path, step: int | str | None = None) -> dict[str, Path]:
+    """{component name: its `<name>--<step>_checkpoint.pt`} in `folder`; `step` (a number or "latest") picks one
+    where the folder holds several. One line when a component has several and no step is given, or lacks `step`."""
+    folder = Path(folder).expanduser()
+    found: dict[str, dict[str, Path]] = {}
+    for f in sorted(folder.iterdir()):
+        match = COMPONENT_FILE.fullmatch(f.name)
+        if match and f.is_file():
+            found.setdefault(match["name"], {})[match["step"]] = f
+    chosen = {}
+    for name, by_step in found.items():
+        names = ", ".join(f.name for f in by_step.values())
+        if step is not None:
+            if str(step) not in by_step:
+                raise CheckpointError(f"{folder} has no {name}--{step}_checkpoint.pt (it has {names})")
+            chosen[name] = by_step[str(step)]
+        elif len(by_step) > 1:
+            raise CheckpointError(f"{folder} holds {len(by_step)} {name} checkpoints ({names}); choose one with step=")
+        else:
+            chosen[name] = next(iter(by_step.values()))
+    return chosen
+
+
+def read_oft_folder(path: str | Path, step: int | str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a released OpenVLA-OFT checkpoint folder in one flat dict, under the released names: the VLA's
+    safetensors (HF's shards via model.safetensors.index.json, or one model.safetensors; `read_weights`) as they are
+    (vision_backbone.*, projector.*, language_model.*), and each `<name>--<step>_checkpoint.pt` under `<name>.` with
+    DDP's `module.` stripped (action_head.model..., proprio_projector.fc1...). The folder's lora_adapter/ is not read
+    (the shards hold the LoRA-merged model), nor its tokenizer and processor files. `OpenVLAOFTPolicy.
+    import_state_dict` maps the result to the policy. One line for a folder that holds only a LoRA adapter, a FiLM
+    vision backbone (not built here), an unreadable component file, or a component key the shards also hold."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{path} is not a folder; give the OpenVLA-OFT checkpoint folder (safetensors shards, "
+                              "<component>--<step>_checkpoint.pt files, dataset_statistics.json)")
+    components = oft_component_files(folder, step)
+    if "vision_backbone" in components:
+        raise CheckpointError(f"{components['vision_backbone']} is a FiLM vision backbone (use_film=True); this "
+                              "policy builds OpenVLA's backbone without FiLM")
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")) and \
+            (folder / "lora_adapter").is_dir():
+        raise CheckpointError(f"{folder} holds only a LoRA adapter (lora_adapter/), no merged model: merge it into "
+                              "the base model first (openvla-oft's vla-scripts/merge_lora_weights_and_save.py)")
+    state = read_weights(str(folder))
+    for name, f in components.items():
+        try:
+            raw = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{f} is not a readable torch checkpoint ({type(e).__name__})") from None
+        if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+            raise CheckpointError(f"{f} is not a state dict of tensors (openvla-oft saves module.state_dict())")
+        for key, value in raw.items():
+            full = f"{name}.{key[len(DDP_PREFIX):] if key.startswith(DDP_PREFIX) else key}"
+            if full in state:
+                raise CheckpointError(f"{f.name} holds {key}, which the safetensors shards also hold as {full}")
+            state[full] = value
+    return state
+
+
+def _feature_statistics(entry: object, where: str) -> dict[str, np.ndarray]:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where} is not a dict of statistics")
+    out = {k: np.asarray(entry[k], dtype=np.float64) for k in STAT_KEYS if entry.get(k) is not None}
+    if "q01" not in out or "q99" not in out:
+        raise CheckpointError(f"{where} has no q01/q99 (it has {', '.join(entry) or 'nothing'})")
+    dims = out["q01"].shape
+    mask = entry.get("mask")
+    out["mask"] = np.ones(dims, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    other = [f"{k} {a.shape}" for k, a in out.items() if a.shape != dims or a.ndim != 1]
+    if other:
+        raise CheckpointError(f"{where}: statistics of other shapes than q01 {dims} ({', '.join(other)})")
+    return out
+
+
+def read_oft_statistics(path: str | Path, unnorm_key: str | None = None) -> dict:
+    """One dataset's normalisation statistics from an OpenVLA(-OFT) checkpoint: `path` is its dataset_statistics.json
+    (openvla-oft's `save_dataset_statistics`: {dataset: {"action": {...}, "proprio": {...}, "num_transitions",
+    "num_trajectories"}}), a config.json with `norm_stats` (OpenVLAConfig; the same per-dataset structure), or the
+    folder (dataset_statistics.json first, as openvla-oft's `_load_dataset_stats` replaces the config's norm_stats
+    with it). `unnorm_key` names the dataset; with one dataset it may be left out, and `<key>_no_noops` is taken for a
+    `<key>` that is absent (openvla-oft's LIBERO eval, `check_unnorm_key`). One line when it is ambiguous or missing,
+    listing the keys there are.
+
+    Returns {"action": stats, "proprio": stats (when the file has it), "unnorm_key": the key used}, each stats a
+    dict of float64 numpy arrays q01, q99 and whichever of mean, std, min, max the file has, and a bool `mask`
+    (True: normalised; the file's, or all True as openvla-oft defaults it: LIBERO's actions leave the gripper out).
+    OFT (BOUNDS_Q99) maps x to 2 (x - q01) / (q99 - q01 + 1e-8) - 1 where mask is True (the proprio clipped to
+    [-1, 1]) and un-normalises actions as 0.5 (a + 1) (q99 - q01 + 1e-8) + q01 there."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = [p / n for n in (STATISTICS, "config.json") if (p / n).is_file()]
+        if not found:
+            raise CheckpointError(f"{path} holds no {STATISTICS} or config.json")
+        p = found[0]
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{p} is not a readable JSON file ({type(e).__name__})") from None
+    if isinstance(data, dict) and ("norm_stats" in data or p.name == "config.json"):
+        data = data.get("norm_stats")
+        if not data:
+            raise CheckpointError(f"{p} has no norm_stats; give the checkpoint's {STATISTICS}")
+    if not isinstance(data, dict) or not data:
+        raise CheckpointError(f"{p} holds no dataset statistics ({{dataset: {{'action': ..., 'proprio': ...}}}})")
+    keys = ", ".join(data)
+    if unnorm_key is None:
+        if len(data) != 1:
+            raise CheckpointError(f"{p} holds statistics of {len(data)} datasets; choose one with unnorm_key: {keys}")
+        unnorm_key = next(iter(data))
+    elif unnorm_key not in data and f"{unnorm_key}_no_noops" in data:
+        unnorm_key = f"{unnorm_key}_no_noops"
+    if unnorm_key not in data:
+        raise CheckpointError(f"{p} has no statistics for unnorm_key={unnorm_key!r}; available: {keys}")
+    entry = data[unnorm_key]
+    if not isinstance(entry, dict) or "action" not in entry:
+        raise CheckpointError(f"{p}: {unnorm_key} has no action statistics")
+    out: dict = {"action": _feature_statistics(entry["action"], f"{p}: {unnorm_key}.action")}
+    if entry.get("proprio") is not None:
+        out["proprio"] = _feature_statistics(entry["proprio"], f"{p}: {unnorm_key}.proprio")
+    out["unnorm_key"] = unnorm_key
+    return out

@@ -112,7 +112,7 @@ def load_weights(model: Policy, path: str) -> list[str]:
     """Start from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's published
     layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads a
     published checkpoint lacks); their parameters are left as they were."""
-    state, may_miss = model.import_state_dict(read_weights(path))
+    state, may_miss = model.import_state_dict(model.read_checkpoint(path))
     check_state_dict(model, state, f"policy.checkpoint={path}", tuple(may_miss))
     model.load_state_dict(state, strict=False)
     return [prefix for prefix in may_miss if not any(k.startswith(prefix) for k in state)]
