@@ -130,6 +130,7 @@ class OpenPIPolicyConfig(FlowPolicyConfig):
     # {base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, right_wrist_0_rgb: null}; null: the env's cameras
     cameras: Optional[Dict[str, Optional[str]]] = None
     action_dims: Optional[List[int]] = None  # the checkpoint action dim behind each env action dim; null: 0..A-1
+    state_dims: Optional[List[int]] = None  # the env state dims the checkpoint reads, in its order; null: all
     action_scale: Optional[List[float]] = None  # a factor per env action dim (e.g. -1 flips a gripper's sign)
     # whose processors made the prompts it was trained on: openpi | lerobot; null: lerobot for a lerobot policy
     # folder, else openpi (ebrl/policies/tokenizer.py)

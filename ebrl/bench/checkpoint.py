@@ -9,8 +9,8 @@
    camera slots mapped), and samples one deterministic chunk on one observation of LIBERO's libero_spatial task 0 (its
    own interpreter renders agentview and the wrist camera at 224 px), with the real prompt path.
 Prints the time of each step and the process's peak memory. Needs about 16 GB and 8 GB of disk in --dir.
-LIBERO's state here is our adapter's 78-dim vector (proprio and objects), not openpi's 8 dims (eef position,
-axis-angle, gripper): the first 8 dims stand in for them (no mapping of state keys exists yet).
+LIBERO's state is our adapter's vector, whose first 8 dims are openpi's LIBERO state (eef position, axis-angle,
+gripper qpos) and the rest the objects': `policy.state_dims` picks those 8.
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def write_lerobot_folder(folder: Path, spec: EnvSpec) -> dict[str, float]:
     from ebrl.policies.build import build_policy
 
     start = time.perf_counter()
-    cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full", "cameras": SLOTS}
+    cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full", "cameras": SLOTS,
+           "state_dims": list(range(STATE_DIM))}
     source = build_policy(cfg, spec, weights="given")  # bfloat16, allocated once
     fill(source)
     heads = tuple(source.rl_heads())
@@ -122,7 +123,7 @@ def main() -> None:
         raw, instruction = libero_observation(work)
         obs_s = time.perf_counter() - t0
         cams = {"agentview": raw["image/agentview"], "robot0_eye_in_hand": raw["image/robot0_eye_in_hand"]}
-        spec = EnvSpec(obs={"state": ArraySpec((STATE_DIM,), "float32"),
+        spec = EnvSpec(obs={"state": ArraySpec(raw["state"].shape, "float32"),
                             **{f"image/{c}": ArraySpec(v.shape, "uint8") for c, v in cams.items()}},
                        action_dim=ACTION_DIM, instruction=instruction, max_episode_steps=220)
         written = write_lerobot_folder(work / "pi0_libero", spec)
@@ -132,11 +133,12 @@ def main() -> None:
 
         t0 = time.perf_counter()
         cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full",
-               "checkpoint": str(work / "pi0_libero"), "tokenizer": str(tokenizer), "cameras": SLOTS}
+               "checkpoint": str(work / "pi0_libero"), "tokenizer": str(tokenizer), "cameras": SLOTS,
+               "state_dims": list(range(STATE_DIM))}
         policy = build_policy(cfg, spec)
         load_s = time.perf_counter() - t0
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([instruction]))
-        obs = {"state": torch.from_numpy(raw["state"][None, :STATE_DIM]), "tokens": tokens, "token_mask": mask,
+        obs = {"state": torch.from_numpy(raw["state"][None]), "tokens": tokens, "token_mask": mask,
                **{f"image/{c}": torch.from_numpy(v[None]) for c, v in cams.items()}}
         t0 = time.perf_counter()
         out = policy.sample(obs, deterministic=True)

@@ -92,7 +92,8 @@ class Policy(nn.Module):
         published checkpoint does not have). Families whose public checkpoints name things differently map here."""
         return state, self.rl_heads()
 
-    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec, dims: dict[str, int] | None = None) -> Any:
+    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec, dims: dict[str, int] | None = None,
+             state_dims: list[int] | None = None) -> Any:
         """Take this env's spec (env_spec, action_dim, the sorted camera keys) and return the dims of
         `policy.preset`, with `policy.dims` (a checkpoint at sizes of its own) replacing some; one line for an unknown
         preset or size, or an env whose state (or actions) exceed the padded max_state_dim (max_action_dim)."""
@@ -106,6 +107,12 @@ class Policy(nn.Module):
                 raise ConfigError(f"policy.dims has no size {', '.join(unknown)}; accepted: {', '.join(known)}")
             d = dataclasses.replace(d, **{k: int(v) for k, v in dims.items()})
         state_dim = env_spec.obs["state"].shape[0]
+        if state_dims is not None:  # the env state dims the policy reads (policy.state_dims)
+            bad = [i for i in state_dims if not 0 <= i < state_dim]
+            if bad or not state_dims:
+                raise ConfigError(f"policy.state_dims={list(state_dims)} must pick dims of the env's state "
+                                  f"(0..{state_dim - 1})")
+            state_dim = len(state_dims)
         if state_dim > d.max_state_dim:
             raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
                               "use a preset with a larger max_state_dim or an env with fewer state features")

@@ -197,12 +197,14 @@ class OpenPIPolicy(FlowPolicy):
                  noise_std_max: float = 0.5, sde_noise_level: float = 0.5, dims: dict[str, int] | None = None,
                  tokenizer: str | None = None, norm_stats: str | None = None, norm_mode: str | None = None,
                  cameras: dict[str, str | None] | None = None, action_dims: list[int] | None = None,
-                 action_scale: list[float] | None = None, prompt_style: str | None = None) -> None:
+                 action_scale: list[float] | None = None, prompt_style: str | None = None,
+                 state_dims: list[int] | None = None) -> None:
         super().__init__()
         variant = variant or "pi0"
         if variant not in VARIANTS:
             raise ConfigError(f"policy.variant={variant!r} is not available; accepted: {', '.join(VARIANTS)}")
-        d = self.dims = self.bind(PRESETS, preset, env_spec, dims)
+        d = self.dims = self.bind(PRESETS, preset, env_spec, dims, state_dims)
+        self.state_dims = None if state_dims is None else list(state_dims)
         self.variant = variant
         pi05 = variant == "pi05"
         self.bind_cameras(cameras)
@@ -336,6 +338,9 @@ class OpenPIPolicy(FlowPolicy):
         self._action_map = None if identity else (list(action_dims), scale)
 
     def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
+        """The env's state as the checkpoint reads it: the dims `policy.state_dims` picks, normalised."""
+        if self.state_dims is not None:
+            state = state[..., self.state_dims]
         return state if self.normalizer is None else self.normalizer.normalize("state", state).to(state.dtype)
 
     def to_env(self, x: torch.Tensor) -> torch.Tensor:

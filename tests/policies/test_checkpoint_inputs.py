@@ -67,6 +67,13 @@ def test_state_is_normalised_on_the_way_in(tmp_path) -> None:
     assert torch.allclose(policy.normalize_state(x), want, atol=1e-5)
 
 
+def test_state_dims_pick_what_the_checkpoint_reads() -> None:
+    policy = build_policy(openpi_cfg(state_dims=[5, 0]), spec())
+    x = torch.randn(3, STATE)
+    assert torch.equal(policy.normalize_state(x), x[:, [5, 0]])
+    assert policy.sample({"state": x}).chunk.shape == (3, policy.chunk_len, ACTIONS)
+
+
 def test_camera_slots_mask_what_no_env_camera_fills() -> None:
     policy = build_policy(openpi_cfg(cameras={"base_0_rgb": "front", "left_wrist_0_rgb": None}), spec(("front", "side")))
     assert policy.camera_slots == ["base_0_rgb", "left_wrist_0_rgb"] and policy.cameras == ["image/front"]
@@ -85,6 +92,7 @@ def test_camera_slots_mask_what_no_env_camera_fills() -> None:
     ({"action_scale": [1, 0, 1, 1]}, "must give one non-zero factor per env action dim"),
     ({"norm_mode": "quantiles"}, "needs statistics"),
     ({"dims": {"widht": 8}}, "policy.dims has no size widht"),
+    ({"state_dims": [0, 9]}, r"policy.state_dims=\[0, 9\] must pick dims of the env's state \(0..5\)"),
 ])
 def test_what_does_not_fit_is_one_line(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -78,14 +78,32 @@ def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, di
     return build_policy(cfg, spec), meta, ref
 
 
+def training_layouts(out: Path) -> None:
+    """The folders their training runs leave, around the same files: lerobot's checkpoints/<step>/pretrained_model/
+    and openpi's train_pytorch <step>/ (model.safetensors, optimizer.pt, metadata.pt, assets/)."""
+    import shutil
+
+    shutil.copytree(out / "lerobot", out / "lerobot_run" / "checkpoints" / "000100" / "pretrained_model")
+    step = out / "openpi_run" / "30000"
+    shutil.copytree(out / "openpi" / "assets", step / "assets")
+    shutil.copy(out / "openpi" / "model.safetensors", step / "model.safetensors")
+    torch.save({"state": {}, "param_groups": []}, step / "optimizer.pt")
+    torch.save({"global_step": 30000}, step / "metadata.pt")
+
+
 def test_lerobot_and_openpi_layouts_act_as_lerobot(reference) -> None:
     variant, out = reference
-    for layout, overrides in (("lerobot", {}),
+    training_layouts(out)
+    layouts = [("lerobot", {})] + ([("lerobot_run/checkpoints/000100", {}),
+                                    # (openpi's trainer writes no config.json: the horizon is given too)
+                                    ("openpi_run/30000", {"denoise_steps": 3, "chunk": 6, "prompt_style": "lerobot"})]
+                                   if variant == "pi0" else [])
+    for layout, overrides in (*layouts,
                               # openpi's converter records neither the steps nor how its prompts were made: the
                               # reference's (lerobot's processors, 3 steps) are given
                               ("openpi", {"denoise_steps": 3, "prompt_style": "lerobot"})):
         policy, meta, ref = build_ours(out, layout, **overrides)
-        assert policy.variant == variant
+        assert policy.variant == variant and policy.chunk_len == meta["chunk"], layout
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize(meta["tasks"]))
         state = policy.normalize_state(ref["state"])
         # the statistics: lerobot's eps for its folder, openpi's 1e-6 for norm_stats.json
