@@ -15,7 +15,6 @@ gripper qpos) and the rest the objects': `policy.state_dims` picks those 8.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import resource
 import subprocess
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from ebrl.envs.base import ArraySpec, EnvSpec
+from ebrl.policies.tokenizer import train_gemma_like
 
 SLOTS = {"base_0_rgb": "agentview", "left_wrist_0_rgb": "robot0_eye_in_hand", "right_wrist_0_rgb": None}
 STATE_DIM, ACTION_DIM = 8, 7
@@ -52,19 +52,6 @@ def libero_observation(workdir: Path) -> tuple[dict[str, np.ndarray], str]:
     data = np.load(out)
     obs = {k.replace("__", "/"): data[k] for k in data.files if k != "instruction"}
     return obs, str(data["instruction"])
-
-
-def sentencepiece_model(path: Path, texts: list[str]) -> Path:
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts * 50), model_writer=model, model_type="bpe", vocab_size=300, byte_fallback=True,
-        split_digits=True, normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, user_defined_symbols=["\n"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        minloglevel=2)
-    path.write_bytes(model.getvalue())
-    return path
 
 
 def write_lerobot_folder(folder: Path, spec: EnvSpec) -> dict[str, float]:
@@ -127,7 +114,8 @@ def main() -> None:
                             **{f"image/{c}": ArraySpec(v.shape, "uint8") for c, v in cams.items()}},
                        action_dim=ACTION_DIM, instruction=instruction, max_episode_steps=220)
         written = write_lerobot_folder(work / "pi0_libero", spec)
-        tokenizer = sentencepiece_model(work / "paligemma_tokenizer.model", [instruction, "put the bowl on the plate"])
+        tokenizer = train_gemma_like(work / "paligemma_tokenizer.model", [instruction, "put the bowl on the plate"],
+                                     vocab_size=300)
 
         from ebrl.policies.build import build_policy
 

@@ -87,6 +87,15 @@ def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dic
     return cls.checkpoint_defaults(checkpoint_folder(checkpoint), checkpoint_config(checkpoint), keys, dict(kwargs))
 
 
+def tokenizer_warning(policy_cfg: dict[str, Any], policy: Policy) -> str | None:
+    """The line a full-size run prints when a family that can load a real tokenizer (`policy.tokenizer`) was given
+    none: its prompts are not the ones a published checkpoint was trained on."""
+    if policy_cfg.get("preset") == "full" and getattr(policy, "tokenizer", False) is None:
+        return (f"policy={policy_cfg.get('name')} preset=full tokenizes with a byte-level stand-in: give "
+                "policy.tokenizer=<paligemma_tokenizer.model> for the prompts the checkpoint was trained on")
+    return None
+
+
 def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device | str = "cpu", *,
                  train: bool = False, weights: str = "init") -> Policy:
     """The policy `policy_cfg` (a resolved `policy` config) names, for this env, on `device`, in eval mode.

@@ -41,7 +41,7 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.normalize import Normalizer, find_norm_stats, read_norm_stats
-from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, find_tokenizer
+from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, clean, find_tokenizer
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DECODER_PROJECTIONS,
@@ -60,8 +60,8 @@ STATE_BINS = 256  # pi0.5 discretises each (normalised) state dim into 256 bins 
 VARIANTS = ("pi0", "pi05")
 # openpi's camera slots, in the order its models take them (pi0_config: IMAGE_KEYS)
 OPENPI_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
-# the Gemma sizes openpi names (gemma.get_config): width, depth, mlp, heads, kv_heads, head_dim
-GEMMA_VARIANTS = {"gemma_2b": (2048, 18, 16384, 8, 1, 256), "gemma_300m": (1024, 18, 4096, 8, 1, 256)}
+# the Gemma sizes openpi names (gemma.get_config), as the full preset builds them
+GEMMA_VARIANTS = ("gemma_2b", "gemma_300m")
 NORM_MODES = {"pi0": "mean_std", "pi05": "quantiles"}  # lerobot's normalization_mapping, openpi's use_quantile_norm
 
 
@@ -277,7 +277,6 @@ class OpenPIPolicy(FlowPolicy):
             return byte_tokenize(texts, self.dims.max_tokens)
         if self.variant == "pi0":
             return self.tokenizer.tokenize(texts)
-        from ebrl.policies.tokenizer import clean
         return self.tokenizer.pad([self.tokenizer.processor.Encode(clean(t)) for t in texts])
 
     def state_prompt_tokens(self, tokens: torch.Tensor, mask: torch.Tensor, state: torch.Tensor,

@@ -16,6 +16,7 @@ digitised. The parity tests check both styles' tokens against those processors.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,20 @@ class PaligemmaTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.Decode(ids)
+
+
+def train_gemma_like(path: str | Path, texts: list[str], vocab_size: int = 400) -> Path:
+    """A small SentencePiece model set up the way Gemma's (PaliGemma's) is: BPE with byte fallback, digits split, no
+    normalisation or dummy prefix, "\\n" a piece of its own, ids pad 0 / eos 1 / bos 2 / unk 3. What the tests and
+    benchmarks tokenize with, since PaliGemma's own model file is not fetched."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(texts) * 50), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, split_digits=True, normalization_rule_name="identity", add_dummy_prefix=False,
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n"], pad_id=0,
+        eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+    out = Path(path)
+    out.write_bytes(model.getvalue())
+    return out

@@ -20,7 +20,7 @@ from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
 from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
-from ebrl.policies.build import build_policy
+from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.rl.grpo import GRPOTrainer, group_seeds
 from ebrl.rl.ppo import PPOTrainer, RolloutBatch
 from ebrl.runtime.checkpoint import (
@@ -221,10 +221,9 @@ class Experiment:
             # run's weights come from its checkpoint, so none are initialised
             weights = "given" if self._resume_ckpt is not None else "init"
             self.policy = build_policy(conf["policy"], self.pool.spec, here, train=not pipelined, weights=weights)
-            if cfg.policy.preset == "full" and getattr(self.policy, "tokenizer", False) is None:
-                console.print(f"policy={cfg.policy.name} preset=full tokenizes with a byte-level stand-in: give "
-                              "policy.tokenizer=<paligemma_tokenizer.model> for the prompts the checkpoint was "
-                              "trained on", soft_wrap=True)
+            warning = tokenizer_warning(conf["policy"], self.policy)
+            if warning:
+                console.print(warning, soft_wrap=True)
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
-from ebrl.policies.build import build_policy
+from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.policies.normalize import Normalizer, read_norm_stats
 
 STATE, ACTIONS = 6, 4
@@ -114,3 +114,14 @@ def test_a_lerobot_folder_says_its_variant_and_cameras(tmp_path) -> None:
     loaded = build_policy(openpi_cfg(checkpoint=str(tmp_path), cameras={"base_0_rgb": None}), spec())
     for key, value in source.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_full_run_without_a_tokenizer_says_so(tmp_path) -> None:
+    from ebrl.policies.tokenizer import train_gemma_like
+
+    policy = build_policy(openpi_cfg(), spec())  # (tiny, so the test is cheap; the rule reads the config's preset)
+    assert "byte-level stand-in" in tokenizer_warning({"name": "openpi", "preset": "full"}, policy)
+    assert tokenizer_warning({"name": "openpi", "preset": "tiny"}, policy) is None
+    model = train_gemma_like(tmp_path / "tokenizer.model", ["lift the cube"], vocab_size=280)
+    given = build_policy(openpi_cfg(tokenizer=str(model)), spec())
+    assert tokenizer_warning({"name": "openpi", "preset": "full"}, given) is None

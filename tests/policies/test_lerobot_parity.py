@@ -8,7 +8,6 @@ SentencePiece model trained here), its normalised state, and its deterministic c
 """
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 from pathlib import Path
@@ -23,7 +22,7 @@ from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.envs.setup import benchmark_python
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import resize_with_pad
-from ebrl.policies.tokenizer import PaligemmaTokenizer
+from ebrl.policies.tokenizer import PaligemmaTokenizer, train_gemma_like
 
 REFERENCE = Path(__file__).with_name("lerobot_reference.py")
 CORPUS = ["pick up the black bowl between the plate and the ramekin and place it on the plate",
@@ -33,18 +32,7 @@ CORPUS = ["pick up the black bowl between the plate and the ramekin and place it
 
 
 def train_sentencepiece(path: Path) -> Path:
-    """A small SentencePiece model trained the way Gemma's is set up: BPE with byte fallback, digits split, no
-    normalisation or dummy prefix, "\\n" a piece of its own, ids pad 0 / eos 1 / bos 2 / unk 3."""
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 50), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
-        split_digits=True, normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, user_defined_symbols=["\n"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        character_coverage=1.0, minloglevel=2)
-    path.write_bytes(model.getvalue())
-    return path
+    return train_gemma_like(path, CORPUS)
 
 
 @pytest.fixture(scope="module", params=["pi0", "pi05"])
