@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from ebrl.envs.base import REWARDS
 from ebrl.runtime.resources import PARTITIONS, visible_gpu_count
@@ -108,10 +108,12 @@ class PolicyConfig:
 @dataclass
 class FlowPolicyConfig(PolicyConfig):
     denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
-    logprob: str = "flow_noise"  # flow_noise (learned per-step noise std) | flow_sde (Flow-GRPO's reverse SDE)
-    noise_std_min: float = 0.1  # bounds of the learned per-step noise std (flow_noise)
-    noise_std_max: float = 0.5
-    sde_noise_level: float = 0.5  # a in sigma_t = a sqrt(t / (1 - t)) (flow_sde)
+    # How the chain explores; defaults from the run's recipe (ebrl/rl/recipes.py): flow_noise for tiny/small,
+    # RLinf's at full (flow_sde on LIBERO, flow_noise on ManiSkill)
+    logprob: str = II("recipe:logprob")  # flow_noise (learned per-step noise std) | flow_sde (Flow-GRPO's reverse SDE)
+    noise_std_min: float = II("recipe:noise_std_min")  # bounds of the learned per-step noise std (flow_noise)
+    noise_std_max: float = II("recipe:noise_std_max")
+    sde_noise_level: float = II("recipe:sde_noise_level")  # a in sigma_t = a sqrt(t / (1 - t)) (flow_sde)
 
 
 @dataclass
@@ -226,17 +228,25 @@ class AlgoConfig:
     name: str = MISSING  # ppo | grpo
     rollout_chunks: int = 10  # chunks each env collects per iteration (ppo; grpo runs one whole episode per env)
     group_size: int = 4  # grpo: K envs that start from the same seeded reset form a group (ignored by ppo)
-    # Flow-Noise log-probs sum K denoising steps x action dims per action, so they move fast:
-    # 3e-4 gave approx KL > 1 per update on tiny; 1e-4 learns (README, learning test)
-    lr: float = 1e-4
+    # The keys set to ${recipe:...} default to the run's recipe (ebrl/rl/recipes.py): this repository's tuning for
+    # the tiny and small presets, RLinf's / piRL's published configs for the model and benchmark at full size
+    lr: float = II("recipe:lr")  # AdamW's for the policy
+    critic_lr: float = II("recipe:critic_lr")  # AdamW's for the value head
+    adam_betas: List[float] = II("recipe:adam_betas")
+    adam_eps: float = II("recipe:adam_eps")
+    weight_decay: float = II("recipe:weight_decay")  # AdamW's decoupled decay
     gamma: float = 0.99  # discount per chunk (ppo; grpo's return is the undiscounted episode return)
     gae_lambda: float = 0.95
-    epochs: int = 4
+    epochs: int = II("recipe:epochs")
     minibatches: int = 4
-    clip: float = 0.2
+    clip: float = II("recipe:clip")  # the ratio's clip below 1 (and above, unless clip_high)
+    clip_high: Optional[float] = II("recipe:clip_high")  # the clip above 1 (DAPO's clip-higher); null: clip
+    # ppo: the value moves at most this far from the rollout's per update (PPO2's value clip); null: unclipped
+    value_clip: Optional[float] = II("recipe:value_clip")
+    huber_delta: Optional[float] = II("recipe:huber_delta")  # ppo: the value loss is Huber at this delta; null: squared
     value_coef: float = 0.5  # ppo; grpo has no critic
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
+    entropy_coef: float = II("recipe:entropy_coef")
+    max_grad_norm: float = II("recipe:max_grad_norm")
     # rows per forward/backward pass; their gradients accumulate to the minibatch, which stays one optimizer step
     # (also the rows of the trainer's proximal pass); null: the whole minibatch in one pass
     micro_batch: Optional[int] = None
@@ -314,6 +324,9 @@ class Config:
 
 def register_configs() -> None:
     """Make the schemas known to Hydra; each group's yaml files name theirs in their defaults."""
+    from ebrl.rl.recipes import resolve_recipe
+
+    OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, node in [
@@ -497,6 +510,15 @@ def _check_numbers(cfg: DictConfig) -> None:
         ("seed", cfg.seed, 0 <= cfg.seed < 2**32, "between 0 and 2**32 - 1"),
         ("hw.gpus", cfg.hw.gpus, cfg.hw.gpus >= 0, ">= 0"),
         ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
+        ("algo.clip_high", a.clip_high, a.clip_high is None or a.clip_high > 0, "> 0 (0.28 in DAPO), or null (clip)"),
+        ("algo.value_clip", a.value_clip, a.value_clip is None or a.value_clip > 0, "> 0, or null (no value clip)"),
+        ("algo.huber_delta", a.huber_delta, a.huber_delta is None or a.huber_delta > 0,
+         "> 0, or null (a squared-error value loss)"),
+        ("algo.critic_lr", a.critic_lr, a.critic_lr > 0, "> 0 (the value head's learning rate)"),
+        ("algo.adam_betas", list(a.adam_betas), len(a.adam_betas) == 2 and all(0 <= b < 1 for b in a.adam_betas),
+         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+        ("algo.adam_eps", a.adam_eps, a.adam_eps > 0, "> 0"),
+        ("algo.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0 (AdamW's decoupled decay; 0: Adam)"),
         ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
         ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
         ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),

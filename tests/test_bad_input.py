@@ -101,6 +101,10 @@ BAD_INPUTS: list = [
     # numbers outside their range
     (("seed=-1",), "seed=-1 must be between 0 and 2**32 - 1"),
     (("algo.clip=-0.2",), "algo.clip=-0.2 must be > 0"),
+    (("algo.clip_high=0",), "algo.clip_high=0.0 must be > 0 (0.28 in DAPO), or null (clip)"),
+    (("algo.value_clip=-1",), "algo.value_clip=-1.0 must be > 0, or null (no value clip)"),
+    (("algo.adam_betas=[0.9]",), "algo.adam_betas=[0.9] must be two numbers in [0, 1), e.g. [0.9, 0.999]"),
+    (("algo.weight_decay=-0.01",), "algo.weight_decay=-0.01 must be >= 0 (AdamW's decoupled decay; 0: Adam)"),
     (("algo.gamma=1.5",), "algo.gamma=1.5 must be in (0, 1]"),
     (("algo.gae_lambda=-0.5",), "algo.gae_lambda=-0.5 must be in [0, 1]"),
     (("algo.max_grad_norm=0.0",), "algo.max_grad_norm=0.0 must be > 0"),

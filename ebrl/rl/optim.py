@@ -1,13 +1,13 @@
-"""The trainer's optimizer: Adam over the parameters `policy.train` trains, its moments in `algo.optimizer_dtype`.
+"""The trainer's optimizer: AdamW over the parameters `policy.train` trains, its moments in `algo.optimizer_dtype`.
 
-float32 moments are torch's Adam. bfloat16 moments halve the optimizer's memory (for pi0 at full size, 26 GB of
+float32 moments are torch's AdamW. bfloat16 moments halve the optimizer's memory (for pi0 at full size, 26 GB of
 moments become 13 GB): each step computes in float32 and stores the moments back with stochastic rounding, since
 bfloat16's 8-bit mantissa would otherwise round away Adam's small per-step changes (v <- 0.999 v + 0.001 g^2 moves v
 by less than half a bfloat16 step, so round-to-nearest would freeze it).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -16,12 +16,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHUNK = 1 << 24  # elements per slice of a step
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float, moments: str = "float32",
-                   eps: float = 1e-5) -> torch.optim.Optimizer:
-    """Adam at `lr` with its moments in `moments` (float32 | bfloat16)."""
+def make_optimizer(params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
+                   moments: str = "float32", betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-5,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW at `lr` (a group's own "lr" wins) with its moments in `moments` (float32 | bfloat16); weight_decay 0 is
+    Adam."""
+    betas = (float(betas[0]), float(betas[1]))
     if DTYPES[moments] == torch.float32:
-        return torch.optim.Adam(params, lr=lr, eps=eps)
-    return LowPrecisionAdam(params, lr=lr, eps=eps, state_dtype=DTYPES[moments])
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return LowPrecisionAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            state_dtype=DTYPES[moments])
 
 
 def stochastic_round(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +41,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):
-    """Adam (Kingma and Ba 2015, no weight decay) with its moments held in `state_dtype` (see the module docstring);
-    the parameters keep their own dtype (the trainer's float32 master weights)."""
+    """AdamW (Loshchilov and Hutter 2019: Adam with decoupled weight decay, as torch's AdamW) with its moments held in
+    `state_dtype` (see the module docstring); the parameters keep their own dtype (the trainer's float32 masters)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-5, state_dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5, weight_decay: float = 0.0,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
 
     @torch.no_grad()
@@ -65,6 +70,8 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                 flat = [_local(t).view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 for start in range(0, p.numel(), CHUNK):
                     param, grad, m, v = (t[start: start + CHUNK] for t in flat)
+                    if group["weight_decay"]:
+                        param.mul_(1 - group["lr"] * group["weight_decay"])
                     g = grad.float()
                     m32 = m.float().lerp_(g, 1 - beta1)
                     v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -97,6 +97,7 @@ def ppo_loss(
     behaviour_log_prob: torch.Tensor | None = None,
     is_clip: float = 2.0,
     count: torch.Tensor | None = None,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate per action, averaged over executed actions (over `count` of them: a micro-batch's share of
     its minibatch's mean, so that the micro-batches' losses and stats add up to the minibatch's).
@@ -104,12 +105,14 @@ def ppo_loss(
     new/old_log_prob, behaviour_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
     With `behaviour_log_prob` (decoupled PPO) `old_log_prob` is the proximal policy's: the ratio is clipped around
     it, and each action's surrogate is scaled by w = min(proximal / behaviour, is_clip), a constant, truncated
-    so that one very stale action cannot dominate the step.
+    so that one very stale action cannot dominate the step. The ratio is clipped to [1 - clip, 1 + clip_high]
+    (clip_high None: clip).
     """
+    high = clip if clip_high is None else clip_high
     log_ratio = new_log_prob - old_log_prob
     ratio = log_ratio.exp()
     adv = advantage.unsqueeze(-1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + high) * adv)
     m = mask.float()
     n = m.sum().clamp_min(1.0) if count is None else count
     if behaviour_log_prob is not None:
@@ -123,12 +126,40 @@ def ppo_loss(
     with torch.no_grad():
         stats = {
             "train/approx_kl": (((ratio - 1.0) - log_ratio) * m).sum() / n,
-            "train/clipfrac": (((ratio - 1.0).abs() > clip).float() * m).sum() / n,
+            "train/clipfrac": (((ratio < 1.0 - clip) | (ratio > 1.0 + high)).float() * m).sum() / n,
         }
         if behaviour_log_prob is not None:
             stats["train/is_weight_mean"] = (weight * m).sum() / n
             stats["train/is_truncated"] = ((raw >= is_clip).float() * m).sum() / n
     return loss, stats
+
+
+def value_loss(value: torch.Tensor, ret: torch.Tensor, old_value: torch.Tensor, clip: float | None,
+               huber_delta: float | None) -> torch.Tensor:
+    """(B,) loss of each row's value against its return: squared error / 2, or Huber at `huber_delta` (the same
+    below it); with `clip`, the larger of that and the loss of the value kept within `clip` of the rollout's
+    `old_value` (PPO2's value clip, as RLinf's critic loss)."""
+    def loss(err: torch.Tensor) -> torch.Tensor:
+        if huber_delta is None:
+            return 0.5 * err.pow(2)
+        return torch.nn.functional.huber_loss(err, torch.zeros_like(err), reduction="none", delta=huber_delta)
+
+    out = loss(ret - value)
+    if clip is not None:
+        out = torch.maximum(out, loss(ret - (old_value + (value - old_value).clamp(-clip, clip))))
+    return out
+
+
+CRITIC = "value_head."  # every family's value head (Policy.value): the critic
+
+
+def param_groups(policy: Policy, cfg: AlgoConfig) -> list[dict]:
+    """The trained parameters as AdamW groups: the policy's at algo.lr, the value head's at algo.critic_lr (RLinf's
+    value_lr), each group only where it has parameters."""
+    named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if not name.startswith(CRITIC)], "lr": cfg.lr},
+              {"params": [p for name, p in named if name.startswith(CRITIC)], "lr": cfg.critic_lr}]
+    return [g for g in groups if g["params"]]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -158,20 +189,35 @@ class PPOTrainer:
             ids = [self.device] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.model, device_ids=ids, process_group=group,
                                                  find_unused_parameters=True)
-        self.optimizer = make_optimizer(trained_parameters(policy), cfg.lr, cfg.get("optimizer_dtype", "float32"))
+        self.optimizer = make_optimizer(param_groups(policy, cfg), cfg.lr, cfg.get("optimizer_dtype", "float32"),
+                                        cfg.adam_betas, cfg.adam_eps, cfg.weight_decay)
+        self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Continue from a checkpoint's Adam moments, at this config's learning rate (a resumed run may change it).
-        Either layout loads: torch's (by parameter index) or the sharded trainers' (by parameter name)."""
+        """Continue from a checkpoint's Adam moments, at this config's hyperparameters (a resumed run may change
+        them). Either layout loads: torch's (by parameter index) or the sharded trainers' (by parameter name); one
+        saved before the value head had a group of its own is regrouped."""
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         by_name = any(isinstance(k, str) for k in state.get("state", {}))
         if self.sharded or by_name:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.policy, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
         else:
-            self.optimizer.load_state_dict(state)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr
+            self.optimizer.load_state_dict(self._regrouped(state))
+        for group, hyper in zip(self.optimizer.param_groups, configured):
+            group.update(hyper)
+
+    def _regrouped(self, state: dict) -> dict:
+        """A torch-layout state whose one group held every trained parameter, in this optimizer's groups."""
+        saved = state["param_groups"]
+        if len(saved) == len(self.optimizer.param_groups) or len(saved) != 1:
+            return state
+        position = {id(p): i for i, p in enumerate(trained_parameters(self.policy))}
+        ids = saved[0]["params"]  # (in the order of trained_parameters when it was saved)
+        groups = [{**saved[0], "params": [ids[position[id(p)]] for p in group["params"]]}
+                  for group in self.optimizer.param_groups]
+        return {**state, "param_groups": groups}
 
     def optimizer_state(self) -> dict:
         """The Adam state for a checkpoint; a sharded trainer's gathered whole, by parameter name, on rank 0 (a
@@ -226,17 +272,19 @@ class PPOTrainer:
         rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
         self.policy.train()
         behaviour_lp = None
+        old_value = _flat(batch.value).to(dev)  # where algo.value_clip holds the value to
         if decoupled:
-            behaviour_lp, (old_lp, value) = old_lp, self.proximal(obs, chunk, extras, rows)
+            behaviour_lp, (old_lp, old_value) = old_lp, self.proximal(obs, chunk, extras, rows)
             # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks
-            batch = dataclasses.replace(batch, value=value.view_as(batch.value).to(batch.value))
+            batch = dataclasses.replace(batch, value=old_value.view_as(batch.value).to(batch.value))
         elif self.policy.compute_dtype != torch.float32:
             # the data's weights are these, but a bfloat16 forward pass in other batch shapes (generation's) differs
-            # from this one by ~0.1 in log-prob per action: the ratio is taken against this pass's own numbers
-            old_lp = self.proximal(obs, chunk, extras, rows)[0]
+            # from this one by ~0.1 in log-prob per action: the ratio (and the value clip) is taken against this
+            # pass's own numbers
+            old_lp, old_value = self.proximal(obs, chunk, extras, rows)
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
-        ret = _flat(ret).to(dev) if ret is not None else None
+        critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
         if cfg.normalize_advantages and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
 
@@ -248,9 +296,9 @@ class PPOTrainer:
             epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
                 self.optimizer.zero_grad(set_to_none=True)
-                step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, ret, mask,
-                                        is_clip)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], cfg.max_grad_norm)
+                step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, critic,
+                                        mask, is_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, cfg.max_grad_norm)
                 if isinstance(grad_norm, DTensor):  # sharded: the norm over every rank's shards
                     grad_norm = grad_norm.full_tensor()
                 step["train/grad_norm"] = grad_norm
@@ -275,10 +323,12 @@ class PPOTrainer:
 
     def _accumulate(self, idx: torch.Tensor, parts: tuple[torch.Tensor, ...], obs: dict[str, torch.Tensor],
                     chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,
-                    behaviour_lp: torch.Tensor | None, adv: torch.Tensor, ret: torch.Tensor | None, mask: torch.Tensor,
+                    behaviour_lp: torch.Tensor | None, adv: torch.Tensor,
+                    critic: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor,
                     is_clip: float) -> dict[str, torch.Tensor]:
         """The gradient of minibatch `idx`'s loss, one backward pass per part (micro-batch) adding up to it: every
-        part's terms are divided by the whole minibatch's counts. Returns the minibatch's loss terms and stats."""
+        part's terms are divided by the whole minibatch's counts. `critic`: each row's value target and the value
+        the clip holds it near (None: no critic). Returns the minibatch's loss terms and stats."""
         cfg = self.cfg
         m = mask[idx].float()
         actions = m.sum().clamp_min(1.0)
@@ -293,14 +343,17 @@ class PPOTrainer:
                 )
                 pm = mask[part].float()
                 pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
-                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, actions)
-                value_loss = (pg_loss.new_zeros(()) if ret is None else
-                              0.5 * ((value - ret[part]).pow(2) * pm.amax(-1)).sum() / value_rows)
+                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, actions,
+                                          cfg.clip_high)
+                v_loss = pg_loss.new_zeros(())
+                if critic is not None:
+                    rows_loss = value_loss(value, critic[0][part], critic[1][part], cfg.value_clip, cfg.huber_delta)
+                    v_loss = (rows_loss * pm.amax(-1)).sum() / value_rows
                 ent = (entropy * pm).sum() / actions
-                (pg_loss + cfg.value_coef * value_loss - cfg.entropy_coef * ent).backward()
+                (pg_loss + cfg.value_coef * v_loss - cfg.entropy_coef * ent).backward()
             terms = {"losses/policy": pg_loss.detach(), "losses/entropy": ent.detach(), **stats}
-            if ret is not None:
-                terms["losses/value"] = value_loss.detach()
+            if critic is not None:
+                terms["losses/value"] = v_loss.detach()
             for k, v in terms.items():
                 out[k] = out[k] + v if k in out else v
         return out

@@ -23,6 +23,7 @@ from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_env
 from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.rl.grpo import GRPOTrainer, group_seeds
 from ebrl.rl.ppo import PPOTrainer, RolloutBatch
+from ebrl.rl.recipes import recipe_line
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
@@ -224,6 +225,8 @@ class Experiment:
             warning = tokenizer_warning(conf["policy"], self.policy)
             if warning:
                 console.print(warning, soft_wrap=True)
+            if self.ranks.leader:  # (once the run is past its one-line checks: the simulators and policy are built)
+                console.print(recipe_line(cfg), soft_wrap=True)
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise

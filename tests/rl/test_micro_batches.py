@@ -25,7 +25,8 @@ def gradients(policy, trainer: PPOTrainer, batch, rows: int, decoupled: bool) ->
     adv, ret, _ = trainer.advantages(batch)
     idx = torch.arange(chunk.shape[0])
     policy.zero_grad(set_to_none=True)
-    trainer._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour, _flat(adv), _flat(ret), mask, 2.0)
+    critic = (_flat(ret), _flat(batch.value))
+    trainer._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour, _flat(adv), critic, mask, 2.0)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 
 
@@ -33,8 +34,10 @@ def gradients(policy, trainer: PPOTrainer, batch, rows: int, decoupled: bool) ->
 def test_micro_batched_gradients_equal_the_unbatched_one(decoupled: bool) -> None:
     torch.manual_seed(0)
     policy = build_policy(policy_config("openpi"), LIFT_SPEC, train=True)
-    trainer = PPOTrainer(policy, compose_config("algo.minibatches=1", "algo.value_coef=0.5",
-                                                "algo.entropy_coef=0.01").algo)
+    # (with the full-size recipe's losses: asymmetric ratio clip, clipped Huber value loss)
+    trainer = PPOTrainer(policy, compose_config("algo.minibatches=1", "algo.value_coef=0.5", "algo.entropy_coef=0.01",
+                                                "algo.clip_high=0.28", "algo.value_clip=0.2",
+                                                "algo.huber_delta=1.0").algo)
     batch = one_episode_rollout(policy, chunks=3, num_envs=4)  # 12 rows, env 0's later rows execute nothing
     whole = gradients(policy, trainer, batch, 12, decoupled)
     for rows in (1, 5):  # (5: an uneven split, 5 + 5 + 2)
@@ -60,14 +63,17 @@ def test_an_update_does_not_depend_on_the_micro_batch() -> None:
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
 
 
-def test_adam_with_bfloat16_moments_halves_them_and_follows_float32_adam() -> None:
+# AdamW's decoupled decay too (with RLinf's beta2 = 0.95 this problem converges to 5e-6 by step 599, where the
+# moments' rounding, not the decay, sets the loss)
+@pytest.mark.parametrize("betas, weight_decay", [((0.9, 0.999), 0.0), ((0.9, 0.999), 0.01)])
+def test_adam_with_bfloat16_moments_halves_them_and_follows_float32_adam(betas, weight_decay) -> None:
     torch.manual_seed(0)
     target = torch.randn(64, 32)
     inputs = torch.randn(256, 64)
     losses = {}
     for moments in ("float32", "bfloat16"):
         weight = torch.nn.Parameter(torch.zeros(64, 32))
-        optimizer = make_optimizer([weight], lr=1e-2, moments=moments)
+        optimizer = make_optimizer([weight], lr=1e-2, moments=moments, betas=betas, weight_decay=weight_decay)
         assert isinstance(optimizer, LowPrecisionAdam) == (moments == "bfloat16")
         curve = []
         for _ in range(600):
