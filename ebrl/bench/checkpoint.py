@@ -6,9 +6,11 @@
    expert's unused lm_head, config.json, and the normaliser's processor files with random statistics; a SentencePiece
    model trained here stands in for PaliGemma's (its ids are a subset of the 257152 the embedding has).
 2. Builds the policy from it as a run does (`build_policy` with policy.checkpoint=<folder>, policy.tokenizer, the
-   camera slots mapped), and samples one deterministic chunk on one observation of LIBERO's libero_spatial task 0 (its
-   own interpreter renders agentview and the wrist camera at 224 px), with the real prompt path.
-Prints the time of each step and the process's peak memory. Needs about 16 GB and 8 GB of disk in --dir.
+   camera slots mapped), and samples one deterministic chunk with the real prompt path, then a second one warm.
+`load_and_act` does both, on any device, for one observation with LIBERO's keys. Here it runs on CPU on an observation
+of LIBERO's libero_spatial task 0 (its own interpreter renders agentview and the wrist camera at 224 px) and prints
+the time of each step and the process's peak memory; needs about 16 GB and 8 GB of disk in --dir. The `checkpoint`
+check of `python -m ebrl.bench.gpu_check` runs it on CUDA with a synthetic observation of the same shapes.
 LIBERO's state is our adapter's vector, whose first 8 dims are openpi's LIBERO state (eef position, axis-angle,
 gripper qpos) and the rest the objects': `policy.state_dims` picks those 8.
 """
@@ -21,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +32,7 @@ from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.policies.tokenizer import train_gemma_like
 
 SLOTS = {"base_0_rgb": "agentview", "left_wrist_0_rgb": "robot0_eye_in_hand", "right_wrist_0_rgb": None}
-STATE_DIM, ACTION_DIM = 8, 7
+STATE_DIM, ACTION_DIM, CHUNK = 8, 7, 50
 OBS_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
@@ -79,8 +82,8 @@ def write_lerobot_folder(folder: Path, spec: EnvSpec) -> dict[str, float]:
     features = {"observation.state": {"type": "STATE", "shape": [STATE_DIM]},
                 **{f"observation.images.{s}": {"type": "VISUAL", "shape": [3, 224, 224]} for s in SLOTS}}
     (folder / "config.json").write_text(json.dumps({
-        "type": "pi0", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m", "chunk_size": 50,
-        "n_action_steps": 50, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
+        "type": "pi0", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m", "chunk_size": CHUNK,
+        "n_action_steps": CHUNK, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
         "tokenizer_max_length": 48, "input_features": features,
         "output_features": {"action": {"type": "ACTION", "shape": [ACTION_DIM]}},
         "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}}, indent=2))
@@ -99,6 +102,58 @@ def write_lerobot_folder(folder: Path, spec: EnvSpec) -> dict[str, float]:
             "file_gib": (folder / "model.safetensors").stat().st_size / 2 ** 30}
 
 
+def load_and_act(work: Path, raw_obs: dict[str, np.ndarray], instruction: str,
+                 device: torch.device) -> dict[str, Any]:
+    """Steps 1 and 2 in `work` on one observation of LIBERO's keys, the policy on `device`: their figures."""
+    cams = {c: raw_obs[f"image/{c}"] for c in SLOTS.values() if c is not None}
+    spec = EnvSpec(obs={"state": ArraySpec(raw_obs["state"].shape, "float32"),
+                        **{f"image/{c}": ArraySpec(v.shape, "uint8") for c, v in cams.items()}},
+                   action_dim=ACTION_DIM, instruction=instruction, max_episode_steps=220)
+    figures: dict[str, Any] = write_lerobot_folder(work / "pi0_libero", spec)
+    tokenizer = train_gemma_like(work / "paligemma_tokenizer.model", [instruction, "put the bowl on the plate"],
+                                 vocab_size=300)
+
+    from ebrl.policies.build import build_policy
+
+    cuda = device.type == "cuda"
+
+    def elapsed(t0: float) -> float:
+        if cuda:  # kernels run asynchronously: a stage ends when the device is done
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full",
+           "checkpoint": str(work / "pi0_libero"), "tokenizer": str(tokenizer), "cameras": SLOTS,
+           "state_dims": list(range(STATE_DIM))}
+    policy = build_policy(cfg, spec, device)
+    load_s = elapsed(t0)
+    tokens, mask = (torch.from_numpy(a).to(device) for a in policy.tokenize([instruction]))
+    obs = {"state": torch.from_numpy(raw_obs["state"][None]), "tokens": tokens, "token_mask": mask,
+           **{f"image/{c}": torch.from_numpy(v[None]) for c, v in cams.items()}}
+    obs = {k: v.to(device) for k, v in obs.items()}
+    t0 = time.perf_counter()
+    out = policy.sample(obs, deterministic=True)
+    first_s = elapsed(t0)
+    t0 = time.perf_counter()
+    policy.sample(obs, deterministic=True)
+    warm_s = elapsed(t0)
+    chunk = out.chunk.float().cpu()
+    figures.update({
+        "load_s": load_s, "first_chunk_s": first_s, "warm_chunk_s": warm_s, "tokens": int(mask.sum()),
+        "tokenizer": policy.tokenizer.path.name, "prompt_style": policy.tokenizer.style,
+        "parameters_b": round(policy.num_parameters() / 1e9, 3), "dtype": str(policy.compute_dtype),
+        "variant": policy.variant, "cameras": dict(zip(policy.camera_slots, policy.camera_sources)),
+        "chunk_shape": list(chunk.shape), "finite": bool(chunk.isfinite().all()),
+        "first_action": [round(float(a), 3) for a in chunk[0, 0]],
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20})
+    if cuda:
+        figures["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where the folder is written (default: a temporary folder)")
@@ -109,40 +164,16 @@ def main() -> None:
         t0 = time.perf_counter()
         raw, instruction = libero_observation(work)
         obs_s = time.perf_counter() - t0
-        cams = {"agentview": raw["image/agentview"], "robot0_eye_in_hand": raw["image/robot0_eye_in_hand"]}
-        spec = EnvSpec(obs={"state": ArraySpec(raw["state"].shape, "float32"),
-                            **{f"image/{c}": ArraySpec(v.shape, "uint8") for c, v in cams.items()}},
-                       action_dim=ACTION_DIM, instruction=instruction, max_episode_steps=220)
-        written = write_lerobot_folder(work / "pi0_libero", spec)
-        tokenizer = train_gemma_like(work / "paligemma_tokenizer.model", [instruction, "put the bowl on the plate"],
-                                     vocab_size=300)
-
-        from ebrl.policies.build import build_policy
-
-        t0 = time.perf_counter()
-        cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full",
-               "checkpoint": str(work / "pi0_libero"), "tokenizer": str(tokenizer), "cameras": SLOTS,
-               "state_dims": list(range(STATE_DIM))}
-        policy = build_policy(cfg, spec)
-        load_s = time.perf_counter() - t0
-        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([instruction]))
-        obs = {"state": torch.from_numpy(raw["state"][None]), "tokens": tokens, "token_mask": mask,
-               **{f"image/{c}": torch.from_numpy(v[None]) for c, v in cams.items()}}
-        t0 = time.perf_counter()
-        out = policy.sample(obs, deterministic=True)
-        sample_s = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-        print(f"LIBERO libero_spatial task 0 observation (own interpreter, 2 cameras at 224 px): {obs_s:.1f} s")
-        print(f"instruction: {instruction!r} -> {int(mask.sum())} tokens "
-              f"({policy.tokenizer.path.name}, prompt_style={policy.tokenizer.style})")
-        print(f"lerobot-layout folder written: {written['file_gib']:.2f} GiB model.safetensors (bfloat16) in "
-              f"{written['write_s']:.1f} s")
-        print(f"built from policy.checkpoint=<folder>: {load_s:.1f} s ({policy.num_parameters() / 1e9:.2f} B "
-              f"parameters, {policy.compute_dtype}, variant {policy.variant}, cameras {policy.camera_slots} <- "
-              f"{policy.camera_sources})")
-        print(f"one deterministic chunk at batch 1: {sample_s:.1f} s, shape {tuple(out.chunk.shape)}, "
-              f"finite {bool(out.chunk.isfinite().all())}, first action {np.round(out.chunk[0, 0].float().numpy(), 3)}")
-        print(f"peak RSS of this process: {peak:.2f} GiB")
+        f = load_and_act(work, raw, instruction, torch.device("cpu"))
+    print(f"LIBERO libero_spatial task 0 observation (own interpreter, 2 cameras at 224 px): {obs_s:.1f} s")
+    print(f"instruction: {instruction!r} -> {f['tokens']} tokens ({f['tokenizer']}, prompt_style={f['prompt_style']})")
+    print(f"lerobot-layout folder written: {f['file_gib']:.2f} GiB model.safetensors (bfloat16) in "
+          f"{f['write_s']:.1f} s")
+    print(f"built from policy.checkpoint=<folder>: {f['load_s']:.1f} s ({f['parameters_b']:.2f} B parameters, "
+          f"{f['dtype']}, variant {f['variant']}, cameras {f['cameras']})")
+    print(f"one deterministic chunk at batch 1: {f['first_chunk_s']:.1f} s (warm: {f['warm_chunk_s']:.1f} s), shape "
+          f"{tuple(f['chunk_shape'])}, finite {f['finite']}, first action {f['first_action']}")
+    print(f"peak RSS of this process: {f['peak_rss_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

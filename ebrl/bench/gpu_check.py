@@ -13,6 +13,10 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   full    pi0 at full size in bfloat16 (2 cameras at 224 px), built with given weights: build time, policy.sample at
           batch 1, 8 and 32, one PPO update (train=all) at algo.micro_batch=4; the peak memory allocated against the
           memory model's prediction, and the CUDA context's size
+  checkpoint  `python -m ebrl.bench.checkpoint`'s path on CUDA: a full-size pi0 folder in lerobot's layout (random
+          bfloat16 weights) built through policy.checkpoint with a SentencePiece tokenizer trained on the spot, one
+          deterministic chunk on a synthetic LIBERO observation (2 cameras at 224 px): folder write, build, first and
+          warm chunk times, the file's size and the peak memory allocated; the chunk must be finite and (1, 50, 7)
   publish one publication of a pi0-sized bfloat16 payload from a trainer process to a reader on the same GPU, through
           CUDA IPC (the channel's device slots) and through shared memory (host slots): publish and pull times
   ranks   torchrun with two ranks on two GPUs: each rank's supervisor and trainer on its own GPU (skipped on one GPU)
@@ -39,10 +43,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 N = 4096  # matmul size
-CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "publish", "ranks", "egl", "run")
+CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "checkpoint", "publish", "ranks", "egl", "run")
 
 
 class Skip(Exception):
@@ -265,8 +270,9 @@ def check_nvml(args: argparse.Namespace) -> tuple[bool, dict]:
 
 
 def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
+    from ebrl.bench.memory import compose
     from ebrl.bench.policies import build, make_obs, timed
-    from ebrl.config import AlgoConfig, register_configs
+    from ebrl.config import register_configs
     from ebrl.envs.base import ArraySpec, EnvSpec
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.runtime.colocated import stack_steps
@@ -294,7 +300,8 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
                           mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
                           cutoff_value=torch.zeros(batch_size, device=cuda)))
     batch = stack_steps(steps, torch.zeros(batch_size, device=cuda))
-    trainer = PPOTrainer(policy, AlgoConfig(name="ppo", epochs=1, minibatches=2), device=cuda)
+    # (a composed config: its algo keys resolve from the small preset's recipe)
+    trainer = PPOTrainer(policy, compose("policy.preset=small", "algo.epochs=1", "algo.minibatches=2").algo, device=cuda)
     metrics: dict[str, float] = {}
 
     def update() -> None:
@@ -374,6 +381,24 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
                     "nonfinite_steps": metrics["train/nonfinite_steps"]})
     figures["cuda_context_mib"] = context_mib
     return abs(figures["error"]) < 0.15, figures
+
+
+def check_checkpoint(args: argparse.Namespace) -> tuple[bool, dict]:
+    missing = [name for name in ("safetensors", "sentencepiece") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Skip(f"{' and '.join(missing)} not installed")
+    from ebrl.bench.checkpoint import ACTION_DIM, CHUNK, load_and_act
+
+    # LIBERO is not installed here: random values in the shapes LiberoEnv gives for libero_spatial task 0 (its state
+    # is openpi's 8 proprio dims and the objects'; policy.state_dims takes the 8)
+    rng = np.random.default_rng(0)
+    obs = {"state": rng.standard_normal(78).astype(np.float32),
+           **{f"image/{c}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+              for c in ("agentview", "robot0_eye_in_hand")}}
+    instruction = "pick up the black bowl between the plate and the ramekin and place it on the plate"
+    with tempfile.TemporaryDirectory(prefix="ebrl-checkpoint-") as tmp:
+        figures = load_and_act(Path(tmp), obs, instruction, torch.device("cuda"))
+    return figures["finite"] and figures["chunk_shape"] == [1, CHUNK, ACTION_DIM], figures
 
 
 def publish_writer(channel: Any, numel: int, count: int, reports: Any) -> None:
@@ -518,8 +543,8 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
     "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
-    "policy": check_policy, "full": check_full, "publish": check_publish, "ranks": check_ranks, "egl": check_egl,
-    "run": check_run,
+    "policy": check_policy, "full": check_full, "checkpoint": check_checkpoint, "publish": check_publish,
+    "ranks": check_ranks, "egl": check_egl, "run": check_run,
 }
 
 
@@ -539,7 +564,7 @@ def run_check(name: str, args: argparse.Namespace) -> dict:
         result = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     status = result.pop("status")
-    print(f"{status:4}  {name:7} {_line(result)}", flush=True)
+    print(f"{status:4}  {name:10} {_line(result)}", flush=True)
     return {"status": status, **result}
 
 
