@@ -24,9 +24,15 @@ def main(cfg: DictConfig) -> float:
         return trial(cfg)
 
 
+def multirun_argv(argv: list[str]) -> list[str]:
+    """The command line as Hydra needs it: --multirun, then sweep=stages unless given, then the user's arguments.
+    Hydra takes the overrides as one run of positionals, so both go before them (inserted after `-m`, the overrides
+    that follow it would be argparse's "unrecognized arguments")."""
+    args = [a for a in argv[1:] if a not in ("-m", "--multirun")]
+    group = [] if any(a.startswith(("sweep=", "+sweep=")) for a in args) else ["sweep=stages"]
+    return [argv[0], "--multirun", *group, *args]
+
+
 if __name__ == "__main__":
-    if not any(arg.startswith(("sweep=", "+sweep=")) for arg in sys.argv[1:]):
-        sys.argv.insert(1, "sweep=stages")
-    if not any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
-        sys.argv.insert(1, "--multirun")
+    sys.argv = multirun_argv(sys.argv)
     main()
