@@ -16,11 +16,12 @@ def main(cfg: DictConfig) -> float:
     from ebrl.runtime.evaluation import Evaluation, check_mode  # after composition, so `--cfg job` needs no torch
     from ebrl.runtime.experiment import Experiment
 
-    with exit_cleanly():
+    with exit_cleanly() as stop:
         check_mode(cfg)
         if cfg.mode == "eval":
             return Evaluation.from_config(cfg).run().success_rate
         run = Experiment.from_config(cfg)  # validates, plans, fails with one line
+        stop.run_dir = run.run_dir  # (a stopped run's last line names the folder to resume)
         return run.train().rollout_steps_per_s  # the value a sweep optimises
 
 

@@ -37,8 +37,21 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+class StopLine:
+    """What the stop line knows of the run: its folder, once the run has one (`Experiment.run_dir`)."""
+
+    def __init__(self) -> None:
+        self.run_dir: Path | None = None
+
+    def resume_hint(self) -> str:
+        """How to continue, with the real folder to copy; nothing where no checkpoint was written."""
+        if self.run_dir is None or not (self.run_dir / "checkpoints" / "last.pt").exists():
+            return ""
+        return f"continue with resume={self.run_dir}"
+
+
 @contextmanager
-def exit_cleanly() -> Iterator[None]:
+def exit_cleanly() -> Iterator[StopLine]:
     from ebrl.runtime.checkpoint import CheckpointError
     from ebrl.runtime.distributed import DistributedError
     from ebrl.envs.worker import SimulatorsFailing
@@ -46,8 +59,9 @@ def exit_cleanly() -> Iterator[None]:
     from ebrl.runtime.trainer_process import TrainerError
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
+    stop = StopLine()
     try:
-        yield
+        yield stop
     except (ConfigError, EnvSetupError, CheckpointError) as e:
         run_dir = _hydra_output_dir()
         if run_dir is not None:
@@ -56,18 +70,24 @@ def exit_cleanly() -> Iterator[None]:
         sys.exit(EXIT_BAD_INPUT)
     # the run folder keeps its last checkpoint
     except (TrainerError, GenerationError, DistributedError, SimulatorsFailing, RunStopped) as e:
-        print(f"error: {e}; continue with resume=<run folder>", file=sys.stderr)
+        print(f"error: {_then(str(e), stop)}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except Exception as e:  # a failure in this process (generation, the schedule): one line, the traceback kept
-        print(f"error: {_report(e)}; continue with resume=<run folder>", file=sys.stderr)
+        print(f"error: {_then(_report(e), stop)}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt as e:
         # Experiment.train wrote a checkpoint on its way out and the workers are stopped
         how = f" by {e.args[0]}" if e.args else ""  # SIGTERM: torchrun stops the other ranks when one failed
-        print(f"interrupted{how}: continue with resume=<run folder>", file=sys.stderr)
+        hint = stop.resume_hint()
+        print(f"interrupted{how}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _then(line: str, stop: StopLine) -> str:
+    hint = stop.resume_hint()
+    return f"{line}; {hint}" if hint else line
 
 
 def _report(e: BaseException) -> str:

@@ -207,7 +207,7 @@ def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) 
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode != 0
-    assert "interrupted by SIGTERM: continue with resume=<run folder>" in output  # rank 0, stopped by torchrun
+    assert f"interrupted by SIGTERM: continue with resume={run_dir}" in output  # rank 0, stopped by torchrun
     time.sleep(1.0)
     alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"

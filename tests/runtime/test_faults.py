@@ -92,7 +92,7 @@ def test_a_killed_trainer_stops_the_run_with_one_line_and_nothing_left(tmp_path:
             proc.kill()
     assert proc.returncode == 1 and "Traceback" not in err
     assert last_line(err) == (f"error: trainer process (pid {trainer.pid}) stopped; exit code -9; continue with "
-                              "resume=<run folder>")
+                              f"resume={run_dir}")  # the real folder, to copy
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written stays
@@ -140,7 +140,7 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
-    assert last_line(err) == "interrupted by SIGTERM: continue with resume=<run folder>"
+    assert last_line(err) == f"interrupted by SIGTERM: continue with resume={run_dir}"
     # the only checkpoint is the one written on the way out: the trainer's newest weights, with the iterations they
     # were trained on; updates done but not yet handed to the loop are logged then. (One past the last line only when
     # the signal lands inside the loop's few lines between counting an iteration and logging it.)
