@@ -323,7 +323,9 @@ class Config:
 
 
 def register_configs() -> None:
-    """Make the schemas known to Hydra; each group's yaml files name theirs in their defaults."""
+    """Make the schemas known to Hydra; each group's yaml files name theirs in their defaults
+    (`- /schema/<group>/<name>@_here_`). They live in groups of their own so that a group's options are its yaml
+    files only: `scheduler=scheduler_schema` is no choice."""
     from ebrl.rl.recipes import resolve_recipe
 
     OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
@@ -335,19 +337,19 @@ def register_configs() -> None:
         ("libero_schema", LiberoEnvConfig),
         ("robocasa_schema", RoboCasaEnvConfig),
     ]:
-        cs.store(group="env", name=name, node=node)
+        cs.store(group="schema/env", name=name, node=node)
     for name, node in [
         ("openpi_schema", OpenPIPolicyConfig),
         ("openvla_oft_schema", OpenVLAOFTPolicyConfig),
         ("gr00t_schema", GR00TPolicyConfig),
         ("wam_schema", WAMPolicyConfig),
     ]:
-        cs.store(group="policy", name=name, node=node)
-    cs.store(group="hw", name="hw_schema", node=HwConfig)
-    cs.store(group="scheduler", name="scheduler_schema", node=SchedulerConfig)
-    cs.store(group="allocator", name="allocator_schema", node=AllocatorConfig)
-    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+        cs.store(group="schema/policy", name=name, node=node)
+    cs.store(group="schema/hw", name="hw_schema", node=HwConfig)
+    cs.store(group="schema/scheduler", name="scheduler_schema", node=SchedulerConfig)
+    cs.store(group="schema/allocator", name="allocator_schema", node=AllocatorConfig)
+    cs.store(group="schema/algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="schema/logger", name="logger_schema", node=LoggerConfig)
 
 
 def _positive(cfg: DictConfig, key: str) -> None:

@@ -2,7 +2,7 @@
 import itertools
 
 import pytest
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from ebrl.config import ConfigError, _check_allocator, validate
 from tests.conftest import compose_config, group_options
@@ -43,6 +43,20 @@ def test_every_hw_states_its_node():
 def test_composition_errors(override, error):
     with pytest.raises(error):
         compose_config(override)
+
+
+def test_schemas_are_no_options_of_their_groups():
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra import initialize_config_dir
+
+    from tests.conftest import CONF
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        loader = GlobalHydra.instance().config_loader()
+        for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger"):
+            assert loader.get_group_options(group) == group_options(group), group  # the yaml files, no *_schema
+    with pytest.raises(MissingConfigException):
+        compose_config("scheduler=scheduler_schema")
 
 
 @pytest.mark.parametrize(
