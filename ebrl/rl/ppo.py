@@ -285,8 +285,9 @@ class PPOTrainer:
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
-        if cfg.normalize_advantages and adv.numel() > 1:
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        live = adv[mask.any(-1)]  # rows that executed an action: the others are in no loss, nor in the statistics
+        if cfg.normalize_advantages and live.numel() > 1:
+            adv = (adv - live.mean()) / (live.std() + 1e-8)
 
         sums: dict[str, float] = {}
         count = 0

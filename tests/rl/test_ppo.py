@@ -4,9 +4,11 @@ import math
 import pytest
 import torch
 
+from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer, compute_gae, ppo_loss
 from tests.conftest import compose_config
-from tests.rl.test_grpo import one_episode_rollout, policy_of
+from tests.policies.test_precision import policy_config
+from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout, policy_of
 
 
 def test_gae_by_hand():
@@ -136,3 +138,19 @@ def test_decoupled_update_takes_advantages_from_the_current_critic():
     assert abs(out["train/value_mean"] - float(current.mean())) < 1e-4, out
     plain = PPOTrainer(policy_of("openpi"), algo).update(batch)  # synchronous: the recorded values are current
     assert abs(plain["train/value_mean"] - float(batch.value.mean())) < 1e-4
+
+
+def test_rows_that_executed_nothing_do_not_move_the_advantage_normalisation():
+    """Env 0's episode ends in the first chunk: its later rows execute nothing, so their advantages (here made huge
+    through their values, which reach no other row's) must not shift or scale the others'."""
+    results = []
+    for masked_value in (None, 100.0):
+        torch.manual_seed(0)
+        policy = build_policy(policy_config("openpi"), LIFT_SPEC, train=True)
+        batch = one_episode_rollout(policy, chunks=3, num_envs=4)
+        if masked_value is not None:
+            batch.value[1:, 0] = masked_value
+        torch.manual_seed(1)
+        PPOTrainer(policy, compose_config("algo.minibatches=1", "algo.epochs=1").algo).update(batch)
+        results.append([p.detach().clone() for p in policy.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
