@@ -381,6 +381,7 @@ class Experiment:
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.conf))
+        self.scheduler.trace.stream_to(self.out_dir / "trace.json")  # (a long run's spans are not all kept)
         resume_id = self._resume_ckpt.get("wandb_id") if self._resume_ckpt else None
         logger = self.conf["logger"] if self.ranks.leader else {"name": "none"}  # one W&B run: rank 0's
         self.log = MetricsLog(self.out_dir, logger, self.conf, resume_id=resume_id)

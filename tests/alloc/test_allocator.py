@@ -59,7 +59,7 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
     assert rows[0]["alloc/simulate"] == 1 and rows[-1]["alloc/simulate"] > 1
     assert run.allocator.decisions[0].step >= 2  # not on the first reading: the window is 2
     # the simulators really ran on the new cores: every chunk reports the affinity its process had
-    trace = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     chunks = sorted((e for e in trace if e.get("cat") == "simulate"), key=lambda e: e["ts"])
     before, added = set(first["simulate"]), set(run.allocator.leases["simulate"]) - set(first["simulate"])
     assert added and set(chunks[0]["args"]["cpus"]) <= before
@@ -80,7 +80,7 @@ def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(t
     assert run.allocator.current.batch == 2
     run.train()
     assert [g.envs for g in run.scheduler.groups] == [[0, 1], [2, 3]]
-    trace = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     served = [e["args"]["groups"] for e in trace if e.get("name") == "sample"]
     assert {g for groups in served for g in groups} == {0, 1}  # generation served the two groups, from the start
 
