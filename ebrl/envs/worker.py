@@ -468,9 +468,11 @@ class SimWorker:
         self.reset()
 
     def renice(self, nice: int) -> None:
-        """Run this env's processes (this one and any replacement) at `nice`."""
+        """Run this env's processes (this one and any replacement), every thread of them, at `nice`."""
+        from ebrl.runtime.resources import set_process_nice  # (the supervisor's side; no torch there)
+
         self.nice = nice
-        os.setpriority(os.PRIO_PROCESS, self.pid, nice)
+        set_process_nice(self.pid, nice)
 
     def close(self) -> None:
         """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
@@ -496,8 +498,11 @@ class SimWorker:
 
     # --- commands
     def bind(self, cpus: Sequence[int]) -> None:
-        """Let the simulator process run only on `cpus` from now on (a scheduler handing it a core)."""
-        os.sched_setaffinity(self.pid, set(cpus))
+        """Let the simulator process, every thread of it (a renderer's too), run only on `cpus` from now on (a
+        scheduler handing it a core)."""
+        from ebrl.runtime.resources import set_process_affinity
+
+        set_process_affinity(self.pid, cpus)
         self.cpus = list(cpus)
 
     def reset(self, seed: int | None = None) -> None:

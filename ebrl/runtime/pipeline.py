@@ -11,7 +11,7 @@ ebrl/runtime/generation.py) and the trainer process. The modes are switches of t
 - `groups`: the envs split into groups; a group whose chunk ended queues for generation, which
   serves every queued group in one batch while the others simulate. One group = lockstep.
 - `core_rebinding`: the scheduler owns the simulation cores; an env runs its chunk only while it
-  holds one (os.sched_setaffinity), and a freed core goes to the ready env with the longest EMA
+  holds one (every thread of its process pinned to it), and a freed core goes to the ready env with the longest EMA
   step time. Off: every ready env is submitted at once and the OS places them.
 - `sim_nice`: the simulators' nice value; generation and training (nice 0) take a shared core first.
 - `train_share`: the share of the cores given to the trainer alone (disaggregated; on GPUs the

@@ -94,16 +94,26 @@ def _threads(pid: int) -> set[int]:
 
 def set_process_affinity(pid: int, cpus: Iterable[int]) -> None:
     """Pin every thread of `pid` to `cpus`: sched_setaffinity(pid) alone moves only the main thread, and a torch or
-    OpenMP pool would keep running on the old cores."""
+    OpenMP pool, or a simulator's render threads (Mesa's llvmpipe), would keep running on the old cores."""
     cpus = set(cpus)
+    _each_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
+
+
+def set_process_nice(pid: int, nice: int) -> None:
+    """Run every thread of `pid` at `nice`: on Linux a nice value is a thread's own, setpriority(pid) the main
+    thread's alone."""
+    _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
+
+
+def _each_thread(pid: int, apply: Callable[[int], None]) -> None:
     done: set[int] = set()
-    for _ in range(10):  # a thread started meanwhile by a not yet moved one copied the old mask: pass again
+    for _ in range(10):  # a thread started meanwhile by one not yet changed copied the old setting: pass again
         todo = _threads(pid) - done
         if not todo:
             return
         for tid in todo:
             try:
-                os.sched_setaffinity(tid, cpus)
+                apply(tid)
             except ProcessLookupError:
                 pass  # the thread ended
         done |= todo

@@ -111,7 +111,7 @@ def test_construction_error_arrives_as_one_line():
     assert shm_segments() - before == set()
 
 
-def test_camera_worker_survives_sigint_and_a_killed_worker_does_not_hang_close():
+def test_camera_worker_survives_sigint_its_render_threads_follow_bind_and_a_killed_worker_does_not_hang_close():
     before = shm_segments()
     worker = SimWorker(dict(LIFT, cameras=["agentview"]), seed=0, chunk_len=4)
     worker.start()
@@ -124,6 +124,15 @@ def test_camera_worker_survives_sigint_and_a_killed_worker_does_not_hang_close()
         worker.actions[:2] = 0.0
         worker.submit(2)
         assert worker.wait().executed == 2
+
+        # Mesa's software renderer runs threads of its own: a core hand-over and the nice must reach them too
+        threads = [int(tid) for tid in os.listdir(f"/proc/{worker.pid}/task")]
+        assert len(threads) > 1
+        core = max(os.sched_getaffinity(0))
+        worker.bind([core])
+        worker.renice(7)
+        assert {tid: os.sched_getaffinity(tid) for tid in threads} == {tid: {core} for tid in threads}
+        assert {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == {tid: 7 for tid in threads}
 
         os.kill(worker.pid, signal.SIGKILL)
         worker.submit(2)
