@@ -371,7 +371,8 @@ class PipelineScheduler:
         self.iterations = int(conf["iterations"]) - base_version  # updates this run makes
         self.version = 0  # of the weights generation sampled with last, counted by the channel
         self.queue: deque[_Group] = deque()  # groups waiting for generation
-        self.waiting: list[_Group] = []  # groups ready but held back: queue full or too far ahead of training
+        self.waiting: list[_Group] = []  # groups ready but held back: too far ahead of training
+        self.overflow: deque[_Group] = deque()  # groups ready but held back: the queue was full (scheduler.queue_size)
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
         self._state: tuple | None = None  # the trainer's answer to a state request
         # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
@@ -509,6 +510,7 @@ class PipelineScheduler:
             self._hand_over()
         if self.queue:
             self._generate()
+            self._refill()  # (the queue is empty now: the groups that found it full take its room)
         events = self.dispatcher.events
         self._handle(events.get() if not self.queue else events.get_nowait() if not events.empty() else None)
         while not events.empty():
@@ -549,11 +551,15 @@ class PipelineScheduler:
         self._enqueue(group)
 
     def _enqueue(self, group: _Group) -> None:
-        limit = self.schedule.queue_size or len(self.groups)
-        if len(self.queue) < limit:
+        if len(self.queue) < (self.schedule.queue_size or len(self.groups)):
             self.queue.append(group)
         else:
-            self.waiting.append(group)
+            self.overflow.append(group)
+
+    def _refill(self) -> None:
+        """Groups that found the queue full queue now, first come first, as far as it has room."""
+        while self.overflow and len(self.queue) < (self.schedule.queue_size or len(self.groups)):
+            self.queue.append(self.overflow.popleft())
 
     def _may_start(self, group: _Group) -> bool:
         """A group may start a new segment while it is at most `ahead` iterations beyond the updates done,
@@ -681,7 +687,7 @@ class PipelineScheduler:
         self.results[iteration] = (stats, metrics)
         self.trained += 1
         held, self.waiting = self.waiting, []
-        for g in held:  # groups held back for this update (or for queue room) may go on
+        for g in held:  # groups held back for this update may go on
             self._enqueue(g)
 
     # --- helpers -------------------------------------------------------------------------------

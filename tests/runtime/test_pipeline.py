@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -97,6 +98,28 @@ def test_a_regroup_waits_for_a_common_segment_boundary_and_loses_no_chunk(tmp_pa
     # every iteration still holds every env's 2 chunks: the barrier moved no chunk from one iteration to another
     assert shapes["chunk"][:2] == (2, 4) and all(s.env_steps > 0 for s in [first, *later])
     assert not sched.segments and not sched.parked
+
+
+def test_groups_that_find_the_queue_full_queue_after_the_next_generation(tmp_path):
+    """scheduler.queue_size=1 with 4 groups of one env: when several report their chunk at once, one queues and
+    the others wait for room; after that one's generation batch the next takes the room (they waited for an
+    update, which in the first iteration never comes without them)."""
+    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=4",
+                                                "scheduler.queue_size=1"), run_dir=tmp_path / "run")
+    sched = exp.scheduler
+    try:
+        sched._step()  # the first generation: all four start their first chunk
+        deadline = time.monotonic() + 60
+        while sched.dispatcher.events.qsize() < 2 and time.monotonic() < deadline:  # two chunks reported
+            time.sleep(0.05)
+        sched._step()  # handles the reports: one group queues, the others find it full
+        first = sched.queue[0]
+        held = [g for g in sched.groups if g is not first and g.pending is None]  # reported, not queued
+        assert list(sched.queue) == [first] and held
+        sched._step()  # serves the first, then a held one takes its room (before this step's own reports)
+        assert len(sched.queue) == 1 and sched.queue[0] in held
+    finally:
+        exp.close()
 
 
 def test_a_mode_that_cannot_run_here_says_so_in_one_line():
