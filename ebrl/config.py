@@ -188,7 +188,12 @@ class SchedulerConfig:
     overlap: bool = False  # train on iteration i-1 while rollout i collects
     groups: int = 1  # env groups; generation serves whichever is ready while others simulate
     core_rebinding: bool = False  # an env runs only while it holds a sim core; freed cores go to the slowest ready env
-    max_staleness: int = 2  # chunks more than this many weight versions old are dropped from the loss
+    # with overlap: iterations the rollout may run ahead of the last finished update, so its chunks are at most this
+    # many weight versions old (1: rollout i collects while update i-1 trains)
+    max_ahead: int = 1
+    # chunks more than this many versions old are dropped from the loss; by default max_ahead (none is dropped): set
+    # max_ahead above it to let the rollout run further and drop what got too stale
+    max_staleness: int = II(".max_ahead")
     queue_size: Optional[int] = None  # groups that may wait for generation at once; null: all of them
     train_share: Optional[float] = None  # share of the cores (GPUs: the second GPU) for training alone; null: shared
     decoupled: bool = True  # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy
@@ -628,6 +633,9 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         raise ConfigError(f"scheduler={name} trains with algo=ppo only; algo={cfg.algo.name} runs with scheduler=colocated")
     if not 1 <= s.groups <= cfg.env.num_envs:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
+    if s.max_ahead < 1:
+        raise ConfigError(f"scheduler.max_ahead={s.max_ahead} must be >= 1 (iterations the rollout may run ahead of "
+                          "training; scheduler.overlap=false runs none ahead)")
     if s.max_staleness < 0:
         raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
     if not 0 <= s.sim_nice <= 19:

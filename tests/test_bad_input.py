@@ -61,6 +61,7 @@ BAD_INPUTS: list = [
     (("hw.nodes=2",), "hw=cpu spans 2 nodes and this is one process; launch one per node: torchrun --nnodes 2"),
     # staleness and the pipelined schedules
     (("scheduler=ebrl", "scheduler.max_staleness=-1"), "scheduler.max_staleness=-1 must be >= 0"),
+    (("scheduler=ebrl", "scheduler.max_ahead=0"), "scheduler.max_ahead=0 must be >= 1"),
     (("scheduler=ebrl", "scheduler.sim_nice=-1"), "scheduler.sim_nice=-1 must be a nice value from 0 (none) to 19"),
     (("scheduler=ebrl", "algo=grpo"), "scheduler=ebrl trains with algo=ppo only; algo=grpo runs with "
                                       "scheduler=colocated"),

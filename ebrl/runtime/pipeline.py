@@ -4,10 +4,10 @@ One event loop in the supervisor drives the simulator processes, generation (in 
 ebrl/runtime/generation.py) and the trainer process. The modes are switches of this one loop, not separate code:
 
 - `overlap`: the trainer trains on iteration i-1 while rollout i collects (the rollout runs at most
-  one iteration ahead of the finished updates). Weights come back with a version and are
+  `max_ahead` iterations ahead of the finished updates). Weights come back with a version and are
   swapped at a chunk boundary; every chunk records its version; at training time chunks older than
-  `max_staleness` versions are masked out and counted, and the loss is decoupled PPO. Without it,
-  a rollout waits for the previous update (synchronous).
+  `max_staleness` versions (by default max_ahead: none) are masked out and counted, and the loss is
+  decoupled PPO. Without it, a rollout waits for the previous update (synchronous).
 - `groups`: the envs split into groups; a group whose chunk ended queues for generation, which
   serves every queued group in one batch while the others simulate. One group = lockstep.
 - `core_rebinding`: the scheduler owns the simulation cores; an env runs its chunk only while it
@@ -58,6 +58,7 @@ class Schedule:
     overlap: bool
     groups: int
     core_rebinding: bool
+    max_ahead: int
     max_staleness: int
     queue_size: int | None  # groups that may wait for generation at once; null: all
     train_share: float | None  # share of the cores for the trainer alone; null: it shares every core
@@ -72,9 +73,9 @@ class Schedule:
 
     @property
     def ahead(self) -> int:
-        """How many iterations the rollout may run ahead of the last finished update: one with overlap
-        (rollout i collects while iteration i-1 trains), none without."""
-        return 1 if self.overlap else 0
+        """How many iterations the rollout may run ahead of the last finished update: `max_ahead` with overlap
+        (1: rollout i collects while iteration i-1 trains), none without."""
+        return self.max_ahead if self.overlap else 0
 
 
 class CorePool:

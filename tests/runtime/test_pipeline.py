@@ -14,7 +14,7 @@ import torch
 from ebrl.config import ConfigError, _check_schedule, validate
 from ebrl.rl.ppo import RolloutBatch
 from ebrl.runtime.experiment import Experiment
-from ebrl.runtime.pipeline import CorePool, concat_envs, drop_stale
+from ebrl.runtime.pipeline import CorePool, Schedule, concat_envs, drop_stale
 from ebrl.telemetry.trace import read_spans
 from tests.conftest import compose_config
 
@@ -209,6 +209,17 @@ def test_the_trace_file_parses_and_its_intervals_are_consistent(ebrl_run):
     train = sorted((e for e in spans if names[e["tid"]] == "train"), key=lambda e: e["ts"])
     assert [e["name"] for e in train] == ["update", "publish"] * len(metrics)
     assert [e["args"]["version"] for e in train if e["name"] == "publish"] == [1, 2, 3]
+
+
+def test_the_rollout_runs_max_ahead_iterations_ahead_and_by_default_keeps_every_chunk():
+    def schedule(*overrides: str) -> Schedule:
+        return Schedule.from_config(dict(compose_config(*WORKLOAD, *overrides).scheduler))
+
+    ebrl = schedule("scheduler=ebrl")
+    assert (ebrl.ahead, ebrl.max_staleness) == (1, 1)  # staleness never exceeds 1: nothing to drop
+    further = schedule("scheduler=ebrl", "scheduler.max_ahead=3", "scheduler.max_staleness=1")
+    assert (further.ahead, further.max_staleness) == (3, 1)  # ... what is older than 1 is dropped
+    assert schedule("scheduler=hybrid", "scheduler.max_ahead=3").ahead == 0  # no overlap: none ahead
 
 
 def test_stale_chunks_are_dropped_and_counted_when_the_bound_is_zero(tmp_path):
