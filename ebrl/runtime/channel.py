@@ -142,6 +142,10 @@ class WeightChannel:
                 return have
             source = self._slot(version % 2)
             seq = int(self.meta[SEQ0 + version % 2])
+            if self.version != version:
+                # the trainer published again between the two reads, and may already have rewritten this slot with
+                # version + 2 (the seq read then vouches for that copy, labelled `version`): read the newest again
+                continue
             if source is not None and seq % 2 == 0:
                 with torch.no_grad():
                     load_state(module, views(source, self.entries))

@@ -46,6 +46,27 @@ def test_a_reader_never_sees_a_torn_or_stale_copy() -> None:
     assert writer.exitcode == 0 and seen == sorted(seen) and seen[-1] == 300
 
 
+def test_a_reader_that_lags_behind_several_publications_labels_its_copy_right() -> None:
+    """The interleaving that failed once in CI: the reader reads version 18, is descheduled while the trainer
+    publishes up to 24 (slot 0 holds 24 again, complete), then checks slot 0's sequence: even, unchanged during
+    the copy, so without a second look at the version it returned 24's weights labelled 18."""
+    channel = WeightChannel(state_of(0.0), multiprocessing.get_context("spawn"), torch.float32)
+    reader = holder()
+    for v in range(1, 19):
+        channel.publish(state_of(float(v)))
+    slot = channel._slot
+
+    def descheduled(index: int) -> torch.Tensor | None:
+        channel._slot = slot
+        for v in range(19, 25):
+            channel.publish(state_of(float(v)))
+        return slot(index)
+
+    channel._slot = descheduled
+    have = channel.pull(reader, 0)
+    assert all(torch.equal(p, torch.full_like(p, float(have))) for p in reader.parameters()) and have == 24
+
+
 def test_the_payload_is_policy_dtype_and_lora_is_folded_in() -> None:
     ctx = multiprocessing.get_context("spawn")
     # (a LoRA'd weight is frozen, so held in policy.dtype, as the trainer holds it)
