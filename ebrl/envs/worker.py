@@ -443,9 +443,10 @@ class SimWorker:
         self.spec = spec
         return spec
 
-    def replace(self) -> None:
-        """Kill this env's process and start a fresh one in its place, built from a new seed, with a new shared slot
-        and a new episode begun (its first obs is then in `obs`). Blocks until the simulator is built."""
+    def replace(self, reseed: bool = True) -> None:
+        """Kill this env's process and start a fresh one in its place, built from a new seed (reseed=False: from its
+        own, as a GRPO group's members must be built alike), with a new shared slot and a new episode begun (its
+        first obs is then in `obs`). Blocks until the simulator is built."""
         process = self._res.process
         if process is not None and process.poll() is None:
             process.kill()  # dead, hung or failed: nothing to say goodbye to
@@ -453,7 +454,8 @@ class SimWorker:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
         self.replacements += 1
-        self.seed = self.base_seed + RESEED * self.replacements
+        if reseed:
+            self.seed = self.base_seed + RESEED * self.replacements
         fault = self.env_cfg.get("fault")
         if fault and not fault.get("again"):
             self.env_cfg.pop("fault")  # an injected fault strikes the first process only, unless `again`
@@ -621,6 +623,7 @@ class SimWorkerPool:
         self.chunk_len = chunk_len  # most actions one chunk may hold; may be given at `attach` instead
         self.chunk_timeout_s = chunk_timeout_s  # a chunk without a result for this long: the simulator hung
         self.max_failures, self.failure_window_s = max_failures, failure_window_s
+        self.started_episodes = False  # reset_all succeeded once: a failure in a later one is a simulator failure
         self.failures: list[tuple[float, int, str]] = []  # (time.monotonic(), env, why) of every replacement
         fault = env_cfg.get("fault") or {}  # env.fault (tests): {kind: hang|error|exit|None, env: i, chunk: k, again}
         self.workers = [
@@ -672,10 +675,25 @@ class SimWorkerPool:
         own next seed. Equal seeds give equal initial states (GRPO's groups)."""
         if seeds is not None and len(seeds) != len(self.workers):
             raise ValueError(f"{len(seeds)} reset seeds for {len(self.workers)} envs")
+        failed: dict[int, str] = {}
         for i, worker in enumerate(self.workers):
-            worker.send_reset(None if seeds is None else int(seeds[i]))
-        for worker in self.workers:
-            worker._receive("ok")
+            try:
+                worker.send_reset(None if seeds is None else int(seeds[i]))
+            except EnvSetupError as e:  # it died since its last chunk
+                failed[i] = str(e)
+        for i, worker in enumerate(self.workers):
+            if i not in failed:
+                try:
+                    worker._receive("ok")
+                except EnvSetupError as e:  # died, or its adapter raised, inside the reset
+                    failed[i] = str(e)
+        if failed and not self.started_episodes:  # the very first episodes: the env cannot run at all
+            raise EnvSetupError(next(iter(failed.values())))
+        for i, why in failed.items():  # a simulator failure, as inside a chunk: replaced, then reset as asked
+            self.replace(i, f"{why} (in a reset)")
+            if seeds is not None:
+                self.workers[i].reset(int(seeds[i]))
+        self.started_episodes = True
 
     def submit_all(self, n_steps: int | Sequence[int], actions: np.ndarray | None = None) -> None:
         """Start a chunk everywhere: n_steps for every env, or n_steps[i] for env i (0: not stepped);
@@ -716,7 +734,8 @@ class SimWorkerPool:
         from ebrl.telemetry.report import console  # (parent side only: the worker side imports no rich)
 
         console.print(f"{why}: replaced by a fresh simulator; its partial episode is discarded", soft_wrap=True)
-        self.workers[env].replace()
+        # in a group (GRPO) the members are built from one seed (Lift draws its cube then): the replacement too
+        self.workers[env].replace(reseed=self.group_size == 1)
         return ChunkReport.nothing(truncated=True, failed=why)
 
     def stacked_obs(self) -> dict[str, np.ndarray]:

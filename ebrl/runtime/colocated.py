@@ -83,7 +83,9 @@ class ColocatedScheduler:
         one_episode = reset_seeds is not None
         if one_episode:
             with self.timers.stage("simulate"):
+                before = len(self.pool.failures)
                 self.pool.reset_all(reset_seeds)
+                stats.failures += len(self.pool.failures) - before  # simulators replaced inside the reset
         ended = np.zeros(n, bool)  # envs whose one episode is over (one_episode only)
         steps: list[dict] = []
         for _ in range(chunks):

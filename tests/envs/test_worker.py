@@ -167,6 +167,25 @@ def test_a_failed_simulator_is_replaced_in_its_slot_and_repeated_failures_stop()
     assert shm_segments() - before == set()
 
 
+def test_a_simulator_that_dies_before_a_seeded_reset_is_replaced_and_reset_from_its_seed():
+    """GRPO resets every env each iteration from its group's seed: a simulator that died since its last chunk is a
+    simulator failure there too (replaced, counted), and its replacement starts the group's episode."""
+    pool = SimWorkerPool(LIFT, num_envs=2, seed=0, chunk_len=4, group_size=2)  # one group of two
+    try:
+        pool.start()
+        pool.reset_all(seeds=[3, 3])
+        old = pool.workers[1].pid
+        os.kill(old, signal.SIGKILL)
+        pool.workers[1]._res.process.wait(10)
+        pool.reset_all(seeds=[7, 7])
+        assert len(pool.failures) == 1 and "sim worker 1" in pool.failures[0][2]
+        assert pool.workers[1].pid != old
+        first, second = (w.obs["state"].copy() for w in pool.workers)  # (the slots go with the pool)
+        np.testing.assert_array_equal(first, second)  # built alike and reset from one seed: one initial state
+    finally:
+        pool.close()
+
+
 def test_slot_layout_is_aligned_and_disjoint():
     from ebrl.envs.base import ArraySpec, EnvSpec
 
