@@ -2,10 +2,12 @@
 import itertools
 
 import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from ebrl.config import ConfigError, _check_allocator, validate
-from tests.conftest import compose_config, group_options
+from tests.conftest import CONF, compose_config, group_options
 
 POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_options("hw")
 
@@ -46,11 +48,6 @@ def test_composition_errors(override, error):
 
 
 def test_schemas_are_no_options_of_their_groups():
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra import initialize_config_dir
-
-    from tests.conftest import CONF
-
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         loader = GlobalHydra.instance().config_loader()
         for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger"):

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ebrl.policies.build import build_policy
-from ebrl.rl.ppo import CRITIC, PPOTrainer, value_loss
+from ebrl.rl.ppo import CRITIC, PPOTrainer, ppo_loss, value_loss
 from ebrl.rl.recipes import RECIPES, recipe_line
 from tests.conftest import compose_config
 from tests.policies.test_precision import policy_config
@@ -89,8 +89,6 @@ def test_the_value_head_trains_at_the_critic_lr_and_old_optimizer_states_regroup
 
 @pytest.mark.parametrize("high", [None, 0.28])
 def test_the_ratio_clip_above_one_is_clip_high(high) -> None:
-    from ebrl.rl.ppo import ppo_loss
-
     lp = torch.log(torch.tensor([[1.25]]))  # ratio 1.25 with a positive advantage: clipped at 1.2, not at 1.28
     loss, stats = ppo_loss(lp, torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool), 0.2,
                            clip_high=high)
