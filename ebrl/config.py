@@ -13,12 +13,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from ebrl.envs.base import REWARDS
-from ebrl.runtime.resources import PARTITIONS, visible_gpu_count
+from ebrl.errors import BadInput
+from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
+from ebrl.recipes import resolve_recipe
 
 GENERATION_PLACES = ("supervisor", "process")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A config value that composes but cannot work; the message is one line."""
 
 
@@ -108,7 +110,7 @@ class PolicyConfig:
 @dataclass
 class FlowPolicyConfig(PolicyConfig):
     denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
-    # How the chain explores; defaults from the run's recipe (ebrl/rl/recipes.py): flow_noise for tiny/small,
+    # How the chain explores; defaults from the run's recipe (ebrl/recipes.py): flow_noise for tiny/small,
     # RLinf's at full (flow_sde on LIBERO, flow_noise on ManiSkill)
     logprob: str = II("recipe:logprob")  # flow_noise (learned per-step noise std) | flow_sde (Flow-GRPO's reverse SDE)
     noise_std_min: float = II("recipe:noise_std_min")  # bounds of the learned per-step noise std (flow_noise)
@@ -233,7 +235,7 @@ class AlgoConfig:
     name: str = MISSING  # ppo | grpo
     rollout_chunks: int = 10  # chunks each env collects per iteration (ppo; grpo runs one whole episode per env)
     group_size: int = 4  # grpo: K envs that start from the same seeded reset form a group (ignored by ppo)
-    # The keys set to ${recipe:...} default to the run's recipe (ebrl/rl/recipes.py): this repository's tuning for
+    # The keys set to ${recipe:...} default to the run's recipe (ebrl/recipes.py): this repository's tuning for
     # the tiny and small presets, RLinf's / piRL's published configs for the model and benchmark at full size
     lr: float = II("recipe:lr")  # AdamW's for the policy
     critic_lr: float = II("recipe:critic_lr")  # AdamW's for the value head
@@ -331,8 +333,6 @@ def register_configs() -> None:
     """Make the schemas known to Hydra; each group's yaml files name theirs in their defaults
     (`- /schema/<group>/<name>@_here_`). They live in groups of their own so that a group's options are its yaml
     files only: `scheduler=scheduler_schema` is no choice."""
-    from ebrl.rl.recipes import resolve_recipe
-
     OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
@@ -397,18 +397,10 @@ def available_cpu_cores() -> int:
 def rank_cores(cfg: Any) -> list[int]:
     """The CPU cores this rank may use: its share (ranks of one node split them) of the node's hw.cpu_cores, taken
     from those this process may run on (all of them when null). One rank, as `python run.py` is: all of them."""
-    from ebrl.runtime.distributed import Ranks, share_of_node
-
     return share_of_node(sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()], Ranks.from_env())
 
 
-def cuda_device_count() -> int:
-    """The GPUs CUDA would show this process (CUDA_VISIBLE_DEVICES honoured); 0 without an NVIDIA driver. Counted
-    through NVML: once CUDA initialises, CUDA_VISIBLE_DEVICES no longer applies, and `pin_gpu` has yet to set it."""
-    from ebrl.telemetry.monitor import gpu_uuids
 
-    uuids = gpu_uuids()
-    return 0 if uuids is None else visible_gpu_count(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
 
 
 def _check_groups(cfg: DictConfig) -> None:
@@ -481,8 +473,6 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_launch(cfg: DictConfig) -> int:
     """The ranks torchrun started against the nodes and GPUs hw describes; the cores each rank gets."""
-    from ebrl.runtime.distributed import Ranks
-
     ranks, hw = Ranks.from_env(), cfg.hw
     _positive(cfg, "hw.nodes")
     _one_of(cfg, "distributed.strategy", ("ddp", "fsdp"))
@@ -648,8 +638,6 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         if s[key] is not None and s[key] < 1:
             raise ConfigError(f"scheduler.{key}={s[key]} must be >= 1 or null")
     if cores < 2 and s.train_share is None:  # the allocator's smallest plan: 1 core to simulate, a share for the rest
-        from ebrl.runtime.distributed import Ranks
-
         ranks = Ranks.from_env()
         where = f" (this node's cores split over its {ranks.local_world} ranks)" if ranks.local_world > 1 else ""
         raise ConfigError(f"scheduler={name} simulates, generates and trains side by side and needs at least 2 CPU "

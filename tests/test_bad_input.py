@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from ebrl.config import ConfigError, cuda_device_count, validate
+from ebrl.config import ConfigError, validate
+from ebrl.node import cuda_device_count
 from ebrl.runtime.evaluation import check_mode
 from tests.conftest import compose_config
 from tests.runtime.test_run import run_py

@@ -25,7 +25,7 @@ from ebrl.config import ConfigError, rank_cores
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
-# first-call allocations; measured, small preset: simulate 23 and train 11 ms per env step, against 13 and 9 later)
+# first-call allocations; README, "Measured choices")
 CALIBRATE_AT = 2
 # which process's CPU time is which stage's (ProcessCpu groups; the main process also orchestrates)
 CPU_GROUP = {"simulate": "simulate", "generate": "main", "train": "trainer"}
@@ -84,7 +84,7 @@ def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
     """Core sets per stage from the amounts. Simulate: the first ceil(x_sim) cores. On CPU, train the last
     ceil(x_train) cores and generate the ceil(x_gen) before them: the two are on every env's critical path and
     must not queue behind each other on one core, while the simulators, niced, yield any core they share with
-    them (measured, small preset: generation and training on one core 76.4 env steps/s, on their own 80.9). On
+    them (README, "Measured choices"). On
     a GPU node generate and train run on the GPU and need cores for their CPU side: train gets the last
     gpu_stage_cores cores, generate the others simulate leaves, its own and the supervisor's (whose process
     generates, unless generation has one of its own); with too few left the two share them."""

@@ -1,5 +1,5 @@
-"""What each stage of a run holds in memory, predicted from the policy built on the meta device (DESIGN.md section
-11): `python -m ebrl.bench.memory` sets it against measured peaks and says what fits which GPU.
+"""What each stage of a run holds in memory, predicted from the policy built on the meta device (docs/design.md,
+"Placement"): `python -m ebrl.bench.memory` sets it against measured peaks and says what fits which GPU.
 
 Trainer: the weights (float32 masters of what `policy.train` trains, policy.dtype for the frozen rest), their
 gradients (float32), Adam's two moments (algo.optimizer_dtype), autocast's bfloat16 copies of the float32 weights a

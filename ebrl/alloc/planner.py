@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ebrl.alloc.profile import STAGES, StageProfile
+from ebrl.errors import BadInput
 
 EPS = 1e-9  # slack on sums of amounts: 0.75 + 0.25 must fit in 1
 # CPU cores of their own that generate and train each need on a GPU node: kernel launches, pickling batches through
@@ -19,7 +20,7 @@ GPU_STAGE_CORES = 1
 CYCLE = "the group cycle"  # what Plan.limited_by names when the cycle of groups binds, not a stage
 
 
-class PlanError(ValueError):
+class PlanError(BadInput, ValueError):
     """No split of the node's resources hosts the stages."""
 
 
@@ -75,8 +76,8 @@ def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence
 
     Throughput is the least stage rate, capped by the closed network asymptotic bound of the G = num_envs / batch
     groups that cycle through simulate and generate, G / (1/rate_simulate + 1/rate_generate): generation overlaps
-    simulation only across groups, so one group serialises them (measured: 1 group ran 0.86x of 2, and 2 as fast as
-    4; from 2 groups on the bound is at least the slower stage's rate and never binds).
+    simulation only across groups, so one group serialises them (README, "Measured choices"; from 2 groups on the
+    bound is at least the slower stage's rate and never binds).
 
     CPU-only node: all three take core shares (multiples of core_granule; simulate at least 1 core) summing to at
     most `cores`: shares time-slice cores, so few cores still host every stage, and the simulators, which run

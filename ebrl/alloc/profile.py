@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from ebrl.errors import BadInput
+
 STAGES = ("simulate", "generate", "train")
 RESOURCES = ("cores", "sm", "core_share")
 VERSION = 1
@@ -25,7 +27,7 @@ SINGLE_POINT_EFFICIENCY = {"simulate": 1.0}
 OTHER_SINGLE_POINT_EFFICIENCY = 0.5
 
 
-class ProfileError(ValueError):
+class ProfileError(BadInput, ValueError):
     """A profile that cannot answer: an unknown stage, a malformed file or point."""
 
 

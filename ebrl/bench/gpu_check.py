@@ -275,7 +275,7 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.config import register_configs
     from ebrl.envs.base import ArraySpec, EnvSpec
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.runtime.colocated import stack_steps
+    from ebrl.rl.rollout import ChunkStep, stack_steps
 
     register_configs()
     spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
@@ -294,11 +294,11 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     steps = []
     for _ in range(chunks):
         out = policy.sample(obs)
-        steps.append(dict(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                          reward=torch.rand(batch_size, device=cuda),
-                          done=torch.zeros(batch_size, dtype=torch.bool, device=cuda),
-                          mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
-                          cutoff_value=torch.zeros(batch_size, device=cuda)))
+        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
+                               reward=torch.rand(batch_size, device=cuda),
+                               done=torch.zeros(batch_size, dtype=torch.bool, device=cuda),
+                               mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
+                               cutoff_value=torch.zeros(batch_size, device=cuda)))
     batch = stack_steps(steps, torch.zeros(batch_size, device=cuda))
     # (a composed config: its algo keys resolve from the small preset's recipe)
     trainer = PPOTrainer(policy, compose("policy.preset=small", "algo.epochs=1", "algo.minibatches=2").algo, device=cuda)
@@ -461,7 +461,8 @@ def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
 def check_ranks(args: argparse.Namespace) -> tuple[bool, dict]:
     if torch.cuda.device_count() < 2:
         raise Skip(f"{torch.cuda.device_count()} GPU: placing two ranks needs two")
-    code = ("import os, torch; from ebrl.runtime.distributed import Ranks, pin_gpu; r = Ranks.from_env(); pin_gpu(r); "
+    code = ("import os, torch; from ebrl.node import Ranks; from ebrl.runtime.distributed import pin_gpu; "
+            "r = Ranks.from_env(); pin_gpu(r); "
             "torch.cuda.init(); import pynvml; pynvml.nvmlInit(); "
             "print('RANK', r.rank, os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.get_device_properties(0).uuid)")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

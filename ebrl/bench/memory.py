@@ -130,7 +130,8 @@ def fill(policy: torch.nn.Module) -> None:
 def measure_one(train: str, micro_batch: int) -> dict:
     """One process's figures (run by `--child`): see the module docstring."""
     from ebrl.policies.build import build_policy
-    from ebrl.rl.ppo import PPOTrainer, RolloutBatch
+    from ebrl.rl.ppo import PPOTrainer
+    from ebrl.rl.rollout import RolloutBatch
 
     torch.manual_seed(0)
     cfg = policy_config("openpi", train)

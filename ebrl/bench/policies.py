@@ -2,7 +2,7 @@
 
 For each policy family and preset: sampling latency per chunk against batch size, and the time per sample of one
 PPO-style training step (evaluate + backward + Adam) at a fixed batch. These are the figures the allocator's stage
-profiles start from (DESIGN.md section 7); `--json` writes them for that.
+profiles start from (docs/design.md, "Placement"); `--json` writes them for that.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Scheduling modes side by side on one workload, with their yardsticks: `python -m ebrl.bench.schedulers`.
 
-One invocation alternates the modes (A, B, A, B, ... for `--repeats` rounds) and reports the median per row:
+One invocation runs `--repeats` rounds (3 by default), the modes in the given order in even rounds and reversed in
+odd ones (A B, B A, A B, ...: a drift of the machine over the run favours no mode), and reports each row's median
+over the rounds with its min-max:
 - each mode (`--modes`, any `scheduler=` option): env steps/s end to end (rollout + PPO update), from the
   real Experiment built from the composed config, the first (warm-up) iteration discarded as RunSummary does;
 - sim-only: the same envs (SimWorkerPool, same env config and count) stepped in lockstep with no policy in
@@ -257,7 +259,7 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) ->
     training (one PPO update on a rollout of the same size), one torch thread, each alone."""
     import torch
 
-    from ebrl.runtime.colocated import stack_steps
+    from ebrl.rl.rollout import ChunkStep, stack_steps
 
     n, H = len(next(iter(seen[0].values()))), policy.chunk_len
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * n))
@@ -276,9 +278,9 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) ->
             outs = [policy.sample(b) for b in batches]
             generate = min(generate, time.perf_counter() - t0)
         gen = torch.Generator().manual_seed(0)
-        steps = [dict(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
-                      reward=torch.randn(n, generator=gen), done=torch.zeros(n, dtype=torch.bool),
-                      mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n))
+        steps = [ChunkStep(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
+                           reward=torch.randn(n, generator=gen), done=torch.zeros(n, dtype=torch.bool),
+                           mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n))
                  for b, o in zip(batches, outs)]
         batch = stack_steps(steps, policy.value(batches[-1]))
         # warm-up on as few chunk steps as the minibatches allow: Adam's state and autograd's first-call costs
@@ -335,7 +337,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.envs.worker import worker_environment
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.runtime.colocated import stack_steps
+    from ebrl.rl.rollout import ChunkStep, stack_steps
     from ebrl.policies.build import build_policy
 
     conf = OmegaConf.to_container(cfg, resolve=True)
@@ -367,9 +369,9 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
                     obs, r, term, trunc, _ = venv.step(actions[:, h])
                     reward += r
                     done |= term | trunc
-                steps.append(dict(obs=batch, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob,
-                                  value=out.value, reward=torch.from_numpy(reward), done=torch.from_numpy(done),
-                                  mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n)))
+                steps.append(ChunkStep(obs=batch, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob,
+                                       value=out.value, reward=torch.from_numpy(reward), done=torch.from_numpy(done),
+                                       mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n)))
             rollout = stack_steps(steps, policy.value(policy_batch(obs, tokens, mask)))
             t1 = time.perf_counter()
             trainer.update(rollout)
@@ -385,6 +387,11 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
 
 
 # --- the benchmark -----------------------------------------------------------------------
+def round_order(modes: Sequence[str], index: int) -> list[str]:
+    """The modes of round `index`: as given in even rounds, reversed in odd ones (ABBA)."""
+    return list(modes) if index % 2 == 0 else list(reversed(modes))
+
+
 def run_round(workload: Workload, modes: Sequence[str], gym: bool) -> Round:
     """Every row once: the modes in the order given, then the references."""
     out = Round()
@@ -418,7 +425,8 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int) -> dict[str
         rows.append({"row": name, "work": kind, "env_steps_per_s": rate, "vs_first_mode": rate / base,
                      "limit": limits[kind], "achieved_over_limit": rate / limits[kind],
                      "cpu_busy": med([r.cpu_busy[name] for r in rounds if name in r.cpu_busy]),
-                     "per_round": [r.rates[name] for r in rounds]})
+                     "per_round": [r.rates[name] for r in rounds],
+                     "min": min(r.rates[name] for r in rounds), "max": max(r.rates[name] for r in rounds)})
     stages = {mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]])
                      for k in rounds[0].stages[mode]} for mode in modes}
     return {"cores": cores, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
@@ -432,14 +440,16 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
     stragglers = (f" ({w.straggler_envs} stragglers: {w.straggler_task or w.task} at {w.straggler_slowdown}x the "
                   "substeps)" if w.straggler_envs else "")
     print(f"\nworkload: {w.num_envs} x {w.task}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
-          f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds")
+          f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds, modes in "
+          "ABBA order")
     first = modes[0] if modes else "-"
-    header = ["row", "work", "env steps/s", f"x {first}", "limit", "achieved/limit", "cpu busy"]
+    header = ["row", "work", "env steps/s", "min-max", f"x {first}", "limit", "achieved/limit", "cpu busy"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in result["rows"]:
         busy = "" if math.isnan(r["cpu_busy"]) else f"{r['cpu_busy']:.0%}"
-        print(f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['vs_first_mode']:.2f} | "
+        print(f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
+              f"{r['vs_first_mode']:.2f} | "
               f"{r['limit']:.1f} | {r['achieved_over_limit']:.2f} | {busy} |")
     if modes:
         keys = ["busy_simulate", "busy_generate", "busy_train", "cpu_share_simulate", "cpu_share_main",
@@ -467,7 +477,7 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse, run `--repeats` rounds alternating the rows, print the table; returns what `--json` writes."""
+    """Parse, run `--repeats` rounds (modes in ABBA order), print the table; returns what `--json` writes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", default=["colocated"],
                         help="scheduler= options to compare; the first is the ratio's base")
@@ -477,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=3, help="per measurement; the first is warm-up (>= 2)")
     parser.add_argument("--rollout-chunks", type=int, default=None, help="chunks per env per iteration (algo's)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds; each row's figure is the median")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds (modes in ABBA order); each row's figure is the median, with its min-max")
     parser.add_argument("--no-gym", action="store_true", help="skip the gymnasium AsyncVectorEnv reference")
     parser.add_argument("--stragglers", type=float, default=0.0,
                         help="fraction of the envs that step slower (ebrl.bench.stragglers), 0..1")
@@ -502,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         iterations=args.iterations, rollout_chunks=args.rollout_chunks,
                         overrides=list(args.overrides), seed=args.seed, stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
-    rounds = [run_round(workload, args.modes, gym=not args.no_gym) for _ in range(args.repeats)]
+    rounds = [run_round(workload, round_order(args.modes, i), gym=not args.no_gym) for i in range(args.repeats)]
     result = summarize(rounds, args.modes, bench_cores(compose(workload)))
     result["workload"] = workload.__dict__
     print_report(result, workload, args.modes)

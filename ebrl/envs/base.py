@@ -1,4 +1,4 @@
-"""The one interface every simulator adapter implements (DESIGN.md section 6).
+"""The one interface every simulator adapter implements (docs/design.md, "Policies and simulators").
 
 This module, and every adapter, imports numpy and the simulator only: simulator workers may run
 under a benchmark's own interpreter that has no torch.
@@ -12,14 +12,15 @@ from typing import Any
 
 import numpy as np
 
+from ebrl.errors import BadInput
 
-class EnvSetupError(RuntimeError):
+
+class EnvSetupError(BadInput, RuntimeError):
     """A simulator package, asset or option is missing or wrong; the message is one line saying what to do."""
 
 
-# Offscreen OpenGL for MuJoCo on headless machines. Measured on a 2-core CPU machine with Mesa 25
-# llvmpipe, robosuite Lift, 128 px, ms/step: egl 68-89 (1 camera), 127-156 (2); osmesa 82-90,
-# 123-143: a tie on CPU, and EGL also drives the NVIDIA driver on GPU machines, so it is the default.
+# Offscreen OpenGL for MuJoCo on headless machines: EGL and OSMesa tie on CPU, and EGL also drives the NVIDIA
+# driver on GPU machines, so it is the default (README, "Measured choices").
 HEADLESS_GL = "egl"
 
 

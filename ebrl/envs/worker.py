@@ -1,4 +1,4 @@
-"""Simulator worker processes (DESIGN.md section 4): one process per environment.
+"""Simulator worker processes (docs/design.md, "Processes and what crosses between them"): one process per environment.
 
 Observations, actions and per-step results live in one shared-memory block per environment; the
 pipe carries only small notices ("reset", "chunk", "ok", "error"). The child side imports numpy,
@@ -44,6 +44,8 @@ import numpy as np
 
 from ebrl.envs.base import EnvAdapter, EnvSetupError, EnvSpec, one_line, use_headless_gl
 from ebrl.envs.setup import worker_python
+from ebrl.errors import StageFailed
+from ebrl.node import set_process_affinity, set_process_nice
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
 NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault")
@@ -307,7 +309,7 @@ class ChunkReport:
                    failed=failed)
 
 
-class SimFailure(RuntimeError):
+class SimFailure(StageFailed):
     """A simulator process died, hung or failed inside a chunk; the message is one line."""
 
 
@@ -315,7 +317,7 @@ class SimHung(SimFailure):
     """A simulator sent no result within its timeout."""
 
 
-class SimulatorsFailing(RuntimeError):
+class SimulatorsFailing(StageFailed):
     """Simulators keep failing: more replacements in a window than allowed; the message is one line."""
 
 
@@ -471,8 +473,6 @@ class SimWorker:
 
     def renice(self, nice: int) -> None:
         """Run this env's processes (this one and any replacement), every thread of them, at `nice`."""
-        from ebrl.runtime.resources import set_process_nice  # (the supervisor's side; no torch there)
-
         self.nice = nice
         set_process_nice(self.pid, nice)
 
@@ -502,8 +502,6 @@ class SimWorker:
     def bind(self, cpus: Sequence[int]) -> None:
         """Let the simulator process, every thread of it (a renderer's too), run only on `cpus` from now on (a
         scheduler handing it a core)."""
-        from ebrl.runtime.resources import set_process_affinity
-
         set_process_affinity(self.pid, cpus)
         self.cpus = list(cpus)
 

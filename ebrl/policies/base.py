@@ -1,4 +1,4 @@
-"""What RL needs from every policy family (DESIGN.md section 5).
+"""What RL needs from every policy family (docs/design.md, "Policies and simulators").
 
 Observation batches are dicts of tensors:
   "state"        (B, S) float32       proprio + object state, S = env_spec.obs["state"].shape[0]
@@ -20,6 +20,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
+from ebrl.policies.weights import read_weights
 
 
 @dataclass
@@ -149,8 +150,6 @@ class Policy(nn.Module):
     def read_checkpoint(cls, path: str) -> dict[str, torch.Tensor]:
         """Every tensor of `policy.checkpoint` under the files' own names (`import_state_dict` maps them): the
         safetensors files (ebrl/policies/weights.py); families whose releases keep parts in other files read those."""
-        from ebrl.policies.weights import read_weights
-
         return read_weights(path)
 
     @torch.no_grad()

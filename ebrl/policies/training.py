@@ -108,3 +108,10 @@ def load_state(policy: torch.nn.Module, base: dict[str, torch.Tensor],
     missing = [k for k in missing if lora is not None or not _is_lora(k)]
     if missing or unexpected:
         raise KeyError(f"state does not fit the policy: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """The module is FSDP-sharded (ebrl.runtime.distributed.shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)

@@ -1,8 +1,9 @@
-"""A world-action model: one DiT jointly denoises latent future frames and the action chunk (DESIGN.md section 5), at
-the shapes of Cosmos Policy's video model (Kim et al. 2026, "Cosmos Policy: Fine-Tuning Video Models for Visuomotor
-Control and Planning", arXiv 2601.16163), Cosmos-Predict2-2B (NVIDIA 2025, nvidia-cosmos/cosmos-predict2).
+"""A world-action model: one DiT jointly denoises latent future frames and the action chunk (docs/design.md,
+"Policies and simulators"), at the shapes of Cosmos Policy's video model (Kim et al. 2026, "Cosmos Policy:
+Fine-Tuning Video Models for Visuomotor Control and Planning", arXiv 2601.16163), Cosmos-Predict2-2B (NVIDIA 2025,
+nvidia-cosmos/cosmos-predict2).
 
-Why Cosmos Policy: it is what DESIGN.md describes with no extra action head (actions and future frames are latent
+Why Cosmos Policy: it is a world-action model with no extra action head (actions and future frames are latent
 frames of one video DiT, denoised together), and both the DiT's configuration (cosmos-predict2's
 PREDICT2_VIDEO2WORLD_NET_2B) and its parameter count (2B, NVIDIA's model matrix) are published, so the full preset
 can be checked. For UVA, Unified World Models and Genie Envisioner no configuration with a matching published count

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ebrl.policies.base import Policy
+from ebrl.errors import BadInput
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that is missing, corrupt or made for another policy; the message is one line."""
 
 
@@ -108,8 +108,8 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(model: Policy, path: str) -> list[str]:
-    """Start from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's published
+def load_weights(model: nn.Module, path: str) -> list[str]:
+    """Start a `Policy` from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's published
     layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads a
     published checkpoint lacks); their parameters are left as they were."""
     state, may_miss = model.import_state_dict(model.read_checkpoint(path))

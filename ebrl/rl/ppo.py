@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,38 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
-from ebrl.policies.training import trained_parameters
+from ebrl.policies.training import is_sharded, trained_parameters
 from ebrl.rl.optim import make_optimizer
-from ebrl.runtime.distributed import is_sharded
-
-
-@dataclass
-class RolloutBatch:
-    """T chunk steps x N envs of experience, flattened to B = T*N rows by `flatten`."""
-
-    obs: dict[str, torch.Tensor]  # each (T, N, ...)
-    chunk: torch.Tensor  # (T, N, H, A)
-    extras: dict[str, torch.Tensor]  # each (T, N, ...)
-    log_prob: torch.Tensor  # (T, N, H) behaviour log-prob of each action
-    value: torch.Tensor  # (T, N)
-    reward: torch.Tensor  # (T, N) summed over the executed steps
-    done: torch.Tensor  # (T, N) the episode ended inside this chunk
-    mask: torch.Tensor  # (T, N, H) the action was executed
-    last_value: torch.Tensor  # (N,) value of the observation after the last chunk
-    cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
-    version: torch.Tensor | None = None  # (T, N) int64 published weight version that sampled each chunk; None: unknown
-
-
-def batch_shapes(batch: RolloutBatch) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of a batch (version aside, which only asynchronous schedules record)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name in RolloutBatch.__dataclass_fields__:
-        value = getattr(batch, name)
-        if isinstance(value, dict):
-            out.update({f"{name}/{k}": tuple(v.shape) for k, v in value.items()})
-        elif isinstance(value, torch.Tensor) and name != "version":
-            out[name] = tuple(value.shape)
-    return out
+from ebrl.rl.rollout import RolloutBatch
 
 
 def compute_gae(

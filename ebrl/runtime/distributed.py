@@ -1,5 +1,6 @@
-"""Several ranks on torch.distributed (DESIGN.md section 4): one rank per GPU (per node on CPU), each with its own
-rollout runtime (simulators, generation) feeding its own trainer; the trainers are data-parallel (DDP).
+"""Several ranks on torch.distributed (docs/design.md, "Processes and what crosses between them"): one rank per
+GPU (per node on CPU), each with its own rollout runtime (simulators, generation) feeding its own trainer; the trainers
+are data-parallel (DDP).
 
 Launch with torchrun, one process per rank: `torchrun --nnodes N --nproc-per-node G run.py hw=...`. torchrun sets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python run.py` is one rank.
@@ -17,13 +18,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from ebrl.runtime.resources import visible_gpu
+from ebrl.errors import StageFailed
+from ebrl.policies.training import is_sharded
+from ebrl.node import Ranks, visible_gpu
 
 # Rates and counts add up over ranks; the iteration's wall time is the slowest rank's; episode figures are averaged
 # over episodes, everything else over ranks.
@@ -33,50 +35,10 @@ EPISODE_MEANS = ("env/return", "env/episode_length", "env/success_rate")  # weig
 # Keys every rank must agree on after an update: the weights' version and their fingerprint.
 AGREED = ("sched/weights_version", "dist/weights_sum")
 PER_RANK = ("perf/env_steps_per_s", "env/return", "dist/weights_sum")  # also logged per rank, as ranks/<r>/<key>
-RANK_SEED_STRIDE = 7919  # rank r's simulators and sampling start from seed + r x this (a prime: no overlap)
 
 
-class DistributedError(RuntimeError):
+class DistributedError(StageFailed):
     """Another rank stopped or failed, or the replicas disagree; the message is one line."""
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where this process is among the run's ranks (torchrun's environment; one rank without it)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    local_world: int = 1
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Ranks":
-        world = int(env.get("WORLD_SIZE", 1))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    @property
-    def leader(self) -> bool:
-        """Rank 0 writes the run folder's metrics, checkpoints and W&B run."""
-        return self.rank == 0
-
-    @property
-    def nodes(self) -> int:
-        return max(1, self.world // self.local_world)
-
-    def seed(self, seed: int) -> int:
-        """This rank's seed for its simulators and sampling: other ranks must collect other episodes."""
-        return seed + RANK_SEED_STRIDE * self.rank
-
-
-def share_of_node(cores: list[int], ranks: Ranks) -> list[int]:
-    """This rank's contiguous slice of its node's cores (ranks of a node split them as evenly as they can)."""
-    n, k, i = len(cores), ranks.local_world, ranks.local_rank
-    return cores[i * n // k: (i + 1) * n // k]
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -207,12 +169,6 @@ def shard(policy: torch.nn.Module) -> None:
     register_fsdp_forward_method(policy, "evaluate")
     # evaluate returns views (of the log-prob and value heads' outputs); the trainer only uses them out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -6,19 +6,20 @@ from __future__ import annotations
 import shutil
 import signal
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ebrl.config import ConfigError
-from ebrl.envs.base import EnvSetupError
+from ebrl.envs.base import one_line
+from ebrl.errors import BadInput, StageFailed
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
-class RunStopped(RuntimeError):
+class RunStopped(StageFailed):
     """The run stopped itself on a failure it detected (e.g. NaN updates); the message is one line."""
 
 
@@ -52,24 +53,20 @@ class StopLine:
 
 @contextmanager
 def exit_cleanly() -> Iterator[StopLine]:
-    from ebrl.runtime.checkpoint import CheckpointError
-    from ebrl.runtime.distributed import DistributedError
-    from ebrl.envs.worker import SimulatorsFailing
-    from ebrl.runtime.generation import GenerationError
-    from ebrl.runtime.trainer_process import TrainerError
-
+    """Around a run: bad input (`BadInput`) exits 2 with its line, a failed stage (`StageFailed`) or any other error
+    exits 1 with one line and the resume hint, Ctrl-C or SIGTERM exits 130."""
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
     stop = StopLine()
     try:
         yield stop
-    except (ConfigError, EnvSetupError, CheckpointError) as e:
+    except BadInput as e:
         run_dir = _hydra_output_dir()
         if run_dir is not None:
             remove_if_only_hydra_files(run_dir)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     # the run folder keeps its last checkpoint
-    except (TrainerError, GenerationError, DistributedError, SimulatorsFailing, RunStopped) as e:
+    except StageFailed as e:
         print(f"error: {_then(str(e), stop)}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except Exception as e:  # a failure in this process (generation, the schedule): one line, the traceback kept
@@ -92,10 +89,6 @@ def _then(line: str, stop: StopLine) -> str:
 
 def _report(e: BaseException) -> str:
     """One line naming the process and its error; the whole traceback goes to the run folder's error.txt."""
-    import traceback
-
-    from ebrl.envs.base import one_line
-
     line = f"the supervisor process (generation, scheduling) failed: {one_line(e)}"
     run_dir = _hydra_output_dir()
     if run_dir is not None and run_dir.is_dir():

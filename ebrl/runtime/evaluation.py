@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
 from ebrl.runtime.checkpoint import checkpoint_file, load_policy_checkpoint, restore_weights
-from ebrl.runtime.colocated import batch_obs
+from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy
 from ebrl.runtime.experiment import run_device, seed_everything
 from ebrl.telemetry.report import ProgressBar, console, print_eval

@@ -19,11 +19,13 @@ from ebrl.alloc.allocator import Allocator, describe
 from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
 from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
 from ebrl.envs.base import one_line
+from ebrl.node import Ranks
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
 from ebrl.policies.build import build_policy, tokenizer_warning
-from ebrl.rl.grpo import GRPOTrainer, group_seeds
-from ebrl.rl.ppo import PPOTrainer, RolloutBatch
-from ebrl.rl.recipes import recipe_line
+from ebrl.recipes import recipe_line
+from ebrl.rl.grpo import group_seeds
+from ebrl.rl.rollout import RolloutBatch, RolloutStats
+from ebrl.rl.trainers import make_trainer
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
@@ -33,10 +35,9 @@ from ebrl.runtime.checkpoint import (
     policy_identity,
     restore_weights,
 )
-from ebrl.runtime.colocated import ColocatedScheduler, RolloutStats
+from ebrl.runtime.colocated import ColocatedScheduler
 from ebrl.runtime.distributed import (
     DistributedError,
-    Ranks,
     broadcast_module,
     broadcast_object,
     close_group,
@@ -64,7 +65,6 @@ from ebrl.telemetry.report import ProgressBar, console, print_summary
 from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
 
 STAGES = ("simulate", "generate", "train")
-TRAINERS: dict[str, type[PPOTrainer]] = {"ppo": PPOTrainer, "grpo": GRPOTrainer}  # by algo.name
 
 
 @dataclass
@@ -88,8 +88,7 @@ def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int
 
     Colocated runs each stage alone, so it may use every core. A pipelined schedule on CPU runs generation
     beside the simulators and the trainer: OpenMP threads of a stage that shares its cores wait for each
-    other (spinning) whenever one is preempted, and measured here 2 threads instead of 1 halved ebrl's
-    throughput (ebrl.bench.schedulers, tiny preset).
+    other (spinning) whenever one is preempted, so it takes one (README, "Measured choices").
     """
     if cfg.scheduler.torch_threads:
         return cfg.scheduler.torch_threads
@@ -184,8 +183,8 @@ class Experiment:
             console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
                           f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
         torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
-        # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86:
-        # measured here, a small-preset PPO update ran 42 ms per env step with them and 8.7 ms flushed to 0.
+        # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
+        # (README, "Measured choices")
         torch.set_flush_denormal(True)
 
         # the simulators render on this rank's GPU: read before an MPS client's environment replaces this process's
@@ -232,8 +231,7 @@ class Experiment:
                 seed_everything(self.seed)  # then samples its own noise
             self.pool.attach(self.policy.chunk_len)
             # a pipelined schedule trains in its own process (built by the scheduler); colocated trains here
-            self.trainer = None if pipelined else TRAINERS[cfg.algo.name](self.policy, cfg.algo, self.device,
-                                                                          self._train_group())
+            self.trainer = None if pipelined else make_trainer(self.policy, cfg.algo, self.device, self._train_group())
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()

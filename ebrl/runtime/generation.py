@@ -1,5 +1,6 @@
 """Generation: the policy that samples the next chunk of every ready group, and values the observations an episode
-was cut off on or a segment ends on (DESIGN.md sections 2.4 and 4).
+was cut off on or a segment ends on (docs/design.md, "Processes and what crosses
+between them").
 
 It runs in one of two places behind one interface:
 - in the supervisor (`InProcessGeneration`): nothing crosses a process boundary on the hot path;
@@ -15,30 +16,21 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import signal
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ebrl.envs.base import EnvSpec
+from ebrl.errors import StageFailed
 from ebrl.policies.base import Policy
+from ebrl.policies.build import build_policy
 from ebrl.runtime.channel import WeightChannel
-from ebrl.runtime.trainer_process import PipedProcess, child_policy, report_failure
+from ebrl.runtime.messages import Ready, Release, Released, Sample, Sampled, Stop, Value, Values
+from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
 
 
-class GenerationError(RuntimeError):
+class GenerationError(StageFailed):
     """The generation process failed or died; the message is its one-line reason."""
-
-
-@dataclass
-class Sampled:
-    """One call's chunks (CPU tensors, rows in the order of the observations) and the weight version that sampled."""
-
-    chunk: torch.Tensor  # (B, H, action_dim) in the policy's dtype
-    extras: dict[str, torch.Tensor]
-    log_prob: torch.Tensor
-    value: torch.Tensor  # float32
-    version: int  # the channel's count of the weights that sampled
 
 
 def _to(obs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -83,18 +75,27 @@ class InProcessGeneration:
         pass
 
 
+def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, seed: int) -> tuple[torch.nn.Module, int]:
+    """A generation process's start (`start_worker`) and its policy (eval mode, policy.dtype) with the latest
+    published weights; and their version."""
+    start_worker(cpus, threads, seed, device)
+    policy = build_policy(policy_conf, spec, device, weights="given")
+    return policy, channel.pull(policy, -1)
+
+
 def generation_main(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                     requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
                     cpus: Sequence[int], threads: int, device: str, seed: int) -> None:
-    """Body of a generation process: build the policy from the published weights, say ("ready", version), then serve
-    ("sample", obs) -> ("sampled", Sampled) and ("value", obs) -> ("value", values) until ("stop",) or the
-    supervisor is gone. A failure answers ("error", one line) and ends the process."""
+    """Body of a generation process: build the policy from the published weights, say Ready(version), then serve
+    Sample -> Sampled, Value -> Values and Release -> Released until Stop or the supervisor is gone. A failure answers
+    Failed(one line) and ends the process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
     try:
         dev = torch.device(device)
         # the latest published weights (before any update, the supervisor's)
         policy, version = child_policy(policy_conf, spec, channel, cpus, threads, device, seed)
-        results.send(("ready", version))
+        results.send(Ready(version))
         while True:
             try:
                 message = requests.recv()
@@ -103,18 +104,18 @@ def generation_main(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightC
             # no_grad, not inference_mode: the answers cross the pipe through shared memory, which inference
             # tensors cannot be moved to
             with torch.no_grad():
-                if message[0] == "stop":
+                if isinstance(message, Stop):
                     return
-                if message[0] == "sample":
+                if isinstance(message, Sample):
                     version = channel.pull(policy, version)
-                    results.send(("sampled", _sample(policy, message[1], dev, version)))
-                elif message[0] == "value":
-                    results.send(("value", _value(policy, message[1], dev)))
-                elif message[0] == "release":  # the trainer that owns the device slots is about to go
+                    results.send(_sample(policy, message.obs, dev, version))
+                elif isinstance(message, Value):
+                    results.send(Values(_value(policy, message.obs, dev)))
+                elif isinstance(message, Release):  # the trainer that owns the device slots is about to go
                     channel.release()
-                    results.send(("released", None))
+                    results.send(Released())
                 else:
-                    raise ValueError(f"unknown request {message[0]!r}")
+                    raise ValueError(f"unknown request {type(message).__name__}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
         report_failure(results, e)
 
@@ -123,24 +124,10 @@ class _Worker(PipedProcess):
     """One generation process and its two pipes."""
 
     what = "generation process"
+    error = GenerationError
 
     def __init__(self, ctx: Any, args: tuple) -> None:
         super().__init__(ctx, generation_main, "ebrl-generation", args[:3], args[3:])
-
-    def call(self, message: tuple, answer: str) -> Any:
-        try:
-            self._requests.send(message)
-            reply = self.results.recv()
-        except (EOFError, OSError) as e:
-            raise GenerationError(self._died()) from e
-        return self.check(reply, answer)
-
-    def check(self, reply: tuple, answer: str) -> Any:
-        if reply[0] == "error":
-            raise GenerationError(f"generation process (pid {self.process.pid}) failed: {reply[1]}")
-        if reply[0] != answer:
-            raise GenerationError(f"generation process sent {reply[0]!r}, expected {answer!r}")
-        return reply[1]
 
 
 class GenerationProcess:
@@ -171,17 +158,17 @@ class GenerationProcess:
     def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
         """The serving process swaps in newer weights, then samples a chunk per row."""
         self._take_over()
-        return self._worker.call(("sample", obs), "sampled")
+        return self._worker.call(Sample(obs), Sampled)
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) values by the weights the serving process holds (those that acted), no swap."""
-        return self._worker.call(("value", obs), "value")
+        return self._worker.call(Value(obs), Values).values
 
     def release(self) -> None:
         """Every process lets go of the trainer's device slots (it is about to be replaced); a successor that is
         still starting is waited for first."""
         self.wait_switch()
-        self._worker.call(("release",), "released")
+        self._worker.call(Release(), Released)
 
     def respawn(self, cpus: Sequence[int] | None = None, overlap: bool = True) -> None:
         """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
@@ -219,14 +206,11 @@ class GenerationProcess:
         return _Worker(self._ctx, (*self._args, self.seed + 1000 * self.respawns))
 
     def _ready(self, worker: _Worker, timeout: float) -> int:
-        if not worker.results.poll(timeout):
-            worker.close()
-            raise GenerationError(f"generation process (pid {worker.process.pid}) was not ready within {timeout:.0f} s")
         try:
-            reply = worker.results.recv()
-        except (EOFError, OSError) as e:
-            raise GenerationError(worker._died()) from e
-        return worker.check(reply, "ready")
+            return worker.expect(Ready, timeout).version
+        except GenerationError:
+            worker.close()
+            raise
 
     def _take_over(self) -> None:
         """Switch to the successor if it has said it is ready (its start failing is this call's error)."""

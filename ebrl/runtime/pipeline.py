@@ -1,4 +1,5 @@
-"""The pipelined runtime behind `scheduler=ebrl | async | hybrid | disaggregated` (DESIGN.md sections 2-3).
+"""The pipelined runtime behind `scheduler=ebrl | async | hybrid | disaggregated` (docs/design.md, "The schedules"
+and "The pipelined loop").
 
 One event loop in the supervisor drives the simulator processes, generation (in this process, or in its own:
 ebrl/runtime/generation.py) and the trainer process. The modes are switches of this one loop, not separate code:
@@ -31,7 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
@@ -41,11 +42,12 @@ from ebrl.config import cuda_device_count, train_core_count
 from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.policies.base import Policy
 from ebrl.policies.training import lora_scaling
-from ebrl.rl.ppo import RolloutBatch, batch_shapes
-from ebrl.runtime.colocated import RolloutStats, batch_obs, chunk_outcome, stack_steps
+from ebrl.rl.rollout import ChunkStep, RolloutStats, batch_obs, batch_shapes
 from ebrl.runtime.generation import GenerationProcess, InProcessGeneration
 from ebrl.runtime.channel import WeightChannel
-from ebrl.runtime.resources import set_process_affinity
+from ebrl.runtime.loop import Group, RolloutLoop, Serving
+from ebrl.runtime.messages import Ready, State, Trained
+from ebrl.node import set_process_affinity
 from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
 from ebrl.telemetry.timers import StageTimers
 from ebrl.telemetry.trace import Trace
@@ -248,65 +250,6 @@ class Dispatcher:
                 self.events.put(("error", e))
 
 
-@dataclass
-class _Group:
-    """One group of envs and the segment (one iteration's chunks) it is collecting."""
-
-    index: int
-    envs: list[int]
-    segment: int = 0  # the iteration this group's chunks belong to
-    steps: list[dict] = field(default_factory=list)  # finished chunk steps of the segment
-    pending: dict | None = None  # the chunk in flight: obs, chunk, extras, log_prob, value, version
-    reports: dict[int, ChunkReport] = field(default_factory=dict)
-    stats: RolloutStats = field(default_factory=RolloutStats)
-
-
-def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-    """Groups' batches (T, N_g, ...) side by side -> one (T, N, ...) batch, envs in group order."""
-    def cat(get: Any, dim: int = 1) -> Any:
-        return torch.cat([get(b) for b in batches], dim)
-
-    first = batches[0]
-    return RolloutBatch(
-        obs={k: cat(lambda b, k=k: b.obs[k]) for k in first.obs},
-        chunk=cat(lambda b: b.chunk),
-        extras={k: cat(lambda b, k=k: b.extras[k]) for k in first.extras},
-        log_prob=cat(lambda b: b.log_prob),
-        value=cat(lambda b: b.value),
-        reward=cat(lambda b: b.reward),
-        done=cat(lambda b: b.done),
-        mask=cat(lambda b: b.mask),
-        last_value=cat(lambda b: b.last_value, 0),
-        cutoff_value=cat(lambda b: b.cutoff_value),
-        version=cat(lambda b: b.version),
-    )
-
-
-def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:
-    """Mask out (in place) the chunk steps made more than `max_staleness` versions before `train_version`.
-
-    Returns (dropped chunk steps, mean staleness). The steps stay in the batch for GAE (their rewards
-    and recorded values still chain the episode) but carry no policy loss.
-    """
-    staleness = train_version - batch.version
-    stale = staleness > max_staleness
-    batch.mask[stale] = False
-    return int(stale.sum()), float(staleness.float().mean())
-
-
-def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
-    out = RolloutStats()
-    for s in parts:
-        out.env_steps += s.env_steps
-        out.returns += s.returns
-        out.lengths += s.lengths
-        out.successes += s.successes
-        out.step_times += s.step_times
-        out.failures += s.failures
-        out.discarded_steps += s.discarded_steps
-    return out
-
-
 class PipelineScheduler:
     """Rollout by one event loop over simulator pipes and the trainer's pipe; see the module docstring."""
 
@@ -315,12 +258,11 @@ class PipelineScheduler:
                  generation: str = "supervisor", seed: int | None = None,
                  spawn_env: Callable[[str], ContextManager] | None = None) -> None:
         self.pool, self.policy, self.timers, self.device = pool, policy, timers, device
-        self.schedule = Schedule.from_config(conf["scheduler"])
-        self.chunks = int(conf["algo"]["rollout_chunks"])
-        self.groups: list[_Group] = []
-        self._split(self.schedule.groups, segment=0)
-        self.regroup_at: tuple[int, int] | None = None  # (groups, segment) of a requested regroup
-        self.parked: list[_Group] = []  # groups that reached that segment and wait for the others
+        self.schedule = s = Schedule.from_config(conf["scheduler"])
+        self.base_version = base_version  # updates made before this run started (a resumed run)
+        self.iterations = int(conf["iterations"]) - base_version  # updates this run makes
+        self.loop = RolloutLoop(len(pool.workers), s.groups, int(conf["algo"]["rollout_chunks"]), self.iterations,
+                                s.ahead, s.max_staleness, s.queue_size, base_version)
         tokens, mask = policy.tokenize([w.spec.instruction for w in pool.workers])
         self.tokens, self.token_mask = torch.from_numpy(tokens), torch.from_numpy(mask)
         self.trace = Trace()
@@ -334,7 +276,7 @@ class PipelineScheduler:
         for worker in pool.workers:
             worker.bind(self.sim_cpus)
             # generation and training are on the critical path of every env: when they want a shared core they get
-            # it first, and the simulators fill what is left (measured, small preset: CPU busy 76% -> 100%)
+            # it first, and the simulators fill what is left (README, "Measured choices")
             worker.renice(self.schedule.sim_nice)
         cores = CorePool(self.sim_cpus) if self.schedule.core_rebinding else None
 
@@ -368,12 +310,7 @@ class PipelineScheduler:
                 raise
         else:
             self.generation = InProcessGeneration(policy, device, self.trainer.channel)
-        self.base_version = base_version  # updates made before this run started (a resumed run)
-        self.iterations = int(conf["iterations"]) - base_version  # updates this run makes
         self.version = 0  # of the weights generation sampled with last, counted by the channel
-        self.queue: deque[_Group] = deque()  # groups waiting for generation
-        self.waiting: list[_Group] = []  # groups ready but held back: too far ahead of training
-        self.overflow: deque[_Group] = deque()  # groups ready but held back: the queue was full (scheduler.queue_size)
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
         self._state: tuple | None = None  # the trainer's answer to a state request
         # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
@@ -381,12 +318,9 @@ class PipelineScheduler:
         self.checkpoint_every = int(conf["checkpoint_every"])
         self._gathered: dict[int, tuple] = {}
         self.dispatcher = Dispatcher(pool, cores, self.trainer)
-        self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}
         self.results: dict[int, tuple[RolloutStats, dict[str, float]]] = {}
-        self.trained = 0  # updates finished in this run
         self.returned = 0  # iterations handed to the caller
         self.shipped: dict[int, tuple[RolloutStats, dict[str, float]]] = {}  # sent to the trainer, not yet trained
-        self.queue.extend(self.groups)  # every group starts ready: its first obs is in shared memory
 
     # --- the caller's view ----------------------------------------------------------------------
     def next_iteration(self) -> tuple[RolloutStats, dict[str, float]]:
@@ -439,42 +373,8 @@ class PipelineScheduler:
 
     def regroup(self, groups: int) -> None:
         """Serve generation in `groups` groups (batches of num_envs / groups envs, an allocator's new plan) from the
-        next segment boundary that every group can reach: each group stops at the end of the segment the furthest
-        group is in until all are there, then the envs are split anew. A one-off barrier, paid once per change."""
-        n = len(self.pool.workers)
-        if not 1 <= groups <= n:
-            raise ValueError(f"{groups} groups of {n} envs: between 1 and {n}")
-        if groups == len(self.groups) and self.regroup_at is None:
-            return
-        # a group mid-segment (chunk steps collected or in flight) first finishes it
-        target = max(g.segment + (1 if g.steps or g.pending is not None else 0) for g in self.groups)
-        self.regroup_at = (groups, target)
-
-    def _split(self, groups: int, segment: int) -> None:
-        """The envs in `groups` consecutive groups, all about to start `segment`."""
-        self.groups = [_Group(g, [int(i) for i in envs], segment=segment) for g, envs in
-                       enumerate(np.array_split(np.arange(len(self.pool.workers)), groups))]
-        self.group_of = {i: g for g in self.groups for i in g.envs}
-
-    def _next(self, group: _Group, ending: bool) -> str:
-        """What a served group does next: "start" its next chunk, "park" at a requested regroup's segment boundary,
-        or "wait" (more than `ahead` iterations beyond the updates done, or past the run's iterations). `ending`: its
-        segment ends in this serving (its segment count moves on)."""
-        segment = group.segment + ending
-        if self.regroup_at is not None and (ending or not group.steps) and segment >= self.regroup_at[1]:
-            return "park"
-        may = segment - self.trained <= self.schedule.ahead and segment < self.iterations
-        return "start" if may else "wait"
-
-    def _park(self, group: _Group) -> None:
-        """Hold a group at the requested regroup's segment boundary; once every group is held, split anew and queue
-        the new groups (their envs' observations are in shared memory)."""
-        self.parked.append(group)
-        if len(self.parked) == len(self.groups):
-            groups, segment = self.regroup_at
-            self.regroup_at, self.parked = None, []
-            self._split(groups, segment)
-            self.queue.extend(self.groups)
+        next segment boundary that every group can reach (RolloutLoop.regroup)."""
+        self.loop.regroup(groups)
 
     def respawn_trainer(self, cpus: Sequence[int] | None = None) -> None:
         """Start a successor trainer in this process's environment of the moment (a new MPS share: set it around
@@ -490,7 +390,7 @@ class PipelineScheduler:
     def wait_trainer_switch(self, timeout: float = 600.0) -> None:
         """Block until a started successor has taken over (tests; a run's end)."""
         if self._successor is not None:
-            self._successor.expect("ready", timeout)
+            self._successor.expect(Ready, timeout)
             self._hand_over()
 
     def close(self) -> None:
@@ -507,13 +407,13 @@ class PipelineScheduler:
         """Hand training over to a successor that is ready, generate for the queued groups (if any), then handle
         what the dispatcher reported meanwhile (waiting for at least one event when there was nothing to generate)."""
         if self._successor is not None and self._successor.results.poll(0):
-            self._successor.expect("ready", 0)
+            self._successor.expect(Ready, 0)
             self._hand_over()
-        if self.queue:
-            self._generate()
-            self._refill()  # (the queue is empty now: the groups that found it full take its room)
+        serving = self.loop.serve()
+        if serving is not None:
+            self._generate(serving)
         events = self.dispatcher.events
-        self._handle(events.get() if not self.queue else events.get_nowait() if not events.empty() else None)
+        self._handle(events.get() if not self.loop.queue else events.get_nowait() if not events.empty() else None)
         while not events.empty():
             self._handle(events.get_nowait())
 
@@ -529,128 +429,72 @@ class PipelineScheduler:
             raise event[1]
 
     def _chunk_reported(self, env: int, report: ChunkReport) -> None:
-        group = self.group_of[env]
-        group.reports[env] = report
         if report.failed is None:
             self.trace.add(f"simulate/env{env}", "chunk", report.started, report.ended, steps=report.executed,
                            step_s=float(report.step_times.sum()), cpus=list(report.cpus),
-                           version=int(group.pending["version"][0]))
-        if len(group.reports) == len(group.envs):
-            self._chunk_done(group)
+                           version=int(self.loop.group_of[env].pending.version[0]))
+        self.loop.reported(env, report)
 
-    def _chunk_done(self, group: _Group) -> None:
-        """Every env of the group reported its chunk: record the chunk step, then queue for generation."""
-        reports = [group.reports[i] for i in group.envs]
-        group.reports = {}
-        rec = group.pending
-        group.pending = None
-        rec.update(chunk_outcome(reports, self.policy.chunk_len, group.stats, group.steps),
-                   cutoff_value=torch.zeros(len(reports)))
-        rec["cut"] = [j for j, r in enumerate(reports) if r.truncated and r.final_obs is not None]
-        rec["final_obs"] = [reports[j].final_obs for j in rec["cut"]]
-        group.steps.append(rec)
-        self._enqueue(group)
-
-    def _enqueue(self, group: _Group) -> None:
-        if len(self.queue) < (self.schedule.queue_size or len(self.groups)):
-            self.queue.append(group)
-        else:
-            self.overflow.append(group)
-
-    def _refill(self) -> None:
-        """Groups that found the queue full queue now, first come first, as far as it has room."""
-        while self.overflow and len(self.queue) < (self.schedule.queue_size or len(self.groups)):
-            self.queue.append(self.overflow.popleft())
-
-    def _may_start(self, group: _Group) -> bool:
-        """A group may start a new segment while it is at most `ahead` iterations beyond the updates done,
-        and within the run's iterations (nothing is collected that no update would use)."""
-        return group.segment - self.trained <= self.schedule.ahead and group.segment < self.iterations
-
-    def _generate(self) -> None:
-        """Serve every queued group in one batch: finish their chunk steps (cutoff and bootstrap values),
-        swap in newer weights at this chunk boundary, and sample the next chunks."""
-        groups = list(self.queue)
-        self.queue.clear()
+    def _generate(self, serving: Serving) -> None:
+        """Serve these groups in one batch: finish their chunk steps (cutoff and bootstrap values), swap in newer
+        weights at this chunk boundary, and sample the next chunks."""
         t0 = time.perf_counter()
         with self.timers.stage("generate"), torch.inference_mode():
-            cut = [(g, rec) for g in groups if g.steps and (rec := g.steps[-1]).get("cut")]  # new chunk steps only
+            cut = serving.cut
             if cut:  # values of the obs episodes were cut off on (their step limit), by the weights that acted
-                finals = [obs for _, rec in cut for obs in rec["final_obs"]]
-                envs = [g.envs[j] for g, rec in cut for j in rec["cut"]]
-                values = self.generation.value(self._batch_obs(finals, envs))
-                at = 0
-                for _, rec in cut:
-                    rec["cutoff_value"][rec["cut"]] = values[at: at + len(rec["cut"])]
-                    at += len(rec["cut"])
-            for g in groups:  # (a group held back and queued again has none left)
-                if g.steps:
-                    g.steps[-1].pop("cut", None)
-                    g.steps[-1].pop("final_obs", None)
-            ending = [g for g in groups if len(g.steps) == self.chunks]
-            plan = {g.index: self._next(g, g in ending) for g in groups}
-            starting = [g for g in groups if plan[g.index] == "start"]
-            # a segment's bootstrap value: by the weights that acted, without sampling, for a group that does not go
-            # on now; a group that starts its next chunk gets it from that sample (its prefix runs once, with the
-            # newest weights)
-            held = [g for g in ending if plan[g.index] != "start"]
-            if held:
+                values = self.generation.value(self._batch_obs([o for g in cut for o in g.cut_obs],
+                                                               [g.envs[j] for g in cut for j in g.steps[-1].cut]))
+                for g, rows in zip(cut, self._rows([len(g.cut_obs) for g in cut])):
+                    g.set_cutoff_values(values[rows])
+            held = serving.held
+            if held:  # a segment's bootstrap value, by the weights that acted, without sampling
                 envs = [i for g in held for i in g.envs]
                 values = self.generation.value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
-                at = 0
-                for g in held:
-                    self._finish_segment(g, values[at: at + len(g.envs)])
-                    at += len(g.envs)
+                for g, rows in zip(held, self._rows([len(g.envs) for g in held])):
+                    self._finish_segment(g, values[rows])
+            starting = serving.starting
             if starting:
                 envs = [i for g in starting for i in g.envs]
                 obs = self._batch_obs([self.pool.workers[i].obs for i in envs], envs)
                 out = self.generation.sample(obs)  # newer weights first (a chunk boundary)
                 self.version = out.version
                 chunk = out.chunk.float()
-                at = 0
-                for g in starting:
-                    rows = slice(at, at + len(g.envs))
-                    at += len(g.envs)
-                    if g in ending:
+                for g, rows in zip(starting, self._rows([len(g.envs) for g in starting])):
+                    if g in serving.ending:  # its segment's bootstrap value: from this sample's prefix
                         self._finish_segment(g, out.value[rows])
-                    g.pending = dict(
+                    self.loop.started(g, ChunkStep(
                         obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows],
                         extras={k: v[rows] for k, v in out.extras.items()},
                         log_prob=out.log_prob[rows], value=out.value[rows],
                         version=torch.full((len(g.envs),), self.base_version + self.version, dtype=torch.long),
-                    )
+                    ))
                     for i, actions in zip(g.envs, chunk[rows].numpy()):
                         self.pool.workers[i].actions[: len(actions)] = actions
                     self.dispatcher.ready(g.envs)
-            for g in groups:
-                if plan[g.index] == "park":
-                    self._park(g)
-                elif plan[g.index] == "wait":
-                    self.waiting.append(g)
-        self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in groups],
+            self.loop.served(serving)
+        self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in serving.groups],
                        version=self.version, pid=self.generation.pid)
 
-    def _finish_segment(self, group: _Group, last_value: torch.Tensor) -> None:
+    @staticmethod
+    def _rows(sizes: list[int]) -> list[slice]:
+        """Consecutive row ranges of these sizes in a batch."""
+        ends = np.cumsum([0, *sizes])
+        return [slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
+
+    def _finish_segment(self, group: Group, last_value: torch.Tensor) -> None:
         """The group collected its chunks of one iteration; once every group did, ship that iteration."""
-        batch = stack_steps(group.steps, last_value)
-        batch.version = torch.stack([rec["version"] for rec in group.steps])
-        done = self.segments.setdefault(group.segment, {})
-        done[group.index] = (batch, group.stats)
-        group.steps, group.stats = [], RolloutStats()
-        group.segment += 1
-        if len(done) == len(self.groups):
-            iteration = group.segment - 1
-            parts = [done[g.index] for g in self.groups]
-            del self.segments[iteration]
-            batch = concat_envs([b for b, _ in parts])
-            self.last_shapes = batch_shapes(batch)
-            dropped, staleness = drop_stale(batch, self.base_version + iteration, self.schedule.max_staleness)
-            self.shipped[iteration] = (merge_stats([s for _, s in parts]),
-                                       {"sched/dropped_chunks": float(dropped), "sched/staleness_mean": staleness})
-            decoupled = self.schedule.overlap and self.schedule.decoupled
-            k = self.base_version + iteration + 1  # the run's count after this update
-            gather = k % self.checkpoint_every == 0 or k == self.base_version + self.iterations
-            self.trainer.train(iteration, batch, decoupled=decoupled, is_clip=self.schedule.is_clip, gather=gather)
+        shipment = self.loop.finish_segment(group, last_value)
+        if shipment is None:
+            return
+        iteration = shipment.iteration
+        self.last_shapes = batch_shapes(shipment.batch)
+        self.shipped[iteration] = (shipment.stats, {"sched/dropped_chunks": float(shipment.dropped),
+                                                    "sched/staleness_mean": shipment.staleness})
+        decoupled = self.schedule.overlap and self.schedule.decoupled
+        k = self.base_version + iteration + 1  # the run's count after this update
+        gather = k % self.checkpoint_every == 0 or k == self.base_version + self.iterations
+        self.trainer.train(iteration, shipment.batch, decoupled=decoupled, is_clip=self.schedule.is_clip,
+                           gather=gather)
 
     def _hand_over(self) -> None:
         """The trainer's state after every update sent to it goes to the ready successor, which trains from now on
@@ -670,26 +514,23 @@ class PipelineScheduler:
         if self.on_trainer_switch is not None:
             self.on_trainer_switch(int(old.process.pid), int(successor.process.pid))
 
-    def _trainer_message(self, message: tuple) -> None:
-        if message[0] == "state":
-            model, optimizer, gathered_after = message[1:]
-            if gathered_after is None:
-                self._state = (model, optimizer)
+    def _trainer_message(self, message: Trained | State) -> None:
+        if isinstance(message, State):
+            if message.gathered_after is None:
+                self._state = (message.model, message.optimizer)
             else:
-                self._gathered[gathered_after] = (model, optimizer)
+                self._gathered[message.gathered_after] = (message.model, message.optimizer)
             return
-        if message[0] != "trained":
-            raise TrainerError(f"unexpected message {message[0]!r} from the trainer process")
-        _, iteration, metrics, version, start, published, end = message
-        self.trace.add("train", "update", start, published, iteration=iteration)
-        self.trace.add("train", "publish", published, end, iteration=iteration, version=version)
+        if not isinstance(message, Trained):
+            raise TrainerError(f"unexpected message {type(message).__name__} from the trainer process")
+        iteration = message.iteration
+        self.trace.add("train", "update", message.start, message.published, iteration=iteration)
+        self.trace.add("train", "publish", message.published, message.end, iteration=iteration,
+                       version=message.version)
         stats, shipped = self.shipped.pop(iteration)
-        metrics = {**metrics, **shipped, "sched/weights_version": float(self.base_version + version)}
+        metrics = {**message.metrics, **shipped, "sched/weights_version": float(self.base_version + message.version)}
         self.results[iteration] = (stats, metrics)
-        self.trained += 1
-        held, self.waiting = self.waiting, []
-        for g in held:  # groups held back for this update may go on
-            self._enqueue(g)
+        self.loop.trained()
 
     # --- helpers -------------------------------------------------------------------------------
     def _batch_obs(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""One interface for the CPU cores, GPU SM shares and device-memory budgets of every stage (DESIGN.md section 2.4).
+"""One interface for the CPU cores, GPU SM shares and device-memory budgets of every stage (docs/design.md,
+"Placement").
 
 Cores are real: the affinity of every thread of a stage's processes. SM shares come from NVIDIA MPS (set in a
 child's environment before its CUDA starts and fixed for the process's life, so a re-quota respawns the worker), from
@@ -19,10 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
+from ebrl.errors import BadInput
+from ebrl.node import PARTITIONS, cpu_list, set_process_affinity, visible_gpu
+
 if TYPE_CHECKING:
     import torch
 
-PARTITIONS = ("none", "mps", "green")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 GREEN_UNAVAILABLE = ("green contexts need a CUDA build of torch with green-context support and a driver >= 12.4; "
                      "use hw.sm_partition=mps or none")
@@ -51,7 +54,7 @@ _GREEN_RULE_HOPPER = (8, 8)  # 9.0 and later
 _ENV_LOCK = threading.RLock()  # one spawn environment at a time: os.environ is the whole process's
 
 
-class ResourceError(ValueError):
+class ResourceError(BadInput, ValueError):
     """A lease, partition or daemon that cannot be had; one line: what was wrong and what would be right."""
 
 
@@ -82,76 +85,6 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-# --- CPU affinity ------------------------------------------------------------------------------
-def _threads(pid: int) -> set[int]:
-    try:
-        return {int(tid) for tid in os.listdir(f"/proc/{pid}/task")}
-    except FileNotFoundError:
-        raise ProcessLookupError(f"no process {pid}") from None
-
-
-def set_process_affinity(pid: int, cpus: Iterable[int]) -> None:
-    """Pin every thread of `pid` to `cpus`: sched_setaffinity(pid) alone moves only the main thread, and a torch or
-    OpenMP pool, or a simulator's render threads (Mesa's llvmpipe), would keep running on the old cores."""
-    cpus = set(cpus)
-    _each_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
-
-
-def set_process_nice(pid: int, nice: int) -> None:
-    """Run every thread of `pid` at `nice`: on Linux a nice value is a thread's own, setpriority(pid) the main
-    thread's alone."""
-    _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
-
-
-def _each_thread(pid: int, apply: Callable[[int], None]) -> None:
-    done: set[int] = set()
-    for _ in range(10):  # a thread started meanwhile by one not yet changed copied the old setting: pass again
-        todo = _threads(pid) - done
-        if not todo:
-            return
-        for tid in todo:
-            try:
-                apply(tid)
-            except ProcessLookupError:
-                pass  # the thread ended
-        done |= todo
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """The kernel's CPU list format ("0-3,6") as a set."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def process_affinity(pid: int) -> dict[int, set[int]]:
-    """Each thread's allowed CPUs, read back from /proc (what the kernel enforces, not what was asked)."""
-    out: dict[int, set[int]] = {}
-    for tid in _threads(pid):
-        try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread ended
-        for line in status.splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                out[tid] = parse_cpu_list(line.split(":", 1)[1])
-    return out
-
-
-def _cpu_list(cpus: Iterable[int]) -> str:
-    """A set of CPUs in the kernel's list format, for messages."""
-    ranges: list[list[int]] = []
-    for c in sorted(cpus):
-        if ranges and c == ranges[-1][1] + 1:
-            ranges[-1][1] = c
-        else:
-            ranges.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 # --- green contexts and memory budgets ---------------------------------------------------------------
@@ -283,37 +216,6 @@ def over_budget(usage: dict[str, int], leases: dict[str, Lease]) -> list[str]:
 
 
 # --- MPS daemons ---------------------------------------------------------------------------------
-def visible_gpu(index: int) -> str:
-    """The CUDA_VISIBLE_DEVICES entry of this process's GPU `index` (a rank under torchrun sees only its own GPU, so
-    its index 0 may be the node's GPU 5): what a daemon or a child must be shown to mean the same GPU."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return visible[index].strip() if index < len(visible) else str(index)
-
-
-def visible_gpu_count(visible: str | None, uuids: Sequence[str]) -> int:
-    """The GPUs CUDA shows a process started with CUDA_VISIBLE_DEVICES=`visible` (None: unset) on a machine whose
-    GPUs have these UUIDs (NVML's list); entries are indices or (prefixes of) GPU-UUIDs, MIG-UUIDs are taken as given.
-
-    CUDA's rule, as torch.cuda._parse_visible_devices encodes it: the first entry that names no GPU ends the list,
-    and a GPU named twice leaves none."""
-    if visible is None:
-        return len(uuids)
-    seen: list[str] = []
-    for entry in (e.strip() for e in visible.split(",")):
-        if entry.isdigit():
-            found = [uuids[int(entry)]] if int(entry) < len(uuids) else []
-        elif entry.startswith("GPU-"):
-            found = [u for u in uuids if u.startswith(entry)]
-        else:
-            found = [entry] if entry.startswith("MIG-") else []  # NVML lists MIG devices under their GPU's handle
-        if len(found) != 1:  # no such GPU, or an ambiguous UUID prefix
-            break
-        if found[0] in seen:
-            return 0
-        seen.append(found[0])
-    return len(seen)
-
-
 def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
     """The pipe and log directories of GPU `gpu`'s MPS daemon under a run folder."""
     base = Path(run_dir) / "mps" / f"gpu{gpu}"
@@ -498,11 +400,11 @@ class ResourcePool:
         cpus = tuple(sorted(set(lease.cpus)))
         if not cpus:
             raise ResourceError(f"stage {s}: cpus is empty: lease at least one of the pool's cores "
-                                f"{_cpu_list(self.cores)}")
+                                f"{cpu_list(self.cores)}")
         outside = set(cpus) - set(self.cores)
         if outside:
-            raise ResourceError(f"stage {s}: cpus {_cpu_list(outside)} are not in the pool's cores "
-                                f"{_cpu_list(self.cores)}: lease cores from that set")
+            raise ResourceError(f"stage {s}: cpus {cpu_list(outside)} are not in the pool's cores "
+                                f"{cpu_list(self.cores)}: lease cores from that set")
         share, mem = lease.sm_share, lease.mem_bytes
         if lease.gpu is None:
             if share is not None or mem is not None:

@@ -79,7 +79,7 @@ def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(t
     run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
     assert run.allocator.current.batch == 2
     run.train()
-    assert [g.envs for g in run.scheduler.groups] == [[0, 1], [2, 3]]
+    assert [g.envs for g in run.scheduler.loop.groups] == [[0, 1], [2, 3]]
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     served = [e["args"]["groups"] for e in trace if e.get("name") == "sample"]
     assert {g for groups in served for g in groups} == {0, 1}  # generation served the two groups, from the start

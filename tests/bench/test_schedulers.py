@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, main
+from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, main, round_order
 
 MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-chunks", "2",
            "algo.minibatches=2", "algo.epochs=1", "scheduler.torch_threads=1", "env.max_episode_steps=12"]
@@ -18,7 +18,7 @@ def test_benchmark_reports_every_row(tmp_path, capsys):
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
     for r in rows.values():
-        assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1
+        assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1 and r["min"] == r["max"] == r["per_round"][0]
         assert math.isfinite(r["limit"]) and r["limit"] > 0 and r["achieved_over_limit"] > 0
     assert rows["colocated"]["vs_first_mode"] == 1.0
     assert all(result["cpu_s_per_env_step"][s] > 0 for s in STAGES)
@@ -29,6 +29,10 @@ def test_benchmark_reports_every_row(tmp_path, capsys):
     assert "CPU ms per env step" in table
     stages = result["stages"]["ebrl[scheduler.groups=2]"]  # where the pipelined mode's time went
     assert 0 < stages["cpu_share_simulate"] <= 1 and stages["cpu_share_trainer"] > 0 and stages["busy_train"] > 0
+
+
+def test_rounds_alternate_the_order_of_the_modes():
+    assert [round_order(["a", "b", "c"], i) for i in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
 
 
 def test_benchmark_rejects_an_unknown_mode_in_one_line(capsys):

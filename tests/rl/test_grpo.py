@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from ebrl.config import ALGOS, ConfigError, validate
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_seeds
-from ebrl.runtime.colocated import stack_steps
+from ebrl.rl.rollout import ChunkStep, stack_steps
 from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
 from tests.runtime.test_run import SMALL, metrics, run_py
@@ -87,8 +87,8 @@ def one_episode_rollout(policy, chunks: int = 2, num_envs: int = 4):
         mask = torch.ones(num_envs, policy.chunk_len, dtype=torch.bool)
         mask[0] = t == 0
         reward = torch.rand(num_envs, generator=gen) * mask.any(1)
-        steps.append(dict(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                          reward=reward, done=done, mask=mask, cutoff_value=torch.zeros(num_envs)))
+        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
+                               reward=reward, done=done, mask=mask, cutoff_value=torch.zeros(num_envs)))
     return stack_steps(steps, torch.zeros(num_envs))
 
 
@@ -123,7 +123,7 @@ def test_grpo_update_ignores_what_follows_an_episode_end():
 
 
 def test_every_algo_has_a_config_and_a_trainer():
-    from ebrl.runtime.experiment import TRAINERS
+    from ebrl.rl.trainers import TRAINERS
 
     assert set(ALGOS) == set(group_options("algo")) == set(TRAINERS)
     validate(compose_config("algo=grpo"))  # the defaults: 8 envs in groups of 4

@@ -1,4 +1,4 @@
-"""The defaults per preset (ebrl/rl/recipes.py) and the losses and optimizer groups the full-size recipes use."""
+"""The defaults per preset (ebrl/recipes.py) and the losses and optimizer groups the full-size recipes use."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import CRITIC, PPOTrainer, ppo_loss, value_loss
-from ebrl.rl.recipes import RECIPES, recipe_line
+from ebrl.recipes import RECIPES, recipe_line
 from tests.conftest import compose_config
 from tests.policies.test_precision import policy_config
 from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout

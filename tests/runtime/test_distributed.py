@@ -18,7 +18,8 @@ import pytest
 
 from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.runtime.checkpoint import load_checkpoint
-from ebrl.runtime.distributed import DistributedError, Ranks, combine, share_of_node, weights_sum
+from ebrl.node import Ranks, share_of_node
+from ebrl.runtime.distributed import DistributedError, combine, weights_sum
 from tests.conftest import REPO, compose_config
 from tests.runtime.test_run import SMALL, metrics, run_py
 

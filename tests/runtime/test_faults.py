@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ebrl.runtime.checkpoint import load_checkpoint
-from ebrl.runtime.colocated import RolloutStats, discard_partial_episode
+from ebrl.rl.rollout import ChunkStep, RolloutStats, discard_partial_episode
 from tests.conftest import REPO
 from tests.runtime.test_run import SMALL, metrics, run_py
 
@@ -51,12 +51,13 @@ def last_line(stderr: str) -> str:
 
 def test_a_failed_simulators_partial_episode_is_discarded_and_finished_ones_kept() -> None:
     # env 0: an episode ends at step 1, the next runs steps 2-3 and its simulator fails in step 4
-    rec = [{"done": torch.tensor([d, False]), "mask": torch.ones(2, 3, dtype=torch.bool)} for d in (False, True, False,
-                                                                                                    False)]
+    rec = [ChunkStep(obs={}, chunk=torch.zeros(2, 3, 1), extras={}, log_prob=torch.zeros(2, 3), value=torch.zeros(2),
+                     done=torch.tensor([d, False]), mask=torch.ones(2, 3, dtype=torch.bool))
+           for d in (False, True, False, False)]
     stats = RolloutStats()
     discard_partial_episode(rec, 0, stats)
-    assert [bool(r["mask"][0].any()) for r in rec] == [True, True, False, False]
-    assert all(r["mask"][1].all() for r in rec)  # other envs untouched
+    assert [bool(r.mask[0].any()) for r in rec] == [True, True, False, False]
+    assert all(r.mask[1].all() for r in rec)  # other envs untouched
     assert stats.discarded_steps == 6
 
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from ebrl.config import ConfigError, cuda_device_count, validate
-from ebrl.runtime.resources import visible_gpu_count
+from ebrl.config import ConfigError, validate
+from ebrl.node import cuda_device_count, visible_gpu_count
 from ebrl.telemetry.monitor import gpu_uuids, open_nvml
 from tests.conftest import compose_config
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ebrl.config import ConfigError, _check_schedule, validate
-from ebrl.rl.ppo import RolloutBatch
+from ebrl.rl.rollout import RolloutBatch, concat_envs, drop_stale
 from ebrl.runtime.experiment import Experiment
-from ebrl.runtime.pipeline import CorePool, Schedule, concat_envs, drop_stale
+from ebrl.runtime.pipeline import CorePool, Schedule
 from ebrl.telemetry.trace import read_spans
 from tests.conftest import compose_config
 
@@ -90,14 +90,14 @@ def test_a_regroup_waits_for_a_common_segment_boundary_and_loses_no_chunk(tmp_pa
         shapes = sched.last_shapes
     finally:
         exp.close()
-    assert [g.envs for g in sched.groups] == [[0], [1], [2], [3]] and sched.regroup_at is None
+    assert [g.envs for g in sched.loop.groups] == [[0], [1], [2], [3]] and sched.loop.regroup_at is None
     served = [span.args["groups"] for span in sched.trace.spans if span.lane == "generate"]
     switch = next(k for k, groups in enumerate(served) if max(groups) > 1)
     assert all(max(groups) <= 1 for groups in served[:switch]) and all(  # old groups until the barrier, then new
         set(groups) <= {0, 1, 2, 3} for groups in served[switch:])
     # every iteration still holds every env's 2 chunks: the barrier moved no chunk from one iteration to another
     assert shapes["chunk"][:2] == (2, 4) and all(s.env_steps > 0 for s in [first, *later])
-    assert not sched.segments and not sched.parked
+    assert not sched.loop.segments and not sched.loop.parked
 
 
 def test_groups_that_find_the_queue_full_queue_after_the_next_generation(tmp_path):
@@ -113,11 +113,11 @@ def test_groups_that_find_the_queue_full_queue_after_the_next_generation(tmp_pat
         while sched.dispatcher.events.qsize() < 2 and time.monotonic() < deadline:  # two chunks reported
             time.sleep(0.05)
         sched._step()  # handles the reports: one group queues, the others find it full
-        first = sched.queue[0]
-        held = [g for g in sched.groups if g is not first and g.pending is None]  # reported, not queued
-        assert list(sched.queue) == [first] and held
+        first = sched.loop.queue[0]
+        held = [g for g in sched.loop.groups if g is not first and g.pending is None]  # reported, not queued
+        assert list(sched.loop.queue) == [first] and held
         sched._step()  # serves the first, then a held one takes its room (before this step's own reports)
-        assert len(sched.queue) == 1 and sched.queue[0] in held
+        assert len(sched.loop.queue) == 1 and sched.loop.queue[0] in held
     finally:
         exp.close()
 

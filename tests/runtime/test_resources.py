@@ -11,9 +11,9 @@ import time
 import pytest
 
 from ebrl.runtime import resources
+from ebrl.node import parse_cpu_list, process_affinity, set_process_affinity
 from ebrl.runtime.resources import (GREEN_UNAVAILABLE, GreenPartition, MpsDaemon, MpsDaemons, ResourceError,
-                                    ResourcePool, apply_memory_budget, over_budget, parse_cpu_list, process_affinity,
-                                    set_process_affinity)
+                                    ResourcePool, apply_memory_budget, over_budget)
 
 CORES = sorted(os.sched_getaffinity(0))
 GIB = 2**30

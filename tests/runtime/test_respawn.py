@@ -15,7 +15,8 @@ import torch
 
 from ebrl.runtime.experiment import Experiment
 from ebrl.runtime.generation import GenerationError
-from ebrl.runtime.resources import environment, process_affinity
+from ebrl.node import process_affinity
+from ebrl.runtime.resources import environment
 from ebrl.telemetry.timers import ProcessCpu
 from tests.conftest import compose_config
 from tests.runtime.test_pipeline import WORKLOAD

@@ -1,0 +1,201 @@
+"""The rollout's data, from what the simulators report to the batch a trainer trains on.
+
+A chunk step is one decision of a group of envs: the observations the policy saw at a chunk boundary and what it
+sampled (`ChunkStep`), then, once every env ran its chunk, what the simulators reported (`ChunkStep.record`). The
+chunk steps of one iteration stack into a (T, N, ...) `RolloutBatch`; a pipelined schedule's groups collect theirs
+apart and are put side by side (`concat_envs`). `RolloutStats` keeps what the envs reported for the metrics.
+
+Every schedule builds its batches with these functions (docs/design.md, "Data").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ebrl.envs.worker import ChunkReport
+
+
+@dataclass
+class RolloutBatch:
+    """T chunk steps x N envs of experience, flattened to B = T*N rows by the trainer."""
+
+    obs: dict[str, torch.Tensor]  # each (T, N, ...)
+    chunk: torch.Tensor  # (T, N, H, A)
+    extras: dict[str, torch.Tensor]  # each (T, N, ...)
+    log_prob: torch.Tensor  # (T, N, H) behaviour log-prob of each action
+    value: torch.Tensor  # (T, N)
+    reward: torch.Tensor  # (T, N) summed over the executed steps
+    done: torch.Tensor  # (T, N) the episode ended inside this chunk
+    mask: torch.Tensor  # (T, N, H) the action was executed
+    last_value: torch.Tensor  # (N,) value of the observation after the last chunk
+    cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
+    version: torch.Tensor | None = None  # (T, N) int64 published weight version that sampled each chunk; None: unknown
+
+
+def batch_shapes(batch: RolloutBatch) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a batch (version aside, which only asynchronous schedules record)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name in RolloutBatch.__dataclass_fields__:
+        value = getattr(batch, name)
+        if isinstance(value, dict):
+            out.update({f"{name}/{k}": tuple(v.shape) for k, v in value.items()})
+        elif isinstance(value, torch.Tensor) and name != "version":
+            out[name] = tuple(value.shape)
+    return out
+
+
+class RolloutStats:
+    """What the rollout saw: env steps, finished episodes and simulator step latencies."""
+
+    def __init__(self) -> None:
+        self.env_steps = 0
+        self.returns: list[float] = []
+        self.lengths: list[float] = []
+        self.successes: list[float] = []
+        self.step_times: list[np.ndarray] = []
+        self.failures = 0  # simulators replaced (died, hung or failed in a chunk)
+        self.discarded_steps = 0  # env steps of the partial episodes they were in, dropped from the loss
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"env/episodes": float(len(self.returns)), "sim/failures": float(self.failures),
+                                 "sim/discarded_steps": float(self.discarded_steps)}
+        if self.returns:
+            out["env/return"] = float(np.mean(self.returns))
+            out["env/episode_length"] = float(np.mean(self.lengths))
+            out["env/success_rate"] = float(np.mean(self.successes))
+        if self.step_times:
+            t = np.concatenate(self.step_times) * 1e3
+            out["env/step_ms_mean"] = float(t.mean())
+            out["env/step_ms_p99"] = float(np.percentile(t, 99))
+        return out
+
+    @classmethod
+    def merged(cls, parts: Sequence["RolloutStats"]) -> "RolloutStats":
+        """The stats of several groups' rollouts as one."""
+        out = cls()
+        for s in parts:
+            out.env_steps += s.env_steps
+            out.returns += s.returns
+            out.lengths += s.lengths
+            out.successes += s.successes
+            out.step_times += s.step_times
+            out.failures += s.failures
+            out.discarded_steps += s.discarded_steps
+        return out
+
+
+@dataclass
+class ChunkStep:
+    """One decision of a group of N envs: what the policy saw and sampled at a chunk boundary, and, once `record`ed,
+    what the simulators reported. Rows are the group's envs in order."""
+
+    obs: dict[str, torch.Tensor]  # each (N, ...)
+    chunk: torch.Tensor  # (N, H, A)
+    extras: dict[str, torch.Tensor]
+    log_prob: torch.Tensor  # (N, H)
+    value: torch.Tensor  # (N,)
+    version: torch.Tensor | None = None  # (N,) int64 weight version that sampled (pipelined schedules)
+    reward: torch.Tensor | None = None  # (N,) summed over the executed steps
+    done: torch.Tensor | None = None  # (N,) bool
+    mask: torch.Tensor | None = None  # (N, H) bool: the action was executed
+    cutoff_value: torch.Tensor | None = None  # (N,) value of the obs an episode was truncated on, else 0
+    cut: list[int] = field(default_factory=list)  # rows whose episode hit its step limit here, with a final obs
+
+    def record(self, reports: Sequence[ChunkReport], stats: RolloutStats, earlier: list["ChunkStep"]) -> None:
+        """Each env's reward (summed over the steps it executed), done and executed-action mask; what the envs
+        reported goes into `stats`. An env whose simulator failed in this chunk has its partial episode discarded
+        from `earlier`, the chunk steps recorded before this one."""
+        n, chunk_len = len(reports), self.chunk.shape[1]
+        reward, done, mask = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros((n, chunk_len), bool)
+        for i, r in enumerate(reports):
+            reward[i] = r.rewards.sum()
+            done[i] = r.done  # (a failed chunk ends the episode: the replacement simulator starts a new one)
+            mask[i, : r.executed] = True
+            if r.failed:
+                discard_partial_episode(earlier, i, stats)
+            stats.failures += r.failed is not None
+            stats.env_steps += r.executed
+            stats.step_times.append(r.step_times)
+            if r.episode is not None:
+                stats.returns.append(r.episode["return"])
+                stats.lengths.append(r.episode["length"])
+                stats.successes.append(r.episode["success"])
+        self.reward, self.done, self.mask = torch.from_numpy(reward), torch.from_numpy(done), torch.from_numpy(mask)
+        self.cutoff_value = torch.zeros(n)
+        self.cut = [i for i, r in enumerate(reports) if r.truncated and r.final_obs is not None]
+
+
+def discard_partial_episode(steps: Sequence[ChunkStep], env: int, stats: RolloutStats) -> None:
+    """Mask out env `env`'s chunk steps back to its last episode end: the episode its simulator failed in is never
+    finished, so it teaches nothing (its steps before this rollout were trained on, bootstrapped, as any cut-off
+    segment is). Episodes that ended are kept."""
+    for rec in reversed(steps):
+        if rec.done[env]:
+            break
+        stats.discarded_steps += int(rec.mask[env].sum())
+        rec.mask[env] = False
+
+
+def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_mask: torch.Tensor,
+              envs: list[int]) -> dict[str, torch.Tensor]:
+    """Observations of the given envs as a policy batch (one copy), with each env's instruction tokens."""
+    obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
+    obs["tokens"] = tokens[envs]
+    obs["token_mask"] = token_mask[envs]
+    return obs
+
+
+def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor) -> RolloutBatch:
+    """Recorded chunk steps -> one (T, N, ...) batch (with their versions where every step has one)."""
+    def stack(name: str) -> torch.Tensor:
+        return torch.stack([getattr(s, name) for s in steps])
+
+    return RolloutBatch(
+        obs={k: torch.stack([s.obs[k] for s in steps]) for k in steps[0].obs},
+        chunk=stack("chunk"),
+        extras={k: torch.stack([s.extras[k] for s in steps]) for k in steps[0].extras},
+        log_prob=stack("log_prob"),
+        value=stack("value"),
+        reward=stack("reward"),
+        done=stack("done"),
+        mask=stack("mask"),
+        last_value=last_value,
+        cutoff_value=stack("cutoff_value"),
+        version=stack("version") if all(s.version is not None for s in steps) else None,
+    )
+
+
+def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Groups' batches (T, N_g, ...) side by side -> one (T, N, ...) batch, envs in group order."""
+    def cat(get: object, dim: int = 1) -> torch.Tensor:
+        return torch.cat([get(b) for b in batches], dim)  # type: ignore[operator]
+
+    first = batches[0]
+    return RolloutBatch(
+        obs={k: cat(lambda b, k=k: b.obs[k]) for k in first.obs},
+        chunk=cat(lambda b: b.chunk),
+        extras={k: cat(lambda b, k=k: b.extras[k]) for k in first.extras},
+        log_prob=cat(lambda b: b.log_prob),
+        value=cat(lambda b: b.value),
+        reward=cat(lambda b: b.reward),
+        done=cat(lambda b: b.done),
+        mask=cat(lambda b: b.mask),
+        last_value=cat(lambda b: b.last_value, 0),
+        cutoff_value=cat(lambda b: b.cutoff_value),
+        version=cat(lambda b: b.version),
+    )
+
+
+def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:
+    """Mask out (in place) the chunk steps made more than `max_staleness` versions before `train_version`.
+
+    Returns (dropped chunk steps, mean staleness). The steps stay in the batch for GAE (their rewards
+    and recorded values still chain the episode) but carry no policy loss.
+    """
+    staleness = train_version - batch.version
+    stale = staleness > max_staleness
+    batch.mask[stale] = False
+    return int(stale.sum()), float(staleness.float().mean())

@@ -1,0 +1,222 @@
+"""The pipelined rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/design.md,
+"The loop").
+
+The envs are split into groups. A group collects one segment (an iteration's `chunks` chunk steps per env) at a
+time; each chunk step ends when every env of the group reported its chunk, and the group then queues for
+generation. `PipelineScheduler` feeds the events in and carries out what comes back:
+
+- `reported(env, report)`: an env's chunk ended; once its whole group reported, the chunk step is recorded and the
+  group queues (or waits for room, `queue_size`).
+- `serve()` -> a `Serving`: the queued groups, served in one generation batch, and for each whether it starts its
+  next chunk, waits for an update (it would be more than `ahead` iterations beyond the updates done, or past the
+  run's iterations), or parks at a regroup's segment boundary. The driver values the observations episodes were cut
+  off on, samples the starting groups' chunks (`started`) and the bootstrap values of segments that ended
+  (`finish_segment`), then hands the serving back (`served`).
+- `finish_segment(group, last_value)` -> a `Shipment` once every group has collected that iteration: the batch for
+  the trainer, with the chunk steps beyond `max_staleness` masked out.
+- `trained()`: an update finished; the groups that waited for it queue.
+- `regroup(groups)`: split the envs anew at the next segment boundary every group can reach.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ebrl.envs.worker import ChunkReport
+from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, stack_steps
+
+Next = Literal["start", "wait", "park"]
+
+
+@dataclass
+class Group:
+    """One group of envs and the segment (one iteration's chunk steps) it is collecting."""
+
+    index: int
+    envs: list[int]
+    segment: int = 0  # the iteration this group's chunk steps belong to
+    steps: list[ChunkStep] = field(default_factory=list)  # recorded chunk steps of the segment
+    pending: ChunkStep | None = None  # the chunk step in flight
+    reports: dict[int, ChunkReport] = field(default_factory=dict)  # env -> its report, while the others run
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    cut_obs: list[dict[str, np.ndarray]] = field(default_factory=list)  # final obs of the last step's `cut` rows,
+    # valued at the group's next serving
+
+    def set_cutoff_values(self, values: torch.Tensor) -> None:
+        """The values of `cut_obs`, by the weights that acted: the last chunk step's cutoff values."""
+        step = self.steps[-1]
+        step.cutoff_value[step.cut] = values
+        self.cut_obs = []
+
+
+@dataclass
+class Serving:
+    """The groups served in one generation batch and what each does next."""
+
+    groups: list[Group]
+    next: dict[int, Next]  # group index -> what it does after this serving
+    ending: list[Group]  # groups whose segment ends with this serving (its last chunk step is recorded)
+
+    @property
+    def cut(self) -> list[Group]:
+        """Groups with cut-off episodes to value (a group held back and queued again has none left)."""
+        return [g for g in self.groups if g.cut_obs]
+
+    @property
+    def starting(self) -> list[Group]:
+        """Groups that sample their next chunk now (a group whose segment ended gets its bootstrap value from that
+        sample: the prefix runs once, with the newest weights)."""
+        return [g for g in self.groups if self.next[g.index] == "start"]
+
+    @property
+    def held(self) -> list[Group]:
+        """Groups whose segment ended and that do not go on now: their bootstrap value comes without a sample."""
+        return [g for g in self.ending if self.next[g.index] != "start"]
+
+
+@dataclass
+class Shipment:
+    """One iteration, collected by every group: what the trainer trains on."""
+
+    iteration: int  # this run's count
+    batch: RolloutBatch
+    stats: RolloutStats
+    dropped: int  # chunk steps masked out as stale
+    staleness: float  # their mean staleness, in versions
+
+
+class RolloutLoop:
+    """See the module docstring. `ahead`: iterations the rollout may run beyond the finished updates (0:
+    synchronous); `queue_size`: groups that may queue for generation at once (None: all); `base_version`: updates
+    made before this run (a resumed run), which the chunks' versions count."""
+
+    def __init__(self, num_envs: int, groups: int, chunks: int, iterations: int, ahead: int,
+                 max_staleness: int, queue_size: int | None = None, base_version: int = 0) -> None:
+        self.num_envs, self.chunks, self.iterations = num_envs, chunks, iterations
+        self.ahead, self.max_staleness, self.queue_size, self.base_version = ahead, max_staleness, queue_size, \
+            base_version
+        self.groups: list[Group] = []
+        self.group_of: dict[int, Group] = {}
+        self._split(groups, segment=0)
+        self.queue: deque[Group] = deque(self.groups)  # every group starts ready: its first obs is in shared memory
+        self.overflow: deque[Group] = deque()  # ready, held back: the queue was full
+        self.waiting: list[Group] = []  # ready, held back: too far ahead of training
+        self.regroup_at: tuple[int, int] | None = None  # (groups, segment) of a requested regroup
+        self.parked: list[Group] = []  # groups at that segment, waiting for the others
+        self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}  # iteration -> group -> part
+        self.trained_count = 0  # updates finished in this run
+
+    # --- events ----------------------------------------------------------------------------------
+    def reported(self, env: int, report: ChunkReport) -> Group | None:
+        """Env `env`'s chunk ended; when it was its group's last, the group's chunk step is recorded, the group
+        queues, and it is returned."""
+        group = self.group_of[env]
+        group.reports[env] = report
+        if len(group.reports) < len(group.envs):
+            return None
+        reports = [group.reports[i] for i in group.envs]
+        group.reports = {}
+        step, group.pending = group.pending, None
+        step.record(reports, group.stats, group.steps)
+        group.cut_obs = [reports[j].final_obs for j in step.cut]
+        group.steps.append(step)
+        self._enqueue(group)
+        return group
+
+    def serve(self) -> Serving | None:
+        """The queued groups, to serve in one generation batch (None: none queued); their room in the queue goes to
+        the groups that found it full."""
+        if not self.queue:
+            return None
+        groups = list(self.queue)
+        self.queue.clear()
+        self._refill()
+        ending = [g for g in groups if len(g.steps) == self.chunks]
+        return Serving(groups, {g.index: self._next(g, g in ending) for g in groups}, ending)
+
+    def started(self, group: Group, step: ChunkStep) -> None:
+        """The group's next chunk was sampled and is running."""
+        group.pending = step
+
+    def finish_segment(self, group: Group, last_value: torch.Tensor) -> Shipment | None:
+        """The group collected its segment (`last_value`: the bootstrap value of its envs' current obs); once every
+        group did, that iteration ships."""
+        done = self.segments.setdefault(group.segment, {})
+        done[group.index] = (stack_steps(group.steps, last_value), group.stats)
+        group.steps, group.stats = [], RolloutStats()
+        group.segment += 1
+        if len(done) < len(self.groups):
+            return None
+        iteration = group.segment - 1
+        parts = [done[g.index] for g in self.groups]
+        del self.segments[iteration]
+        batch = concat_envs([b for b, _ in parts])
+        dropped, staleness = drop_stale(batch, self.base_version + iteration, self.max_staleness)
+        return Shipment(iteration, batch, RolloutStats.merged([s for _, s in parts]), dropped, staleness)
+
+    def served(self, serving: Serving) -> None:
+        """After the serving: the groups that do not start wait for an update or park at the regroup's boundary."""
+        for g in serving.groups:
+            if serving.next[g.index] == "park":
+                self._park(g)
+            elif serving.next[g.index] == "wait":
+                self.waiting.append(g)
+
+    def trained(self) -> None:
+        """An update finished: the groups held back for it may go on."""
+        self.trained_count += 1
+        held, self.waiting = self.waiting, []
+        for g in held:
+            self._enqueue(g)
+
+    def regroup(self, groups: int) -> None:
+        """Serve generation in `groups` groups from the next segment boundary that every group can reach: each group
+        stops at the end of the segment the furthest group is in until all are there, then the envs are split anew.
+        A one-off barrier, paid once per change."""
+        if not 1 <= groups <= self.num_envs:
+            raise ValueError(f"{groups} groups of {self.num_envs} envs: between 1 and {self.num_envs}")
+        if groups == len(self.groups) and self.regroup_at is None:
+            return
+        # a group mid-segment (chunk steps collected or in flight) first finishes it
+        target = max(g.segment + (1 if g.steps or g.pending is not None else 0) for g in self.groups)
+        self.regroup_at = (groups, target)
+
+    # --- rules -----------------------------------------------------------------------------------
+    def _next(self, group: Group, ending: bool) -> Next:
+        """What a served group does next; `ending`: its segment ends in this serving."""
+        segment = group.segment + ending
+        if self.regroup_at is not None and (ending or not group.steps) and segment >= self.regroup_at[1]:
+            return "park"
+        may = segment - self.trained_count <= self.ahead and segment < self.iterations
+        return "start" if may else "wait"
+
+    def _enqueue(self, group: Group) -> None:
+        if len(self.queue) < (self.queue_size or len(self.groups)):
+            self.queue.append(group)
+        else:
+            self.overflow.append(group)
+
+    def _refill(self) -> None:
+        """Groups that found the queue full queue now, first come first, as far as it has room."""
+        while self.overflow and len(self.queue) < (self.queue_size or len(self.groups)):
+            self.queue.append(self.overflow.popleft())
+
+    def _park(self, group: Group) -> None:
+        """Hold a group at the regroup's segment boundary; once every group is held, split anew and queue the new
+        groups (their envs' observations are in shared memory)."""
+        self.parked.append(group)
+        if len(self.parked) == len(self.groups):
+            groups, segment = self.regroup_at
+            self.regroup_at, self.parked = None, []
+            self._split(groups, segment)
+            self.queue.extend(self.groups)
+
+    def _split(self, groups: int, segment: int) -> None:
+        """The envs in `groups` consecutive groups, all about to start `segment`."""
+        self.groups = [Group(g, [int(i) for i in envs], segment=segment) for g, envs in
+                       enumerate(np.array_split(np.arange(self.num_envs), groups))]
+        self.group_of = {i: g for g in self.groups for i in g.envs}
