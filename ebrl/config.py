@@ -587,11 +587,15 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
                           "GPU; use hw.sm_partition=mps (or none)")
     if a.name == "elastic" and cfg.scheduler.name == "colocated":
         raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
-                          "runs every stage in one; use scheduler=ebrl (or async, hybrid)")
+                          "runs every stage in one; use scheduler=ebrl (or async)")
     if a.name == "elastic" and cfg.scheduler.train_share is not None:
         share = cfg.scheduler.train_share
         raise ConfigError(f"allocator=elastic would move the cores that scheduler.train_share={share} fixes (the "
-                          "split that defines disaggregated); use scheduler=ebrl, async or hybrid")
+                          "split that defines disaggregated); use scheduler=ebrl or async")
+    if a.name == "elastic" and not cfg.scheduler.overlap:
+        raise ConfigError(f"allocator=elastic moves resources between stages that run side by side and "
+                          f"scheduler={cfg.scheduler.name} runs rollout and training one after the other, each on "
+                          "every core; use scheduler=ebrl or async")
     for key, low in (("window", 1), ("cooldown", 0)):
         if a[key] < low:
             raise ConfigError(f"allocator.{key}={a[key]} must be >= {low}")

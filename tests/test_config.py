@@ -68,6 +68,9 @@ def test_schemas_are_no_options_of_their_groups():
         (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),
         (["scheduler=disaggregated", "allocator=elastic"], "allocator=elastic would move the cores that "
                                                              "scheduler.train_share=0.5 fixes"),
+        (["scheduler=hybrid", "allocator=elastic"], "allocator=elastic moves resources between stages that run "
+                                                      "side by side and scheduler=hybrid runs rollout and training "
+                                                      "one after the other"),
         (["scheduler=ebrl", "allocator.simulate=64"], "allocator.simulate=64 must be in (0, "),
         (["hw.sm_partition=green"], "hw.sm_partition=green shares the SMs of a GPU and hw=cpu has none"),
         (["hw.sm_partition=slices"], "hw.sm_partition='slices' is not available; accepted: none, mps, green"),

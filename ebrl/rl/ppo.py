@@ -226,6 +226,12 @@ class PPOTrainer:
                  for s in (slice(start, start + rows) for start in range(0, chunk.shape[0], rows))]
         return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
 
+    @torch.no_grad()
+    def values(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) values of these observations under the current weights, on the CPU, in one forward pass (a sharded
+        policy's every rank makes the same number of calls however many rows it values)."""
+        return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
+
     def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0) -> dict[str, float]:
         """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
 
@@ -245,8 +251,12 @@ class PPOTrainer:
         old_value = _flat(batch.value).to(dev)  # where algo.value_clip holds the value to
         if decoupled:
             behaviour_lp, (old_lp, old_value) = old_lp, self.proximal(obs, chunk, extras, rows)
-            # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks
+            # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks, and
+            # the bootstrap values from this one too, where the batch has their observations (GAE mixes no critics)
             batch = dataclasses.replace(batch, value=old_value.view_as(batch.value).to(batch.value))
+            bootstrap = batch.bootstrap_obs()
+            if bootstrap is not None:
+                batch = batch.with_bootstrap_values(self.values(bootstrap))
         elif self.policy.compute_dtype != torch.float32:
             # the data's weights are these, but a bfloat16 forward pass in other batch shapes (generation's) differs
             # from this one by ~0.1 in log-prob per action: the ratio (and the value clip) is taken against this

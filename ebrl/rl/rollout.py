@@ -9,6 +9,7 @@ Every schedule builds its batches with these functions (docs/design.md, "Data").
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,12 +34,40 @@ class RolloutBatch:
     last_value: torch.Tensor  # (N,) value of the observation after the last chunk
     cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
     version: torch.Tensor | None = None  # (T, N) int64 published weight version that sampled each chunk; None: unknown
+    # The observations the bootstrap values were taken on (pipelined schedules), so that a trainer that values the
+    # chunk steps with its own critic (decoupled PPO) values these with the same one: last_obs (N, ...), after the
+    # last chunk; cutoff_obs (K, ...), the obs K episodes were cut off on, at chunk step and env cutoff_at (K, 2)
+    last_obs: dict[str, torch.Tensor] | None = None
+    cutoff_obs: dict[str, torch.Tensor] | None = None
+    cutoff_at: torch.Tensor | None = None
+
+    def bootstrap_obs(self) -> dict[str, torch.Tensor] | None:
+        """last_obs then cutoff_obs as one batch of N + K rows (None where the batch has no last_obs)."""
+        if self.last_obs is None:
+            return None
+        if self.cutoff_obs is None:
+            return self.last_obs
+        return {k: torch.cat([v, self.cutoff_obs[k]]) for k, v in self.last_obs.items()}
+
+    def with_bootstrap_values(self, values: torch.Tensor) -> "RolloutBatch":
+        """This batch with last_value and cutoff_value replaced by `values` of `bootstrap_obs()`'s rows."""
+        n = self.last_value.shape[0]
+        cutoff = self.cutoff_value.clone()
+        if self.cutoff_at is not None and len(self.cutoff_at):
+            cutoff[self.cutoff_at[:, 0], self.cutoff_at[:, 1]] = values[n:].to(cutoff)
+        return dataclasses.replace(self, last_value=values[:n].to(self.last_value), cutoff_value=cutoff)
+
+
+BOOTSTRAP_FIELDS = ("last_obs", "cutoff_obs", "cutoff_at")
 
 
 def batch_shapes(batch: RolloutBatch) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of a batch (version aside, which only asynchronous schedules record)."""
+    """The shape of every tensor of a batch (the versions and bootstrap observations aside, which only pipelined
+    schedules record)."""
     out: dict[str, tuple[int, ...]] = {}
     for name in RolloutBatch.__dataclass_fields__:
+        if name in BOOTSTRAP_FIELDS:
+            continue
         value = getattr(batch, name)
         if isinstance(value, dict):
             out.update({f"{name}/{k}": tuple(v.shape) for k, v in value.items()})
@@ -103,6 +132,7 @@ class ChunkStep:
     mask: torch.Tensor | None = None  # (N, H) bool: the action was executed
     cutoff_value: torch.Tensor | None = None  # (N,) value of the obs an episode was truncated on, else 0
     cut: list[int] = field(default_factory=list)  # rows whose episode hit its step limit here, with a final obs
+    cutoff_obs: dict[str, torch.Tensor] | None = None  # (len(cut), ...) those final obs as valued (pipelined)
 
     def record(self, reports: Sequence[ChunkReport], stats: RolloutStats, earlier: list["ChunkStep"]) -> None:
         """Each env's reward (summed over the steps it executed), done and executed-action mask; what the envs
@@ -148,10 +178,19 @@ def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_
     return obs
 
 
-def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor) -> RolloutBatch:
-    """Recorded chunk steps -> one (T, N, ...) batch (with their versions where every step has one)."""
+def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
+                last_obs: dict[str, torch.Tensor] | None = None) -> RolloutBatch:
+    """Recorded chunk steps -> one (T, N, ...) batch (with their versions where every step has one); with
+    `last_obs`, the obs `last_value` was taken on, and the cut-off obs the steps kept, as bootstrap observations."""
     def stack(name: str) -> torch.Tensor:
         return torch.stack([getattr(s, name) for s in steps])
+
+    cutoff_obs = cutoff_at = None
+    if last_obs is not None:
+        kept = [(t, s) for t, s in enumerate(steps) if s.cut and s.cutoff_obs is not None]
+        cutoff_at = torch.tensor([(t, i) for t, s in kept for i in s.cut], dtype=torch.long).view(-1, 2)
+        if kept:
+            cutoff_obs = {k: torch.cat([s.cutoff_obs[k] for _, s in kept]) for k in kept[0][1].cutoff_obs}
 
     return RolloutBatch(
         obs={k: torch.stack([s.obs[k] for s in steps]) for k in steps[0].obs},
@@ -165,6 +204,7 @@ def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor) -> Rollout
         last_value=last_value,
         cutoff_value=stack("cutoff_value"),
         version=stack("version") if all(s.version is not None for s in steps) else None,
+        last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
     )
 
 
@@ -174,6 +214,13 @@ def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         return torch.cat([get(b) for b in batches], dim)  # type: ignore[operator]
 
     first = batches[0]
+    last_obs = cutoff_obs = cutoff_at = None
+    if all(b.last_obs is not None for b in batches):
+        last_obs = {k: torch.cat([b.last_obs[k] for b in batches]) for k in first.last_obs}
+        offsets = np.cumsum([0] + [b.last_value.shape[0] for b in batches[:-1]])
+        cutoff_at = torch.cat([b.cutoff_at + torch.tensor([0, int(o)]) for b, o in zip(batches, offsets)])
+        cut = [b.cutoff_obs for b in batches if b.cutoff_obs is not None]
+        cutoff_obs = {k: torch.cat([c[k] for c in cut]) for k in cut[0]} if cut else None
     return RolloutBatch(
         obs={k: cat(lambda b, k=k: b.obs[k]) for k in first.obs},
         chunk=cat(lambda b: b.chunk),
@@ -186,6 +233,7 @@ def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         last_value=cat(lambda b: b.last_value, 0),
         cutoff_value=cat(lambda b: b.cutoff_value),
         version=cat(lambda b: b.version),
+        last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
     )
 
 

@@ -41,13 +41,12 @@ from ebrl.runtime.distributed import (
     broadcast_module,
     broadcast_object,
     close_group,
-    combine,
-    gather_metrics,
     init_supervisors,
     pin_gpu,
     weights_sum,
 )
-from ebrl.runtime.errors import RunStopped, remove_if_only_hydra_files
+from ebrl.runtime.errors import remove_if_only_hydra_files
+from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan
 from ebrl.runtime.pipeline import PipelineScheduler
 from ebrl.runtime.resources import (
     Lease,
@@ -125,7 +124,6 @@ class Experiment:
         self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
         self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
         self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
-        self.nonfinite_streak = 0  # updates in a row with steps skipped for NaN/inf gradients
         # FSDP: gathering the training state needs every rank's trainer (no checkpoint on the way out)
         self.sharded = self.ranks.distributed and cfg.distributed.strategy == "fsdp"
         self.iteration = 0
@@ -191,7 +189,10 @@ class Experiment:
         sim_env = simulator_gpu_environment(cfg.hw.gpus)
         pipelined = cfg.scheduler.name != "colocated"
         self.generation = generation_place(cfg) if pipelined else "supervisor"
-        if pipelined and cfg.scheduler.train_share is None:  # (disaggregated keeps the split that defines it)
+        # the allocator splits the node between stages that run side by side; disaggregated keeps the split that
+        # defines it, and a schedule without overlap (hybrid) runs rollout and training one after the other, each on
+        # every core and the whole GPU, as RLinf's does
+        if pipelined and cfg.scheduler.train_share is None and cfg.scheduler.overlap:
             self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
             console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
             try:
@@ -247,7 +248,7 @@ class Experiment:
                     for stage, pid in (("generate", generation.pid), ("train", self.scheduler.trainer.process.pid)):
                         self.resources.attach(stage, pid)
                     # a respawned process's successor takes the lease over
-                    self.scheduler.on_trainer_switch = functools.partial(self._switched, "train", "trainer")
+                    self.scheduler.trainer.on_switch = functools.partial(self._switched, "train", "trainer")
                     if self.generation == "process":
                         generation.on_switch = functools.partial(self._switched, "generate", "main")
                 if self.allocator is not None and self.allocator.current is not None:
@@ -375,7 +376,8 @@ class Experiment:
 
     # --- running ---------------------------------------------------------------------------
     def train(self) -> RunSummary:
-        """Run the remaining iterations; always closes the simulator processes."""
+        """Run the remaining iterations, each followed by the hooks (ebrl/runtime/hooks.py); always closes the
+        simulator processes."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.conf))
@@ -383,91 +385,32 @@ class Experiment:
         resume_id = self._resume_ckpt.get("wandb_id") if self._resume_ckpt else None
         logger = self.conf["logger"] if self.ranks.leader else {"name": "none"}  # one W&B run: rank 0's
         self.log = MetricsLog(self.out_dir, logger, self.conf, resume_id=resume_id)
-        summary = RunSummary()
-        cpu = CpuMonitor(self.cores)
         gpu = GpuMonitor() if cfg.hw.gpus else None  # device totals; each stage's own GPU time is in the trace
         if gpu is not None:
             gpu.start()
             if not gpu.available:
                 console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
-        shares = self.cpu_shares = ProcessCpu(self.stage_processes(), len(self.cores))
-        measured_steps, measured_wall, busy, stage_busy = 0, 0.0, [], {}
-        cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from `cpu`
+        monitors = (CpuMonitor(self.cores), gpu, ProcessCpu(self.stage_processes(), len(self.cores)))
+        self.cpu_shares = monitors[2]
+        cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from the CpuMonitor
         start = time.perf_counter()
         cpu_samples.start()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
-        last_gather: float | None = None  # (several ranks) when the previous iteration's metrics were gathered
+        measure, guard = Measure(cfg.iterations), NanGuard(cfg.algo.max_nonfinite_updates,
+                                                           self.run_dir / "checkpoints" / "last.pt", cfg.algo.lr)
+        pipelined = self.trainer is None
+        hooks = [
+            *([Replan(self.allocator, self._apply_plan)] if self.allocator is not None else []),
+            RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
+            Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint,
+                        self.scheduler.gathered_state if pipelined else lambda iteration: None),
+        ]
         try:
             while self.iteration < cfg.iterations:
-                mark = self.scheduler.trace.mark()  # spans of this iteration are added past it
-                t0 = time.perf_counter()
-                if self.trainer is None:  # pipelined: rollout and training overlap; one update finished
-                    stats, train_metrics = self.scheduler.next_iteration()
-                    t_rollout = time.perf_counter() - t0
-                else:
-                    batch, stats = self.collect()
-                    t_rollout = time.perf_counter() - t0
-                    t_train = time.perf_counter()
-                    with self.timers.stage("train"):
-                        train_metrics = self._update(batch)
-                    self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
-                wall = time.perf_counter() - t0
-                busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus), since=mark)
-                self.iteration += 1
-                metrics = {
-                    "iteration": self.iteration,
-                    "perf/iteration_env_steps": stats.env_steps,  # this rank's, this iteration
-                    "perf/env_steps_per_s": stats.env_steps / wall,
-                    "perf/rollout_only_steps_per_s": stats.env_steps / t_rollout,
-                    "time/iteration_s": wall,
-                    **self.timers.pop_iteration(),
-                    **cpu.read(),
-                    **(gpu.read() if gpu is not None else {}),
-                    **shares.read(),
-                    **stats.metrics(),
-                    **train_metrics,
-                    **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
-                }
-                if self.allocator is not None:  # each rank plans its own node's share
-                    decision, alloc_metrics = self.allocator.observe(metrics)
-                    metrics.update(alloc_metrics)
-                    if decision is not None:  # a new plan: applied before the next iteration runs
-                        self._apply_plan()
-                        metrics["alloc/decision"] = decision
-                        console.print(decision, soft_wrap=True)
-                run_metrics = metrics
-                if self.ranks.distributed:
-                    run_metrics = combine(gather_metrics(metrics, self.ranks))
-                    # the run's rate over the time between two gathers: a rank that waited there for the others
-                    # may find its next update already done and measure an iteration of almost no time
-                    now = time.perf_counter()
-                    span, last_gather = now - (last_gather or t0), now
-                    run_metrics["time/iteration_s"] = span
-                    run_metrics["perf/env_steps_per_s"] = run_metrics["perf/iteration_env_steps"] / span
-                steps = int(run_metrics["perf/iteration_env_steps"])  # the run's, over all ranks
-                self.env_steps += steps
-                metrics["env_steps"] = run_metrics["env_steps"] = self.env_steps
-                self.log.log(run_metrics if self.ranks.leader else metrics)
-                metrics = run_metrics
-                if self.iteration > 1 or cfg.iterations == 1:  # the first iteration warms up (process start, caches)
-                    measured_steps += steps
-                    measured_wall += metrics["time/iteration_s"]
-                    busy.append(metrics["perf/cpu_busy"])
-                    for key, value in metrics.items():
-                        if key.startswith(("perf/busy_", "perf/cpu_share_")):
-                            stage_busy.setdefault(key[5:], []).append(value)
-                if "env/success_rate" in metrics:
-                    summary.success_rate = metrics["env/success_rate"]
-                    summary.mean_return = metrics["env/return"]
-                bar.update(metrics)
-                self._count_nonfinite(metrics)
-                due = self.iteration % cfg.checkpoint_every == 0 or self.iteration == cfg.iterations
-                if due and not self.nonfinite_streak:
-                    if self.ranks.leader:  # the replicas hold the same weights: rank 0 writes them
-                        self.save_checkpoint()
-                    elif self.trainer is None:  # (the trainer sent it anyway: taken, and dropped)
-                        self.scheduler.gathered_state(self.iteration)
-            self._summarise(summary, start, measured_steps, measured_wall, busy, stage_busy)
+                it = self._iterate(monitors)
+                for hook in hooks:
+                    hook(it)
+            summary = self._summarise(start, measure)
             self._write_telemetry(start, cpu_samples, gpu)
             self.log.log_summary(summary.__dict__)
         except BaseException as e:  # what can be written is: a checkpoint where the state is whole, the telemetry
@@ -489,18 +432,47 @@ class Experiment:
             print_summary(summary, self.run_dir)
         return summary
 
-    def _count_nonfinite(self, metrics: dict[str, Any]) -> None:
-        """Updates with NaN/inf gradients (their steps were skipped): while they go on no checkpoint is written, and
-        after algo.max_nonfinite_updates in a row the run stops."""
-        self.nonfinite_streak = self.nonfinite_streak + 1 if metrics.get("train/nonfinite_steps", 0) > 0 else 0
-        limit = self.cfg.algo.max_nonfinite_updates
-        if self.nonfinite_streak >= limit:
-            first = self.iteration - limit + 1
-            last = self.run_dir / "checkpoints" / "last.pt"
-            kept = "checkpoints/last.pt is from before them" if last.exists() else "no checkpoint was written before them"
-            raise RunStopped(f"{limit} updates in a row had NaN/inf gradients (iterations {first}-{self.iteration}, "
-                             f"algo.max_nonfinite_updates={limit}; their steps were skipped); {kept}; try a lower "
-                             f"algo.lr than {self.cfg.algo.lr:g}")
+    def _iterate(self, monitors: tuple[CpuMonitor, GpuMonitor | None, ProcessCpu]) -> Finished:
+        """One iteration: rollout and update (pipelined: overlapping, one update finished), and this rank's
+        figures of it."""
+        cpu, gpu, shares = monitors
+        mark = self.scheduler.trace.mark()  # spans of this iteration are added past it
+        t0 = time.perf_counter()
+        if self.trainer is None:  # pipelined: rollout and training overlap; one update finished
+            stats, train_metrics = self.scheduler.next_iteration()
+            t_rollout = time.perf_counter() - t0
+        else:
+            batch, stats = self.collect()
+            t_rollout = time.perf_counter() - t0
+            t_train = time.perf_counter()
+            with self.timers.stage("train"):
+                train_metrics = self._update(batch)
+            self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
+        wall = time.perf_counter() - t0
+        busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus), since=mark)
+        self.iteration += 1
+        metrics = {
+            "iteration": self.iteration,
+            "perf/iteration_env_steps": stats.env_steps,  # this rank's, this iteration
+            "perf/env_steps_per_s": stats.env_steps / wall,
+            "perf/rollout_only_steps_per_s": stats.env_steps / t_rollout,
+            "time/iteration_s": wall,
+            **self.timers.pop_iteration(),
+            **cpu.read(),
+            **(gpu.read() if gpu is not None else {}),
+            **shares.read(),
+            **stats.metrics(),
+            **train_metrics,
+            **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
+        }
+        return Finished(self.iteration, t0, metrics)
+
+    def _record(self, it: Finished) -> None:
+        """Count the run's env steps (over every rank) and log the iteration: rank 0 the run's figures, the others
+        their own."""
+        self.env_steps += int(it.run["perf/iteration_env_steps"])
+        it.metrics["env_steps"] = it.run["env_steps"] = self.env_steps
+        self.log.log(it.run if self.ranks.leader else it.metrics)
 
     def _update(self, batch: RolloutBatch) -> dict[str, float]:
         """Colocated training's update; with several ranks a failed all-reduce (another rank died) is one line."""
@@ -544,20 +516,18 @@ class Experiment:
             self.log.log({"iteration": self.iteration, "perf/iteration_env_steps": steps, **stats.metrics(),
                           **train_metrics, "env_steps": self.env_steps})
 
-    def _summarise(self, summary: RunSummary, start: float, measured_steps: int, measured_wall: float,
-                   busy: list[float], stage_busy: dict[str, list[float]]) -> None:
-        """Fill the run's totals in `summary` (what summary.json, the console table and W&B's summary show)."""
+    def _summarise(self, start: float, measure: Measure) -> RunSummary:
+        """The run's totals (what summary.json, the console table and W&B's summary show)."""
         end = time.perf_counter()
-        summary.env_steps = self.env_steps
-        summary.wall_s = end - start
-        summary.rollout_steps_per_s = measured_steps / measured_wall if measured_wall else 0.0
+        summary = RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
+                             success_rate=measure.success_rate, mean_return=measure.mean_return,
+                             cpu_busy=measure.cpu_busy, busy=measure.stage_means())
         if self.trainer is None:  # stages overlap: their busy time from the trace (simulation: per sim core)
             busy_s = self.scheduler.trace.busy(start, end, len(self.scheduler.sim_cpus))
             summary.stage_s = {k: busy_s[k] * (end - start) for k in STAGES}
         else:
             summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
-        summary.cpu_busy = float(np.mean(busy)) if busy else float("nan")
-        summary.busy = {key: float(np.mean(values)) for key, values in stage_busy.items()}
+        return summary
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:
         """trace.json and the utilisation plots, while the W&B run is still open to take the plots."""

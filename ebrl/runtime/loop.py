@@ -46,10 +46,12 @@ class Group:
     cut_obs: list[dict[str, np.ndarray]] = field(default_factory=list)  # final obs of the last step's `cut` rows,
     # valued at the group's next serving
 
-    def set_cutoff_values(self, values: torch.Tensor) -> None:
-        """The values of `cut_obs`, by the weights that acted: the last chunk step's cutoff values."""
+    def set_cutoff_values(self, values: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> None:
+        """The values of `cut_obs` (as the policy batch `obs`, kept for a trainer that values them itself): the last
+        chunk step's cutoff values."""
         step = self.steps[-1]
         step.cutoff_value[step.cut] = values
+        step.cutoff_obs = obs
         self.cut_obs = []
 
 
@@ -142,11 +144,12 @@ class RolloutLoop:
         """The group's next chunk was sampled and is running."""
         group.pending = step
 
-    def finish_segment(self, group: Group, last_value: torch.Tensor) -> Shipment | None:
-        """The group collected its segment (`last_value`: the bootstrap value of its envs' current obs); once every
-        group did, that iteration ships."""
+    def finish_segment(self, group: Group, last_value: torch.Tensor,
+                       last_obs: dict[str, torch.Tensor] | None = None) -> Shipment | None:
+        """The group collected its segment (`last_value`: the bootstrap value of its envs' current obs, the policy
+        batch `last_obs`); once every group did, that iteration ships."""
         done = self.segments.setdefault(group.segment, {})
-        done[group.index] = (stack_steps(group.steps, last_value), group.stats)
+        done[group.index] = (stack_steps(group.steps, last_value, last_obs), group.stats)
         group.steps, group.stats = [], RolloutStats()
         group.segment += 1
         if len(done) < len(self.groups):

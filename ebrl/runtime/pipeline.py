@@ -46,9 +46,9 @@ from ebrl.rl.rollout import ChunkStep, RolloutStats, batch_obs, batch_shapes
 from ebrl.runtime.generation import GenerationProcess, InProcessGeneration
 from ebrl.runtime.channel import WeightChannel
 from ebrl.runtime.loop import Group, RolloutLoop, Serving
-from ebrl.runtime.messages import Ready, State, Trained
+from ebrl.runtime.messages import State, Trained
 from ebrl.node import set_process_affinity
-from ebrl.runtime.trainer_process import TrainerError, TrainerProcess
+from ebrl.runtime.trainer_process import TrainerProcess, TrainerStage
 from ebrl.telemetry.timers import StageTimers
 from ebrl.telemetry.trace import Trace
 
@@ -133,17 +133,42 @@ class CorePool:
         return out
 
 
+@dataclass(frozen=True)
+class ChunkEnded:
+    """The dispatcher's report: env `env`'s chunk ended (or failed: `report.failed`)."""
+
+    env: int
+    report: ChunkReport
+
+
+@dataclass(frozen=True)
+class TrainerSaid:
+    """The dispatcher's report: the trainer process sent this."""
+
+    message: Trained | State
+
+
+@dataclass(frozen=True)
+class Broke:
+    """The dispatcher's report: it, or the trainer, failed; the main thread raises `error`."""
+
+    error: BaseException
+
+
+Event = ChunkEnded | TrainerSaid | Broke
+
+
 class Dispatcher:
     """The thread that runs chunks: it waits on every simulator pipe and the trainer's, so a finished
     chunk frees its core and the next ready env starts at once, even while the main thread generates.
 
     The main thread hands it envs whose actions are written (`ready`) and reads what happened from
-    `events`: ("chunk", env, ChunkReport), ("trainer", message) or ("error", exception).
+    `events`: `ChunkEnded`, `TrainerSaid` or `Broke`.
     """
 
     def __init__(self, pool: SimWorkerPool, cores: CorePool | None, trainer: TrainerProcess) -> None:
         self.pool, self.cores, self.trainer = pool, cores, trainer
-        self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ready: list[int] = []  # without a core pool: envs to submit at once
         self._running: dict[Any, int] = {}  # worker connection -> env
@@ -232,7 +257,7 @@ class Dispatcher:
                             conn.recv_bytes()
                     elif conn is results or (conn is died and not results.poll()):
                         if trainer is self.trainer:  # (else it was replaced while we waited)
-                            self.events.put(("trainer", trainer.receive()))
+                            self.events.put(TrainerSaid(trainer.receive()))
                     elif conn in self._running:
                         env = self._running.pop(conn)
                         since = self._since.pop(env)
@@ -244,10 +269,10 @@ class Dispatcher:
                                 self.cores.release(env)
                                 if report.executed:
                                     self.cores.observe(env, float(report.step_times.mean()))
-                        self.events.put(("chunk", env, report))
+                        self.events.put(ChunkEnded(env, report))
         except Exception as e:  # noqa: BLE001  (the main thread raises it)
             if not self._stopping:
-                self.events.put(("error", e))
+                self.events.put(Broke(e))
 
 
 class PipelineScheduler:
@@ -269,7 +294,7 @@ class PipelineScheduler:
 
         cores = list(cores)
         k = train_core_count(self.schedule.train_share, len(cores)) if self.schedule.train_share else 0
-        self.train_cpus = cores[len(cores) - k:] if k else cores
+        train_cpus = cores[len(cores) - k:] if k else cores
         self.sim_cpus = cores[: len(cores) - k] if k else cores
         self._affinity = os.sched_getaffinity(0)  # given back at close
         set_process_affinity(os.getpid(), self.sim_cpus)  # generation runs beside the simulators
@@ -283,41 +308,36 @@ class PipelineScheduler:
         train_device = str(device)
         if device.type == "cuda" and k and cuda_device_count() > 1:  # (NVML: starts no CUDA here)
             train_device = "cuda:1"  # disaggregated: training on its own GPU
-        # training alone on its cores may use them all; sharing them with the rollout on CPU, one thread
-        # (see experiment.generation_threads)
-        threads = self.schedule.train_threads or (len(self.train_cpus) if k or device.type == "cuda" else 1)
+        # training alone on its cores (its own share, or without overlap, when the rollout waits for it) uses them
+        # all; sharing them with the rollout on CPU, one thread (see experiment.generation_threads)
+        alone = k or device.type == "cuda" or not self.schedule.overlap
+        threads = self.schedule.train_threads or (len(train_cpus) if alone else 1)
         # each child starts in its stage's environment (spawn_env: a resource pool's MPS share and GPU)
         spawn_env = spawn_env or (lambda stage: contextlib.nullcontext())
-        self.conf, self._train_threads, self._train_device = conf, threads, train_device
         # on one GPU generation reads the trainer's published weights on the device (CUDA IPC), else from host memory
         channel = WeightChannel(policy.state_dict(), torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
                                 cuda=device.type == "cuda" and train_device == str(device),
                                 lora_scaling=lora_scaling(conf["policy"]))
         with spawn_env("train"):
-            self.trainer = TrainerProcess(conf, pool.spec, channel, self.train_cpus, threads, train_device, resume)
-        self._successor: TrainerProcess | None = None  # a trainer started to take over (respawn_trainer)
-        self._retired: list[TrainerProcess] = []  # stopped predecessors, their pipes closed at close()
-        self.on_trainer_switch: Callable[[int, int], None] | None = None  # (old pid, new pid), after a handover
+            self.trainer = TrainerStage(conf, pool.spec, channel, train_cpus, threads, train_device, resume)
         if generation == "process":  # its own process, on the simulators' cores until a lease moves it
             seed = int(conf["seed"]) + 2 if seed is None else seed
             try:
                 with spawn_env("generate"):
                     self.generation: InProcessGeneration | GenerationProcess = GenerationProcess(
-                        conf["policy"], pool.spec, self.trainer.channel, self.sim_cpus, torch.get_num_threads(),
+                        conf["policy"], pool.spec, channel, self.sim_cpus, torch.get_num_threads(),
                         str(device), seed)
             except BaseException:
                 self.trainer.close()
                 raise
         else:
-            self.generation = InProcessGeneration(policy, device, self.trainer.channel)
+            self.generation = InProcessGeneration(policy, device, channel)
         self.version = 0  # of the weights generation sampled with last, counted by the channel
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
-        self._state: tuple | None = None  # the trainer's answer to a state request
         # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
         # it then, together), so a checkpoint holds exactly the weights of its iteration
         self.checkpoint_every = int(conf["checkpoint_every"])
-        self._gathered: dict[int, tuple] = {}
-        self.dispatcher = Dispatcher(pool, cores, self.trainer)
+        self.dispatcher = Dispatcher(pool, cores, self.trainer.process)
         self.results: dict[int, tuple[RolloutStats, dict[str, float]]] = {}
         self.returned = 0  # iterations handed to the caller
         self.shipped: dict[int, tuple[RolloutStats, dict[str, float]]] = {}  # sent to the trainer, not yet trained
@@ -335,24 +355,21 @@ class PipelineScheduler:
         """The model and optimizer state the trainer sent right after update `iteration` (the run's count), which it
         does at every iteration a checkpoint is due at (`checkpoint_every`, and the last)."""
         k = iteration - self.base_version - 1  # this run's index of that update
-        while k not in self._gathered:
+        while (state := self.trainer.take_gathered(k)) is None:
             self._handle(self.dispatcher.events.get())
-        state = self._gathered.pop(k)
-        for old in [i for i in self._gathered if i < k]:  # (gathered while updates had NaN: no checkpoint then)
-            del self._gathered[old]
         return state
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The trainer's model and optimizer state after every update sent so far (a checkpoint on the way out). Those
         updates' results arrive before it, so `unreturned` then hands out those the caller has not seen."""
-        self.trainer.request_state()
-        while self._state is None:
+        self.trainer.process.request_state()
+        while self.trainer.state is None:
             try:
                 self._handle(self.dispatcher.events.get(timeout=1.0))
             except queue.Empty:
                 if not self.dispatcher.alive:  # it stopped on an error (the run is stopping): read the trainer here
-                    self._trainer_message(self.trainer.receive())
-        state, self._state = self._state, None
+                    self._trainer_message(self.trainer.process.receive())
+        state, self.trainer.state = self.trainer.state, None
         return state
 
     def unreturned(self) -> list[tuple[RolloutStats, dict[str, float]]]:
@@ -381,24 +398,16 @@ class PipelineScheduler:
         this call), on `cpus` if given. Once it is ready it takes over between two updates: the trainer finishes
         the updates sent to it, its model and Adam state go to the successor, and it stops. Rollout goes on
         meanwhile; only the handover waits for the update in flight. A successor still starting is replaced."""
-        if self._successor is not None:
-            self._successor.close()
-        cpus = self.train_cpus = list(cpus) if cpus is not None else self.train_cpus
-        self._successor = TrainerProcess(self.conf, self.pool.spec, self.trainer.channel, cpus, self._train_threads,
-                                         self._train_device, successor=True, wait=False)
+        self.trainer.respawn(cpus)
 
     def wait_trainer_switch(self, timeout: float = 600.0) -> None:
         """Block until a started successor has taken over (tests; a run's end)."""
-        if self._successor is not None:
-            self._successor.expect(Ready, timeout)
+        if self.trainer.successor_ready(timeout):
             self._hand_over()
 
     def close(self) -> None:
         self.dispatcher.stop()
         self.generation.close()
-        for trainer in (self._successor, *self._retired):
-            if trainer is not None:
-                trainer.close()
         self.trainer.close()
         set_process_affinity(os.getpid(), self._affinity)
 
@@ -406,8 +415,7 @@ class PipelineScheduler:
     def _step(self) -> None:
         """Hand training over to a successor that is ready, generate for the queued groups (if any), then handle
         what the dispatcher reported meanwhile (waiting for at least one event when there was nothing to generate)."""
-        if self._successor is not None and self._successor.results.poll(0):
-            self._successor.expect(Ready, 0)
+        if self.trainer.successor_ready():
             self._hand_over()
         serving = self.loop.serve()
         if serving is not None:
@@ -417,16 +425,13 @@ class PipelineScheduler:
         while not events.empty():
             self._handle(events.get_nowait())
 
-    def _handle(self, event: tuple | None) -> None:
-        if event is None:
-            return
-        kind = event[0]
-        if kind == "chunk":
-            self._chunk_reported(event[1], event[2])
-        elif kind == "trainer":
-            self._trainer_message(event[1])
-        else:  # "error": the dispatcher or the trainer failed
-            raise event[1]
+    def _handle(self, event: Event | None) -> None:
+        if isinstance(event, ChunkEnded):
+            self._chunk_reported(event.env, event.report)
+        elif isinstance(event, TrainerSaid):
+            self._trainer_message(event.message)
+        elif isinstance(event, Broke):  # the dispatcher or the trainer failed
+            raise event.error
 
     def _chunk_reported(self, env: int, report: ChunkReport) -> None:
         if report.failed is None:
@@ -442,16 +447,18 @@ class PipelineScheduler:
         with self.timers.stage("generate"), torch.inference_mode():
             cut = serving.cut
             if cut:  # values of the obs episodes were cut off on (their step limit), by the weights that acted
-                values = self.generation.value(self._batch_obs([o for g in cut for o in g.cut_obs],
-                                                               [g.envs[j] for g in cut for j in g.steps[-1].cut]))
+                finals = self._batch_obs([o for g in cut for o in g.cut_obs],
+                                         [g.envs[j] for g in cut for j in g.steps[-1].cut])
+                values = self.generation.value(finals)
                 for g, rows in zip(cut, self._rows([len(g.cut_obs) for g in cut])):
-                    g.set_cutoff_values(values[rows])
+                    g.set_cutoff_values(values[rows], {k: v[rows] for k, v in finals.items()})
             held = serving.held
             if held:  # a segment's bootstrap value, by the weights that acted, without sampling
                 envs = [i for g in held for i in g.envs]
-                values = self.generation.value(self._batch_obs([self.pool.workers[i].obs for i in envs], envs))
+                obs = self._batch_obs([self.pool.workers[i].obs for i in envs], envs)
+                values = self.generation.value(obs)
                 for g, rows in zip(held, self._rows([len(g.envs) for g in held])):
-                    self._finish_segment(g, values[rows])
+                    self._finish_segment(g, values[rows], {k: v[rows] for k, v in obs.items()})
             starting = serving.starting
             if starting:
                 envs = [i for g in starting for i in g.envs]
@@ -461,7 +468,7 @@ class PipelineScheduler:
                 chunk = out.chunk.float()
                 for g, rows in zip(starting, self._rows([len(g.envs) for g in starting])):
                     if g in serving.ending:  # its segment's bootstrap value: from this sample's prefix
-                        self._finish_segment(g, out.value[rows])
+                        self._finish_segment(g, out.value[rows], {k: v[rows] for k, v in obs.items()})
                     self.loop.started(g, ChunkStep(
                         obs={k: v[rows] for k, v in obs.items()}, chunk=out.chunk[rows],
                         extras={k: v[rows] for k, v in out.extras.items()},
@@ -481,9 +488,10 @@ class PipelineScheduler:
         ends = np.cumsum([0, *sizes])
         return [slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
 
-    def _finish_segment(self, group: Group, last_value: torch.Tensor) -> None:
-        """The group collected its chunks of one iteration; once every group did, ship that iteration."""
-        shipment = self.loop.finish_segment(group, last_value)
+    def _finish_segment(self, group: Group, last_value: torch.Tensor, last_obs: dict[str, torch.Tensor]) -> None:
+        """The group collected its chunks of one iteration; once every group did, ship that iteration (with the
+        observations of its bootstrap values: a decoupled update values them with its own critic)."""
+        shipment = self.loop.finish_segment(group, last_value, last_obs)
         if shipment is None:
             return
         iteration = shipment.iteration
@@ -493,36 +501,19 @@ class PipelineScheduler:
         decoupled = self.schedule.overlap and self.schedule.decoupled
         k = self.base_version + iteration + 1  # the run's count after this update
         gather = k % self.checkpoint_every == 0 or k == self.base_version + self.iterations
-        self.trainer.train(iteration, shipment.batch, decoupled=decoupled, is_clip=self.schedule.is_clip,
-                           gather=gather)
+        self.trainer.process.train(iteration, shipment.batch, decoupled=decoupled, is_clip=self.schedule.is_clip,
+                                   gather=gather)
 
     def _hand_over(self) -> None:
-        """The trainer's state after every update sent to it goes to the ready successor, which trains from now on
-        (the dispatcher waits on its pipes from its next round). The old one stops first, so its GPU memory is free
-        before the successor allocates (the successor built nothing until then); with the weights' slots on the GPU,
-        generation lets go of the old trainer's slots before it goes and keeps its weights until the successor's."""
-        successor, self._successor = self._successor, None
-        model, optimizer = self.training_state()  # the results of those updates are handled meanwhile
-        if self.trainer.channel.cuda:
-            self.trainer.channel.withdraw()
-            self.generation.release()
-        old, self.trainer = self.trainer, successor
-        self.dispatcher.swap_trainer(successor)
-        old.stop()
-        successor.load(model, optimizer)
-        self._retired.append(old)
-        if self.on_trainer_switch is not None:
-            self.on_trainer_switch(int(old.process.pid), int(successor.process.pid))
+        """The ready successor trains from the next update on, with the trainer's state after every update sent to
+        it (their results are handled meanwhile); the dispatcher waits on its pipes from its next round."""
+        model, optimizer = self.training_state()
+        self.trainer.switch(model, optimizer, release=self.generation.release, swap=self.dispatcher.swap_trainer)
 
     def _trainer_message(self, message: Trained | State) -> None:
-        if isinstance(message, State):
-            if message.gathered_after is None:
-                self._state = (message.model, message.optimizer)
-            else:
-                self._gathered[message.gathered_after] = (message.model, message.optimizer)
+        message = self.trainer.take(message)
+        if message is None:  # a state, kept
             return
-        if not isinstance(message, Trained):
-            raise TrainerError(f"unexpected message {type(message).__name__} from the trainer process")
         iteration = message.iteration
         self.trace.add("train", "update", message.start, message.published, iteration=iteration)
         self.trace.add("train", "publish", message.published, message.end, iteration=iteration,

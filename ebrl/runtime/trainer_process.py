@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -173,3 +173,84 @@ class TrainerProcess(PipedProcess):
         """Ask for the model and optimizer state after every update sent so far; it comes back as a `State` (with
         gathered_after None) in the results."""
         self.send(StateRequest())
+
+
+class TrainerStage:
+    """The trainer of a pipelined run: its process (`process`), a successor started under a new share (an MPS share
+    is fixed for a process's life) that takes over between two updates, and the states the trainer sends back: a
+    checkpoint's, right after the update it is due at (`gathered`), and one asked for (`state`)."""
+
+    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, resume: str | None = None) -> None:
+        self.conf, self.spec, self.threads, self.device, self.cpus = conf, spec, threads, device, list(cpus)
+        self.process = TrainerProcess(conf, spec, channel, self.cpus, threads, device, resume)
+        self.successor: TrainerProcess | None = None  # started to take over (`respawn`)
+        self.retired: list[TrainerProcess] = []  # stopped predecessors, their pipes closed at `close`
+        self.on_switch: Callable[[int, int], None] | None = None  # (old pid, new pid), after a handover
+        self.state: tuple[dict, dict] | None = None  # the answer to a state request
+        self.gathered: dict[int, tuple[dict, dict]] = {}  # this run's update index -> the state right after it
+
+    @property
+    def channel(self) -> WeightChannel:
+        return self.process.channel
+
+    def take(self, message: Trained | State) -> Trained | None:
+        """A message of the trainer: a state is kept (None is returned), an update's result returned."""
+        if isinstance(message, State):
+            if message.gathered_after is None:
+                self.state = (message.model, message.optimizer)
+            else:
+                self.gathered[message.gathered_after] = (message.model, message.optimizer)
+            return None
+        if not isinstance(message, Trained):
+            raise TrainerError(f"unexpected message {type(message).__name__} from the trainer process")
+        return message
+
+    def take_gathered(self, k: int) -> tuple[dict, dict] | None:
+        """The state gathered after update `k`, once it came (older ones, gathered while updates had NaN and no
+        checkpoint was written, are dropped)."""
+        if k not in self.gathered:
+            return None
+        for old in [i for i in self.gathered if i < k]:
+            del self.gathered[old]
+        return self.gathered.pop(k)
+
+    def respawn(self, cpus: Sequence[int] | None = None) -> None:
+        """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
+        on `cpus` if given; a successor still starting is replaced."""
+        if self.successor is not None:
+            self.successor.close()
+        if cpus is not None:
+            self.cpus = list(cpus)
+        self.successor = TrainerProcess(self.conf, self.spec, self.channel, self.cpus, self.threads, self.device,
+                                        successor=True, wait=False)
+
+    def successor_ready(self, timeout: float = 0.0) -> bool:
+        """A started successor said it is ready (waiting up to `timeout`)."""
+        if self.successor is None or (timeout == 0 and not self.successor.results.poll(0)):
+            return False
+        self.successor.expect(Ready, timeout)
+        return True
+
+    def switch(self, model: dict[str, torch.Tensor], optimizer: dict, release: Callable[[], None],
+               swap: Callable[[TrainerProcess], None]) -> None:
+        """The ready successor trains from now on, from this state (the trainer's after every update sent to it).
+        The old one stops first, so its GPU memory is free before the successor allocates (it built nothing yet);
+        with the weights' slots on the GPU, generation lets go of the old trainer's slots first (`release`).
+        `swap` points the caller's waiting at the successor's pipes."""
+        successor, self.successor = self.successor, None
+        if self.channel.cuda:
+            self.channel.withdraw()
+            release()
+        old, self.process = self.process, successor
+        swap(successor)
+        old.stop()
+        successor.load(model, optimizer)
+        self.retired.append(old)
+        if self.on_switch is not None:
+            self.on_switch(old.pid, successor.pid)
+
+    def close(self) -> None:
+        for trainer in (self.successor, *self.retired, self.process):
+            if trainer is not None:
+                trainer.close()

@@ -8,6 +8,7 @@ from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer, compute_gae, ppo_loss
 from tests.conftest import compose_config
 from tests.policies.test_precision import policy_config
+from ebrl.rl.rollout import ChunkStep, stack_steps
 from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout, policy_of
 
 
@@ -154,3 +155,49 @@ def test_rows_that_executed_nothing_do_not_move_the_advantage_normalisation():
         PPOTrainer(policy, compose_config("algo.minibatches=1", "algo.epochs=1").algo).update(batch)
         results.append([p.detach().clone() for p in policy.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def rollout_with_bootstraps(policy, recorded: float):
+    """Two chunk steps of 4 envs that never end, except env 1's episode, cut off at its step limit in the first;
+    `recorded` stands for the bootstrap values generation recorded (by other weights than the trainer's)."""
+    gen = torch.Generator().manual_seed(2)
+    n, spec = 4, policy.env_spec
+    tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
+
+    def obs():
+        return {"state": torch.randn(n, spec.obs["state"].shape[0], generator=gen), "tokens": tokens,
+                "token_mask": token_mask}
+
+    torch.manual_seed(3)
+    steps = []
+    for t in range(2):
+        o = obs()
+        out = policy.sample(o)
+        step = ChunkStep(obs=o, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
+                         reward=torch.rand(n, generator=gen), done=torch.tensor([False, t == 0, False, False]),
+                         mask=torch.ones(n, policy.chunk_len, dtype=torch.bool), cutoff_value=torch.zeros(n))
+        if t == 0:
+            step.cut, step.cutoff_obs = [1], {k: v[[1]] for k, v in obs().items()}
+            step.cutoff_value[1] = recorded
+        steps.append(step)
+    return stack_steps(steps, torch.full((n,), recorded), last_obs=obs())
+
+
+def test_decoupled_update_takes_the_bootstrap_values_from_the_current_critic_too():
+    # GAE mixes no critics: the values after the last chunk and where an episode was cut off come from the critic
+    # that values the chunk steps, not from what generation recorded
+    algo = compose_config("algo=ppo", "algo.epochs=1", "algo.minibatches=2").algo
+    policy = policy_of("openpi")
+    batch = rollout_with_bootstraps(policy, recorded=0.0)
+    assert batch.cutoff_at.tolist() == [[0, 1]] and batch.bootstrap_obs()["state"].shape[0] == 4 + 1
+    values = PPOTrainer(policy, algo).values(batch.bootstrap_obs())
+    fixed = batch.with_bootstrap_values(values)
+    assert torch.equal(fixed.last_value, values[:4]) and fixed.cutoff_value[0, 1] == values[4]
+    assert fixed.cutoff_value[0, [0, 2, 3]].eq(0).all() and fixed.cutoff_value[1].eq(0).all()
+    returns = [PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded),
+                                                            decoupled=True)["train/return_mean"]
+               for recorded in (0.0, 100.0)]
+    assert returns[0] == pytest.approx(returns[1])
+    plain = [PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded))
+             ["train/return_mean"] for recorded in (0.0, 100.0)]
+    assert plain[1] > plain[0] + 10  # synchronous: generation's weights are the trainer's, and its values count

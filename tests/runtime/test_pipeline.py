@@ -236,6 +236,8 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
     other, metrics = run(tmp_path, f"scheduler={mode}")
     assert other.scheduler.last_shapes == exp.scheduler.last_shapes
     assert len(metrics) == 3 and all(math.isfinite(m["losses/policy"]) for m in metrics)
+    if mode == "hybrid":  # no overlap: training runs alone after the rollout, on every core, with no plan to split
+        assert other.allocator is None and other.scheduler.trainer.threads == len(other.cores)
 
 
 def test_simulators_yield_shared_cores_to_generation_and_training(tmp_path):

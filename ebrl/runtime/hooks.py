@@ -1,0 +1,154 @@
+"""What runs after each iteration of `Experiment.train`, one small object per concern, called in order on the
+iteration's `Finished` record (docs/design.md, "A run"):
+
+1. `Replan`: the allocator reads the iteration's measurements and may apply a new plan before the next one;
+2. `RankMetrics`: with several ranks, the run's figures from every rank's (gathered to rank 0, combined);
+3. `Experiment._record`: the run's env steps counted, the metrics logged;
+4. `Measure`: the summary's totals over the iterations after warm-up;
+5. `Progress`: the progress bar;
+6. `NanGuard`: updates with NaN/inf gradients in a row; too many stop the run;
+7. `Checkpoints`: a checkpoint when one is due and the updates are finite.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ebrl.alloc.allocator import Allocator
+from ebrl.node import Ranks
+from ebrl.runtime.distributed import combine, gather_metrics
+from ebrl.runtime.errors import RunStopped
+from ebrl.telemetry.report import ProgressBar, console
+
+
+@dataclass
+class Finished:
+    """One finished iteration: `metrics` are this rank's figures, `run` the run's (every rank's combined, once
+    `RankMetrics` ran; this rank's with one rank)."""
+
+    number: int  # the run's iteration count after it
+    started: float  # perf_counter() at its start
+    metrics: dict[str, Any]
+    run: dict[str, Any] = field(default_factory=dict)
+
+
+Hook = Callable[[Finished], None]
+
+
+class Replan:
+    """The allocator observes each iteration; a new plan is applied (`apply`) before the next one runs."""
+
+    def __init__(self, allocator: Allocator, apply: Callable[[], None]) -> None:
+        self.allocator, self.apply = allocator, apply
+
+    def __call__(self, it: Finished) -> None:
+        decision, alloc_metrics = self.allocator.observe(it.metrics)  # each rank plans its own node's share
+        it.metrics.update(alloc_metrics)
+        if decision is not None:
+            self.apply()
+            it.metrics["alloc/decision"] = decision
+            console.print(decision, soft_wrap=True)
+
+
+class RankMetrics:
+    """The run's figures: with several ranks, every rank's gathered and combined, and the run's rate taken over
+    the time between two gathers (a rank that waited there for the others may find its next update already done
+    and measure an iteration of almost no time)."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.last_gather: float | None = None
+
+    def __call__(self, it: Finished) -> None:
+        if not self.ranks.distributed:
+            it.run = it.metrics
+            return
+        it.run = combine(gather_metrics(it.metrics, self.ranks))
+        now = time.perf_counter()
+        span, self.last_gather = now - (self.last_gather or it.started), now
+        it.run["time/iteration_s"] = span
+        it.run["perf/env_steps_per_s"] = it.run["perf/iteration_env_steps"] / span
+
+
+class Measure:
+    """The summary's totals: env steps, wall time, CPU busy and each stage's busy share over the iterations after
+    the first (it warms up: process start, caches), and the success of the last iteration that finished episodes."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self.steps, self.wall = 0, 0.0
+        self.busy: list[float] = []
+        self.stage_busy: dict[str, list[float]] = {}
+        self.success_rate, self.mean_return = float("nan"), float("nan")
+
+    def __call__(self, it: Finished) -> None:
+        m = it.run
+        if it.number > 1 or self.iterations == 1:
+            self.steps += int(m["perf/iteration_env_steps"])
+            self.wall += m["time/iteration_s"]
+            self.busy.append(m["perf/cpu_busy"])
+            for key, value in m.items():
+                if key.startswith(("perf/busy_", "perf/cpu_share_")):
+                    self.stage_busy.setdefault(key[5:], []).append(value)
+        if "env/success_rate" in m:
+            self.success_rate, self.mean_return = m["env/success_rate"], m["env/return"]
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall if self.wall else 0.0
+
+    @property
+    def cpu_busy(self) -> float:
+        return float(np.mean(self.busy)) if self.busy else float("nan")
+
+    def stage_means(self) -> dict[str, float]:
+        return {key: float(np.mean(values)) for key, values in self.stage_busy.items()}
+
+
+class Progress:
+    def __init__(self, bar: ProgressBar) -> None:
+        self.bar = bar
+
+    def __call__(self, it: Finished) -> None:
+        self.bar.update(it.run)
+
+
+class NanGuard:
+    """Updates with NaN/inf gradients (their steps were skipped): while they go on no checkpoint is written
+    (`streak`), and after `limit` in a row the run stops."""
+
+    def __init__(self, limit: int, last_checkpoint: Path, lr: float) -> None:
+        self.limit, self.last_checkpoint, self.lr = limit, last_checkpoint, lr
+        self.streak = 0
+
+    def __call__(self, it: Finished) -> None:
+        self.streak = self.streak + 1 if it.run.get("train/nonfinite_steps", 0) > 0 else 0
+        if self.streak >= self.limit:
+            first = it.number - self.limit + 1
+            kept = ("checkpoints/last.pt is from before them" if self.last_checkpoint.exists() else
+                    "no checkpoint was written before them")
+            raise RunStopped(f"{self.limit} updates in a row had NaN/inf gradients (iterations {first}-{it.number}, "
+                             f"algo.max_nonfinite_updates={self.limit}; their steps were skipped); {kept}; try a "
+                             f"lower algo.lr than {self.lr:g}")
+
+
+class Checkpoints:
+    """checkpoints/last.pt every `every` iterations and after the last, unless the updates are not finite; rank 0
+    writes it (`save`), the other ranks take the state their trainer sent anyway and drop it (`skip`)."""
+
+    def __init__(self, every: int, iterations: int, guard: NanGuard, leader: bool, save: Callable[[], Any],
+                 skip: Callable[[int], Any]) -> None:
+        self.every, self.iterations, self.guard, self.leader, self.save, self.skip = (every, iterations, guard,
+                                                                                      leader, save, skip)
+
+    def __call__(self, it: Finished) -> None:
+        due = it.number % self.every == 0 or it.number == self.iterations
+        if due and not self.guard.streak:
+            if self.leader:  # the replicas hold the same weights: rank 0 writes them
+                self.save()
+            else:
+                self.skip(it.number)
