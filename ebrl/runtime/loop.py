@@ -1,5 +1,5 @@
 """The pipelined rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/design.md,
-"The loop").
+"The pipelined loop").
 
 The envs are split into groups. A group collects one segment (an iteration's `chunks` chunk steps per env) at a
 time; each chunk step ends when every env of the group reported its chunk, and the group then queues for
