@@ -19,8 +19,8 @@ from ebrl.alloc.allocator import Allocator, describe
 from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
 from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
 from ebrl.envs.base import one_line
-from ebrl.node import Ranks
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
+from ebrl.node import Ranks
 from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.recipes import recipe_line
 from ebrl.rl.grpo import group_seeds
