@@ -18,6 +18,8 @@ from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
 from ebrl.recipes import resolve_recipe
 
 GENERATION_PLACES = ("supervisor", "process")
+TRAINER_PLACES = ("process", "local")
+CORE_ORDERS = ("readiness", "longest")
 
 
 class ConfigError(BadInput, ValueError):
@@ -186,10 +188,16 @@ class HwConfig:
 class SchedulerConfig:
     name: str = MISSING
     torch_threads: Optional[int] = None  # threads for generation (and colocated training); null: hw cores
-    # The pipelined modes (ebrl, async, hybrid, disaggregated) are these switches; see ebrl/runtime/pipeline.py
+    # Every schedule is these switches of one runtime; see ebrl/runtime/schedule.py
     overlap: bool = False  # train on iteration i-1 while rollout i collects
     groups: int = 1  # env groups; generation serves whichever is ready while others simulate
-    core_rebinding: bool = False  # an env runs only while it holds a sim core; freed cores go to the slowest ready env
+    core_rebinding: bool = False  # an env runs only while it holds a sim core, handed out by core_order
+    # which ready env a freed sim core goes to: readiness (the group closest to its chunk boundary first, then the
+    # longest estimated step within it) | longest (the longest estimated step of any group)
+    core_order: str = "readiness"
+    # where the trainer runs: process (its own; a new MPS share is a successor process) | local (the supervisor, on
+    # the policy generation samples with, between two rollouts: colocated)
+    trainer: str = "process"
     # with overlap: iterations the rollout may run ahead of the last finished update, so its chunks are at most this
     # many weight versions old (1: rollout i collects while update i-1 trains)
     max_ahead: int = 1
@@ -484,10 +492,10 @@ def _check_launch(cfg: DictConfig) -> int:
         if ranks.nodes != hw.nodes or (hw.gpus and ranks.local_world != hw.gpus):
             raise ConfigError(f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
                               f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}")
-        if cfg.distributed.strategy == "fsdp" and cfg.scheduler.name == "colocated":
-            raise ConfigError("distributed.strategy=fsdp shards the trainer process's weights and scheduler=colocated "
-                              "trains in the process that generates; use scheduler=ebrl (or async, hybrid, "
-                              "disaggregated) or distributed.strategy=ddp")
+        if cfg.distributed.strategy == "fsdp" and cfg.scheduler.trainer == "local":
+            raise ConfigError(f"distributed.strategy=fsdp shards the trainer process's weights and scheduler={cfg.scheduler.name} "
+                              "trains in the process that generates (scheduler.trainer=local); use scheduler=ebrl (or "
+                              "async, hybrid, disaggregated) or distributed.strategy=ddp")
         if cfg_get(cfg, "mode", "train") == "eval":
             raise ConfigError("mode=eval runs as one process: python run.py mode=eval checkpoint=<run folder> ...")
         if cfg.device == "cuda" and not hw.gpus:
@@ -585,7 +593,7 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
         raise ConfigError("hw.sm_partition=green splits SMs between the streams of one process, and a run generates "
                           "and trains in two (colocated: one after the other), which without MPS take turns on the "
                           "GPU; use hw.sm_partition=mps (or none)")
-    if a.name == "elastic" and cfg.scheduler.name == "colocated":
+    if a.name == "elastic" and cfg.scheduler.trainer == "local":
         raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
                           "runs every stage in one; use scheduler=ebrl (or async)")
     if a.name == "elastic" and cfg.scheduler.train_share is not None:
@@ -613,20 +621,38 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
             raise ConfigError(f"allocator.{stage}={amount:g} must be in (0, {top:g}] ({unit} on hw={hw.name})")
 
 
+def _check_local_trainer(cfg: DictConfig) -> None:
+    """scheduler.trainer=local trains in the supervisor between two rollouts, on the policy it generates with."""
+    s = cfg.scheduler
+    for key, value, why in (("overlap", s.overlap, "overlaps training with the rollout, which needs a trainer of its "
+                             "own"), ("train_share", s.train_share, "gives training cores of its own"),
+                            ("generation", s.generation if s.generation == "process" else None,
+                             "generates in a process of its own, and a local trainer trains the supervisor's policy")):
+        if value:
+            raise ConfigError(f"scheduler.trainer=local trains in the supervisor between two rollouts and "
+                              f"scheduler.{key}={value} {why}; use scheduler.trainer=process (or scheduler=ebrl)")
+
+
 def train_core_count(share: float, cores: int) -> int:
     """Cores a schedule with `scheduler.train_share` gives training alone (the rest roll out)."""
     return round(share * cores)
 
 
 def _check_schedule(cfg: DictConfig, cores: int) -> None:
-    """The pipelined modes' switches against the envs, the cores and the GPUs hw gives."""
+    """The schedule's switches against each other, the envs, the cores and the GPUs hw gives."""
     s, name = cfg.scheduler, cfg.scheduler.name
-    if name == "colocated":
-        return
-    if cfg.algo.name != "ppo":
-        raise ConfigError(f"scheduler={name} trains with algo=ppo only; algo={cfg.algo.name} runs with scheduler=colocated")
+    _one_of(cfg, "scheduler.trainer", TRAINER_PLACES)
+    _one_of(cfg, "scheduler.core_order", CORE_ORDERS)
     if not 1 <= s.groups <= cfg.env.num_envs:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
+    if cfg.algo.name == "grpo" and s.groups > cfg.env.num_envs // cfg.algo.group_size:
+        units = cfg.env.num_envs // cfg.algo.group_size
+        raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and {units} with algo=grpo: a group of "
+                          f"the schedule holds whole GRPO groups (env.num_envs={cfg.env.num_envs} / "
+                          f"algo.group_size={cfg.algo.group_size})")
+    if s.trainer == "local":
+        _check_local_trainer(cfg)
+        return
     if s.max_ahead < 1:
         raise ConfigError(f"scheduler.max_ahead={s.max_ahead} must be >= 1 (iterations the rollout may run ahead of "
                           "training; scheduler.overlap=false runs none ahead)")

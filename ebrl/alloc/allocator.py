@@ -3,8 +3,7 @@
 The stages' amounts become leases here (`cpu_sets`): on CPU, simulate gets the first ceil(x_sim) cores, train the
 last ones and generate those before train's (a fractional amount shares its core; the simulators run niced, so
 the policy's stages get a shared core first). On a GPU node simulate gets cores, and generate and train SM shares
-of the GPU and cores of their own for their CPU side. The run's ResourcePool applies the leases
-(ebrl.runtime.experiment), the scheduler the simulators' cores (`PipelineScheduler.simulate_on`).
+of the GPU and cores of their own for their CPU side. The run's placement (ebrl/runtime/placement.py) applies them.
 
 A stage's measured rate is the env steps/s it would sustain alone on its amount. On CPU it comes from CPU time:
 cost = CPU-seconds the stage's processes used per env step, rate = amount / cost (so a stage that waits, e.g.
@@ -27,8 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
 # first-call allocations; README, "Measured choices")
 CALIBRATE_AT = 2
-# which process's CPU time is which stage's (ProcessCpu groups; the main process also orchestrates)
-CPU_GROUP = {"simulate": "simulate", "generate": "main", "train": "trainer"}
 
 
 def profile_key(cfg: Any) -> dict[str, Any]:
@@ -104,36 +101,37 @@ def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
 
 def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[str, float],
                 busy: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
-    """Each stage's measured rate at its amount x (see the module docstring). cpu_share: ProcessCpu's shares
-    (CPU-seconds / (cores x wall)) of the simulate, main and trainer groups; busy: the trace's busy fractions."""
+    """Each stage's measured rate at its amount x (see the module docstring). cpu_share: each stage's processes'
+    CPU-seconds / (cores x wall); busy: the trace's busy fractions."""
     rates = {}
     for stage in STAGES:
         if gpu and stage != "simulate":
             fraction = busy.get(stage, 0.0)
             rates[stage] = steps_per_s / fraction if fraction > 0 else math.inf
             continue
-        cost = cpu_share.get(CPU_GROUP[stage], 0.0) * cores / steps_per_s if steps_per_s > 0 else 0.0
+        cost = cpu_share.get(stage, 0.0) * cores / steps_per_s if steps_per_s > 0 else 0.0
         rates[stage] = x[stage] / cost if cost > 0 else math.inf
     return rates
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measured:
-    """The figures a stage's rate is read from: env steps/s, and the CPU shares and busy fractions per stage."""
+    """What one iteration (or a run, `mean`) measured, per stage: env steps/s end to end, the CPU share of the
+    stage's processes (CPU-seconds / (cores x wall)), and the share of the wall time the stage was busy (the trace's;
+    simulate: per simulation core)."""
 
     steps_per_s: float
     cpu_share: dict[str, float]
     busy: dict[str, float]
 
     @classmethod
-    def from_figures(cls, steps_per_s: float, figures: Mapping[str, float], prefix: str = "") -> "Measured":
-        """From `<prefix>cpu_share_<group>` and `<prefix>busy_<stage>` keys: an iteration's metrics (prefix
-        "perf/") or a RunSummary's busy dict (no prefix)."""
-        def strip(kind: str) -> dict[str, float]:
-            head = prefix + kind
-            return {k[len(head):]: v for k, v in figures.items() if k.startswith(head)}
+    def mean(cls, parts: Sequence["Measured"], steps_per_s: float) -> "Measured":
+        """The parts' shares averaged, at the run's rate."""
+        def avg(get: Any) -> dict[str, float]:
+            keys = {k for p in parts for k in get(p)}
+            return {k: sum(get(p).get(k, 0.0) for p in parts) / len(parts) for k in keys} if parts else {}
 
-        return cls(steps_per_s, strip("cpu_share_"), strip("busy_"))
+        return cls(steps_per_s, avg(lambda p: p.cpu_share), avg(lambda p: p.busy))
 
     def rates(self, x: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
         return stage_rates(x, self.steps_per_s, self.cpu_share, self.busy, cores, gpu)
@@ -185,9 +183,8 @@ class Allocator:
             return None
         return cpu_sets(self.current.x, self.cores, self.gpu, self.totals.gpu_stage_cores)
 
-    def observe(self, metrics: Mapping[str, float]) -> tuple[str | None, dict[str, float]]:
-        """Read one iteration's metrics; returns a line to print when the plan changed, and `alloc/` metrics."""
-        m = Measured.from_figures(metrics["perf/env_steps_per_s"], metrics, prefix="perf/")
+    def observe(self, m: Measured) -> tuple[str | None, dict[str, float]]:
+        """Read one iteration's measurements; returns a line to print when the plan changed, and `alloc/` metrics."""
         self.observations += 1
         line = None
         if self.current is None:  # calibrating: every stage ran on every core, and on a GPU node on the whole GPU

@@ -668,30 +668,38 @@ class SimWorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def reset_all(self, seeds: Sequence[int] | None = None) -> None:
-        """Start a new episode in every env (in parallel); env i from `seeds[i]` if given, else from its
-        own next seed. Equal seeds give equal initial states (GRPO's groups)."""
-        if seeds is not None and len(seeds) != len(self.workers):
-            raise ValueError(f"{len(seeds)} reset seeds for {len(self.workers)} envs")
+    def reset_all(self, seeds: Sequence[int] | None = None) -> int:
+        """Start a new episode in every env (see `reset`)."""
+        return self.reset(range(len(self.workers)), seeds)
+
+    def reset(self, envs: Sequence[int], seeds: Sequence[int] | None = None) -> int:
+        """Start a new episode in these envs, in parallel; env envs[k] from `seeds[k]` if given, else from its own
+        next seed. Equal seeds give equal initial states (GRPO's groups). Returns how many simulators failed in the
+        reset and were replaced (then reset as asked); in the very first episodes a failure is bad input."""
+        envs = list(envs)
+        if seeds is not None and len(seeds) != len(envs):
+            raise ValueError(f"{len(seeds)} reset seeds for {len(envs)} envs")
+        seed_of = {i: None if seeds is None else int(s) for i, s in zip(envs, seeds or [None] * len(envs))}
         failed: dict[int, str] = {}
-        for i, worker in enumerate(self.workers):
+        for i in envs:
             try:
-                worker.send_reset(None if seeds is None else int(seeds[i]))
+                self.workers[i].send_reset(seed_of[i])
             except EnvSetupError as e:  # it died since its last chunk
                 failed[i] = str(e)
-        for i, worker in enumerate(self.workers):
+        for i in envs:
             if i not in failed:
                 try:
-                    worker._receive("ok")
+                    self.workers[i]._receive("ok")
                 except EnvSetupError as e:  # died, or its adapter raised, inside the reset
                     failed[i] = str(e)
         if failed and not self.started_episodes:  # the very first episodes: the env cannot run at all
             raise EnvSetupError(next(iter(failed.values())))
         for i, why in failed.items():  # a simulator failure, as inside a chunk: replaced, then reset as asked
             self.replace(i, f"{why} (in a reset)")
-            if seeds is not None:
-                self.workers[i].reset(int(seeds[i]))
+            if seed_of[i] is not None:
+                self.workers[i].reset(seed_of[i])
         self.started_episodes = True
+        return len(failed)
 
     def submit_all(self, n_steps: int | Sequence[int], actions: np.ndarray | None = None) -> None:
         """Start a chunk everywhere: n_steps for every env, or n_steps[i] for env i (0: not stepped);

@@ -237,13 +237,35 @@ def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     )
 
 
+def pad_steps(batch: RolloutBatch, steps: int) -> RolloutBatch:
+    """The batch with chunk steps appended up to `steps` (T), copies of its last one that executed nothing: no
+    reward, no done, every action masked out. Episodic groups (GRPO) end after different numbers of chunk steps and
+    are put side by side."""
+    extra = steps - batch.reward.shape[0]
+    if extra <= 0:
+        return batch
+
+    def pad(x: torch.Tensor, fill: float | bool | None = None) -> torch.Tensor:
+        tail = x[-1:].expand(extra, *x.shape[1:]).clone()
+        if fill is not None:
+            tail.fill_(fill)
+        return torch.cat([x, tail])
+
+    return dataclasses.replace(
+        batch, obs={k: pad(v) for k, v in batch.obs.items()}, chunk=pad(batch.chunk),
+        extras={k: pad(v) for k, v in batch.extras.items()}, log_prob=pad(batch.log_prob), value=pad(batch.value),
+        reward=pad(batch.reward, 0.0), done=pad(batch.done, False), mask=pad(batch.mask, False),
+        cutoff_value=pad(batch.cutoff_value, 0.0), version=None if batch.version is None else pad(batch.version))
+
+
 def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:
     """Mask out (in place) the chunk steps made more than `max_staleness` versions before `train_version`.
 
-    Returns (dropped chunk steps, mean staleness). The steps stay in the batch for GAE (their rewards
-    and recorded values still chain the episode) but carry no policy loss.
+    Returns (dropped chunk steps, the mean staleness), both over the chunk steps that executed an action. The steps stay
+    in the batch for GAE (their rewards and recorded values still chain the episode) but carry no policy loss.
     """
     staleness = train_version - batch.version
-    stale = staleness > max_staleness
+    live = batch.mask.any(-1)
+    stale = (staleness > max_staleness) & live
     batch.mask[stale] = False
-    return int(stale.sum()), float(staleness.float().mean())
+    return int(stale.sum()), float(staleness[live].float().mean()) if bool(live.any()) else 0.0

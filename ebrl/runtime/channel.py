@@ -194,3 +194,30 @@ class WeightChannel:
     def state(self) -> dict[str, torch.Tensor]:
         """The newest weights as a state dict (copies, on the host): tests and checks."""
         return {k: v.detach().cpu().clone() for k, v in views(self._slot(self.version % 2), self.entries).items()}
+
+
+class SharedWeights:
+    """The weights when the trainer and generation are one policy in one process (colocated: the stages take turns,
+    so one copy serves both): nothing is copied, and each update is the next version at once. The part of the
+    `WeightChannel` interface that generation and the trainer use."""
+
+    cuda = False
+
+    def __init__(self) -> None:
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def publish(self) -> int:
+        """The policy was updated in place: count it."""
+        self._version += 1
+        return self._version
+
+    def pull(self, module: torch.nn.Module, have: int) -> int:
+        """The version `module` (the trainer's own policy) holds: the newest."""
+        return self._version
+
+    def release(self) -> None:
+        pass

@@ -1,10 +1,8 @@
-"""The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints."""
+"""The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints (docs/design.md,
+"A run")."""
 from __future__ import annotations
 
-import functools
 import json
-import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -15,27 +13,21 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.alloc.allocator import Allocator, describe
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
-from ebrl.config import ConfigError, generation_place, rank_cores, sm_partition, validate
+from ebrl.alloc.allocator import Measured
+from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
 from ebrl.node import Ranks
 from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.recipes import recipe_line
-from ebrl.rl.grpo import group_seeds
-from ebrl.rl.rollout import RolloutBatch, RolloutStats
-from ebrl.rl.trainers import make_trainer
 from ebrl.runtime.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
-    detached_copy,
     load_policy_checkpoint,
     model_entries,
     policy_identity,
     restore_weights,
 )
-from ebrl.runtime.colocated import ColocatedScheduler
 from ebrl.runtime.distributed import (
     DistributedError,
     broadcast_module,
@@ -43,25 +35,17 @@ from ebrl.runtime.distributed import (
     close_group,
     init_supervisors,
     pin_gpu,
-    weights_sum,
 )
 from ebrl.runtime.errors import remove_if_only_hydra_files
 from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan
-from ebrl.runtime.pipeline import PipelineScheduler
-from ebrl.runtime.resources import (
-    Lease,
-    MpsDaemons,
-    ResourceError,
-    ResourcePool,
-    apply_memory_budget,
-    visible_gpu,
-)
-from ebrl.runtime.trainer_process import TrainerError
+from ebrl.runtime.placement import Placement
+from ebrl.runtime.schedule import Scheduler
+from ebrl.runtime.trainer import TrainerError
 from ebrl.telemetry.metrics import MetricsLog
-from ebrl.telemetry.monitor import CpuSampler, GpuMonitor, gpu_free_bytes
+from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
 from ebrl.telemetry.plots import write_plots
 from ebrl.telemetry.report import ProgressBar, console, print_summary
-from ebrl.telemetry.timers import CpuMonitor, ProcessCpu, StageTimers
+from ebrl.telemetry.timers import CpuMonitor, ProcessCpu
 
 STAGES = ("simulate", "generate", "train")
 
@@ -80,18 +64,11 @@ class RunSummary:
     # after warm-up: busy_<stage> (trace: share of the wall time a stage was running; simulate: per sim core)
     # and cpu_share_<processes> (their CPU seconds / (cores x wall))
     busy: dict[str, float] = field(default_factory=dict)
+    measured: Measured | None = None  # the same per stage, as the allocator and a sweep trial read them
 
-
-def generation_threads(cfg: DictConfig, cores: int, device: torch.device) -> int:
-    """Torch threads of this process (generation; colocated: training too), unless scheduler.torch_threads says.
-
-    Colocated runs each stage alone, so it may use every core. A pipelined schedule on CPU runs generation
-    beside the simulators and the trainer: OpenMP threads of a stage that shares its cores wait for each
-    other (spinning) whenever one is preempted, so it takes one (README, "Measured choices").
-    """
-    if cfg.scheduler.torch_threads:
-        return cfg.scheduler.torch_threads
-    return cores if cfg.scheduler.name == "colocated" or device.type == "cuda" else 1
+    def figures(self) -> dict[str, Any]:
+        """What summary.json and W&B's summary hold."""
+        return {k: v for k, v in self.__dict__.items() if k != "measured"}
 
 
 def seed_everything(seed: int) -> None:
@@ -108,12 +85,8 @@ def run_device(cfg: DictConfig) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
-def _share(lease: Lease) -> str:
-    return "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
-
-
 class Experiment:
-    """One training run: simulator workers, policy, trainer (PPO or GRPO) and the colocated schedule."""
+    """One training run: simulator workers, the policy, the placement of the stages and the schedule's runtime."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
@@ -123,22 +96,14 @@ class Experiment:
         # rank 0 writes the run's metrics, summary, checkpoints and W&B run; rank r its own metrics and trace in rank<r>
         self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
         self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
-        self._updating = False  # colocated: inside trainer.update (no checkpoint from there)
-        # FSDP: gathering the training state needs every rank's trainer (no checkpoint on the way out)
-        self.sharded = self.ranks.distributed and cfg.distributed.strategy == "fsdp"
         self.iteration = 0
         self.env_steps = 0
-        self.timers = StageTimers()
         self.pool: SimWorkerPool | None = None
+        self.placement: Placement | None = None
+        self.scheduler: Scheduler | None = None
         self.log: MetricsLog | None = None
         self._resume_ckpt: dict[str, Any] | None = None
-        self.allocator: Allocator | None = None  # pipelined schedules: plans the stages' cores (ebrl/alloc)
-        self.resources: ResourcePool | None = None  # and the leases that apply the plan
-        self.mps: MpsDaemons | None = None  # hw.mps: one control daemon per GPU, for this run
-        self.generation = "supervisor"  # or "process" (pipelined: config.generation_place)
-        self.cpu_shares: ProcessCpu | None = None  # where the CPU went, per group of processes (while training)
         self.writer = CheckpointWriter()  # checkpoints reach the disk in the background
-        self.memory_budgets: dict[str, int] = {}  # GPU bytes per stage (pipelined runs on a GPU: _plan_memory)
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -172,56 +137,42 @@ class Experiment:
         return load_policy_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.conf["policy"],
                                       f"resume={self.cfg.resume}")
 
+    @property
+    def cores(self) -> list[int]:
+        return self.placement.cores
+
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
         seed_everything(cfg.seed)
-        self.cores = rank_cores(cfg)
-        self.device = run_device(cfg)
+        device = run_device(cfg)
         if cfg.hw.gpus > 1 and not self.ranks.distributed:
             console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
                           f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
-        torch.set_num_threads(generation_threads(cfg, len(self.cores), self.device))
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
         # (README, "Measured choices")
         torch.set_flush_denormal(True)
-
         # the simulators render on this rank's GPU: read before an MPS client's environment replaces this process's
         sim_env = simulator_gpu_environment(cfg.hw.gpus)
-        pipelined = cfg.scheduler.name != "colocated"
-        self.generation = generation_place(cfg) if pipelined else "supervisor"
-        # the allocator splits the node between stages that run side by side; disaggregated keeps the split that
-        # defines it, and a schedule without overlap (hybrid) runs rollout and training one after the other, each on
-        # every core and the whole GPU, as RLinf's does
-        if pipelined and cfg.scheduler.train_share is None and cfg.scheduler.overlap:
-            self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
-            console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
-            try:
-                gpus = 1 if self.ranks.distributed and cfg.hw.gpus else cfg.hw.gpus  # a rank has its own GPU
-                self.resources = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
-                                              gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
-                                              partition=sm_partition(cfg.hw), run_dir=self.out_dir)
-                self._lease_plan()
-                if self.resources.partition == "mps":  # before any CUDA starts: a client's share is fixed then
-                    self.mps = MpsDaemons(range(gpus), self.out_dir)
-                    self.mps.start()
-            except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
-                raise ConfigError(str(e)) from None
-        group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
-        s = cfg.scheduler
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed, group_size=group_size,
-                                  chunk_timeout_s=s.chunk_timeout_s, max_failures=s.max_sim_failures,
-                                  failure_window_s=s.sim_failure_window_s, process_env=sim_env)
         try:
+            # the allocator's first plan and the leases, and MPS daemons when hw asks for them, before any process
+            self.placement = Placement(cfg, rank_cores(cfg), device, self.out_dir, self.ranks)
+            torch.set_num_threads(self.placement.threads("generate"))
+            group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
+            s = cfg.scheduler
+            self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed,
+                                      group_size=group_size, chunk_timeout_s=s.chunk_timeout_s,
+                                      max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
+                                      process_env=sim_env)
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
-            if pipelined:
-                self._plan_memory()
+            self.placement.check_memory(self.pool.spec)
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a
             # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
-            here = torch.device("cpu") if self.generation == "process" else self.device
-            # colocated trains this policy (float32 masters of what it trains); a pipelined run's only acts. A resumed
-            # run's weights come from its checkpoint, so none are initialised
+            here = torch.device("cpu") if self.placement.generation == "process" else device
+            # a local trainer trains this policy (float32 masters of what it trains); with a trainer process it only
+            # acts. A resumed run's weights come from its checkpoint, so none are initialised
             weights = "given" if self._resume_ckpt is not None else "init"
-            self.policy = build_policy(conf["policy"], self.pool.spec, here, train=not pipelined, weights=weights)
+            self.policy = build_policy(conf["policy"], self.pool.spec, here, train=self.placement.local,
+                                       weights=weights)
             warning = tokenizer_warning(conf["policy"], self.policy)
             if warning:
                 console.print(warning, soft_wrap=True)
@@ -231,142 +182,21 @@ class Experiment:
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise
             self.pool.attach(self.policy.chunk_len)
-            # a pipelined schedule trains in its own process (built by the scheduler); colocated trains here
-            self.trainer = None if pipelined else make_trainer(self.policy, cfg.algo, self.device, self._train_group())
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
-            if pipelined:
-                resume = str(self.run_dir / "checkpoints" / "last.pt") if self._resume_ckpt else None
-                pooled = self.resources is not None
-                self.scheduler = PipelineScheduler(self.pool, self.policy, self.timers, self.device, conf, self.cores,
-                                                   base_version=self.iteration, resume=resume,
-                                                   generation=self.generation, seed=self.seed + 2,
-                                                   spawn_env=self.resources.spawn_env if pooled else None)
-                if pooled:
-                    generation = self.scheduler.generation
-                    for stage, pid in (("generate", generation.pid), ("train", self.scheduler.trainer.process.pid)):
-                        self.resources.attach(stage, pid)
-                    # a respawned process's successor takes the lease over
-                    self.scheduler.trainer.on_switch = functools.partial(self._switched, "train", "trainer")
-                    if self.generation == "process":
-                        generation.on_switch = functools.partial(self._switched, "generate", "main")
-                if self.allocator is not None and self.allocator.current is not None:
-                    self.scheduler.simulate_on(self.allocator.leases["simulate"])
-                    self._apply_batch()
-                    console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
-            else:
-                self.scheduler = ColocatedScheduler(self.pool, self.policy, self.timers, self.device)
+            resume = str(self.run_dir / "checkpoints" / "last.pt") if self._resume_ckpt else None
+            self.scheduler = Scheduler(self.pool, self.policy, conf, self.placement, base_version=self.iteration,
+                                       resume=resume, seed=self.seed)
+            self.placement.take(self.scheduler)
         except BaseException:
             self.close()
             raise
 
-    def _train_group(self) -> Any:
-        """The process group colocated training is data-parallel over: the supervisors' (gloo) on CPU, an NCCL group
-        of the same ranks on GPUs; None for one rank."""
-        if not self.ranks.distributed:
-            return None
-        import torch.distributed as dist
-
-        return dist.new_group(backend="nccl") if self.device.type == "cuda" else dist.group.WORLD
-
-    def _plan_memory(self) -> None:
-        """Before the trainer and generation start (and any CUDA in this process): stop, with one line, when
-        /dev/shm or the GPU cannot hold what the memory model says the run needs; on a GPU lease generation and the
-        trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child)."""
-        cfg, spec = self.cfg, self.pool.spec
-        gpu = self.device.type == "cuda"
-        model = MemoryModel.of(self.conf["policy"], spec, cfg.algo.optimizer_dtype, self.device.type, trace=gpu)
-        chunks = (math.ceil(spec.max_episode_steps / model.chunk_len) if cfg.algo.name == "grpo"
-                  else cfg.algo.rollout_chunks)
-        rows = cfg.env.num_envs * chunks
-        one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
-        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
-        if gpu and self.resources is not None:
-            micro = cfg.algo.micro_batch or max(1, rows // cfg.algo.minibatches)
-            self.memory_budgets = budgets(model, self.resources.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
-                                          rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
-            try:
-                self._lease_plan()
-            except ResourceError as e:
-                raise ConfigError(str(e)) from None
-        if self.resources is not None and self.resources.partition == "mps":
-            if self.generation == "supervisor":  # generation in this process: its share is this one's
-                os.environ.update(self.resources.child_env("generate"))
-            self.resources.on_requota("generate", self._requota_generation)
-            self.resources.on_requota("train", self._requota_trainer)
-        elif gpu and self.generation == "supervisor" and "generate" in self.memory_budgets:
-            apply_memory_budget(self.memory_budgets["generate"], 0)
-
-    def _lease_plan(self) -> None:
-        """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares
-        and memory budgets (`_plan_memory`); before there is a plan (calibrating), every core and no SM share.
-        Attached processes move at once."""
-        plan = self.allocator.current
-        cpus = self.allocator.leases or {stage: self.cores for stage in ("simulate", "generate", "train")}
-        gpu = 0 if self.cfg.hw.gpus else None
-        for stage in ("generate", "train"):
-            share = None if gpu is None or plan is None else plan.x[stage]
-            self.resources.lease(stage, cpus[stage], gpu=gpu, sm_share=share,
-                                 mem_bytes=self.memory_budgets.get(stage) if gpu is not None else None)
-        self.resources.lease("simulate", cpus["simulate"])
-
-    def _apply_plan(self) -> None:
-        """Lease the new plan (the pool moves generation, this process, and training, the trainer's, every thread)
-        and move the simulators onto it."""
-        self._lease_plan()
-        self.scheduler.simulate_on(self.allocator.leases["simulate"])
-        self._apply_batch()
-
-    def _apply_batch(self) -> None:
-        """Generation batches of the plan's size: the scheduler regroups the envs at its next common segment
-        boundary (a no-op when the batch did not change)."""
-        self.scheduler.regroup(self.allocator.current.groups)
-
-    # An MPS share (and memory cap) is read when a process's CUDA starts: a new one is a new process, started under
-    # it while the old one works on (make before break).
-    def _requota_generation(self, lease: Lease) -> None:
-        if self.generation != "process":  # (scheduler.generation=supervisor: this process's share is fixed)
-            return self._requota_recorded(lease, "generation runs in this process (scheduler.generation=supervisor)")
-        free = gpu_free_bytes(visible_gpu(0)) if self.cfg.hw.gpus else None
-        need = self.memory_budgets.get("generate", 0)
-        overlap = free is None or free >= need  # (room for a second copy of generation's weights while it starts)
-        with self.resources.spawn_env("generate"):
-            self.scheduler.generation.respawn(cpus=lease.cpus, overlap=overlap)
-        how = ("the running one serves until it is ready" if overlap else
-               f"the GPU has {free / 2**30:.1f} GiB free and a second generation needs {need / 2**30:.1f}: the running "
-               "one stopped first, and generation waited for the new one")
-        self._requota_started(lease, "generation", how)
-
-    def _requota_trainer(self, lease: Lease) -> None:
-        if self.ranks.distributed:  # a successor would have to join the other ranks' process group
-            return self._requota_recorded(lease, "the trainer is one of several ranks' data-parallel group")
-        with self.resources.spawn_env("train"):
-            self.scheduler.respawn_trainer(cpus=lease.cpus)
-        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state; "
-                              "the old one frees the GPU before the new one allocates")
-
-    @staticmethod
-    def _requota_started(lease: Lease, what: str, how: str) -> None:
-        console.print(f"allocator: {what} restarts with {_share(lease)} (an MPS share is fixed for a process's "
-                      f"life); {how}", soft_wrap=True)
-
-    @staticmethod
-    def _requota_recorded(lease: Lease, why: str) -> None:
-        console.print(f"allocator: {lease.stage}'s {_share(lease)} is recorded, not applied: {why}, and an MPS share "
-                      "is fixed for a process's life", soft_wrap=True)
-
-    def _switched(self, stage: str, cpu_group: str, old_pid: int, new_pid: int) -> None:
-        """A respawned stage's successor took over: the lease moves to it, and its CPU time counts for the stage."""
-        self.resources.detach(stage, old_pid)
-        self.resources.attach(stage, new_pid)
-        if self.cpu_shares is not None:  # (the allocator reads generation's CPU time from the main group)
-            self.cpu_shares.add(cpu_group, new_pid)
-
     def _restore(self, ckpt: dict[str, Any]) -> None:
+        """A resumed run's weights (a local trainer's float32 masters, or the acting copy), counts and generators; its
+        trainer reads its own state from the checkpoint file."""
         restore_weights(self.policy, ckpt, f"resume={self.cfg.resume}")
-        if self.trainer is not None:
-            self.trainer.load_optimizer_state(ckpt["optimizer"])
         self.iteration = ckpt["iteration"]
         self.env_steps = ckpt["env_steps"]  # the run's, over all ranks
         torch.set_rng_state(ckpt["torch_rng"])
@@ -390,20 +220,18 @@ class Experiment:
             gpu.start()
             if not gpu.available:
                 console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
-        monitors = (CpuMonitor(self.cores), gpu, ProcessCpu(self.stage_processes(), len(self.cores)))
-        self.cpu_shares = monitors[2]
+        monitors = (CpuMonitor(self.cores), gpu, self.placement.account())
         cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from the CpuMonitor
         start = time.perf_counter()
         cpu_samples.start()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
         measure, guard = Measure(cfg.iterations), NanGuard(cfg.algo.max_nonfinite_updates,
                                                            self.run_dir / "checkpoints" / "last.pt", cfg.algo.lr)
-        pipelined = self.trainer is None
         hooks = [
-            *([Replan(self.allocator, self._apply_plan)] if self.allocator is not None else []),
+            *([Replan(self.placement)] if self.placement.allocator is not None else []),
             RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
             Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint,
-                        self.scheduler.gathered_state if pipelined else lambda iteration: None),
+                        self.scheduler.gathered_state),
         ]
         try:
             while self.iteration < cfg.iterations:
@@ -412,7 +240,7 @@ class Experiment:
                     hook(it)
             summary = self._summarise(start, measure)
             self._write_telemetry(start, cpu_samples, gpu)
-            self.log.log_summary(summary.__dict__)
+            self.log.log_summary(summary.figures())
         except BaseException as e:  # what can be written is: a checkpoint where the state is whole, the telemetry
             if isinstance(e, (KeyboardInterrupt, SimulatorsFailing)) and self.ranks.leader:
                 self._save_on_the_way_out()
@@ -427,45 +255,41 @@ class Experiment:
                 if monitor is not None:
                     monitor.stop()
             self.close()
-        (self.out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        (self.out_dir / "summary.json").write_text(json.dumps(summary.figures(), indent=2))
         if self.ranks.leader:
             print_summary(summary, self.run_dir)
         return summary
 
     def _iterate(self, monitors: tuple[CpuMonitor, GpuMonitor | None, ProcessCpu]) -> Finished:
-        """One iteration: rollout and update (pipelined: overlapping, one update finished), and this rank's
-        figures of it."""
+        """One iteration: the rollout and one update (overlapping, where the schedule does), and this rank's figures
+        of it: each stage's seconds and busy share from the trace, every process group's CPU share."""
         cpu, gpu, shares = monitors
-        mark = self.scheduler.trace.mark()  # spans of this iteration are added past it
+        trace = self.scheduler.trace
+        mark = trace.mark()  # spans of this iteration are added past it
         t0 = time.perf_counter()
-        if self.trainer is None:  # pipelined: rollout and training overlap; one update finished
-            stats, train_metrics = self.scheduler.next_iteration()
-            t_rollout = time.perf_counter() - t0
-        else:
-            batch, stats = self.collect()
-            t_rollout = time.perf_counter() - t0
-            t_train = time.perf_counter()
-            with self.timers.stage("train"):
-                train_metrics = self._update(batch)
-            self.scheduler.trace.add("train", "update", t_train, time.perf_counter(), iteration=self.iteration)
+        stats, train_metrics = self.scheduler.next_iteration()
         wall = time.perf_counter() - t0
-        busy_stages = self.scheduler.trace.busy(t0, t0 + wall, len(self.scheduler.sim_cpus), since=mark)
+        busy = trace.busy(t0, t0 + wall, len(self.placement.cpus("simulate")), since=mark)
+        seconds = trace.seconds(t0, t0 + wall, since=mark)
+        cpu_shares = shares.shares()
         self.iteration += 1
         metrics = {
             "iteration": self.iteration,
             "perf/iteration_env_steps": stats.env_steps,  # this rank's, this iteration
             "perf/env_steps_per_s": stats.env_steps / wall,
-            "perf/rollout_only_steps_per_s": stats.env_steps / t_rollout,
+            # the rollout's own rate: without the time it waited for an update that ran alone
+            "perf/rollout_only_steps_per_s": stats.env_steps / max(wall - seconds["train_alone"], 1e-9),
             "time/iteration_s": wall,
-            **self.timers.pop_iteration(),
+            **{f"time/{stage}_s": seconds[stage] for stage in STAGES},
             **cpu.read(),
             **(gpu.read() if gpu is not None else {}),
-            **shares.read(),
+            **{f"perf/cpu_share_{group}": share for group, share in cpu_shares.items()},
             **stats.metrics(),
             **train_metrics,
-            **{f"perf/busy_{stage}": value for stage, value in busy_stages.items()},
+            **{f"perf/busy_{stage}": value for stage, value in busy.items()},
         }
-        return Finished(self.iteration, t0, metrics)
+        return Finished(self.iteration, t0, metrics,
+                        measured=self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy))
 
     def _record(self, it: Finished) -> None:
         """Count the run's env steps (over every rank) and log the iteration: rank 0 the run's figures, the others
@@ -474,33 +298,17 @@ class Experiment:
         it.metrics["env_steps"] = it.run["env_steps"] = self.env_steps
         self.log.log(it.run if self.ranks.leader else it.metrics)
 
-    def _update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Colocated training's update; with several ranks a failed all-reduce (another rank died) is one line."""
-        self._updating = True
-        try:
-            metrics = self.trainer.update(batch)
-            if self.ranks.distributed:  # rank 0 checks that every replica holds the same weights
-                metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
-            return metrics
-        except RuntimeError as e:
-            if not self.ranks.distributed:
-                raise
-            raise DistributedError(f"rank {self.ranks.rank}'s update failed ({one_line(e)}); another rank may have "
-                                   "stopped") from None
-        finally:
-            self._updating = False
-
     def _save_on_the_way_out(self) -> None:
         """A checkpoint as the run stops; if the state cannot be had any more (the trainer or another rank is gone)
         the last one stays, as atomic_save leaves it. Not from inside an update: its weights would be half-stepped."""
-        if self._updating or self.sharded:  # (FSDP: gathering the state needs every rank, and some may be gone)
+        sharded = self.ranks.distributed and self.cfg.distributed.strategy == "fsdp"
+        if self.scheduler is None or self.scheduler.trainer.torn or sharded:
+            # (FSDP: gathering the state needs every rank, and some may be gone)
             console.print("no final checkpoint: checkpoints/last.pt stays the one written before", soft_wrap=True)
             return
         try:
-            state = None
-            if self.trainer is None:  # pipelined: the trainer's newest state, after updates not yet logged
-                state = self.scheduler.training_state()
-                self._log_unreturned()
+            state = self.scheduler.training_state()  # the trainer's newest state, after updates not yet logged
+            self._log_unreturned()
             self.save_checkpoint(state)
         except (TrainerError, DistributedError, OSError) as e:
             console.print(f"no final checkpoint ({e}); checkpoints/last.pt is the one written before", soft_wrap=True)
@@ -517,17 +325,14 @@ class Experiment:
                           **train_metrics, "env_steps": self.env_steps})
 
     def _summarise(self, start: float, measure: Measure) -> RunSummary:
-        """The run's totals (what summary.json, the console table and W&B's summary show)."""
+        """The run's totals (what summary.json, the console table and W&B's summary show): each stage's busy time from
+        the trace (simulation: per simulation core)."""
         end = time.perf_counter()
-        summary = RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
-                             success_rate=measure.success_rate, mean_return=measure.mean_return,
-                             cpu_busy=measure.cpu_busy, busy=measure.stage_means())
-        if self.trainer is None:  # stages overlap: their busy time from the trace (simulation: per sim core)
-            busy_s = self.scheduler.trace.busy(start, end, len(self.scheduler.sim_cpus))
-            summary.stage_s = {k: busy_s[k] * (end - start) for k in STAGES}
-        else:
-            summary.stage_s = {k: self.timers.total.get(k, 0.0) for k in STAGES}
-        return summary
+        busy_s = self.scheduler.trace.busy(start, end, len(self.placement.cpus("simulate")))
+        return RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
+                          success_rate=measure.success_rate, mean_return=measure.mean_return,
+                          stage_s={k: busy_s[k] * (end - start) for k in STAGES}, cpu_busy=measure.cpu_busy,
+                          busy=measure.stage_means(), measured=measure.measured())
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:
         """trace.json and the utilisation plots, while the W&B run is still open to take the plots."""
@@ -537,41 +342,16 @@ class Experiment:
                 monitor.stop()
         trace = self.scheduler.trace
         trace.write(self.out_dir / "trace.json")
-        plots = write_plots(self.out_dir, trace, start, end, len(self.scheduler.sim_cpus), cpu_samples.samples,
+        plots = write_plots(self.out_dir, trace, start, end, len(self.placement.cpus("simulate")), cpu_samples.samples,
                             gpu.samples if gpu is not None else None)
         self.log.log_images(plots, self.env_steps)
 
-    def stage_processes(self) -> dict[str, list[int]]:
-        """Which processes do which stage's work: simulators, this one (orchestration; generation, and colocated
-        training too) with a generation process of its own, the trainer process (pipelined)."""
-        out = {"simulate": [w.pid for w in self.pool.workers], "main": [os.getpid()]}
-        if self.generation == "process":
-            out["main"].append(self.scheduler.generation.pid)
-        if self.trainer is None:
-            out["trainer"] = [self.scheduler.trainer.process.pid]
-        return out
-
-    def collect(self) -> tuple[RolloutBatch, RolloutStats]:
-        """One iteration's rollout: algo.rollout_chunks per env (ppo), or one whole episode per env from
-        its group's seeded reset (grpo)."""
-        cfg = self.cfg
-        if cfg.algo.name == "grpo":
-            chunks = math.ceil(self.pool.spec.max_episode_steps / self.policy.chunk_len)
-            seeds = group_seeds(self.seed, self.iteration, cfg.env.num_envs, cfg.algo.group_size)
-            return self.scheduler.collect(chunks, reset_seeds=seeds)
-        return self.scheduler.collect(cfg.algo.rollout_chunks)
-
     def save_checkpoint(self, state: tuple[dict, dict] | None = None) -> Path:
-        """checkpoints/last.pt at self.iteration: `state` (model, optimizer), or the state of this iteration's update
-        (pipelined: what the trainer process sent right after it). Written in the background (`CheckpointWriter`):
-        the run goes on while it reaches the disk; the next save, and closing, wait for it."""
+        """checkpoints/last.pt at self.iteration: `state` (model, optimizer), or what the trainer sent right after
+        this iteration's update. Written in the background (`CheckpointWriter`): the run goes on while it reaches the
+        disk; the next save, and closing, wait for it."""
         path = self.run_dir / "checkpoints" / "last.pt"
-        if state is not None:
-            model, optimizer = state
-        elif self.trainer is None:  # (the trainer process sent copies)
-            model, optimizer = self.scheduler.gathered_state(self.iteration)
-        else:  # colocated: the next update changes these in place
-            model, optimizer = detached_copy((self.policy.state_dict(), self.trainer.optimizer.state_dict()))
+        model, optimizer = state if state is not None else self.scheduler.gathered_state(self.iteration)
         self.writer.save({
             "format": CHECKPOINT_FORMAT,
             "policy": policy_identity(self.conf["policy"]),
@@ -592,13 +372,12 @@ class Experiment:
         except OSError as e:
             console.print(f"the last checkpoint was not written ({one_line(e)}); checkpoints/previous.pt is the one "
                           "before", soft_wrap=True)
-        if isinstance(getattr(self, "scheduler", None), PipelineScheduler):
+        if self.scheduler is not None:
             self.scheduler.close()
         if self.pool is not None:
             self.pool.close()
-        if self.mps is not None:  # after every client is gone
-            self.mps.stop()
-            self.mps = None
+        if self.placement is not None:  # (its MPS daemons after every client is gone)
+            self.placement.close()
         if self.log is not None:
             self.log.close()
             self.log = None

@@ -3,16 +3,18 @@ was cut off on or a segment ends on (docs/design.md, "Processes and what crosses
 between them").
 
 It runs in one of two places behind one interface:
-- in the supervisor (`InProcessGeneration`): nothing crosses a process boundary on the hot path;
+- in the supervisor (`LocalGeneration`): nothing crosses a process boundary on the hot path; with a trainer in the
+  supervisor too (colocated) both are one policy;
 - in a process of its own (`GenerationProcess`), which maps the trainer's published weights from shared memory
   (`WeightChannel`) and holds no other state. A process's MPS share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) is read
   once, when its CUDA starts, so generation's new share is a new process: `respawn` starts the successor under the
-  environment of the moment (the caller sets it, ResourcePool.spawn_env), the old process serves until the successor
-  says it is ready, and the next call switches over (make before break: the pipeline does not wait for the start).
+  environment of the moment (the placement sets it), the old process serves until the successor says it is ready,
+  and the next call switches over (make before break, `Succession`: the rollout does not wait for the start).
 `scheduler.generation` picks the place; under MPS it is the process, so that an allocator's new share can apply.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing.connection
 import os
 import signal
@@ -24,9 +26,10 @@ from ebrl.envs.base import EnvSpec
 from ebrl.errors import StageFailed
 from ebrl.policies.base import Policy
 from ebrl.policies.build import build_policy
-from ebrl.runtime.channel import WeightChannel
+from ebrl.runtime.channel import SharedWeights, WeightChannel
 from ebrl.runtime.messages import Ready, Release, Released, Sample, Sampled, Stop, Value, Values
 from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
+from ebrl.runtime.succession import Succession
 
 
 class GenerationError(StageFailed):
@@ -47,10 +50,11 @@ def _value(policy: Policy, obs: dict[str, torch.Tensor], device: torch.device) -
     return policy.value(_to(obs, device)).float().cpu()
 
 
-class InProcessGeneration:
-    """Generation in the supervisor, on its policy: newer published weights are copied in before each sample."""
+class LocalGeneration:
+    """Generation in the supervisor, on its policy: newer published weights are copied in before each sample (from
+    the trainer process's channel; a trainer in the supervisor updates this very policy, `SharedWeights`)."""
 
-    def __init__(self, policy: Policy, device: torch.device, channel: WeightChannel) -> None:
+    def __init__(self, policy: Policy, device: torch.device, channel: WeightChannel | SharedWeights) -> None:
         self.policy, self.device, self.channel = policy, device, channel
         self.version = 0  # of the weights the policy holds, counted by the channel
 
@@ -133,7 +137,7 @@ class _Worker(PipedProcess):
 class GenerationProcess:
     """Generation in a process of its own (see the module docstring); `respawn` replaces it without a pause.
 
-    `on_switch(old_pid, new_pid)` is called when a successor takes over (a resource pool moves its lease there).
+    `on_switch(old_pid, new_pid)` is called when a successor takes over (the placement moves its lease there).
     Each process seeds its sampling from `seed` plus 1000 times its place in the line of successors.
     """
 
@@ -142,33 +146,36 @@ class GenerationProcess:
                  on_switch: Callable[[int, int], None] | None = None) -> None:
         import torch.multiprocessing as tmp
 
-        self._ctx = tmp.get_context("spawn")
-        self._args = (policy_conf, spec, channel, list(cpus), threads, device)
-        self.seed, self.start_timeout, self.on_switch = seed, start_timeout, on_switch
-        self.respawns = 0  # successors started
-        self._worker = self._start()
-        self._ready(self._worker, start_timeout)
-        self._successor: _Worker | None = None
+        ctx = tmp.get_context("spawn")
+        self.cpus = list(cpus)
+        self.version = 0  # of the weights that sampled last, counted by the channel
+        self.succession: Succession[_Worker] = Succession(
+            lambda successor: _Worker(ctx, (policy_conf, spec, channel, self.cpus, threads, device,
+                                            seed + 1000 * self.succession.respawns if successor else seed)),
+            start_timeout, on_switch)
 
     @property
     def pid(self) -> int:
         """The process serving now."""
-        return int(self._worker.process.pid)
+        return self.succession.current.pid
 
     def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
         """The serving process swaps in newer weights, then samples a chunk per row."""
-        self._take_over()
-        return self._worker.call(Sample(obs), Sampled)
+        if self.succession.successor_ready():  # (its start failing is this call's error)
+            self._switch()
+        out = self.succession.current.call(Sample(obs), Sampled)
+        self.version = out.version
+        return out
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) values by the weights the serving process holds (those that acted), no swap."""
-        return self._worker.call(Value(obs), Values).values
+        return self.succession.current.call(Value(obs), Values).values
 
     def release(self) -> None:
         """Every process lets go of the trainer's device slots (it is about to be replaced); a successor that is
         still starting is waited for first."""
         self.wait_switch()
-        self._worker.call(Release(), Released)
+        self.succession.current.call(Release(), Released)
 
     def respawn(self, cpus: Sequence[int] | None = None, overlap: bool = True) -> None:
         """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
@@ -176,53 +183,32 @@ class GenerationProcess:
         replaced by this one. Without `overlap` (no room on the GPU for a second copy of the weights) the serving
         process stops first and this call waits for the successor."""
         if cpus is not None:
-            self._args = (*self._args[:3], list(cpus), *self._args[4:])
-        if self._successor is not None:
-            self._successor.close()
-        self.respawns += 1
-        if overlap:
-            self._successor = self._start()
-            return
-        old_pid = self.pid
-        self._worker.close()
-        self._worker = self._start()
-        self._ready(self._worker, self.start_timeout)
-        if self.on_switch is not None:
-            self.on_switch(int(old_pid), self.pid)
+            self.cpus = list(cpus)
+        if not overlap:
+            self.succession.current.close()
+        self.succession.respawn()
+        if not overlap:
+            self.wait_switch()
 
     def wait_switch(self, timeout: float | None = None) -> None:
         """Block until a started successor serves (tests, and a run that must not end with one still starting)."""
-        if self._successor is not None:
-            self._ready(self._successor, self.start_timeout if timeout is None else timeout)
+        if self.succession.successor is not None:
+            self.succession.successor_ready(self.succession.start_timeout if timeout is None else timeout)
             self._switch()
 
     def close(self) -> None:
-        for worker in (self._successor, self._worker):
-            if worker is not None:
-                worker.close()
-        self._successor = None
-
-    def _start(self) -> _Worker:
-        return _Worker(self._ctx, (*self._args, self.seed + 1000 * self.respawns))
-
-    def _ready(self, worker: _Worker, timeout: float) -> int:
-        try:
-            return worker.expect(Ready, timeout).version
-        except GenerationError:
-            worker.close()
-            raise
-
-    def _take_over(self) -> None:
-        """Switch to the successor if it has said it is ready (its start failing is this call's error)."""
-        successor = self._successor
-        if successor is None or not successor.results.poll(0):  # (a successor that died reads as EOF: ready too)
-            return
-        self._ready(successor, 0)
-        self._switch()
+        self.succession.close()
 
     def _switch(self) -> None:
-        old, self._worker, self._successor = self._worker, self._successor, None
-        old_pid = old.process.pid
-        old.close()
-        if self.on_switch is not None:
-            self.on_switch(int(old_pid), self.pid)
+        self.succession.switch().close()
+
+
+def make_generation(conf: dict[str, Any], spec: EnvSpec, policy: Policy, placement: Any,
+                    weights: WeightChannel | SharedWeights, seed: int) -> LocalGeneration | GenerationProcess:
+    """Generation where the placement puts it: on `policy` in the supervisor, or in a process of its own started in
+    its stage's environment, on its cores, with this process's torch threads, mapping the trainer's `weights`."""
+    if placement.generation != "process":
+        return LocalGeneration(policy, placement.device, weights)
+    with placement.spawn_env("generate"):
+        return GenerationProcess(conf["policy"], spec, weights, placement.cpus("generate"), torch.get_num_threads(),
+                                 str(placement.device), seed, on_switch=functools.partial(placement.switched, "generate"))

@@ -1,7 +1,8 @@
 """What runs after each iteration of `Experiment.train`, one small object per concern, called in order on the
 iteration's `Finished` record (docs/design.md, "A run"):
 
-1. `Replan`: the allocator reads the iteration's measurements and may apply a new plan before the next one;
+1. `Replan`: the allocator reads the iteration's measurements, and the placement applies a new plan before the next
+   iteration;
 2. `RankMetrics`: with several ranks, the run's figures from every rank's (gathered to rank 0, combined);
 3. `Experiment._record`: the run's env steps counted, the metrics logged;
 4. `Measure`: the summary's totals over the iterations after warm-up;
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ebrl.alloc.allocator import Allocator
+from ebrl.alloc.allocator import Measured
 from ebrl.node import Ranks
 from ebrl.runtime.distributed import combine, gather_metrics
 from ebrl.runtime.errors import RunStopped
@@ -34,22 +35,22 @@ class Finished:
     started: float  # perf_counter() at its start
     metrics: dict[str, Any]
     run: dict[str, Any] = field(default_factory=dict)
+    measured: Measured | None = None  # this rank's figures per stage, as the allocator reads them
 
 
 Hook = Callable[[Finished], None]
 
 
 class Replan:
-    """The allocator observes each iteration; a new plan is applied (`apply`) before the next one runs."""
+    """The allocator observes each iteration; the placement applies a new plan before the next one runs."""
 
-    def __init__(self, allocator: Allocator, apply: Callable[[], None]) -> None:
-        self.allocator, self.apply = allocator, apply
+    def __init__(self, placement: Any) -> None:
+        self.placement = placement
 
     def __call__(self, it: Finished) -> None:
-        decision, alloc_metrics = self.allocator.observe(it.metrics)  # each rank plans its own node's share
+        decision, alloc_metrics = self.placement.observe(it.measured)  # each rank plans its own node's share
         it.metrics.update(alloc_metrics)
         if decision is not None:
-            self.apply()
             it.metrics["alloc/decision"] = decision
             console.print(decision, soft_wrap=True)
 
@@ -83,6 +84,7 @@ class Measure:
         self.steps, self.wall = 0, 0.0
         self.busy: list[float] = []
         self.stage_busy: dict[str, list[float]] = {}
+        self.per_stage: list[Measured] = []  # this rank's
         self.success_rate, self.mean_return = float("nan"), float("nan")
 
     def __call__(self, it: Finished) -> None:
@@ -91,6 +93,8 @@ class Measure:
             self.steps += int(m["perf/iteration_env_steps"])
             self.wall += m["time/iteration_s"]
             self.busy.append(m["perf/cpu_busy"])
+            if it.measured is not None:
+                self.per_stage.append(it.measured)
             for key, value in m.items():
                 if key.startswith(("perf/busy_", "perf/cpu_share_")):
                     self.stage_busy.setdefault(key[5:], []).append(value)
@@ -107,6 +111,10 @@ class Measure:
 
     def stage_means(self) -> dict[str, float]:
         return {key: float(np.mean(values)) for key, values in self.stage_busy.items()}
+
+    def measured(self) -> Measured:
+        """The stages' figures over the iterations after warm-up, at the run's rate."""
+        return Measured.mean(self.per_stage, self.steps_per_s)
 
 
 class Progress:

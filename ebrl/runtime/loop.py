@@ -1,21 +1,26 @@
-"""The pipelined rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/design.md,
-"The pipelined loop").
+"""The rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/design.md, "The loop").
 
-The envs are split into groups. A group collects one segment (an iteration's `chunks` chunk steps per env) at a
-time; each chunk step ends when every env of the group reported its chunk, and the group then queues for
-generation. `PipelineScheduler` feeds the events in and carries out what comes back:
+Every schedule runs this one loop; its switches make the schedule. The envs are split into groups. A group
+collects one segment at a time: an iteration's `chunks` chunk steps per env, or, `episodic` (GRPO), one whole
+episode per env from a seeded reset, at most `chunks` chunk steps long. Each chunk step ends when every env of the
+group reported its chunk, and the group then queues for generation. `Runtime` (ebrl/runtime/runtime.py) feeds the
+events in and carries out what comes back:
 
 - `reported(env, report)`: an env's chunk ended; once its whole group reported, the chunk step is recorded and the
   group queues (or waits for room, `queue_size`).
 - `serve()` -> a `Serving`: the queued groups, served in one generation batch, and for each whether it starts its
   next chunk, waits for an update (it would be more than `ahead` iterations beyond the updates done, or past the
   run's iterations), or parks at a regroup's segment boundary. The driver values the observations episodes were cut
-  off on, samples the starting groups' chunks (`started`) and the bootstrap values of segments that ended
-  (`finish_segment`), then hands the serving back (`served`).
+  off on, samples the starting groups' chunks (`started`, which says which envs run: an episodic env whose episode
+  ended sits the rest of its segment out) and the bootstrap values of segments that ended (`finish_segment`), then
+  hands the serving back (`served`).
 - `finish_segment(group, last_value)` -> a `Shipment` once every group has collected that iteration: the batch for
   the trainer, with the chunk steps beyond `max_staleness` masked out.
 - `trained()`: an update finished; the groups that waited for it queue.
 - `regroup(groups)`: split the envs anew at the next segment boundary every group can reach.
+
+`colocated` is this loop with one group, `ahead` 0 and a trainer in the supervisor: every env runs its chunk, the
+group's chunk step ends when the last one reported (the barrier), and after the last one the update runs.
 """
 from __future__ import annotations
 
@@ -27,9 +32,28 @@ import numpy as np
 import torch
 
 from ebrl.envs.worker import ChunkReport
-from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, stack_steps
+from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, pad_steps, stack_steps
 
 Next = Literal["start", "wait", "park"]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The loop's switches: `chunks` chunk steps per segment (episodic: at most); `iterations` this run makes;
+    `ahead` iterations the rollout may run beyond the finished updates (0: synchronous); chunk steps more than
+    `max_staleness` versions old are masked out; `queue_size` groups may queue for generation at once (None: all);
+    `base_version` updates were made before this run (a resumed run), which the chunks' versions count; `episodic`:
+    a segment is one episode per env from a seeded reset (GRPO); groups are split in whole `unit`s of envs (GRPO's
+    groups of algo.group_size envs that share a start)."""
+
+    chunks: int
+    iterations: int
+    ahead: int
+    max_staleness: int
+    queue_size: int | None = None
+    base_version: int = 0
+    episodic: bool = False
+    unit: int = 1
 
 
 @dataclass
@@ -45,6 +69,10 @@ class Group:
     stats: RolloutStats = field(default_factory=RolloutStats)
     cut_obs: list[dict[str, np.ndarray]] = field(default_factory=list)  # final obs of the last step's `cut` rows,
     # valued at the group's next serving
+    ended: np.ndarray | None = None  # episodic: whose episode of this segment ended (rows in `envs` order)
+
+    def __post_init__(self) -> None:
+        self.ended = np.zeros(len(self.envs), bool)
 
     def set_cutoff_values(self, values: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> None:
         """The values of `cut_obs` (as the policy batch `obs`, kept for a trainer that values them itself): the last
@@ -79,6 +107,11 @@ class Serving:
         """Groups whose segment ended and that do not go on now: their bootstrap value comes without a sample."""
         return [g for g in self.ending if self.next[g.index] != "start"]
 
+    @property
+    def beginning(self) -> list[Group]:
+        """Starting groups whose next chunk is the first of a segment (episodic: their envs reset first)."""
+        return [g for g in self.starting if g in self.ending or not g.steps]
+
 
 @dataclass
 class Shipment:
@@ -92,15 +125,12 @@ class Shipment:
 
 
 class RolloutLoop:
-    """See the module docstring. `ahead`: iterations the rollout may run beyond the finished updates (0:
-    synchronous); `queue_size`: groups that may queue for generation at once (None: all); `base_version`: updates
-    made before this run (a resumed run), which the chunks' versions count."""
+    """See the module docstring and `Rules`."""
 
-    def __init__(self, num_envs: int, groups: int, chunks: int, iterations: int, ahead: int,
-                 max_staleness: int, queue_size: int | None = None, base_version: int = 0) -> None:
-        self.num_envs, self.chunks, self.iterations = num_envs, chunks, iterations
-        self.ahead, self.max_staleness, self.queue_size, self.base_version = ahead, max_staleness, queue_size, \
-            base_version
+    def __init__(self, num_envs: int, groups: int, rules: Rules) -> None:
+        if num_envs % rules.unit:
+            raise ValueError(f"{num_envs} envs do not split into units of {rules.unit}")
+        self.num_envs, self.rules = num_envs, rules
         self.groups: list[Group] = []
         self.group_of: dict[int, Group] = {}
         self._split(groups, segment=0)
@@ -111,6 +141,11 @@ class RolloutLoop:
         self.parked: list[Group] = []  # groups at that segment, waiting for the others
         self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}  # iteration -> group -> part
         self.trained_count = 0  # updates finished in this run
+
+    @property
+    def units(self) -> int:
+        """How many groups the envs can be split into at most."""
+        return self.num_envs // self.rules.unit
 
     # --- events ----------------------------------------------------------------------------------
     def reported(self, env: int, report: ChunkReport) -> Group | None:
@@ -124,8 +159,11 @@ class RolloutLoop:
         group.reports = {}
         step, group.pending = group.pending, None
         step.record(reports, group.stats, group.steps)
-        group.cut_obs = [reports[j].final_obs for j in step.cut]
         group.steps.append(step)
+        if self.rules.episodic:  # (an episode cut off by its step limit ends its env's segment: nothing to value)
+            group.ended |= step.done.numpy()
+        else:
+            group.cut_obs = [reports[j].final_obs for j in step.cut]
         self._enqueue(group)
         return group
 
@@ -137,28 +175,35 @@ class RolloutLoop:
         groups = list(self.queue)
         self.queue.clear()
         self._refill()
-        ending = [g for g in groups if len(g.steps) == self.chunks]
+        ending = [g for g in groups if self._segment_ends(g)]
         return Serving(groups, {g.index: self._next(g, g in ending) for g in groups}, ending)
 
-    def started(self, group: Group, step: ChunkStep) -> None:
-        """The group's next chunk was sampled and is running."""
+    def started(self, group: Group, step: ChunkStep) -> list[int]:
+        """The group's next chunk was sampled; returns the envs that run it. An episodic env whose episode ended
+        runs nothing more in its segment: it reports an empty chunk at once."""
         group.pending = step
+        for env in (e for e, ended in zip(group.envs, group.ended) if ended):
+            group.reports[env] = ChunkReport.nothing()
+        return [e for e, ended in zip(group.envs, group.ended) if not ended]
 
     def finish_segment(self, group: Group, last_value: torch.Tensor,
                        last_obs: dict[str, torch.Tensor] | None = None) -> Shipment | None:
         """The group collected its segment (`last_value`: the bootstrap value of its envs' current obs, the policy
-        batch `last_obs`); once every group did, that iteration ships."""
+        batch `last_obs`; episodic: zeros and None, whole episodes need none); once every group did, that iteration
+        ships."""
         done = self.segments.setdefault(group.segment, {})
         done[group.index] = (stack_steps(group.steps, last_value, last_obs), group.stats)
         group.steps, group.stats = [], RolloutStats()
+        group.ended = np.zeros(len(group.envs), bool)
         group.segment += 1
         if len(done) < len(self.groups):
             return None
         iteration = group.segment - 1
         parts = [done[g.index] for g in self.groups]
         del self.segments[iteration]
-        batch = concat_envs([b for b, _ in parts])
-        dropped, staleness = drop_stale(batch, self.base_version + iteration, self.max_staleness)
+        longest = max(b.reward.shape[0] for b, _ in parts)  # episodic groups may have ended after fewer chunk steps
+        batch = concat_envs([pad_steps(b, longest) for b, _ in parts])
+        dropped, staleness = drop_stale(batch, self.rules.base_version + iteration, self.rules.max_staleness)
         return Shipment(iteration, batch, RolloutStats.merged([s for _, s in parts]), dropped, staleness)
 
     def served(self, serving: Serving) -> None:
@@ -180,8 +225,9 @@ class RolloutLoop:
         """Serve generation in `groups` groups from the next segment boundary that every group can reach: each group
         stops at the end of the segment the furthest group is in until all are there, then the envs are split anew.
         A one-off barrier, paid once per change."""
-        if not 1 <= groups <= self.num_envs:
-            raise ValueError(f"{groups} groups of {self.num_envs} envs: between 1 and {self.num_envs}")
+        if not 1 <= groups <= self.units:
+            unit = f" (groups of whole units of {self.rules.unit} envs)" if self.rules.unit > 1 else ""
+            raise ValueError(f"{groups} groups of {self.num_envs} envs{unit}: between 1 and {self.units}")
         if groups == len(self.groups) and self.regroup_at is None:
             return
         # a group mid-segment (chunk steps collected or in flight) first finishes it
@@ -189,23 +235,40 @@ class RolloutLoop:
         self.regroup_at = (groups, target)
 
     # --- rules -----------------------------------------------------------------------------------
+    def _segment_ends(self, group: Group) -> bool:
+        """The group's last recorded chunk step ends its segment: `chunks` of them, or (episodic) every env's
+        episode ended."""
+        if not group.steps:
+            return False
+        if self.rules.episodic and bool(group.ended.all()):
+            return True
+        if len(group.steps) < self.rules.chunks:
+            return False
+        if self.rules.episodic:
+            raise RuntimeError(f"{int((~group.ended).sum())} of {len(group.envs)} episodes of group {group.index} did "
+                               f"not end within {self.rules.chunks} chunks (env.max_episode_steps is the limit)")
+        return True
+
     def _next(self, group: Group, ending: bool) -> Next:
         """What a served group does next; `ending`: its segment ends in this serving."""
         segment = group.segment + ending
         if self.regroup_at is not None and (ending or not group.steps) and segment >= self.regroup_at[1]:
             return "park"
-        may = segment - self.trained_count <= self.ahead and segment < self.iterations
+        may = segment - self.trained_count <= self.rules.ahead and segment < self.rules.iterations
         return "start" if may else "wait"
 
+    def _room(self) -> int:
+        return self.rules.queue_size or len(self.groups)
+
     def _enqueue(self, group: Group) -> None:
-        if len(self.queue) < (self.queue_size or len(self.groups)):
+        if len(self.queue) < self._room():
             self.queue.append(group)
         else:
             self.overflow.append(group)
 
     def _refill(self) -> None:
         """Groups that found the queue full queue now, first come first, as far as it has room."""
-        while self.overflow and len(self.queue) < (self.queue_size or len(self.groups)):
+        while self.overflow and len(self.queue) < self._room():
             self.queue.append(self.overflow.popleft())
 
     def _park(self, group: Group) -> None:
@@ -219,7 +282,8 @@ class RolloutLoop:
             self.queue.extend(self.groups)
 
     def _split(self, groups: int, segment: int) -> None:
-        """The envs in `groups` consecutive groups, all about to start `segment`."""
-        self.groups = [Group(g, [int(i) for i in envs], segment=segment) for g, envs in
-                       enumerate(np.array_split(np.arange(self.num_envs), groups))]
+        """The envs in `groups` consecutive groups of whole units, all about to start `segment`."""
+        unit = self.rules.unit
+        self.groups = [Group(g, [int(u) * unit + j for u in units for j in range(unit)], segment=segment)
+                       for g, units in enumerate(np.array_split(np.arange(self.units), groups))]
         self.group_of = {i: g for g in self.groups for i in g.envs}

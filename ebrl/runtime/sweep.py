@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ebrl.alloc.allocator import Measured, profile_key, profiles_root
+from ebrl.alloc.allocator import profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
 from ebrl.config import rank_cores
 from ebrl.runtime.experiment import Experiment
@@ -41,7 +41,7 @@ def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
             cfg.allocator[stage] = amount
     run = Experiment.from_config(cfg, run_dir)
     summary = run.train()
-    rates = Measured.from_figures(summary.rollout_steps_per_s, summary.busy).rates(amounts, cores, bool(cfg.hw.gpus))
+    rates = summary.measured.rates(amounts, cores, bool(cfg.hw.gpus))
     batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
     record = {"key": profile_key(cfg), "batch": batch, "amounts": amounts, "rates": rates,
               "env_steps_per_s": summary.rollout_steps_per_s,

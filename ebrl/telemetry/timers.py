@@ -1,36 +1,10 @@
-"""One helper times every stage: `with timers.stage("generate"): ...`."""
+"""Where the CPU went: each core's busy fraction (`CpuMonitor`) and each group of processes' CPU share
+(`ProcessCpu`). Each stage's own time comes from the trace (ebrl/telemetry/trace.py), on one clock for every process."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from contextlib import contextmanager
-from typing import Iterator
 
 import psutil
-
-
-class StageTimers:
-    """Wall time per stage, accumulated per iteration and over the run."""
-
-    def __init__(self) -> None:
-        self.iteration: dict[str, float] = defaultdict(float)
-        self.total: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            self.iteration[name] += dt
-            self.total[name] += dt
-
-    def pop_iteration(self) -> dict[str, float]:
-        """The per-stage seconds of the iteration that just ended, as `time/<stage>_s` metrics."""
-        out = {f"time/{k}_s": v for k, v in self.iteration.items()}
-        self.iteration.clear()
-        return out
 
 
 class CpuMonitor:
@@ -85,12 +59,17 @@ class ProcessCpu:
                 pass
         return out
 
-    def read(self) -> dict[str, float]:
+    def shares(self) -> dict[str, float]:
+        """Each group's CPU seconds since the last call, over (cores x wall): {group: share}."""
         now, t = self._times(), time.perf_counter()
         wall = max(t - self._t, 1e-9)
         out = {}
         for name, procs in self.procs.items():
             used = sum(now[p.pid] - self._last.get(p.pid, now[p.pid]) for p in procs if p.pid in now)
-            out[f"perf/cpu_share_{name}"] = used / (wall * self.cores)
+            out[name] = used / (wall * self.cores)
         self._last, self._t = now, t
         return out
+
+    def read(self) -> dict[str, float]:
+        """`shares` as metrics, `perf/cpu_share_<group>`."""
+        return {f"perf/cpu_share_{name}": share for name, share in self.shares().items()}

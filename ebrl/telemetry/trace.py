@@ -158,6 +158,17 @@ class Trace:
             out[stage] = _union(sorted((s.start, s.end) for s in spans if s.stage == stage)) / length
         return out
 
+    def seconds(self, start: float, end: float, since: int) -> dict[str, float]:
+        """Over [start, end], from the spans added at or after `since`: the seconds each stage ran (the union of its
+        spans; simulate: of every env's), and `train_alone`, those in which training ran and neither simulation nor
+        generation did (the rollout waited for it)."""
+        spans = self.window(start, end, since)
+        merged = {stage: _merge(sorted((s.start, s.end) for s in spans if s.stage == stage)) for stage in STAGES}
+        out = {stage: sum(b - a for a, b in intervals) for stage, intervals in merged.items()}
+        rollout = _merge(sorted(merged["simulate"] + merged["generate"]))
+        out["train_alone"] = out["train"] - _overlap(merged["train"], rollout)
+        return out
+
     def stream_to(self, path: Path) -> None:
         """Write every span to `path` from now on (those kept so far first), as a Chrome trace's JSON array,
         microseconds from `origin`; `write` closes it."""
@@ -207,17 +218,30 @@ def _name_event(lane: str, tid: int) -> dict[str, Any]:
     return {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": lane}}
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted intervals, those that overlap joined."""
+    out: list[tuple[float, float]] = []
     for a, b in intervals:
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = a, b
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            out.append((a, b))
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in _merge(intervals))
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length two merged interval lists have in common."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 

@@ -34,7 +34,7 @@ def test_cpu_sets_keep_generation_and_training_apart_and_let_the_simulators_fill
 def test_stage_rates_from_cpu_time():
     # 100 env steps/s on 2 cores; the simulators used 80% of the cores: 16 ms of CPU per env step
     rates = stage_rates({"simulate": 1.5, "generate": 0.25, "train": 0.25}, 100.0,
-                        {"simulate": 0.8, "main": 0.05, "trainer": 0.1}, {}, cores=2, gpu=False)
+                        {"simulate": 0.8, "generate": 0.05, "train": 0.1}, {}, cores=2, gpu=False)
     assert rates["simulate"] == pytest.approx(1.5 / 0.016)
     assert rates["generate"] == pytest.approx(0.25 / 0.001) and rates["train"] == pytest.approx(0.25 / 0.002)
 
@@ -49,24 +49,25 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
                            {"simulate": 2.0, "generate": 2.0, "train": 2.0})
     wrong.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
     run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
-    assert run.allocator.current.x["simulate"] == 1
-    first = run.allocator.leases
+    allocator = run.placement.allocator
+    assert allocator.current.x["simulate"] == 1
+    first = allocator.leases
     run.train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     decided = [r for r in rows if "alloc/decision" in r]
     assert decided, [r["alloc/rate_simulate"] for r in rows]
     assert "simulate is the bottleneck" in decided[0]["alloc/decision"]
     assert rows[0]["alloc/simulate"] == 1 and rows[-1]["alloc/simulate"] > 1
-    assert run.allocator.decisions[0].step >= 2  # not on the first reading: the window is 2
+    assert allocator.decisions[0].step >= 2  # not on the first reading: the window is 2
     # the simulators really ran on the new cores: every chunk reports the affinity its process had
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     chunks = sorted((e for e in trace if e.get("cat") == "simulate"), key=lambda e: e["ts"])
-    before, added = set(first["simulate"]), set(run.allocator.leases["simulate"]) - set(first["simulate"])
+    before, added = set(first["simulate"]), set(allocator.leases["simulate"]) - set(first["simulate"])
     assert added and set(chunks[0]["args"]["cpus"]) <= before
     moved = [e for e in chunks if set(e["args"]["cpus"]) & added]
     assert moved and moved[0]["ts"] > chunks[0]["ts"]
-    leases = dict(run.resources.leases)
-    assert leases["simulate"].cpus == tuple(run.allocator.leases["simulate"]) and leases["simulate"].version >= 1
+    leases = dict(run.placement.pool.leases)
+    assert leases["simulate"].cpus == tuple(allocator.leases["simulate"]) and leases["simulate"].version >= 1
 
 
 def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(tmp_path):
@@ -77,7 +78,7 @@ def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(t
                              {"simulate": 2.0, "generate": 2.0, "train": 2.0})
     profile.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
     run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
-    assert run.allocator.current.batch == 2
+    assert run.placement.allocator.current.batch == 2
     run.train()
     assert [g.envs for g in run.scheduler.loop.groups] == [[0, 1], [2, 3]]
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())

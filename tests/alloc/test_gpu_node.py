@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ebrl.alloc.allocator import CALIBRATE_AT, Allocator, cpu_sets, totals_of
+from ebrl.alloc.allocator import CALIBRATE_AT, Allocator, Measured, cpu_sets, totals_of
 from ebrl.alloc.planner import Totals, plan
 from ebrl.alloc.profile import STAGES, linear_profile
 from tests.conftest import compose_config
@@ -18,11 +18,10 @@ STEPS_PER_S, SIM_CPU_S = 400.0, 0.02
 WHOLE_GPU = {"generate": 2000.0, "train": 800.0}
 
 
-def figures(steps_per_s: float, sm: dict[str, float]) -> dict[str, float]:
-    """An iteration's metrics where each stage costs what it did at calibration, with SM shares `sm`."""
-    return {"perf/env_steps_per_s": steps_per_s, "perf/cpu_share_simulate": SIM_CPU_S * steps_per_s / len(CORES),
-            "perf/cpu_share_main": 0.05, "perf/cpu_share_trainer": 0.05,
-            **{f"perf/busy_{s}": steps_per_s / (WHOLE_GPU[s] * sm[s]) for s in WHOLE_GPU}}
+def figures(steps_per_s: float, sm: dict[str, float]) -> Measured:
+    """What an iteration measures where each stage costs what it did at calibration, with SM shares `sm`."""
+    return Measured(steps_per_s, {"simulate": SIM_CPU_S * steps_per_s / len(CORES), "generate": 0.05, "train": 0.05},
+                    {s: steps_per_s / (WHOLE_GPU[s] * sm[s]) for s in WHOLE_GPU})
 
 
 def test_the_planner_keeps_a_core_each_for_the_supervisor_generate_and_train():

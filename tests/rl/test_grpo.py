@@ -143,24 +143,33 @@ def test_groups_that_cannot_work(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_collect_runs_one_episode_per_env_from_its_groups_reset():
-    from ebrl.envs.worker import SimWorkerPool
-    from ebrl.runtime.colocated import ColocatedScheduler
-    from ebrl.telemetry.timers import StageTimers
-    from tests.envs.test_worker import LIFT
+@pytest.mark.parametrize("schedule", ["colocated", "ebrl"])
+def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_path):
+    """Under any schedule (ebrl: each of its 2 groups is one GRPO group, running and resetting on its own)."""
+    from ebrl.runtime.experiment import Experiment
 
-    with SimWorkerPool(dict(LIFT, max_episode_steps=12), num_envs=4, seed=0, group_size=2) as pool:
-        policy = policy_of("openpi")
-        pool.attach(policy.chunk_len)  # 8: the 12-step episodes end 4 steps into the second chunk
-        scheduler = ColocatedScheduler(pool, policy, StageTimers(), torch.device("cpu"))
-        batch, stats = scheduler.collect(5, reset_seeds=group_seeds(0, 0, 4, 2))
+    exp = Experiment.from_config(compose_config(
+        f"scheduler={schedule}", "algo=grpo", "env.num_envs=4", "algo.group_size=2", "algo.minibatches=2",
+        "env.max_episode_steps=12", "iterations=1", "progress=false", "logger=none"), run_dir=tmp_path / "run")
+    batches = []
+    train = exp.scheduler.trainer.train
+    exp.scheduler.trainer.train = lambda iteration, batch, **how: (batches.append(batch), train(iteration, batch, **how))
+    try:
+        assert exp.policy.chunk_len == 8  # the 12-step episodes end 4 steps into the second chunk
+        stats, metrics = exp.scheduler.next_iteration()
+    finally:
+        exp.close()
+    batch = batches[0]
     first = batch.obs["state"][0]
     assert torch.equal(first[0], first[1]) and torch.equal(first[2], first[3]) and not torch.equal(first[0], first[2])
-    assert batch.chunk.shape[:2] == (2, 4)  # every episode ended in chunk 2: the other 3 were not collected
+    assert batch.chunk.shape[:2] == (2, 4)  # every episode ended in chunk 2: no more were collected
     assert batch.mask[0].all() and batch.mask[1, :, :4].all() and not batch.mask[1, :, 4:].any()
     assert batch.done[1].all() and not batch.done[0].any()
     assert stats.env_steps == 4 * 12 and stats.lengths == [12] * 4  # the auto-reset after each end ran no step
     assert not batch.cutoff_value.any() and not batch.last_value.any()  # nothing to bootstrap
+    assert "train/group_return_std" in metrics and batch.version.eq(0).all()  # sampled by the first weights
+    # overlapping schedules correct the staleness in GRPO's ratio as in PPO's (decoupled: the behaviour weight)
+    assert ("train/is_weight_mean" in metrics) == (schedule == "ebrl")
 
 
 def test_grpo_trains_end_to_end(tmp_path):

@@ -14,7 +14,8 @@ import torch
 from ebrl.config import ConfigError, _check_schedule, validate
 from ebrl.rl.rollout import RolloutBatch, concat_envs, drop_stale
 from ebrl.runtime.experiment import Experiment
-from ebrl.runtime.pipeline import CorePool, Schedule
+from ebrl.runtime.dispatcher import CorePool
+from ebrl.runtime.schedule import Schedule
 from ebrl.telemetry.trace import read_spans
 from tests.conftest import compose_config
 
@@ -125,8 +126,8 @@ def test_groups_that_find_the_queue_full_queue_after_the_next_generation(tmp_pat
 def test_a_mode_that_cannot_run_here_says_so_in_one_line():
     with pytest.raises(ConfigError, match="scheduler.groups=5 must be between 1 and env.num_envs=4"):
         validate(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=5"))
-    with pytest.raises(ConfigError, match="algo=grpo runs with scheduler=colocated"):
-        validate(compose_config(*WORKLOAD, "scheduler=async", "algo=grpo"))
+    with pytest.raises(ConfigError, match="scheduler.groups=3 must be between 1 and 2 with algo=grpo"):
+        validate(compose_config(*WORKLOAD, "scheduler=ebrl", "algo=grpo", "algo.group_size=2", "scheduler.groups=3"))
     with pytest.raises(ConfigError, match="scheduler.train_share=0.1 must give training at least one"):
         validate(compose_config(*WORKLOAD, "scheduler=disaggregated", "scheduler.train_share=0.1"))
     # on a one-GPU node (checked past the GPU count, which this machine fails first)
@@ -159,7 +160,7 @@ def test_no_env_waits_for_another_inside_a_chunk(ebrl_run):
 
 def test_with_core_rebinding_each_chunk_runs_on_one_sim_core_and_the_slowest_ready_env_gets_it(ebrl_run):
     exp, _ = ebrl_run
-    sim_cores = set(exp.scheduler.sim_cpus)
+    sim_cores = set(exp.placement.cpus("simulate"))
     for s in chunk_spans(exp):
         assert len(s.args["cpus"]) == 1 and s.args["cpus"][0] in sim_cores, s
     decisions = exp.scheduler.dispatcher.cores.decisions
@@ -176,7 +177,7 @@ def test_an_env_runs_only_while_it_holds_a_core(ebrl_run):
     for _, d in events:
         running += d
         most = max(most, running)
-    assert most <= len(exp.scheduler.sim_cpus) < exp.cfg.env.num_envs
+    assert most <= len(exp.placement.cpus("simulate")) < exp.cfg.env.num_envs
 
 
 def test_weights_reach_generation_with_increasing_versions(ebrl_run):
@@ -237,7 +238,7 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
     assert other.scheduler.last_shapes == exp.scheduler.last_shapes
     assert len(metrics) == 3 and all(math.isfinite(m["losses/policy"]) for m in metrics)
     if mode == "hybrid":  # no overlap: training runs alone after the rollout, on every core, with no plan to split
-        assert other.allocator is None and other.scheduler.trainer.threads == len(other.cores)
+        assert other.placement.allocator is None and other.scheduler.trainer.threads == len(other.cores)
 
 
 def test_simulators_yield_shared_cores_to_generation_and_training(tmp_path):

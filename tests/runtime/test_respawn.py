@@ -25,7 +25,7 @@ from tests.runtime.test_pipeline import WORKLOAD
 def test_respawned_generation_and_trainer_take_over_with_their_new_environment_and_the_run_goes_on(tmp_path):
     exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.generation=process",
                                                 "iterations=4"), run_dir=tmp_path / "run")
-    s, pool = exp.scheduler, exp.resources
+    s, pool = exp.scheduler, exp.placement.pool
     first, first_trainer = s.generation.pid, s.trainer.process.pid
     try:
         assert first != os.getpid() and first in pool._pids["generate"] and os.getpid() not in pool._pids["generate"]
@@ -33,9 +33,9 @@ def test_respawned_generation_and_trainer_take_over_with_their_new_environment_a
         mark = s.trace.mark()
         # what a plan with new MPS shares calls (ResourcePool.on_requota); a marker stands in for the share's variable
         with environment({"EBRL_TEST_SHARE": "37"}):
-            exp._requota_generation(pool.leases["generate"])
+            exp.placement._requota_generation(pool.leases["generate"])
         with environment({"EBRL_TEST_SHARE": "63"}):
-            exp._requota_trainer(pool.leases["train"])
+            exp.placement._requota_trainer(pool.leases["train"])
         s.wait_trainer_switch()  # (a run hands over at the first loop step after the successor is ready)
         for _ in range(3):
             stats, metrics = s.next_iteration()
@@ -47,10 +47,10 @@ def test_respawned_generation_and_trainer_take_over_with_their_new_environment_a
         affinity = {stage: process_affinity(pid) for stage, pid in (("generate", second), ("train", second_trainer))}
 
         # the serving generation holds the last published weights: its samples' version, its values the trainer's
-        obs = s._batch_obs([w.obs for w in exp.pool.workers], list(range(4)))
+        obs = s.observations.of(range(4))
         sampled = s.generation.sample(obs)
         model, optimizer = s.training_state()
-        exp.policy.load_state_dict(s.trainer.channel.state())
+        exp.policy.load_state_dict(s.trainer.weights.state())
         with torch.no_grad():
             local = exp.policy.value(obs)
         served = s.generation.value(obs)

@@ -1,0 +1,240 @@
+"""Step-level orchestration (docs/design.md, "The loop"): the thread that runs the simulators' chunks, and the pool
+of simulation cores it hands out.
+
+Inside a chunk every env steps on its own, in its own process, without a barrier; a chunk that ends frees its core
+at once, even while the main thread generates. With core rebinding (`CorePool`) an env runs its chunk only while it
+holds a simulation core, every thread of its process pinned to it.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.connection
+import queue
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ebrl.config import CORE_ORDERS
+from ebrl.envs.worker import ChunkReport, SimWorkerPool
+from ebrl.runtime.messages import State, Trained
+
+
+class CorePool:
+    """The simulation cores: an env runs only while it holds one. A freed core goes to a ready env of the group
+    closest to its chunk boundary (fewest of its envs still to run: ready or running), and within that group to the
+    env with the longest estimated step time (EMA of its measured steps; never-measured envs first); with
+    `order="longest"` to the ready env with the longest estimate of any group."""
+
+    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "readiness") -> None:
+        if not cores:
+            raise ValueError("a core pool needs at least one core")
+        if order not in CORE_ORDERS:
+            raise ValueError(f"order={order!r}: one of {', '.join(CORE_ORDERS)}")
+        self.cores: list[int] = list(cores)
+        self.free: list[int] = list(cores)
+        self.core_of: dict[int, int] = {}  # env -> the core it holds
+        self.ready: list[int] = []  # envs with a chunk to run, in arrival order
+        self.group_of: dict[int, Any] = {}  # env -> its group (as `push` said)
+        self.ema: dict[int, float] = {}
+        self.alpha, self.order = alpha, order
+        self.decisions: deque[tuple[int, int, float, float]] = deque(maxlen=100_000)  # env, core, its est., max rival
+
+    def estimate(self, env: int) -> float:
+        return self.ema.get(env, math.inf)
+
+    def observe(self, env: int, step_s: float) -> None:
+        old = self.ema.get(env)
+        self.ema[env] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+
+    def push(self, env: int, group: Any = None) -> None:
+        """Env `env` has a chunk to run; `group`: the envs whose chunk step it completes with (by readiness, the
+        group with the fewest of them left goes first)."""
+        self.ready.append(env)
+        self.group_of[env] = group
+
+    def release(self, env: int) -> int:
+        core = self.core_of.pop(env)
+        if core in self.cores:  # (a core taken away by `resize` while an env held it is not handed on)
+            self.free.append(core)
+        return core
+
+    def resize(self, cores: Sequence[int]) -> None:
+        """Simulate on these cores from now on; an env holding a core that was taken away finishes its chunk."""
+        if not cores:
+            raise ValueError("a core pool needs at least one core")
+        held = set(self.core_of.values())
+        self.cores = list(cores)
+        self.free = [core for core in self.cores if core not in held]
+
+    def dispatch(self) -> list[tuple[int, int]]:
+        """Hand free cores to ready envs (see the class docstring; ties: first come)."""
+        out = []
+        # envs of each group still to run: ready or running (one that moves from ready to a core still counts)
+        left = Counter(self.group_of.get(e) for e in [*self.ready, *self.core_of])
+        while self.free and self.ready:
+            env = max(self.ready, key=lambda e: self._priority(e, left))  # max returns the first of equals
+            self.ready.remove(env)
+            # the estimates it was chosen over: of every ready env, or by readiness of those of its group
+            rivals = [e for e in self.ready if self.order == "longest" or self.group_of[e] == self.group_of[env]]
+            others = max((self.estimate(e) for e in rivals), default=-math.inf)
+            core = self.free.pop(0)
+            self.core_of[env] = core
+            self.decisions.append((env, core, self.estimate(env), others))
+            out.append((env, core))
+        return out
+
+    def _priority(self, env: int, left: Counter) -> tuple[float, float]:
+        if self.order == "longest":
+            return (0.0, self.estimate(env))
+        return (-left[self.group_of.get(env)], self.estimate(env))
+
+
+@dataclass(frozen=True)
+class ChunkEnded:
+    """The dispatcher's report: env `env`'s chunk ended (or failed: `report.failed`)."""
+
+    env: int
+    report: ChunkReport
+
+
+@dataclass(frozen=True)
+class TrainerSaid:
+    """A trainer's message, as the dispatcher read it from the trainer process (or a local trainer posted it)."""
+
+    message: Trained | State
+
+
+@dataclass(frozen=True)
+class Broke:
+    """The dispatcher, or the trainer, failed; the main thread raises `error`."""
+
+    error: BaseException
+
+
+Event = ChunkEnded | TrainerSaid | Broke
+
+
+class Dispatcher:
+    """The thread that runs chunks: it waits on every simulator pipe and the trainer process's, so a finished
+    chunk frees its core and the next ready env starts at once, even while the main thread generates.
+
+    The main thread hands it envs whose actions are written (`ready`) and reads what happened from `events`:
+    `ChunkEnded`, `TrainerSaid` or `Broke`. `waitables` are the trainer's pipes (none for a trainer in this process).
+    """
+
+    def __init__(self, pool: SimWorkerPool, cores: CorePool | None, events: queue.SimpleQueue[Event],
+                 trainer: Any = None) -> None:
+        self.pool, self.cores, self.events, self.trainer = pool, cores, events, trainer
+        self._lock = threading.Lock()
+        self._ready: list[int] = []  # without a core pool: envs to submit at once
+        self._running: dict[Any, int] = {}  # worker connection -> env
+        self._since: dict[int, float] = {}  # env -> time.monotonic() its chunk was submitted
+        self._wake_recv, self._wake_send = multiprocessing.Pipe(duplex=False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ebrl-dispatcher", daemon=True)
+        self._thread.start()
+
+    def ready(self, envs: Sequence[int]) -> None:
+        """These envs' actions are in their slots (one group's, which completes its chunk step with them): run their
+        chunks as cores allow."""
+        with self._lock:
+            for env in envs:
+                if self.cores is None:
+                    self._ready.append(env)
+                else:
+                    self.cores.push(env, envs[0])
+        self._wake()
+
+    def resize(self, cores: Sequence[int]) -> None:
+        """Hand chunks out on these sim cores from now on (with a core pool; without one, nothing to do here)."""
+        if self.cores is not None:
+            with self._lock:
+                self.cores.resize(cores)
+            self._wake()
+
+    def swap_trainer(self, trainer: Any) -> None:
+        """Wait on this trainer process's pipes from the next round on (a respawn's successor); messages of the one
+        before are dropped from then on (it has answered everything it was sent)."""
+        with self._lock:
+            self.trainer = trainer
+        self._wake()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self._wake()
+        except OSError:
+            pass
+        self._thread.join(10.0)
+
+    def _wake(self) -> None:
+        self._wake_send.send_bytes(b"!")
+
+    def _start_ready(self) -> None:
+        with self._lock:
+            if self.cores is None:
+                starting, self._ready = [(env, None) for env in self._ready], []
+            else:
+                starting = self.cores.dispatch()
+        for env, core in starting:
+            worker = self.pool.workers[env]
+            if core is not None:
+                worker.bind([core])
+            worker.submit(worker.chunk_len)
+            self._running[worker.connection] = env
+            self._since[env] = time.monotonic()
+
+    def _until_overdue(self) -> float | None:
+        """Seconds until the oldest running chunk passes the pool's chunk timeout (None: no timeout or none runs)."""
+        if self.pool.chunk_timeout_s is None or not self._since:
+            return None
+        return max(0.0, min(self._since.values()) + self.pool.chunk_timeout_s - time.monotonic())
+
+    def _overdue(self) -> list[Any]:
+        """Connections of chunks past the timeout (their wait_chunk then finds no result and replaces them)."""
+        if self.pool.chunk_timeout_s is None:
+            return []
+        now = time.monotonic()
+        return [conn for conn, env in self._running.items() if now - self._since[env] >= self.pool.chunk_timeout_s]
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                with self._lock:
+                    trainer = self.trainer
+                results, died = trainer.waitables if trainer is not None else (None, None)
+                self._start_ready()
+                ready = multiprocessing.connection.wait(
+                    [*self._running, *([results, died] if trainer is not None else []), self._wake_recv],
+                    timeout=self._until_overdue())
+                # a chunk past the timeout is taken as hung: wait_chunk replaces it and reports a failed chunk
+                for conn in list(dict.fromkeys([*ready, *self._overdue()])):
+                    if conn is self._wake_recv:
+                        while conn.poll():
+                            conn.recv_bytes()
+                    elif trainer is not None and (conn is results or (conn is died and not results.poll())):
+                        if trainer is self.trainer:  # (else it was replaced while we waited)
+                            self.events.put(TrainerSaid(trainer.receive()))
+                    elif conn in self._running:
+                        self._chunk_ended(self._running.pop(conn))
+        except Exception as e:  # noqa: BLE001  (the main thread raises it)
+            if not self._stopping:
+                self.events.put(Broke(e))
+
+    def _chunk_ended(self, env: int) -> None:
+        since = self._since.pop(env)
+        timeout = self.pool.chunk_timeout_s
+        report = self.pool.wait_chunk(env, None if timeout is None else timeout - (time.monotonic() - since))
+        if self.cores is not None:
+            with self._lock:
+                self.cores.release(env)
+                if report.executed:
+                    self.cores.observe(env, float(report.step_times.mean()))
+        self.events.put(ChunkEnded(env, report))

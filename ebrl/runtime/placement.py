@@ -1,0 +1,278 @@
+"""Placement (docs/design.md, "Placement"): which stage runs where, with how much. One object per run owns the
+map stage -> cores / GPU / SM share / memory budget and everything that changes it; the rest of the runtime asks it.
+
+- A schedule's split: every stage on every core (colocated, hybrid), or `scheduler.train_share` of the cores (and,
+  on a node with two GPUs, the second GPU) for training alone (disaggregated). The overlapping schedules (async, ebrl)
+  are split by the allocator's plan instead (ebrl/alloc), leased through a `ResourcePool` (ebrl/runtime/resources.py):
+  cores, on a GPU SM shares (MPS) and memory budgets.
+- `take(runtime)` places the runtime's processes: the supervisor (generation, when it is there) beside the
+  simulators, every simulator thread on the simulation cores at `scheduler.sim_nice`, generation's and the trainer's
+  processes on their leases.
+- `apply()` carries out a new plan in one call: the leases (attached processes move at once), the simulators' cores,
+  the generation batch (a regroup), and a respawn of a stage whose SM share or memory budget changed (an MPS share is
+  fixed for a process's life); `switched` moves a stage's lease and CPU accounting to a respawned process.
+- `measured(...)`: an iteration's figures as the allocator reads them, per stage (`Measured`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, ContextManager, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ebrl.alloc.allocator import Allocator, Measured, describe
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
+from ebrl.alloc.profile import STAGES
+from ebrl.config import ConfigError, cuda_device_count, generation_place, sm_partition, train_core_count
+from ebrl.envs.base import EnvSpec
+from ebrl.node import Ranks, set_process_affinity
+from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool, apply_memory_budget, visible_gpu
+from ebrl.telemetry.monitor import gpu_free_bytes
+from ebrl.telemetry.report import console
+from ebrl.telemetry.timers import ProcessCpu
+
+# the processes whose CPU time is each stage's (ProcessCpu groups; the supervisor also orchestrates, and with a
+# trainer of its own trains too)
+CPU_GROUP = {"simulate": "simulate", "generate": "main", "train": "trainer"}
+
+
+def _share(lease: Lease) -> str:
+    return "the whole GPU" if lease.sm_share is None else f"SM share {lease.sm_share:.2f}"
+
+
+class Placement:
+    """See the module docstring. `cores`: this rank's; `device`: where the policy runs; `out_dir`: where MPS daemons
+    keep their pipes."""
+
+    def __init__(self, cfg: DictConfig, cores: Sequence[int], device: torch.device, out_dir: Any,
+                 ranks: Ranks) -> None:
+        self.cfg, self.cores, self.device, self.ranks = cfg, list(cores), device, ranks
+        s = cfg.scheduler
+        self.local = s.trainer == "local"  # the trainer in the supervisor, on generation's policy
+        self.generation = "supervisor" if self.local else generation_place(cfg)
+        k = train_core_count(s.train_share, len(self.cores)) if s.train_share else 0
+        rollout = self.cores[: len(self.cores) - k]
+        self.split = {"simulate": rollout, "generate": rollout, "train": self.cores[len(self.cores) - k:] if k else
+                      self.cores}
+        self.own_gpu = bool(k) and device.type == "cuda" and cuda_device_count() > 1  # (NVML: starts no CUDA)
+        self.budgets: dict[str, int] = {}  # GPU bytes per stage (a GPU run's pool: `check_memory`)
+        self.runtime: Any = None  # the Scheduler whose processes this places (`take`)
+        self.cpu: ProcessCpu | None = None  # the CPU accounting (`account`)
+        self._affinity = os.sched_getaffinity(0)  # given back at close
+        self.allocator: Allocator | None = None
+        self.pool: ResourcePool | None = None
+        self.mps: MpsDaemons | None = None
+        # the allocator splits the node between stages that run side by side; disaggregated keeps the split that
+        # defines it, and a schedule without overlap runs rollout and training one after the other, each on every
+        # core and the whole GPU, as RLinf's do
+        if s.train_share is None and s.overlap and not self.local:
+            self.allocator = Allocator(cfg, self.cores)  # before any process starts: a bad profile is one line
+            console.print(f"allocator={cfg.allocator.name}: {self.allocator.source}", soft_wrap=True)
+            self._start_pool(out_dir)
+
+    def _start_pool(self, out_dir: Any) -> None:
+        cfg = self.cfg
+        try:
+            gpus = 1 if self.ranks.distributed and cfg.hw.gpus else cfg.hw.gpus  # a rank has its own GPU
+            self.pool = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
+                                     gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30), partition=sm_partition(cfg.hw),
+                                     run_dir=out_dir)
+            self._lease()
+            if self.pool.partition == "mps":  # before any CUDA starts: a client's share is fixed then
+                self.mps = MpsDaemons(range(gpus), out_dir)
+                self.mps.start()
+        except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
+            raise ConfigError(str(e)) from None
+
+    # --- what the stages get ---------------------------------------------------------------------
+    def cpus(self, stage: str) -> list[int]:
+        """The stage's cores now: its lease, or the schedule's split. Generation in the supervisor runs beside the
+        simulators; training shares every core unless the schedule gives it cores alone."""
+        if self.pool is not None and stage in self.pool.leases:
+            return list(self.pool.leases[stage].cpus)
+        return list(self.split[stage])
+
+    @property
+    def train_device(self) -> str:
+        """Where training runs: the run's device, or the second GPU where the schedule trains on its own."""
+        return "cuda:1" if self.own_gpu else str(self.device)
+
+    def threads(self, stage: str) -> int:
+        """Torch threads of a stage's process. The supervisor (generation; a local trainer's training too): every
+        core where it runs alone (a local trainer takes turns with the rollout) or on a GPU; beside the simulators on
+        CPU one, since OpenMP threads of a stage that shares its cores wait for each other (spinning) whenever one is
+        preempted (README, "Measured choices"). A trainer process: its cores where it trains alone (its own share,
+        on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads and
+        train_threads say otherwise."""
+        s, cuda = self.cfg.scheduler, self.device.type == "cuda"
+        if stage == "train" and not self.local:
+            alone = self.split["train"] != self.cores or cuda or not s.overlap
+            return s.train_threads or (len(self.split["train"]) if alone else 1)
+        return s.torch_threads or (len(self.cores) if self.local or cuda else 1)
+
+    def spawn_env(self, stage: str) -> ContextManager:
+        """The environment a stage's child starts in (its MPS share, GPU and memory budget), around its start."""
+        return self.pool.spawn_env(stage) if self.pool is not None else contextlib.nullcontext()
+
+    def train_group(self) -> Any:
+        """The process group a local trainer is data-parallel over: the supervisors' (gloo) on CPU, an NCCL group of
+        the same ranks on GPUs; None for one rank."""
+        if not self.ranks.distributed:
+            return None
+        import torch.distributed as dist
+
+        return dist.new_group(backend="nccl") if self.device.type == "cuda" else dist.group.WORLD
+
+    # --- memory ----------------------------------------------------------------------------------
+    def check_memory(self, spec: EnvSpec) -> None:
+        """Before a trainer process and generation start (and any CUDA in this process): stop, with one line, when
+        /dev/shm or the GPU cannot hold what the memory model says the run needs; on a GPU lease generation and the
+        trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child). A
+        local trainer shares nothing but the simulators' slots, which are held already."""
+        if self.local:
+            return
+        cfg = self.cfg
+        gpu = self.device.type == "cuda"
+        model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype, self.device.type, trace=gpu)
+        chunks = (math.ceil(spec.max_episode_steps / model.chunk_len) if cfg.algo.name == "grpo"
+                  else cfg.algo.rollout_chunks)
+        rows = cfg.env.num_envs * chunks
+        one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
+        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
+        if gpu and self.pool is not None:
+            micro = cfg.algo.micro_batch or max(1, rows // cfg.algo.minibatches)
+            self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
+                                   rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
+            try:
+                self._lease()
+            except ResourceError as e:
+                raise ConfigError(str(e)) from None
+        if self.pool is not None and self.pool.partition == "mps":
+            if self.generation == "supervisor":  # generation in this process: its share is this one's
+                os.environ.update(self.pool.child_env("generate"))
+            self.pool.on_requota("generate", self._requota_generation)
+            self.pool.on_requota("train", self._requota_trainer)
+        elif gpu and self.generation == "supervisor" and "generate" in self.budgets:
+            apply_memory_budget(self.budgets["generate"], 0)
+
+    # --- the runtime's processes -----------------------------------------------------------------
+    def take(self, runtime: Any) -> None:
+        """Place the runtime's processes (see the module docstring) and, with a plan, its generation batch."""
+        self.runtime = runtime
+        # the supervisor generates (unless generation has a process of its own) beside the simulators
+        set_process_affinity(os.getpid(), self.cpus("generate") if self.generation == "supervisor" else
+                             self.split["simulate"])
+        for worker in runtime.pool.workers:
+            worker.bind(self.cpus("simulate"))
+            # generation and training are on the critical path of every env: when they want a shared core they get
+            # it first, and the simulators fill what is left (README, "Measured choices")
+            worker.renice(self.cfg.scheduler.sim_nice)
+        if self.pool is not None:
+            for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):
+                self.pool.attach(stage, pid)
+        if self.allocator is not None and self.allocator.current is not None:
+            runtime.regroup(self.allocator.current.groups)
+            console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
+
+    def process_groups(self) -> dict[str, list[int]]:
+        """Which processes do which stage's work: the simulators; this one (orchestration, generation unless it has a
+        process of its own, a local trainer's training) with a generation process; the trainer process."""
+        runtime = self.runtime
+        out = {"simulate": [w.pid for w in runtime.pool.workers], "main": [os.getpid()]}
+        if self.generation == "process":
+            out["main"].append(runtime.generation.pid)
+        if not self.local:
+            out["trainer"] = [runtime.trainer.pid]
+        return out
+
+    def account(self) -> ProcessCpu:
+        """The CPU accounting of the stages' processes from now on (a respawned process joins its group)."""
+        self.cpu = ProcessCpu(self.process_groups(), len(self.cores))
+        return self.cpu
+
+    def switched(self, stage: str, old_pid: int, new_pid: int) -> None:
+        """A respawned stage's successor took over: the lease moves to it, and its CPU time counts for the stage."""
+        if self.pool is not None:
+            self.pool.detach(stage, old_pid)
+            self.pool.attach(stage, new_pid)
+        if self.cpu is not None:
+            self.cpu.add(CPU_GROUP[stage], new_pid)
+
+    def measured(self, steps_per_s: float, cpu_shares: dict[str, float], busy: dict[str, float]) -> Measured:
+        """One iteration's figures per stage: `cpu_shares` of the process groups (`account`), `busy` from the
+        trace."""
+        return Measured(steps_per_s, {stage: cpu_shares.get(group, 0.0) for stage, group in CPU_GROUP.items()},
+                        dict(busy))
+
+    # --- plans -----------------------------------------------------------------------------------
+    def observe(self, measured: Measured) -> tuple[str | None, dict[str, float]]:
+        """The allocator reads an iteration's measurements; a new plan is applied at once. Returns the decision's
+        line (None: the plan stands) and the `alloc/` metrics."""
+        line, metrics = self.allocator.observe(measured)
+        if line is not None:
+            self.apply()
+        return line, metrics
+
+    def apply(self) -> None:
+        """Carry out the allocator's current plan: lease it (the pool moves generation, this process or its own, and
+        the trainer, every thread; a changed SM share or budget respawns the stage), move the simulators onto their
+        cores, and serve generation in the plan's batches (a regroup at the next common segment boundary; nothing when
+        the batch did not change)."""
+        self._lease()
+        self.runtime.simulate_on(self.cpus("simulate"))
+        self.runtime.regroup(self.allocator.current.groups)
+
+    def _lease(self) -> None:
+        """Lease each stage its cores of the allocator's plan, and on a GPU generation and training their SM shares
+        and memory budgets; before there is a plan (calibrating), every core and no SM share."""
+        plan = self.allocator.current
+        cpus = self.allocator.leases or {stage: self.cores for stage in STAGES}
+        gpu = 0 if self.cfg.hw.gpus else None
+        for stage in ("generate", "train"):
+            share = None if gpu is None or plan is None else plan.x[stage]
+            self.pool.lease(stage, cpus[stage], gpu=gpu, sm_share=share,
+                            mem_bytes=self.budgets.get(stage) if gpu is not None else None)
+        self.pool.lease("simulate", cpus["simulate"])
+
+    # An MPS share (and memory cap) is read when a process's CUDA starts: a new one is a new process, started under
+    # it while the old one works on (make before break).
+    def _requota_generation(self, lease: Lease) -> None:
+        if self.generation != "process":  # (scheduler.generation=supervisor: this process's share is fixed)
+            return self._requota_recorded(lease, "generation runs in this process (scheduler.generation=supervisor)")
+        free = gpu_free_bytes(visible_gpu(0)) if self.cfg.hw.gpus else None
+        need = self.budgets.get("generate", 0)
+        overlap = free is None or free >= need  # (room for a second copy of generation's weights while it starts)
+        with self.spawn_env("generate"):
+            self.runtime.generation.respawn(cpus=lease.cpus, overlap=overlap)
+        how = ("the running one serves until it is ready" if overlap else
+               f"the GPU has {free / 2**30:.1f} GiB free and a second generation needs {need / 2**30:.1f}: the running "
+               "one stopped first, and generation waited for the new one")
+        self._requota_started(lease, "generation", how)
+
+    def _requota_trainer(self, lease: Lease) -> None:
+        if self.ranks.distributed:  # a successor would have to join the other ranks' process group
+            return self._requota_recorded(lease, "the trainer is one of several ranks' data-parallel group")
+        with self.spawn_env("train"):
+            self.runtime.trainer.respawn(cpus=lease.cpus)
+        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state; "
+                              "the old one frees the GPU before the new one allocates")
+
+    @staticmethod
+    def _requota_started(lease: Lease, what: str, how: str) -> None:
+        console.print(f"allocator: {what} restarts with {_share(lease)} (an MPS share is fixed for a process's "
+                      f"life); {how}", soft_wrap=True)
+
+    @staticmethod
+    def _requota_recorded(lease: Lease, why: str) -> None:
+        console.print(f"allocator: {lease.stage}'s {_share(lease)} is recorded, not applied: {why}, and an MPS share "
+                      "is fixed for a process's life", soft_wrap=True)
+
+    def close(self) -> None:
+        """Give this process its cores back and stop the MPS daemons (after every client is gone)."""
+        set_process_affinity(os.getpid(), self._affinity)
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None

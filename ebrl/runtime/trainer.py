@@ -1,0 +1,361 @@
+"""The trainer stage of every schedule (docs/design.md, "Processes and what crosses between them"), in one of two
+places behind one interface (`Trainer`):
+
+- `LocalTrainer`: in the supervisor, on the very policy generation samples with (colocated: the stages take turns,
+  so one copy of the weights serves both, an update is the next version at once, and training uses every core);
+- `ProcessTrainer`: in a process of its own, which trains on one rollout while the next one collects and publishes
+  each update's weights with a version number through the `WeightChannel` (ebrl/runtime/channel.py): after each
+  update it writes them, in policy.dtype, into the slot generation is not reading and bumps the version; generation
+  copies them in at a chunk boundary when the version it holds is older. Rollout batches go to the trainer as torch
+  tensors over a pipe (torch moves their storage to shared memory; only handles are pickled); results come back on
+  another pipe, which the dispatcher waits on beside the simulator pipes. A new MPS share is a successor process
+  that takes over between two updates (`Succession`).
+
+Either way updates go in with `train`, and results come back as messages (`Trained`, then `State` when a checkpoint
+is due) on the runtime's event queue.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing.connection
+import os
+import signal
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ebrl.envs.base import EnvSpec, one_line
+from ebrl.errors import StageFailed
+from ebrl.policies.build import build_policy
+from ebrl.policies.training import load_state, lora_scaling
+from ebrl.runtime.channel import SharedWeights, WeightChannel
+from ebrl.runtime.checkpoint import detached_copy
+from ebrl.node import Ranks
+from ebrl.runtime.distributed import (
+    DistributedError,
+    close_group,
+    full_state,
+    join_trainers,
+    shard,
+    trainer_backend,
+    weights_sum,
+)
+from ebrl.runtime.messages import Load, Ready, State, StateRequest, Stop, Train, Trained
+from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
+from ebrl.runtime.succession import Succession
+from ebrl.rl.rollout import RolloutBatch
+from ebrl.rl.trainers import make_trainer
+
+
+class TrainerError(StageFailed):
+    """The trainer process failed or died; the message is its one-line reason."""
+
+
+def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
+                 requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
+                 cpus: Sequence[int], threads: int, device: str, resume: str | None, successor: bool) -> None:
+    """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
+
+    The first weights: a resumed run's checkpoint (`resume`, the float32 masters and Adam state as they were), else
+    policy.checkpoint's file, else the supervisor's (version 0 of the channel). A `successor` (a respawn under a new
+    MPS share) holds nothing until its predecessor's state arrives: it allocates only once that one has gone.
+    With the channel's slots on the GPU, the trainer attaches its own once it holds weights.
+
+    Train        -> Trained; with `gather` (a checkpoint is due after this update) then also State(..., iteration)
+                    (FSDP: gathered by every rank's trainer at the same update)
+    StateRequest -> State(model, optimizer, None)
+    Load         -> nothing: continue from that state (a respawn's handover)
+    Stop         -> the process ends
+    A failure answers Failed(one line) and ends the process.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
+    try:
+        start_worker(cpus, threads, int(conf["seed"]) + 1, device)
+        ranks = Ranks.from_env()  # a child of the supervisor: torchrun's environment is ours too
+        group = None
+        if ranks.distributed:  # data-parallel with the other ranks' trainers
+            if torch.device(device).type == "cuda":  # (a rank sees its own GPU as cuda:0, distributed.pin_gpu)
+                torch.cuda.set_device(torch.device(device).index or 0)
+            join_trainers(ranks, trainer_backend(device), float(conf["distributed"]["timeout_s"]))
+            group = dist.group.WORLD
+
+        def new_trainer(policy: torch.nn.Module) -> Any:
+            if group is not None and conf["distributed"]["strategy"] == "fsdp":
+                shard(policy)
+            return make_trainer(policy, OmegaConf.create(conf["algo"]), device, group)
+
+        policy = trainer = None
+        if not successor:
+            policy, checkpoint = trainer_policy(conf["policy"], spec, channel, device, resume)
+            trainer = new_trainer(policy)
+            if checkpoint is not None:
+                trainer.load_optimizer_state(checkpoint["optimizer"])
+            if channel.cuda:
+                channel.attach(device, full_state(policy))
+        results.send(Ready())
+        while True:
+            try:
+                message = requests.recv()
+            except (EOFError, OSError):  # the supervisor is gone
+                return
+            if isinstance(message, Stop):
+                close_group()
+                return
+            if isinstance(message, Train):
+                start = time.perf_counter()
+                metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip)
+                published = time.perf_counter()
+                state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
+                version = channel.publish(state)
+                if group is not None:  # the supervisors check that every replica holds the same weights
+                    metrics["dist/weights_sum"] = weights_sum(state)
+                results.send(Trained(message.iteration, metrics, version, start, published, time.perf_counter()))
+                if message.gather:
+                    results.send(State(detached_copy(state), detached_copy(trainer.optimizer_state()),
+                                       message.iteration))
+            elif isinstance(message, Load):  # a predecessor's state (one rank: see ProcessTrainer.switch)
+                if policy is None:  # a successor: allocated now that the predecessor has gone
+                    policy = build_policy(conf["policy"], spec, device, train=True, weights="given")
+                    trainer = new_trainer(policy)
+                policy.load_state_dict(message.model)
+                trainer.load_optimizer_state(message.optimizer)
+                if channel.cuda:
+                    channel.attach(device, full_state(policy))
+            elif isinstance(message, StateRequest):  # (not sharded: the gathering would need every rank at once)
+                results.send(State(detached_copy(policy.state_dict()), detached_copy(trainer.optimizer_state())))
+            else:
+                raise ValueError(f"unknown request {type(message).__name__}")
+    except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
+        report_failure(results, e)
+
+
+def trainer_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, device: str,
+                   resume: str | None) -> tuple[torch.nn.Module, dict | None]:
+    """The trainer's policy with its first weights (see trainer_main), and the resumed checkpoint (or None)."""
+    if resume is not None:  # the float32 masters as they were, not the channel's policy.dtype copy
+        policy = build_policy(policy_conf, spec, device, train=True, weights="given")
+        checkpoint = torch.load(resume, map_location="cpu", weights_only=False, mmap=True)
+        load_state(policy, checkpoint["model"], checkpoint.get("lora"))
+        return policy, checkpoint
+    if policy_conf.get("checkpoint"):  # the published file, read in full precision
+        return build_policy(policy_conf, spec, device, train=True), None
+    policy = build_policy(policy_conf, spec, device, train=True, weights="given")
+    channel.pull(policy, -1)
+    return policy, None
+
+
+class TrainerProcess(PipedProcess):
+    """Supervisor-side handle of one trainer process."""
+
+    what = "trainer process"
+    error = TrainerError
+
+    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, resume: str | None = None, successor: bool = False) -> None:
+        """Start the trainer publishing into `channel` (see trainer_main for `resume` and `successor`); it says
+        `Ready` once it serves."""
+        import torch.multiprocessing as tmp
+
+        super().__init__(tmp.get_context("spawn"), trainer_main, "ebrl-trainer", (conf, spec, channel),
+                         (list(cpus), threads, device, resume, successor))
+
+    @property
+    def waitables(self) -> list[Any]:
+        """What `multiprocessing.connection.wait` should watch: results arriving, or the process dying."""
+        return [self.results, self.process.sentinel]
+
+
+Post = Callable[[Trained | State], None]
+
+
+class Trainer:
+    """A schedule's trainer stage, wherever it trains (see the module docstring). What both places share: the states
+    the trainer sends back, a checkpoint's right after the update it is due at (`gathered`) and one asked for
+    (`state`)."""
+
+    weights: Any  # what generation pulls the trainer's weights from: a WeightChannel, or SharedWeights
+    threads: int  # torch threads it trains with
+
+    def __init__(self) -> None:
+        self.state: tuple[dict, dict] | None = None  # the answer to a state request
+        self.gathered: dict[int, tuple[dict, dict]] = {}  # this run's update index -> the state right after it
+
+    @property
+    def pid(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def process(self) -> TrainerProcess | None:
+        """The trainer process whose pipes the dispatcher waits on (None: the trainer posts its messages itself)."""
+        return None
+
+    @property
+    def torn(self) -> bool:
+        """An update was interrupted half-way: the weights here are not a checkpoint's."""
+        return False
+
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
+        """Train on `batch`; `Trained` comes back, and with gather then the `State` too (a checkpoint is due)."""
+        raise NotImplementedError
+
+    def request_state(self) -> None:
+        """Ask for the model and optimizer state after every update sent so far (a `State` without gathered_after)."""
+        raise NotImplementedError
+
+    def respawn(self, cpus: Sequence[int] | None = None) -> None:
+        """Start a successor under the environment of the moment (a new MPS share)."""
+        raise NotImplementedError(f"{type(self).__name__} has no process to respawn")
+
+    def successor_ready(self, timeout: float = 0.0) -> bool:
+        return False
+
+    def take(self, message: Trained | State) -> Trained | None:
+        """A message of the trainer: a state is kept (None is returned), an update's result returned."""
+        if isinstance(message, State):
+            if message.gathered_after is None:
+                self.state = (message.model, message.optimizer)
+            else:
+                self.gathered[message.gathered_after] = (message.model, message.optimizer)
+            return None
+        if not isinstance(message, Trained):
+            raise TrainerError(f"unexpected message {type(message).__name__} from the trainer")
+        return message
+
+    def take_gathered(self, k: int) -> tuple[dict, dict] | None:
+        """The state gathered after update `k`, once it came (older ones, gathered while updates had NaN and no
+        checkpoint was written, are dropped)."""
+        if k not in self.gathered:
+            return None
+        for old in [i for i in self.gathered if i < k]:
+            del self.gathered[old]
+        return self.gathered.pop(k)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalTrainer(Trainer):
+    """Training in the supervisor on `policy` itself, with this process's threads (colocated's: every core), data-
+    parallel over `group` with several ranks; `post` puts its messages on the runtime's event queue. A resumed run's
+    weights are already in `policy`; its Adam state is read from `resume`."""
+
+    def __init__(self, policy: torch.nn.Module, algo: Any, device: torch.device, post: Post,
+                 resume: str | None = None, group: dist.ProcessGroup | None = None, rank: int = 0) -> None:
+        super().__init__()
+        self.policy, self.post, self.group, self.rank = policy, post, group, rank
+        self.trainer = make_trainer(policy, algo, device, group)
+        if resume is not None:
+            self.trainer.load_optimizer_state(torch.load(resume, map_location="cpu", weights_only=False,
+                                                         mmap=True)["optimizer"])
+        self.weights = SharedWeights()
+        self.threads = torch.get_num_threads()
+        self._torn = False
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def torn(self) -> bool:
+        return self._torn
+
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
+        start = time.perf_counter()
+        self._torn = True  # (stays so when the update is interrupted: its weights are half-stepped)
+        try:
+            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip)
+            if self.group is not None:  # rank 0 checks that every replica holds the same weights
+                metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
+        except RuntimeError as e:
+            if self.group is None:
+                raise
+            raise DistributedError(f"rank {self.rank}'s update failed ({one_line(e)}); another rank may have "
+                                   "stopped") from None
+        self._torn = False
+        published = time.perf_counter()
+        self.post(Trained(iteration, metrics, self.weights.publish(), start, published, published))
+        if gather:  # (the next update changes these in place)
+            self.post(State(*self._copy(), iteration))
+
+    def request_state(self) -> None:
+        self.post(State(*self._copy()))
+
+    def _copy(self) -> tuple[dict, dict]:
+        return detached_copy((self.policy.state_dict(), self.trainer.optimizer_state()))
+
+
+class ProcessTrainer(Trainer):
+    """The trainer in its own process (`process`), and a successor started under a new share that takes over between
+    two updates with the model and Adam state (`Succession`). `on_switch(old_pid, new_pid)` after a hand-over."""
+
+    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
+                 threads: int, device: str, resume: str | None = None,
+                 on_switch: Callable[[int, int], None] | None = None) -> None:
+        super().__init__()
+        self.weights, self.threads, self.cpus = channel, threads, list(cpus)
+        self.succession: Succession[TrainerProcess] = Succession(
+            lambda successor: TrainerProcess(conf, spec, channel, self.cpus, threads, device,
+                                             None if successor else resume, successor), on_switch=on_switch)
+
+    @property
+    def process(self) -> TrainerProcess:
+        return self.succession.current
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
+        self.process.send(Train(iteration, batch, decoupled, is_clip, gather))
+
+    def request_state(self) -> None:
+        self.process.send(StateRequest())
+
+    def respawn(self, cpus: Sequence[int] | None = None) -> None:
+        """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),
+        on `cpus` if given; a successor still starting is replaced."""
+        if cpus is not None:
+            self.cpus = list(cpus)
+        self.succession.respawn()
+
+    def successor_ready(self, timeout: float = 0.0) -> bool:
+        return self.succession.successor_ready(timeout)
+
+    def switch(self, model: dict[str, torch.Tensor], optimizer: dict, release: Callable[[], None],
+               swap: Callable[[TrainerProcess], None]) -> None:
+        """The ready successor trains from now on, from this state (the trainer's after every update sent to it).
+        The old one stops first, so its GPU memory is free before the successor allocates (it built nothing yet);
+        with the weights' slots on the GPU, generation lets go of the old trainer's slots first (`release`).
+        `swap` points the dispatcher at the successor's pipes."""
+        if self.weights.cuda:
+            self.weights.withdraw()
+            release()
+        swap(self.succession.successor)
+        old = self.succession.switch()
+        old.stop()
+        self.process.send(Load(model, optimizer))
+        self.succession.retired.append(old)
+
+    def close(self) -> None:
+        self.succession.close()
+
+
+def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, placement: Any, post: Post,
+                       resume: str | None = None) -> Trainer:
+    """The schedule's trainer (`scheduler.trainer`): in the supervisor on `policy`, or in a process of its own
+    started in its stage's environment (placement.spawn_env), on its cores and device, publishing into a new
+    `WeightChannel` that holds `policy`'s weights as version 0. `resume`: a run's checkpoint to continue from."""
+    if placement.local:
+        return LocalTrainer(policy, OmegaConf.create(conf["algo"]), placement.device, post, resume,
+                            placement.train_group(), placement.ranks.rank)
+    device = placement.device
+    # on one GPU generation reads the trainer's published weights on the device (CUDA IPC), else from host memory
+    channel = WeightChannel(policy.state_dict(), torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
+                            cuda=device.type == "cuda" and placement.train_device == str(device),
+                            lora_scaling=lora_scaling(conf["policy"]))
+    with placement.spawn_env("train"):
+        return ProcessTrainer(conf, spec, channel, placement.cpus("train"), placement.threads("train"),
+                              placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"))
