@@ -72,3 +72,33 @@ def test_no_import_circle():
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+MOST_ATTRIBUTES = 15  # a class that holds more does more than one thing (the models' layers and data records aside)
+
+
+def attributes(cls: ast.ClassDef) -> set[str]:
+    """The names a class assigns on `self` anywhere in its body."""
+    out = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            out |= {e.attr for e in ast.walk(target)
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+    return out
+
+
+def test_no_class_outside_the_models_holds_more_than_a_few_attributes():
+    """Dataclasses (schemas, records) and the policies' modules (layers) are data; every other class is behaviour,
+    and one that holds more than MOST_ATTRIBUTES things is a god object in the making."""
+    big = []
+    for path in (REPO / "ebrl").rglob("*.py"):
+        if path.parent.name == "policies":
+            continue
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            decorators = {ast.unparse(d).split("(")[0] for d in cls.decorator_list}
+            held = attributes(cls)
+            if "dataclass" not in decorators and len(held) > MOST_ATTRIBUTES:
+                big.append(f"{module_name(path)}.{cls.name}: {len(held)}")
+    assert big == []

@@ -9,7 +9,8 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
           swapped, with the rebuild's time; then both loops at once, to tell separate SM sets from shared ones
   memory  a budget of 10% of the device memory: an allocation past it must raise OutOfMemoryError
   nvml    GpuMonitor readings during a matmul burst (GPM SM utilisation where supported)
-  policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update
+  policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update, and the scheduler benchmark's
+          limit costs on the device (generation's and training's GPU time per env step, bench.schedulers.stage_costs)
   full    pi0 at full size in bfloat16 (2 cameras at 224 px), built with given weights: build time, policy.sample at
           batch 1, 8 and 32, one PPO update (train=all) at algo.micro_batch=4; the peak memory allocated against the
           memory model's prediction, and the CUDA context's size
@@ -272,6 +273,7 @@ def check_nvml(args: argparse.Namespace) -> tuple[bool, dict]:
 def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.bench.memory import compose
     from ebrl.bench.policies import build, make_obs, timed
+    from ebrl.bench.schedulers import stage_costs
     from ebrl.config import register_configs
     from ebrl.envs.base import ArraySpec, EnvSpec
     from ebrl.rl.ppo import PPOTrainer
@@ -309,10 +311,14 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
         torch.cuda.synchronize()
 
     update_ms = timed(update, 3)
+    # the scheduler benchmark's limit on a GPU: generation's and training's device time per env step
+    seen = [{k: v.cpu().numpy() for k, v in obs.items() if k not in ("tokens", "token_mask")}] * chunks
+    limit_costs = stage_costs(policy, trainer, seen, cuda)
     figures = {"parameters_m": round(policy.num_parameters() / 1e6, 2), "batch": batch_size, "chunk": policy.chunk_len,
                "sample_ms": round(sample_ms, 2), "ppo_update_ms": round(update_ms, 2),
-               "rows_per_update": batch_size * chunks, "policy_loss": round(metrics["losses/policy"], 4)}
-    return all(math.isfinite(v) for v in metrics.values()), figures
+               "rows_per_update": batch_size * chunks, "policy_loss": round(metrics["losses/policy"], 4),
+               **{f"limit_{stage}_us_per_env_step": round(1e6 * c, 3) for stage, c in limit_costs.items()}}
+    return all(math.isfinite(v) for v in [*metrics.values(), *limit_costs.values()]), figures
 
 
 def check_full(args: argparse.Namespace) -> tuple[bool, dict]:

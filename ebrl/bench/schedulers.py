@@ -19,7 +19,9 @@ over the rounds with its min-max:
   Generation and training: CPU time of policy.sample at the rollout's batch and of one PPO update on a
   rollout of the same size, with one torch thread (the least CPU a stage can take: no thread-pool
   overhead), per env step, the least of a few timings. No schedule on these cores can beat it;
-  achieved/limit says how close a row is.
+  achieved/limit says how close a row is. Where the run's policy is on a GPU, generation and training are
+  measured there (device time) and share the one GPU: the limit is the lesser of the cores over simulation's CPU
+  time and the GPU over theirs.
 Rows that do less work are set against the limit of the work they do (sim-only: simulation alone;
 gymnasium rollout: simulation + generation).
 
@@ -140,6 +142,13 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def run_device_type(cfg: Any) -> str:
+    """"cuda" where the run's policy runs on a GPU, else "cpu"."""
+    from ebrl.runtime.experiment import run_device
+
+    return run_device(cfg).type
+
+
 def bench_cores(cfg: Any) -> int:
     from ebrl.config import available_cpu_cores
 
@@ -254,46 +263,68 @@ def policy_batch(obs: dict[str, np.ndarray], tokens: Any, mask: Any) -> dict[str
     return batch
 
 
-def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    """CPU-seconds per env step of generation (policy.sample on each chunk's obs, the rollout's batch) and of
-    training (one PPO update on a rollout of the same size), one torch thread, each alone."""
+def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]], device: Any = None) -> dict[str, float]:
+    """Seconds per env step of generation (policy.sample on each chunk's obs, the rollout's batch) and of training
+    (one PPO update on a rollout of the same size), each alone, on the run's device: on CPU the CPU time with one
+    torch thread; on a GPU the device time (synchronised wall time; the kernels, not the host's threads, are the
+    cost there)."""
     import torch
 
     from ebrl.rl.rollout import ChunkStep, stack_steps
 
+    device = torch.device("cpu") if device is None else torch.device(device)
+    cuda = device.type == "cuda"
     n, H = len(next(iter(seen[0].values()))), policy.chunk_len
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * n))
-    batches = [policy_batch(obs, tokens, mask) for obs in seen]
+    batches = [{k: v.to(device) for k, v in policy_batch(obs, tokens, mask).items()} for obs in seen]
     env_steps = len(seen) * n * H
-    # Wall time of single-threaded work on otherwise idle cores (process_time would also count OpenMP threads of
-    # earlier multi-threaded phases that spin-wait), with denormal floats flushed to zero: on this rollout-shaped
-    # batch a small-preset PPO update otherwise ran into denormals and took 42 instead of 8.7 ms per env step, and
-    # the limit is the least CPU a stage can take
-    flush = torch.set_flush_denormal(True)
-    with torch_threads(1):
-        policy.sample(batches[0])  # warm-up: first-call allocations
-        generate = math.inf
-        for _ in range(REPS):  # the least of a few: one-off costs (new shapes, allocator growth) are not the stage's
+
+    def timed(work: Any) -> float:
+        """The least of REPS timings: one-off costs (new shapes, allocator growth) are not the stage's."""
+        best = math.inf
+        for _ in range(REPS):
             t0 = time.perf_counter()
-            outs = [policy.sample(b) for b in batches]
-            generate = min(generate, time.perf_counter() - t0)
+            work()
+            if cuda:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    # On CPU: wall time of single-threaded work on otherwise idle cores (process_time would also count OpenMP
+    # threads of earlier multi-threaded phases that spin-wait), with denormal floats flushed to zero: on this
+    # rollout-shaped batch a small-preset PPO update otherwise ran into denormals and took 42 instead of 8.7 ms per
+    # env step, and the limit is the least CPU a stage can take
+    flush = torch.set_flush_denormal(True)
+    with torch_threads(1 if not cuda else torch.get_num_threads()):
+        outs = [policy.sample(b) for b in batches]  # warm-up: first-call allocations
+        generate = timed(lambda: [policy.sample(b) for b in batches])
         gen = torch.Generator().manual_seed(0)
         steps = [ChunkStep(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
-                           reward=torch.randn(n, generator=gen), done=torch.zeros(n, dtype=torch.bool),
-                           mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n))
+                           reward=torch.randn(n, generator=gen).to(device),
+                           done=torch.zeros(n, dtype=torch.bool, device=device),
+                           mask=torch.ones(n, H, dtype=torch.bool, device=device),
+                           cutoff_value=torch.zeros(n, device=device))
                  for b, o in zip(batches, outs)]
         batch = stack_steps(steps, policy.value(batches[-1]))
         # warm-up on as few chunk steps as the minibatches allow: Adam's state and autograd's first-call costs
         warm = -(-trainer.cfg.minibatches // n)
         trainer.update(stack_steps(steps[:warm], batch.last_value))
-        train = math.inf
-        for _ in range(REPS):
-            t0 = time.perf_counter()
-            trainer.update(batch)
-            train = min(train, time.perf_counter() - t0)
+        train = timed(lambda: trainer.update(batch))
     if flush:
         torch.set_flush_denormal(False)
     return {"generate": generate / env_steps, "train": train / env_steps}
+
+
+def limits_of(cost: dict[str, float], cores: int, gpu: bool) -> dict[str, float]:
+    """The work-conserving limits (env steps/s) of all three stages, simulation alone, and simulation with
+    generation, from each stage's seconds per env step: on CPU the cores divided by the CPU work; on a GPU node the
+    lesser of the cores over simulation's CPU work and the one GPU over generation's and training's GPU work."""
+    sim = cores / cost["simulate"]
+    if not gpu:
+        return {"sim+gen+train": cores / sum(cost.values()), "sim": sim,
+                "sim+gen": cores / (cost["simulate"] + cost["generate"])}
+    return {"sim+gen+train": min(sim, 1 / (cost["generate"] + cost["train"])), "sim": sim,
+            "sim+gen": min(sim, 1 / cost["generate"])}
 
 
 def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], float, dict[str, float], Any]:
@@ -305,11 +336,13 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.policies.build import build_policy
+    from ebrl.runtime.experiment import run_device
 
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
+    device = run_device(cfg)  # generation and training are measured where the run puts them
     with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed) as pool:
-        policy = build_policy(conf["policy"], pool.spec, train=True)
+        policy = build_policy(conf["policy"], pool.spec, device, train=True)
         pool.attach(policy.chunk_len)
         pool.reset_all()
         n = cfg.env.num_envs
@@ -317,10 +350,11 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
 
         def act(obs: dict[str, np.ndarray]) -> np.ndarray:
             with torch.inference_mode():
-                return policy.sample(policy_batch(obs, tokens, mask)).chunk.float().numpy()
+                batch = {k: v.to(device) for k, v in policy_batch(obs, tokens, mask).items()}
+                return policy.sample(batch).chunk.float().cpu().numpy()
 
         rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations, act)
-    costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo), seen)}
+    costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo, device), seen, device)}
     return rate, costs, parent_cpu, latency, pool.spec
 
 
@@ -405,17 +439,13 @@ def run_round(workload: Workload, modes: Sequence[str], gym: bool) -> Round:
     return out
 
 
-def summarize(rounds: list[Round], modes: Sequence[str], cores: int) -> dict[str, Any]:
+def summarize(rounds: list[Round], modes: Sequence[str], cores: int, gpu: bool = False) -> dict[str, Any]:
     """Medians over rounds, the limits and each row's ratios."""
     med = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
-    # the least CPU each stage took in any round: noise (other load, cache contention) only adds CPU time, and the
-    # limit must bound every schedule from above
+    # the least each stage took in any round: noise (other load, cache contention) only adds time, and the limit must
+    # bound every schedule from above
     cpu = {s: min(r.cpu_per_step[s] for r in rounds) for s in STAGES}
-    limits = {
-        "sim+gen+train": cores / sum(cpu.values()),
-        "sim": cores / cpu["simulate"],
-        "sim+gen": cores / (cpu["simulate"] + cpu["generate"]),
-    }
+    limits = limits_of(cpu, cores, gpu)
     work = {SIM_ONLY: "sim", GYM_ROLLOUT: "sim+gen"}
     base = med([r.rates[modes[0]] for r in rounds]) if modes else float("nan")
     rows = []
@@ -429,7 +459,7 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int) -> dict[str
                      "min": min(r.rates[name] for r in rounds), "max": max(r.rates[name] for r in rounds)})
     stages = {mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]])
                      for k in rounds[0].stages[mode]} for mode in modes}
-    return {"cores": cores, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
+    return {"cores": cores, "gpu": gpu, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
             "stages": stages,
             "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
             "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms}}
@@ -464,7 +494,8 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
             st = result["stages"][mode]
             print(f"| {mode} | " + " | ".join(f"{st[k]:.0%}" if k in st else "-" for k in keys) + " |")
     cpu = result["cpu_s_per_env_step"]
-    print("CPU ms per env step, each stage alone (least over rounds): "
+    print(("ms per env step, each stage alone (least over rounds; simulate CPU, generate and train GPU time): "
+           if result.get("gpu") else "CPU ms per env step, each stage alone (least over rounds): ")
           + ", ".join(f"{s} {1e3 * cpu[s]:.2f}" for s in STAGES)
           + f" (sum {1e3 * sum(cpu.values()):.2f}); parent's orchestration while only simulating "
           f"{1e3 * result['orchestration_cpu_s_per_env_step']:.2f} (not in the limit)")
@@ -472,7 +503,9 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
     print(f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
           f"fastest env's {lat['env_spread']:.2f}; sim CPU ms per env step in lockstep {lat['cpu_lockstep']:.2f}, "
           f"one env per core {lat['cpu_placed']:.2f}")
-    print("limit = cores / sum of the stages' CPU-seconds per env step: " + ", ".join(
+    how = ("min(cores / simulate's CPU-seconds, 1 GPU / generate's and train's GPU-seconds) per env step"
+           if result.get("gpu") else "cores / sum of the stages' CPU-seconds per env step")
+    print(f"limit = {how}: " + ", ".join(
         f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
 
 
@@ -514,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         overrides=list(args.overrides), seed=args.seed, stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     rounds = [run_round(workload, round_order(args.modes, i), gym=not args.no_gym) for i in range(args.repeats)]
-    result = summarize(rounds, args.modes, bench_cores(compose(workload)))
+    cfg = compose(workload)
+    result = summarize(rounds, args.modes, bench_cores(cfg), gpu=run_device_type(cfg) == "cuda")
     result["workload"] = workload.__dict__
     print_report(result, workload, args.modes)
     if args.json:

@@ -112,6 +112,44 @@ def _split(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     return {name[len(prefix):]: view for name, view in views.items() if name.startswith(prefix)}
 
 
+@dataclass(frozen=True)
+class Slot:
+    """The parent's views of one env's shared-memory block (see `SlotLayout`)."""
+
+    obs: dict[str, np.ndarray]  # the next decision's observation
+    final: dict[str, np.ndarray]  # the obs an episode ended on (before the auto-reset)
+    actions: np.ndarray  # (H, action_dim) float32: the chunk to run
+    rewards: np.ndarray
+    step_times: np.ndarray
+    successes: np.ndarray
+    header: np.ndarray  # executed, terminated, truncated, has_final
+    clock: np.ndarray  # the chunk's first step began, its last ended (perf_counter)
+
+    @classmethod
+    def of(cls, views: dict[str, np.ndarray]) -> "Slot":
+        return cls(_split(views, "obs/"), _split(views, "final/"), views["actions"], views["rewards"],
+                   views["step_times"], views["successes"], views["header"], views["clock"])
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a simulator process starts: its interpreter (env.python or the benchmark's), variables for its environment
+    (egl_environment) and how long its simulator may take to build."""
+
+    python: str
+    env: dict[str, str]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The chunk a worker was asked to run: `empty` (0 steps, nothing sent), or `lost` (it could not be sent: why;
+    `wait` reports the failure)."""
+
+    empty: bool = False
+    lost: str | None = None
+
+
 # --- the child process --------------------------------------------------------------------
 def worker_environment() -> dict[str, str]:
     """Environment variables a simulator process needs before numpy or a simulator loads."""
@@ -361,7 +399,8 @@ class SimWorker:
                  process_env: Mapping[str, str] | None = None) -> None:
         if chunk_len is not None and chunk_len < 1:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
-        self.python = worker_python(env_cfg.get("name", ""), env_cfg.get("python"))  # this worker's interpreter
+        self.launch = Launch(worker_python(env_cfg.get("name", ""), env_cfg.get("python")), dict(process_env or {}),
+                             start_timeout)
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.base_seed = int(seed)
@@ -370,21 +409,10 @@ class SimWorker:
         self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
         self.index = index
         self.cpus = list(cpus) if cpus else None
-        self.start_timeout = start_timeout
-        self.process_env = dict(process_env or {})  # set in its process's environment (egl_environment)
         self.spec: EnvSpec | None = None  # set once the slot is attached
         self._received_spec: EnvSpec | None = None
-        self.obs: dict[str, np.ndarray] = {}
-        self.final_obs: dict[str, np.ndarray] = {}
-        self.actions: np.ndarray | None = None
-        self.rewards: np.ndarray | None = None
-        self.step_times: np.ndarray | None = None
-        self.successes: np.ndarray | None = None
-        self._header: np.ndarray | None = None
-        self._clock: np.ndarray | None = None
-        self._pending = False
-        self._idle_chunk = False  # the pending chunk has 0 steps: nothing was sent
-        self._lost: str | None = None  # the chunk could not be sent: why (wait reports the failure)
+        self.slot: Slot | None = None
+        self._chunk: InFlight | None = None  # submitted, not yet waited for
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
 
@@ -394,14 +422,14 @@ class SimWorker:
         if self._res.process is not None:
             raise RuntimeError(f"sim worker {self.index} was started already")
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **worker_environment(), **self.process_env}
+        env = {**os.environ, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
-            process = subprocess.Popen([self.python, "-m", "ebrl.envs.worker", str(theirs.fileno())],
+            process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.worker", str(theirs.fileno())],
                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         except OSError as e:
             ours.close()
-            raise EnvSetupError(f"env.python={self.python!r} cannot be started ({one_line(e)}); "
+            raise EnvSetupError(f"env.python={self.launch.python!r} cannot be started ({one_line(e)}); "
                                 "give the path of a Python interpreter") from e
         finally:
             theirs.close()  # the child's end: so a dead child shows up as EOF instead of a hang
@@ -419,9 +447,9 @@ class SimWorker:
     def receive_spec(self) -> EnvSpec:
         """The env's spec, sent by the child once its simulator is built (blocks until then)."""
         if self._received_spec is None:
-            if not self.connection.poll(self.start_timeout):
+            if not self.connection.poll(self.launch.timeout_s):
                 raise EnvSetupError(
-                    f"sim worker {self.index} (pid {self.pid}) sent no spec within {self.start_timeout:.0f} s")
+                    f"sim worker {self.index} (pid {self.pid}) sent no spec within {self.launch.timeout_s:.0f} s")
             self._received_spec = self._receive("spec")
         return self._received_spec
 
@@ -435,11 +463,7 @@ class SimWorker:
         self.chunk_len = int(chunk_len)
         layout = SlotLayout.build(spec, self.chunk_len)
         self._res.shm = SharedMemory(create=True, size=layout.size)
-        views = layout.views(self._res.shm.buf)
-        self.obs, self.final_obs = _split(views, "obs/"), _split(views, "final/")
-        self.actions, self.rewards = views["actions"], views["rewards"]
-        self.step_times, self.successes, self._header = views["step_times"], views["successes"], views["header"]
-        self._clock = views["clock"]
+        self.slot = Slot.of(layout.views(self._res.shm.buf))
         self._send(("attach", self._res.shm.name, self.chunk_len))
         self._receive("ok")
         self.spec = spec
@@ -478,9 +502,8 @@ class SimWorker:
 
     def close(self) -> None:
         """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
-        self.obs, self.final_obs = {}, {}
-        self.actions = self.rewards = self.step_times = self.successes = self._header = self._clock = None
-        self._pending = False
+        self.slot = None
+        self._chunk = None
         self._finalizer()
 
     @property
@@ -523,25 +546,24 @@ class SimWorker:
         self._check_idle()
         if not 0 <= n_steps <= self.chunk_len:
             raise ValueError(f"n_steps={n_steps}: this worker's slot holds 0..{self.chunk_len} actions")
-        self._lost = None
+        lost = None
         if n_steps:
             try:
                 self._send(("chunk", int(n_steps)))
             except EnvSetupError as e:  # it died between chunks: `wait` reports it
-                self._lost = str(e)
-        self._pending = True
-        self._idle_chunk = n_steps == 0
+                lost = str(e)
+        self._chunk = InFlight(empty=n_steps == 0, lost=lost)
 
     def wait(self, timeout: float | None = None) -> ChunkReport:
         """Block until the submitted chunk is done; obs then holds the next decision's observation. Raises
         SimFailure if the process died, failed inside the chunk, or sent nothing within `timeout` seconds."""
-        if not self._pending:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
             raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
-        self._pending = False
-        if self._idle_chunk:
+        if chunk.empty:
             return ChunkReport.nothing()
-        if self._lost is not None:
-            raise SimFailure(self._lost)
+        if chunk.lost is not None:
+            raise SimFailure(chunk.lost)
         if timeout is not None and not self.connection.poll(max(0.0, timeout)):
             raise SimHung(f"sim worker {self.index} (pid {self.pid}) hung")
         try:
@@ -549,26 +571,37 @@ class SimWorker:
         except EnvSetupError as e:  # died (EOF) or answered ("error", why)
             raise SimFailure(f"sim worker {self.index} (pid {self.pid}) failed: {e}" if "sim worker" not in str(e)
                              else str(e)) from None
-        executed, terminated, truncated, has_final = (int(x) for x in self._header)
+        slot = self.slot
+        executed, terminated, truncated, has_final = (int(x) for x in slot.header)
         return ChunkReport(
             executed=executed,
-            rewards=self.rewards[:executed].copy(),
-            successes=self.successes[:executed].copy(),
-            step_times=self.step_times[:executed].copy(),
+            rewards=slot.rewards[:executed].copy(),
+            successes=slot.successes[:executed].copy(),
+            step_times=slot.step_times[:executed].copy(),
             terminated=bool(terminated),
             truncated=bool(truncated),
             episode=reply.get("episode"),
-            final_obs={k: v.copy() for k, v in self.final_obs.items()} if has_final else None,
-            started=float(self._clock[0]),
-            ended=float(self._clock[1]),
+            final_obs={k: v.copy() for k, v in slot.final.items()} if has_final else None,
+            started=float(slot.clock[0]),
+            ended=float(slot.clock[1]),
             cpus=tuple(reply.get("cpus", ())),
         )
+
+    @property
+    def obs(self) -> dict[str, np.ndarray]:
+        """The next decision's observation, in the shared slot (empty before `attach`)."""
+        return self.slot.obs if self.slot is not None else {}
+
+    @property
+    def actions(self) -> np.ndarray | None:
+        """The chunk to run, in the shared slot: write actions[:n] before `submit(n)`."""
+        return self.slot.actions if self.slot is not None else None
 
     # --- plumbing
     def _check_idle(self) -> None:
         if self.spec is None:
             raise RuntimeError(f"sim worker {self.index} is not started")
-        if self._pending:
+        if self._chunk is not None:
             raise RuntimeError(f"sim worker {self.index} has a chunk in flight; wait() first")
 
     def _send(self, message: tuple) -> None:

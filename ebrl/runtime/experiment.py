@@ -326,12 +326,15 @@ class Experiment:
 
     def _summarise(self, start: float, measure: Measure) -> RunSummary:
         """The run's totals (what summary.json, the console table and W&B's summary show): each stage's busy time from
-        the trace (simulation: per simulation core)."""
+        the trace; simulation's as the time the simulation cores had an env to run, min(envs in a chunk, cores) /
+        cores (as stage_busy.png)."""
         end = time.perf_counter()
-        busy_s = self.scheduler.trace.busy(start, end, len(self.placement.cpus("simulate")))
+        cores = len(self.placement.cpus("simulate"))
+        seconds = self.scheduler.trace.timeline.occupied(start, end, cores)
         return RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
                           success_rate=measure.success_rate, mean_return=measure.mean_return,
-                          stage_s={k: busy_s[k] * (end - start) for k in STAGES}, cpu_busy=measure.cpu_busy,
+                          stage_s={"simulate": seconds["cores"] / cores, "generate": seconds["generate"],
+                                   "train": seconds["train"]}, cpu_busy=measure.cpu_busy,
                           busy=measure.stage_means(), measured=measure.measured())
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:

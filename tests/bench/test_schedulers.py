@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, main, round_order
+from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, limits_of, main, round_order
 
 MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-chunks", "2",
            "algo.minibatches=2", "algo.epochs=1", "scheduler.torch_threads=1", "env.max_episode_steps=12"]
@@ -33,6 +33,14 @@ def test_benchmark_reports_every_row(tmp_path, capsys):
 
 def test_rounds_alternate_the_order_of_the_modes():
     assert [round_order(["a", "b", "c"], i) for i in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_the_limit_on_a_gpu_node_shares_the_gpu_between_generation_and_training():
+    # 10 ms of CPU per simulated step on 16 cores (1600 steps/s); 0.5 ms of GPU for generation and 1 ms for training
+    cost = {"simulate": 0.010, "generate": 0.0005, "train": 0.001}
+    assert limits_of(cost, 16, gpu=True) == pytest.approx({"sim+gen+train": 1 / 0.0015, "sim": 1600.0,
+                                                           "sim+gen": 1600.0})
+    assert limits_of(cost, 16, gpu=False)["sim+gen+train"] == pytest.approx(16 / 0.0115)  # on CPU all share cores
 
 
 def test_benchmark_rejects_an_unknown_mode_in_one_line(capsys):
