@@ -19,7 +19,7 @@ from ebrl.recipes import resolve_recipe
 
 GENERATION_PLACES = ("supervisor", "process")
 TRAINER_PLACES = ("process", "local")
-CORE_ORDERS = ("readiness", "longest")
+CORE_ORDERS = ("longest", "readiness")
 
 
 class ConfigError(BadInput, ValueError):
@@ -192,9 +192,10 @@ class SchedulerConfig:
     overlap: bool = False  # train on iteration i-1 while rollout i collects
     groups: int = 1  # env groups; generation serves whichever is ready while others simulate
     core_rebinding: bool = False  # an env runs only while it holds a sim core, handed out by core_order
-    # which ready env a freed sim core goes to: readiness (the group closest to its chunk boundary first, then the
-    # longest estimated step within it) | longest (the longest estimated step of any group)
-    core_order: str = "readiness"
+    # which ready env a freed sim core goes to: longest (the longest estimated step of any group) | readiness (the
+    # group closest to its chunk boundary first, then the longest step within it; measured a tie: README, "Measured
+    # choices")
+    core_order: str = "longest"
     # where the trainer runs: process (its own; a new MPS share is a successor process) | local (the supervisor, on
     # the policy generation samples with, between two rollouts: colocated)
     trainer: str = "process"
@@ -493,9 +494,10 @@ def _check_launch(cfg: DictConfig) -> int:
             raise ConfigError(f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
                               f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}")
         if cfg.distributed.strategy == "fsdp" and cfg.scheduler.trainer == "local":
-            raise ConfigError(f"distributed.strategy=fsdp shards the trainer process's weights and scheduler={cfg.scheduler.name} "
-                              "trains in the process that generates (scheduler.trainer=local); use scheduler=ebrl (or "
-                              "async, hybrid, disaggregated) or distributed.strategy=ddp")
+            raise ConfigError(f"distributed.strategy=fsdp shards the trainer process's weights and "
+                              f"scheduler={cfg.scheduler.name} trains in the process that generates "
+                              "(scheduler.trainer=local); use scheduler=ebrl (or async, hybrid, disaggregated) or "
+                              "distributed.strategy=ddp")
         if cfg_get(cfg, "mode", "train") == "eval":
             raise ConfigError("mode=eval runs as one process: python run.py mode=eval checkpoint=<run folder> ...")
         if cfg.device == "cuda" and not hw.gpus:

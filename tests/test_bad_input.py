@@ -64,13 +64,13 @@ BAD_INPUTS: list = [
     (("scheduler=ebrl", "scheduler.max_staleness=-1"), "scheduler.max_staleness=-1 must be >= 0"),
     (("scheduler=ebrl", "scheduler.max_ahead=0"), "scheduler.max_ahead=0 must be >= 1"),
     (("scheduler=ebrl", "scheduler.sim_nice=-1"), "scheduler.sim_nice=-1 must be a nice value from 0 (none) to 19"),
-    (("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"), "scheduler.groups=3 must be between 1 and 2 with "
-                                                             "algo=grpo: a group of the schedule holds whole GRPO groups"),
+    (("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"),
+     "scheduler.groups=3 must be between 1 and 2 with algo=grpo: a group of the schedule holds whole GRPO groups"),
     (("scheduler=colocated", "scheduler.overlap=true"), "scheduler.trainer=local trains in the supervisor between two "
                                                         "rollouts and scheduler.overlap=True overlaps training"),
     (("scheduler=ebrl", "scheduler.trainer=gpu"), "scheduler.trainer='gpu' is not available; accepted: process, local"),
     (("scheduler=ebrl", "scheduler.core_order=random"),
-     "scheduler.core_order='random' is not available; accepted: readiness, longest"),
+     "scheduler.core_order='random' is not available; accepted: longest, readiness"),
     (("scheduler=disaggregated", "scheduler.train_share=1.5"), "scheduler.train_share=1.5 must give training at "
                                                                "least one of the"),
     # batch sizes that cannot divide

@@ -459,7 +459,8 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int, gpu: bool =
                      "min": min(r.rates[name] for r in rounds), "max": max(r.rates[name] for r in rounds)})
     stages = {mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]])
                      for k in rounds[0].stages[mode]} for mode in modes}
-    return {"cores": cores, "gpu": gpu, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits, "rows": rows,
+    return {"cores": cores, "gpu": gpu, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits,
+            "rows": rows,
             "stages": stages,
             "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
             "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms}}

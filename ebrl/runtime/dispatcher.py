@@ -23,12 +23,12 @@ from ebrl.runtime.messages import State, Trained
 
 
 class CorePool:
-    """The simulation cores: an env runs only while it holds one. A freed core goes to a ready env of the group
-    closest to its chunk boundary (fewest of its envs still to run: ready or running), and within that group to the
-    env with the longest estimated step time (EMA of its measured steps; never-measured envs first); with
-    `order="longest"` to the ready env with the longest estimate of any group."""
+    """The simulation cores: an env runs only while it holds one. A freed core goes to the ready env with the longest
+    estimated step time (EMA of its measured steps; never-measured envs first); with `order="readiness"` to a ready
+    env of the group closest to its chunk boundary (fewest of its envs still to run: ready or running), the longest
+    estimate first within it."""
 
-    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "readiness") -> None:
+    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest") -> None:
         if not cores:
             raise ValueError("a core pool needs at least one core")
         if order not in CORE_ORDERS:

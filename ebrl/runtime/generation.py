@@ -29,6 +29,7 @@ from ebrl.policies.build import build_policy
 from ebrl.runtime.channel import SharedWeights, WeightChannel
 from ebrl.runtime.messages import Ready, Release, Released, Sample, Sampled, Stop, Value, Values
 from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
+from ebrl.runtime.placement import Placement
 from ebrl.runtime.succession import Succession
 
 
@@ -203,7 +204,7 @@ class GenerationProcess:
         self.succession.switch().close()
 
 
-def make_generation(conf: dict[str, Any], spec: EnvSpec, policy: Policy, placement: Any,
+def make_generation(conf: dict[str, Any], spec: EnvSpec, policy: Policy, placement: Placement,
                     weights: WeightChannel | SharedWeights, seed: int) -> LocalGeneration | GenerationProcess:
     """Generation where the placement puts it: on `policy` in the supervisor, or in a process of its own started in
     its stage's environment, on its cores, with this process's torch threads, mapping the trainer's `weights`."""
@@ -211,4 +212,5 @@ def make_generation(conf: dict[str, Any], spec: EnvSpec, policy: Policy, placeme
         return LocalGeneration(policy, placement.device, weights)
     with placement.spawn_env("generate"):
         return GenerationProcess(conf["policy"], spec, weights, placement.cpus("generate"), torch.get_num_threads(),
-                                 str(placement.device), seed, on_switch=functools.partial(placement.switched, "generate"))
+                                 str(placement.device), seed,
+                                 on_switch=functools.partial(placement.switched, "generate"))

@@ -136,7 +136,8 @@ class Placement:
             return
         cfg = self.cfg
         gpu = self.device.type == "cuda"
-        model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype, self.device.type, trace=gpu)
+        model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
+                               self.device.type, trace=gpu)
         chunks = (math.ceil(spec.max_episode_steps / model.chunk_len) if cfg.algo.name == "grpo"
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks

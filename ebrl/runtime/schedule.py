@@ -33,7 +33,7 @@ import math
 import queue
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -46,11 +46,9 @@ from ebrl.runtime.dispatcher import Broke, ChunkEnded, CorePool, Dispatcher, Eve
 from ebrl.runtime.generation import make_generation
 from ebrl.runtime.loop import Group, RolloutLoop, Rules, Serving, Shipment
 from ebrl.runtime.messages import State, Trained
+from ebrl.runtime.placement import Placement
 from ebrl.runtime.trainer import make_trainer_stage
 from ebrl.telemetry.trace import Trace
-
-if TYPE_CHECKING:
-    from ebrl.runtime.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from ebrl.runtime.distributed import (
 )
 from ebrl.runtime.messages import Load, Ready, State, StateRequest, Stop, Train, Trained
 from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
+from ebrl.runtime.placement import Placement
 from ebrl.runtime.succession import Succession
 from ebrl.rl.rollout import RolloutBatch
 from ebrl.rl.trainers import make_trainer
@@ -343,7 +344,7 @@ class ProcessTrainer(Trainer):
         self.succession.close()
 
 
-def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, placement: Any, post: Post,
+def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, placement: Placement, post: Post,
                        resume: str | None = None) -> Trainer:
     """The schedule's trainer (`scheduler.trainer`): in the supervisor on `policy`, or in a process of its own
     started in its stage's environment (placement.spawn_env), on its cores and device, publishing into a new

@@ -153,7 +153,8 @@ def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_
         "env.max_episode_steps=12", "iterations=1", "progress=false", "logger=none"), run_dir=tmp_path / "run")
     batches = []
     train = exp.scheduler.trainer.train
-    exp.scheduler.trainer.train = lambda iteration, batch, **how: (batches.append(batch), train(iteration, batch, **how))
+    exp.scheduler.trainer.train = lambda iteration, batch, **how: (batches.append(batch),
+                                                                   train(iteration, batch, **how))
     try:
         assert exp.policy.chunk_len == 8  # the 12-step episodes end 4 steps into the second chunk
         stats, metrics = exp.scheduler.next_iteration()

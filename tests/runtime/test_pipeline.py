@@ -48,6 +48,18 @@ def test_a_freed_core_goes_to_the_ready_env_with_the_longest_step_estimate():
     assert all(chosen >= other for _, _, chosen, other in pool.decisions)
 
 
+def test_by_readiness_a_freed_core_goes_to_the_group_closest_to_its_chunk_boundary_first():
+    pool = CorePool([0, 1], order="readiness")
+    for env, step_s in [(0, 0.010), (1, 0.030), (2, 0.050), (3, 0.040)]:
+        pool.observe(env, step_s)
+    pool.push(0, "a")  # group a: one env left before its chunk step ends
+    for env in (1, 2, 3):
+        pool.push(env, "b")  # group b: three
+    assert pool.dispatch() == [(0, 0), (2, 1)]  # a's env first though its step is the shortest; then b's slowest
+    assert all(chosen >= rival for _, _, chosen, rival in pool.decisions)  # the slowest of its own group
+    assert CorePool([0], order="longest").order == "longest"
+
+
 def test_the_step_estimate_is_an_exponential_average():
     pool = CorePool([0], alpha=0.5)
     pool.observe(0, 1.0)
