@@ -1,6 +1,6 @@
 """The elastic allocator against the static one when demand shifts mid-run: `python -m ebrl.bench.elastic`.
 
-Both run scheduler=ebrl on the same workload, alternated over `--repeats` rounds, without a stage profile: each
+Both run scheduler=ebrl on the same workload over `--repeats` rounds (ABBA order), without a stage profile: each
 calibrates from its second iteration and plans once (static) or goes on re-planning (elastic). Every env starts
 as the task is configured and, at its first reset after `--shift-after` iterations' worth of steps, switches to
 a variant with `--slowdown` times the physics substeps per action (ebrl.bench.stragglers), as when a curriculum
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ebrl.bench.schedulers import Workload, compose
+from ebrl.bench.schedulers import Workload, compose, round_order
 
 MODES = ("static", "elastic")
 
@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         straggler_slowdown=args.slowdown, straggler_after_steps=args.shift_after * chunks * chunk)
     elastic = ["allocator.window=2", "allocator.cooldown=1"]
     runs = {mode: [] for mode in MODES}
-    for _ in range(args.repeats):
-        for mode in MODES:
+    for i in range(args.repeats):
+        for mode in round_order(MODES, i):  # a drift of the machine favours neither
             runs[mode].append(run_one(workload, mode, elastic))
     # iteration shift_after + 1 holds the resets that switch: leave it out of both windows
     before, after = (2, args.shift_after), (args.shift_after + 2, args.iterations)

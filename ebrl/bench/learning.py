@@ -1,7 +1,7 @@
 """Does a schedule change what is learned? `python -m ebrl.bench.learning --modes colocated ebrl --seeds 0 1 2`.
 
-Runs the embedded defaults (robosuite Lift, tiny openpi, PPO) under each mode and seed, alternating the
-modes within a seed, and prints per run the first and final returns (mean of the first 3 and of the last
+Runs the embedded defaults (robosuite Lift, tiny openpi, PPO) under each mode and seed, the modes in ABBA order
+over the seeds, and prints per run the first and final returns (mean of the first 3 and of the last
 4 iterations), the wall-clock and env steps until the return (mean of 3 consecutive iterations) first
 reached `--target`, and the throughput; then per mode the means over seeds. Extra arguments are
 Hydra overrides for every run.
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ebrl.bench.schedulers import compose_overrides
+from ebrl.bench.schedulers import compose_overrides, round_order
 
 
 def time_to_target(rows: list[dict[str, Any]], target: float, window: int = 3) -> tuple[float, float]:
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     runs = [run_one(mode, seed, args.iterations, args.target, args.overrides)
-            for seed in args.seeds for mode in args.modes]
+            for i, seed in enumerate(args.seeds) for mode in round_order(args.modes, i)]
     print(f"\n{args.iterations} iterations per run; target: mean return of 3 consecutive iterations >= {args.target}")
     print("| mode | seed | return first 3 | return last 4 | seconds to target | env steps to target | "
           "wall s | env steps/s |")

@@ -143,9 +143,10 @@ def test_groups_that_cannot_work(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("schedule", ["colocated", "ebrl"])
+@pytest.mark.parametrize("schedule", ["colocated", "hybrid", "ebrl"])
 def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_path):
-    """Under any schedule (ebrl: each of its 2 groups is one GRPO group, running and resetting on its own)."""
+    """Under any schedule (hybrid and ebrl: each of their 2 groups is one GRPO group, running and resetting on its
+    own; ebrl's overlapping the update)."""
     from ebrl.runtime.experiment import Experiment
 
     exp = Experiment.from_config(compose_config(
