@@ -15,11 +15,16 @@ register_configs()
 def main(cfg: DictConfig) -> float:
     from ebrl.runtime.evaluation import Evaluation, check_mode  # after composition, so `--cfg job` needs no torch
     from ebrl.runtime.experiment import Experiment
+    from ebrl.runtime.sft import SupervisedRun
 
     with exit_cleanly() as stop:
         check_mode(cfg)
         if cfg.mode == "eval":
             return Evaluation.from_config(cfg).run().success_rate
+        if cfg.algo.name == "sft":  # demonstrations, no simulator: its own run
+            sft = SupervisedRun.from_config(cfg)
+            stop.run_dir = sft.run_dir
+            return sft.train().valid_loss
         run = Experiment.from_config(cfg)  # validates, plans, fails with one line
         stop.run_dir = run.run_dir  # (a stopped run's last line names the folder to resume)
         return run.train().rollout_steps_per_s  # the value a sweep optimises

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -17,6 +18,8 @@ from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
 from ebrl.recipes import resolve_recipe
 
+REPO = Path(__file__).resolve().parents[1]  # the checkout: relative paths the repository ships are read from it
+CONF_DIR = REPO / "conf"
 GENERATION_PLACES = ("supervisor", "process")
 TRAINER_PLACES = ("process", "local")
 CORE_ORDERS = ("longest", "readiness")
@@ -253,6 +256,11 @@ class AlgoConfig:
     weight_decay: float = II("recipe:weight_decay")  # AdamW's decoupled decay
     gamma: float = 0.99  # discount per chunk (ppo; grpo's return is the undiscounted episode return)
     gae_lambda: float = 0.95
+    # ppo: an episode cut off by env.max_episode_steps is bootstrapped from the value of its last observation (the
+    # limit is the env's, the task would go on); false: it ends there with nothing more to come (the task is to
+    # succeed within the limit, as with env.reward=sparse: a failure's return is 0)
+    bootstrap_truncated: bool = True
+    reward_scale: float = 1.0  # ppo: rewards are multiplied by it before GAE (the critic's targets keep a scale near 1)
     epochs: int = II("recipe:epochs")
     minibatches: int = 4
     clip: float = II("recipe:clip")  # the ratio's clip below 1 (and above, unless clip_high)
@@ -272,6 +280,13 @@ class AlgoConfig:
     # A step whose gradient holds NaN/inf is skipped and counted (train/nonfinite_steps); after this many updates in a
     # row with such steps the run stops, its checkpoint the last one written before them
     max_nonfinite_updates: int = 3
+    # ppo from `init` (an SFT checkpoint, whose value head never learned): the first critic_warmup updates train the
+    # value head alone on the rollouts, the policy loss counts from the next; 0: from the first. Ignored from scratch
+    critic_warmup: int = 2
+    # sft (algo=sft, on demos.path): (observation, action chunk) samples per optimizer step, and the steps of one
+    # iteration (the held-out loss is measured after each)
+    batch_size: int = 64
+    steps_per_iteration: int = 100
 
 
 @dataclass
@@ -317,6 +332,29 @@ class DistributedConfig:
 
 
 @dataclass
+class DemosConfig:
+    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout (ebrl/demos/dataset.py)."""
+
+    path: Optional[str] = None  # an .hdf5 file or a folder of them (`python -m ebrl.demos record` writes one)
+    state_keys: List[str] = field(default_factory=lambda: ["state"])  # obs datasets concatenated into the state
+    image_keys: Optional[Dict[str, str]] = None  # env camera -> its obs dataset; null: <camera>_image
+    valid: float = 0.2  # share of a file's episodes held out for the validation loss, where it has no mask/valid
+
+
+@dataclass
+class RecordConfig:
+    """`python -m ebrl.demos record`: a scripted expert's successful episodes (ebrl/demos/record.py)."""
+
+    env: EnvConfig = MISSING
+    episodes: int = 20  # successful episodes to keep
+    out: str = "demos/${env.name}-${env.task}"  # the folder demo.hdf5 is written to
+    valid: float = 0.2  # share of them held out (the file's mask/valid)
+    seed: int = 0
+    max_attempts: int = II("int_mul:${episodes},3")  # episodes tried before the recorder gives up
+    progress: bool = True
+
+
+@dataclass
 class Config:
     env: EnvConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -336,6 +374,11 @@ class Config:
     checkpoint: Optional[str] = None  # mode=eval: a run folder (its checkpoints/last.pt) or a .pt file
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # the weights training starts from: a run folder (its checkpoints/last.pt, e.g. an algo=sft run's) or a .pt file;
+    # auto: the SFT checkpoint this repository ships for the policy and env, if it has one (SHIPPED in
+    # ebrl/runtime/init.py), else none; null: the family's initialisation (or policy.checkpoint's weights)
+    init: Optional[str] = "auto"
+    demos: DemosConfig = field(default_factory=DemosConfig)
 
 
 def register_configs() -> None:
@@ -343,8 +386,10 @@ def register_configs() -> None:
     (`- /schema/<group>/<name>@_here_`). They live in groups of their own so that a group's options are its yaml
     files only: `scheduler=scheduler_schema` is no choice."""
     OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
+    OmegaConf.register_new_resolver("int_mul", lambda a, b: int(a) * int(b), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    cs.store(name="record_schema", node=RecordConfig)
     for name, node in [
         ("robosuite_schema", RobosuiteEnvConfig),
         ("maniskill_schema", ManiSkillEnvConfig),
@@ -384,7 +429,7 @@ def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
 
 SCHEDULERS = ("colocated", "disaggregated", "hybrid", "async", "ebrl")
 ALLOCATORS = ("static", "elastic")
-ALGOS = ("ppo", "grpo")
+ALGOS = ("ppo", "grpo", "sft")
 LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
 PRESETS = ("tiny", "small", "full")
@@ -431,6 +476,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
                 "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
         _positive(cfg, key)
+    if cfg_get(cfg, "algo.critic_warmup", 0) < 0:
+        raise ConfigError(f"algo.critic_warmup={cfg.algo.critic_warmup} must be >= 0 (updates that train the value "
+                          "head alone after init; 0: none)")
     for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
@@ -456,6 +504,11 @@ def validate(cfg: DictConfig) -> None:
     training = cfg_get(cfg, "mode", "train") != "eval"  # mode=eval runs no update, so the algorithm's batch is moot
     if training and cfg.algo.name == "grpo":
         _check_groups(cfg)
+    elif training and cfg.algo.name == "sft":
+        for key in ("algo.batch_size", "algo.steps_per_iteration"):
+            _positive(cfg, key)
+        if not 0 <= cfg.demos.valid < 1:
+            raise ConfigError(f"demos.valid={cfg.demos.valid} must be in [0, 1) (the share of episodes held out)")
     elif training:
         batch = cfg.env.num_envs * cfg.algo.rollout_chunks
         if batch % cfg.algo.minibatches:

@@ -85,7 +85,7 @@ BAD_INPUTS: list = [
     (("algo=a2c",), "Could not find 'algo/a2c'"),
     (("scheduler.name=pipelined",), "scheduler.name='pipelined' is not available; accepted: colocated, disaggregated, "
                                     "hybrid, async, ebrl"),
-    (("algo.name=a2c",), "algo.name='a2c' is not available; accepted: ppo, grpo"),
+    (("algo.name=a2c",), "algo.name='a2c' is not available; accepted: ppo, grpo, sft"),
     (("policy.preset=huge",), "policy.preset='huge' is not available; accepted: tiny, small, full"),
     (("policy.dtype=float16",), "policy.dtype='float16' is not available; accepted: float32, bfloat16"),
     (("policy.train=vision",), "policy.train='vision' is not available; accepted: all, action_expert, lora"),
@@ -117,6 +117,10 @@ BAD_INPUTS: list = [
     (("algo.max_grad_norm=0.0",), "algo.max_grad_norm=0.0 must be > 0"),
     (("algo.target_kl=-0.01",), "algo.target_kl=-0.01 must be > 0, or null"),
     (("distributed.timeout_s=0.0",), "distributed.timeout_s=0.0 must be > 0"),
+    # demonstrations, SFT and where the first weights come from
+    (("algo=sft", "algo.batch_size=0"), "algo.batch_size=0 must be a positive number"),
+    (("algo=sft", "demos.valid=1.0"), "demos.valid=1.0 must be in [0, 1) (the share of episodes held out)"),
+    (("algo.critic_warmup=-1",), "algo.critic_warmup=-1 must be >= 0"),
 ]
 
 # Rejected while run.py builds the run, after validate: checked through run.py
@@ -127,6 +131,11 @@ AT_RUN = [
      f"was measured for policy={OTHER_POLICY}, and this run has policy=openpi; run python sweep.py -m"),
     (("scheduler=ebrl", "allocator.profile={tmp}/no-such-profile.yaml"),
      "allocator.profile={tmp}/no-such-profile.yaml: no such file; give a stage profile written by sweep.py"),
+    (("algo=sft",), "algo=sft trains on demonstrations: give demos.path=<folder or .hdf5>"),
+    (("algo=sft", "demos.path={tmp}/no-demos"), "demos.path={tmp}/no-demos does not exist; give an .hdf5 file"),
+    (("init={tmp}/no-such-run",), "init={tmp}/no-such-run is neither a run folder with checkpoints/last.pt nor a "
+                                  "checkpoint file"),
+    (("init={tmp}", "policy.checkpoint={tmp}"), "init={tmp} and policy.checkpoint={tmp} both give the first weights"),
 ]
 BAD_INPUTS += AT_RUN
 

@@ -15,7 +15,7 @@ LAYERS = [
     {"ebrl.config"},
     {"ebrl.policies"},
     {"ebrl.rl", "ebrl.alloc"},
-    {"ebrl.runtime"},
+    {"ebrl.runtime", "ebrl.demos"},
     {"ebrl.bench"},
 ]
 

@@ -23,6 +23,14 @@ from ebrl.envs.base import EnvSpec
 from ebrl.policies.weights import read_weights
 
 
+def masked_mean(error: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of a (B, H) per-action loss over the actions `mask` keeps (all of them without one)."""
+    if mask is None:
+        return error.mean()
+    m = mask.to(error.device, error.dtype)
+    return (error * m).sum() / m.sum().clamp_min(1.0)
+
+
 @dataclass
 class PolicySample:
     """One sampled action chunk per batch row."""
@@ -155,6 +163,12 @@ class Policy(nn.Module):
     @torch.no_grad()
     def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicySample:
         """deterministic: the family's noise-free action (evaluation), where it has one."""
+        raise NotImplementedError
+
+    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The family's own imitation objective (algo=sft) on demonstrated chunks `actions` (B, H, env action dims),
+        averaged over the actions `mask` (B, H) keeps (a chunk that runs past its episode's end is padded)."""
         raise NotImplementedError
 
     @torch.no_grad()

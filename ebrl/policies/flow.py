@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ebrl.config import ConfigError
-from ebrl.policies.base import Policy, PolicySample
+from ebrl.policies.base import Policy, PolicySample, masked_mean
 from ebrl.policies.layers import expand_rows, map_tensors
 
 LOGPROBS = ("flow_noise", "flow_sde")
@@ -183,8 +183,10 @@ class FlowPolicy(Policy):
             value = self.value_head(pooled).squeeze(-1).float()
         return log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1), value
 
-    def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
-        """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (env action dims)."""
+    def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (the model's action dims, in its
+        space: `from_env`), averaged over the actions `mask` (B, H) keeps."""
         with self.precision():
             cond, pooled = self.encode(obs)
             a = self.from_env(actions.to(pooled.device, torch.float32))
@@ -193,7 +195,12 @@ class FlowPolicy(Policy):
             t = sample_flow_time(a.shape[0], a)
             x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * a
             v, _ = self.velocity(x_t, t, cond)
-            return F.mse_loss(v[..., : self.model_action_dim], (noise - a)[..., : self.model_action_dim])
+            return masked_mean((v - (noise - a))[..., : self.model_action_dim].pow(2).mean(-1), mask)
+
+    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow matching, as openpi, lerobot and GR00T train these models."""
+        return self.flow_matching_loss(obs, actions, mask)
 
     # --- the first policy ----------------------------------------------------------------------
     def neutral_obs(self) -> dict[str, torch.Tensor]:

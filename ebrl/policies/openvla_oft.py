@@ -45,7 +45,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.base import Policy, PolicySample
+from ebrl.policies.base import Policy, PolicySample, masked_mean
 from ebrl.policies import layers
 from ebrl.policies.weights import CheckpointError, read_weights
 from ebrl.policies.layers import (
@@ -511,10 +511,17 @@ class OpenVLAOFTPolicy(Policy):
         entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum().expand_as(log_prob)
         return log_prob, entropy, value
 
-    def l1_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
-        """OFT's supervised loss: mean |predicted - target| over the chunk (B, H, action_dim)."""
+    def l1_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """OFT's supervised loss: mean |predicted - target| over the chunk (B, H, action_dim), over the actions `mask`
+        (B, H) keeps."""
         mean, _ = self.mean_and_value(obs)
-        return F.l1_loss(mean, actions.to(mean.device, mean.dtype))
+        return masked_mean((mean.float() - actions.to(mean.device, torch.float32)).abs().mean(-1), mask)
+
+    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """OFT's L1 regression of its action head."""
+        return self.l1_loss(obs, actions, mask)
 
     # --- checkpoints and counts -----------------------------------------------------------------
     @classmethod

@@ -162,6 +162,8 @@ class PPOTrainer:
         self.optimizer = make_optimizer(param_groups(policy, cfg), cfg.lr, cfg.get("optimizer_dtype", "float32"),
                                         cfg.adam_betas, cfg.adam_eps, cfg.weight_decay)
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
+        critic = {id(p) for name, p in policy.named_parameters() if name.startswith(CRITIC)}
+        self.actor = [p for p in self.trained if id(p) not in critic]  # what a critic-only step leaves as it is
 
     def load_optimizer_state(self, state: dict) -> None:
         """Continue from a checkpoint's Adam moments, at this config's hyperparameters (a resumed run may change
@@ -202,9 +204,9 @@ class PPOTrainer:
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Advantages (T, N), value targets (T, N) or None when there is no critic, and their metrics."""
         cfg = self.cfg
-        adv, ret = compute_gae(
-            batch.reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, batch.cutoff_value
-        )
+        cutoff = batch.cutoff_value if cfg.get("bootstrap_truncated", True) else None
+        reward = batch.reward * cfg.get("reward_scale", 1.0)
+        adv, ret = compute_gae(reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, cutoff)
         var = ret.var()
         metrics = {
             "train/explained_variance": float(1.0 - (ret - batch.value).var() / var) if var > 0 else 0.0,
@@ -232,11 +234,15 @@ class PPOTrainer:
         policy's every rank makes the same number of calls however many rows it values)."""
         return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
 
-    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0,
+               critic_only: bool = False) -> dict[str, float]:
         """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
 
         decoupled: the rollout may come from older weights (asynchronous schedules), so clip around the proximal
         policy (these weights, before the first step) and reweight by min(proximal / behaviour, is_clip).
+        critic_only: the critic's warm-up after `init` (an SFT checkpoint's value head never learned): the value
+        loss alone, and only the value head steps (the features it shares with the policy stay), so the policy
+        acts as it was while its advantages become meaningful.
         """
         cfg = self.cfg
         dev = self.device
@@ -278,7 +284,10 @@ class PPOTrainer:
             for idx in torch.randperm(B, device=dev).split(mb):
                 self.optimizer.zero_grad(set_to_none=True)
                 step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, critic,
-                                        mask, is_clip)
+                                        mask, is_clip, critic_only)
+                if critic_only:
+                    for p in self.actor:
+                        p.grad = None  # (AdamW leaves a parameter without a gradient as it is)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, cfg.max_grad_norm)
                 if isinstance(grad_norm, DTensor):  # sharded: the norm over every rank's shards
                     grad_norm = grad_norm.full_tensor()
@@ -299,6 +308,7 @@ class PPOTrainer:
         out = {k: v / count for k, v in sums.items()}
         out["train/stopped_early"] = stopped_early
         out["train/nonfinite_steps"] = float(skipped)
+        out["train/critic_only"] = float(critic_only)
         out.update(metrics)
         return out
 
@@ -306,7 +316,7 @@ class PPOTrainer:
                     chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,
                     behaviour_lp: torch.Tensor | None, adv: torch.Tensor,
                     critic: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor,
-                    is_clip: float) -> dict[str, torch.Tensor]:
+                    is_clip: float, critic_only: bool = False) -> dict[str, torch.Tensor]:
         """The gradient of minibatch `idx`'s loss, one backward pass per part (micro-batch) adding up to it: every
         part's terms are divided by the whole minibatch's counts. `critic`: each row's value target and the value
         the clip holds it near (None: no critic). Returns the minibatch's loss terms and stats."""
@@ -331,7 +341,8 @@ class PPOTrainer:
                     rows_loss = value_loss(value, critic[0][part], critic[1][part], cfg.value_clip, cfg.huber_delta)
                     v_loss = (rows_loss * pm.amax(-1)).sum() / value_rows
                 ent = (entropy * pm).sum() / actions
-                (pg_loss + cfg.value_coef * v_loss - cfg.entropy_coef * ent).backward()
+                actor = 0.0 if critic_only else 1.0
+                (actor * (pg_loss - cfg.entropy_coef * ent) + cfg.value_coef * v_loss).backward()
             terms = {"losses/policy": pg_loss.detach(), "losses/entropy": ent.detach(), **stats}
             if critic is not None:
                 terms["losses/value"] = v_loss.detach()

@@ -1,6 +1,7 @@
 """Atomic checkpoints (temp file + rename) that refuse to load into a different policy."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -97,6 +98,56 @@ def model_entries(state: dict[str, torch.Tensor], policy_cfg: dict[str, Any]) ->
     generation load), "lora" the adapters apart with their "lora_scaling" (so that training resumes as it was)."""
     base, lora = split_lora(state)
     return {"model": base, "lora": lora, "lora_scaling": lora_scaling(policy_cfg)}
+
+
+def checkpoint_record(conf: dict[str, Any], model: dict[str, torch.Tensor], optimizer: dict, iteration: int,
+                      env_steps: int, wandb_id: str | None) -> dict[str, Any]:
+    """What a run's checkpoint holds (RL and SFT runs alike): the policy's identity and weights, the optimizer state,
+    the counts, this process's generators and the resolved config."""
+    import numpy as np
+
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "norm_stats": norm_stats_table(conf["policy"]),
+        "policy": policy_identity(conf["policy"]),
+        **model_entries(model, conf["policy"]),
+        "optimizer": optimizer,
+        "iteration": iteration,
+        "env_steps": env_steps,
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "wandb_id": wandb_id,
+        "config": conf,
+    }
+
+
+NORM_STATS = "norm_stats.json"
+
+
+def norm_stats_table(policy_cfg: dict[str, Any]) -> dict | None:
+    """The statistics the policy normalises with, as openpi's norm_stats.json holds them (an SFT run computes them
+    from its demos), for the checkpoint to carry; None for none, or for a file in another layout (which stays where
+    policy.norm_stats names it)."""
+    path = policy_cfg.get("norm_stats")
+    if not path or not str(path).endswith(".json") or Path(path).name == "policy_preprocessor.json":
+        return None
+    try:
+        return json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def adopt_norm_stats(record: dict[str, Any], conf: dict[str, Any], folder: Path) -> None:
+    """A policy built from `record`'s weights normalises as they were trained to: where policy.norm_stats is unset
+    and the checkpoint carries statistics, they are written to `folder`/norm_stats.json and the policy reads them
+    (a value you set wins)."""
+    policy = conf["policy"]
+    if "norm_stats" not in policy or policy["norm_stats"] or not record.get("norm_stats"):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / NORM_STATS
+    path.write_text(json.dumps(record["norm_stats"]))
+    policy["norm_stats"] = str(path)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

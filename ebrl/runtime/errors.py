@@ -33,8 +33,9 @@ def _hydra_output_dir() -> Path | None:
 
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:
-    """Hydra made this folder for the failed invocation; when nothing but its own files is there, drop it."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log"}:
+    """Hydra made this folder for the failed invocation; when nothing but its own files (and the statistics a run
+    copies from its checkpoint before it builds the policy) is there, drop it."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "run.log", "norm_stats.json"}:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
-from ebrl.runtime.checkpoint import checkpoint_file, load_policy_checkpoint, restore_weights
+from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy
 from ebrl.runtime.experiment import run_device, seed_everything
@@ -107,6 +107,7 @@ class Evaluation:
         self.ckpt_path = checkpoint_file(cfg.checkpoint)
         self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}",
                                            resume=False)
+        adopt_norm_stats(self.ckpt, conf, self.run_dir)  # (the statistics its weights were trained with)
         trained_on = self.ckpt["config"]["env"]
         if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
             console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task={trained_on['task']}"

@@ -21,11 +21,11 @@ from ebrl.node import Ranks
 from ebrl.policies.build import build_policy, tokenizer_warning
 from ebrl.recipes import recipe_line
 from ebrl.runtime.checkpoint import (
-    CHECKPOINT_FORMAT,
     CheckpointWriter,
+    adopt_norm_stats,
+    checkpoint_record,
+    load_checkpoint,
     load_policy_checkpoint,
-    model_entries,
-    policy_identity,
     restore_weights,
 )
 from ebrl.runtime.distributed import (
@@ -38,6 +38,7 @@ from ebrl.runtime.distributed import (
 )
 from ebrl.runtime.errors import remove_if_only_hydra_files
 from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan
+from ebrl.runtime.init import describe, init_file
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.schedule import Scheduler
 from ebrl.runtime.trainer import TrainerError
@@ -110,6 +111,7 @@ class Experiment:
     def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Experiment":
         """Validate, then build every part; bad input raises ConfigError/EnvSetupError/CheckpointError (one line)."""
         validate(cfg)
+        init_file(cfg)  # (an init that names nothing: one line before anything starts)
         ranks = Ranks.from_env()
         if run_device(cfg).type == "cuda":
             pin_gpu(ranks)  # before anything touches CUDA
@@ -169,10 +171,18 @@ class Experiment:
             # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
             here = torch.device("cpu") if self.placement.generation == "process" else device
             # a local trainer trains this policy (float32 masters of what it trains); with a trainer process it only
-            # acts. A resumed run's weights come from its checkpoint, so none are initialised
-            weights = "given" if self._resume_ckpt is not None else "init"
+            # acts. A resumed run's weights come from its checkpoint, a run from `init` from that one's, so none are
+            # initialised
+            init = init_file(cfg)
+            self.conf["init"] = str(init) if init is not None else None  # (the run's config names the file)
+            start = self._resume_ckpt or (load_checkpoint(init) if init is not None else None)
+            if start is not None:  # the statistics its weights were trained with
+                adopt_norm_stats(start, conf, self.out_dir)
+            weights = "given" if self._resume_ckpt is not None or init is not None else "init"
             self.policy = build_policy(conf["policy"], self.pool.spec, here, train=self.placement.local,
                                        weights=weights)
+            if init is not None:
+                self._start_from(init)
             warning = tokenizer_warning(conf["policy"], self.policy)
             if warning:
                 console.print(warning, soft_wrap=True)
@@ -186,12 +196,24 @@ class Experiment:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()
             resume = str(self.run_dir / "checkpoints" / "last.pt") if self._resume_ckpt else None
+            # the value head of an SFT checkpoint never learned: it trains alone first (from init, or resumed from a
+            # run that started from init)
+            started_from = (self._resume_ckpt or {}).get("config", conf).get("init")
+            warmup = int(cfg.algo.critic_warmup) if started_from and cfg.algo.name == "ppo" else 0
             self.scheduler = Scheduler(self.pool, self.policy, conf, self.placement, base_version=self.iteration,
-                                       resume=resume, seed=self.seed)
+                                       resume=resume, seed=self.seed, critic_warmup=warmup,
+                                       init=str(init) if init is not None else None)
             self.placement.take(self.scheduler)
         except BaseException:
             self.close()
             raise
+
+    def _start_from(self, path: Path) -> None:
+        """The first weights from `init`'s checkpoint (one line where it was made for another policy)."""
+        record = load_policy_checkpoint(path, self.conf["policy"], f"init={self.cfg.init}", resume=False)
+        restore_weights(self.policy, record, f"init={self.cfg.init}")
+        if self.ranks.leader:
+            console.print(describe(path, record), soft_wrap=True, markup=False)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         """A resumed run's weights (a local trainer's float32 masters, or the acting copy), counts and generators; its
@@ -355,18 +377,9 @@ class Experiment:
         disk; the next save, and closing, wait for it."""
         path = self.run_dir / "checkpoints" / "last.pt"
         model, optimizer = state if state is not None else self.scheduler.gathered_state(self.iteration)
-        self.writer.save({
-            "format": CHECKPOINT_FORMAT,
-            "policy": policy_identity(self.conf["policy"]),
-            **model_entries(model, self.conf["policy"]),
-            "optimizer": optimizer,
-            "iteration": self.iteration,
-            "env_steps": self.env_steps,
-            "torch_rng": torch.get_rng_state(),
-            "numpy_rng": np.random.get_state(),
-            "wandb_id": self.log.wandb_id if self.log else None,
-            "config": self.conf,
-        }, path)  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
+        self.writer.save(checkpoint_record(self.conf, model, optimizer, self.iteration, self.env_steps,
+                                           self.log.wandb_id if self.log else None),
+                         path)  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
         return path
 
     def close(self) -> None:

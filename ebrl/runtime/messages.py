@@ -44,6 +44,7 @@ class Train:
     decoupled: bool  # decoupled PPO: clip around the proximal policy, weight to the behaviour one
     is_clip: float  # truncation of the behaviour importance weight
     gather: bool = False  # a checkpoint is due after this update
+    critic_only: bool = False  # the critic's warm-up after init: the value head alone trains
 
 
 @dataclass

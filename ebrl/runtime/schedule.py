@@ -131,8 +131,12 @@ class Scheduler:
     dispatcher, shipments to the trainer. See the module docstring."""
 
     def __init__(self, pool: SimWorkerPool, policy: Policy, conf: dict[str, Any], placement: Placement,
-                 base_version: int = 0, resume: str | None = None, seed: int = 0) -> None:
+                 base_version: int = 0, resume: str | None = None, seed: int = 0, critic_warmup: int = 0,
+                 init: str | None = None) -> None:
+        """critic_warmup: the run's first updates that train the value head alone (a run from `init`); init: the
+        checkpoint file the policy's first weights came from (a trainer process reads them from it too)."""
         self.pool, self.policy, self.placement, self.seed = pool, policy, placement, seed
+        self.critic_warmup = critic_warmup
         self.schedule = s = Schedule.from_config(conf["scheduler"])
         algo = conf["algo"]
         episodic = algo["name"] == "grpo"  # one whole episode per env from its group's seeded reset
@@ -149,7 +153,7 @@ class Scheduler:
         self.checkpoint_every = int(conf["checkpoint_every"])
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.trainer = make_trainer_stage(conf, pool.spec, policy, placement, lambda m: events.put(TrainerSaid(m)),
-                                          resume)
+                                          resume, init)
         try:
             self.generation = make_generation(conf, pool.spec, policy, placement, self.trainer.weights, seed + 2)
         except BaseException:
@@ -336,7 +340,7 @@ class Scheduler:
         gather = k % self.checkpoint_every == 0 or k == self.base_version + self.loop.rules.iterations
         s = self.schedule
         self.trainer.train(shipment.iteration, shipment.batch, decoupled=s.overlap and s.decoupled,
-                           is_clip=s.is_clip, gather=gather)
+                           is_clip=s.is_clip, gather=gather, critic_only=k <= self.critic_warmup)
 
     def _hand_over(self) -> None:
         """The ready successor trains from the next update on, with the trainer's state after every update sent to

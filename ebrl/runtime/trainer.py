@@ -32,7 +32,7 @@ from ebrl.errors import StageFailed
 from ebrl.policies.build import build_policy
 from ebrl.policies.training import load_state, lora_scaling
 from ebrl.runtime.channel import SharedWeights, WeightChannel
-from ebrl.runtime.checkpoint import detached_copy
+from ebrl.runtime.checkpoint import detached_copy, restore_weights
 from ebrl.node import Ranks
 from ebrl.runtime.distributed import (
     DistributedError,
@@ -57,11 +57,13 @@ class TrainerError(StageFailed):
 
 def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                  requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
-                 cpus: Sequence[int], threads: int, device: str, resume: str | None, successor: bool) -> None:
+                 cpus: Sequence[int], threads: int, device: str, resume: str | None, successor: bool,
+                 init: str | None = None) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
 
     The first weights: a resumed run's checkpoint (`resume`, the float32 masters and Adam state as they were), else
-    policy.checkpoint's file, else the supervisor's (version 0 of the channel). A `successor` (a respawn under a new
+    `init`'s checkpoint file (its weights in full precision), else policy.checkpoint's file, else the supervisor's
+    (version 0 of the channel). A `successor` (a respawn under a new
     MPS share) holds nothing until its predecessor's state arrives: it allocates only once that one has gone.
     With the channel's slots on the GPU, the trainer attaches its own once it holds weights.
 
@@ -90,7 +92,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
 
         policy = trainer = None
         if not successor:
-            policy, checkpoint = trainer_policy(conf["policy"], spec, channel, device, resume)
+            policy, checkpoint = trainer_policy(conf["policy"], spec, channel, device, resume, init)
             trainer = new_trainer(policy)
             if checkpoint is not None:
                 trainer.load_optimizer_state(checkpoint["optimizer"])
@@ -107,7 +109,8 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 return
             if isinstance(message, Train):
                 start = time.perf_counter()
-                metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip)
+                metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip,
+                                         critic_only=message.critic_only)
                 published = time.perf_counter()
                 state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
                 version = channel.publish(state)
@@ -134,13 +137,17 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
 
 
 def trainer_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, device: str,
-                   resume: str | None) -> tuple[torch.nn.Module, dict | None]:
+                   resume: str | None, init: str | None = None) -> tuple[torch.nn.Module, dict | None]:
     """The trainer's policy with its first weights (see trainer_main), and the resumed checkpoint (or None)."""
     if resume is not None:  # the float32 masters as they were, not the channel's policy.dtype copy
         policy = build_policy(policy_conf, spec, device, train=True, weights="given")
         checkpoint = torch.load(resume, map_location="cpu", weights_only=False, mmap=True)
         load_state(policy, checkpoint["model"], checkpoint.get("lora"))
         return policy, checkpoint
+    if init is not None:  # (the supervisor checked that it fits)
+        policy = build_policy(policy_conf, spec, device, train=True, weights="given")
+        restore_weights(policy, torch.load(init, map_location="cpu", weights_only=False, mmap=True), f"init={init}")
+        return policy, None
     if policy_conf.get("checkpoint"):  # the published file, read in full precision
         return build_policy(policy_conf, spec, device, train=True), None
     policy = build_policy(policy_conf, spec, device, train=True, weights="given")
@@ -155,13 +162,14 @@ class TrainerProcess(PipedProcess):
     error = TrainerError
 
     def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, resume: str | None = None, successor: bool = False) -> None:
-        """Start the trainer publishing into `channel` (see trainer_main for `resume` and `successor`); it says
-        `Ready` once it serves."""
+                 threads: int, device: str, resume: str | None = None, successor: bool = False,
+                 init: str | None = None) -> None:
+        """Start the trainer publishing into `channel` (see trainer_main for `resume`, `successor` and `init`); it
+        says `Ready` once it serves."""
         import torch.multiprocessing as tmp
 
         super().__init__(tmp.get_context("spawn"), trainer_main, "ebrl-trainer", (conf, spec, channel),
-                         (list(cpus), threads, device, resume, successor))
+                         (list(cpus), threads, device, resume, successor, init))
 
     @property
     def waitables(self) -> list[Any]:
@@ -198,8 +206,10 @@ class Trainer:
         """An update was interrupted half-way: the weights here are not a checkpoint's."""
         return False
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
-        """Train on `batch`; `Trained` comes back, and with gather then the `State` too (a checkpoint is due)."""
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
+              critic_only: bool = False) -> None:
+        """Train on `batch` (critic_only: the value head alone); `Trained` comes back, and with gather then the
+        `State` too (a checkpoint is due)."""
         raise NotImplementedError
 
     def request_state(self) -> None:
@@ -263,11 +273,12 @@ class LocalTrainer(Trainer):
     def torn(self) -> bool:
         return self._torn
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
+              critic_only: bool = False) -> None:
         start = time.perf_counter()
         self._torn = True  # (stays so when the update is interrupted: its weights are half-stepped)
         try:
-            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip)
+            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only)
             if self.group is not None:  # rank 0 checks that every replica holds the same weights
                 metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
         except RuntimeError as e:
@@ -294,12 +305,13 @@ class ProcessTrainer(Trainer):
 
     def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
                  threads: int, device: str, resume: str | None = None,
-                 on_switch: Callable[[int, int], None] | None = None) -> None:
+                 on_switch: Callable[[int, int], None] | None = None, init: str | None = None) -> None:
         super().__init__()
         self.weights, self.threads, self.cpus = channel, threads, list(cpus)
         self.succession: Succession[TrainerProcess] = Succession(
             lambda successor: TrainerProcess(conf, spec, channel, self.cpus, threads, device,
-                                             None if successor else resume, successor), on_switch=on_switch)
+                                             None if successor else resume, successor, None if successor else init),
+            on_switch=on_switch)
 
     @property
     def process(self) -> TrainerProcess:
@@ -309,8 +321,9 @@ class ProcessTrainer(Trainer):
     def pid(self) -> int:
         return self.process.pid
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False) -> None:
-        self.process.send(Train(iteration, batch, decoupled, is_clip, gather))
+    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
+              critic_only: bool = False) -> None:
+        self.process.send(Train(iteration, batch, decoupled, is_clip, gather, critic_only))
 
     def request_state(self) -> None:
         self.process.send(StateRequest())
@@ -345,10 +358,11 @@ class ProcessTrainer(Trainer):
 
 
 def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, placement: Placement, post: Post,
-                       resume: str | None = None) -> Trainer:
+                       resume: str | None = None, init: str | None = None) -> Trainer:
     """The schedule's trainer (`scheduler.trainer`): in the supervisor on `policy`, or in a process of its own
     started in its stage's environment (placement.spawn_env), on its cores and device, publishing into a new
-    `WeightChannel` that holds `policy`'s weights as version 0. `resume`: a run's checkpoint to continue from."""
+    `WeightChannel` that holds `policy`'s weights as version 0. `resume`: a run's checkpoint to continue from;
+    `init`: the checkpoint `policy`'s first weights came from (a trainer process reads them in full precision)."""
     if placement.local:
         return LocalTrainer(policy, OmegaConf.create(conf["algo"]), placement.device, post, resume,
                             placement.train_group(), placement.ranks.rank)
@@ -359,4 +373,5 @@ def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Mod
                             lora_scaling=lora_scaling(conf["policy"]))
     with placement.spawn_env("train"):
         return ProcessTrainer(conf, spec, channel, placement.cpus("train"), placement.threads("train"),
-                              placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"))
+                              placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"),
+                              init=init)

@@ -26,11 +26,13 @@ def sweep_group(hydra_cfg: Any = None) -> str | None:
 class MetricsLog:
     """Appends to `<run>/metrics.jsonl` (so a resumed run continues the same file) and mirrors to W&B."""
 
-    def __init__(self, run_dir: Path, logger_cfg: dict[str, Any], config: dict[str, Any], resume_id: str | None = None):
+    def __init__(self, run_dir: Path, logger_cfg: dict[str, Any], config: dict[str, Any], resume_id: str | None = None,
+                 step_metric: str = "env_steps"):
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
         self.wandb_id: str | None = None
+        self.step_metric = step_metric
         if logger_cfg["name"] == "wandb":
             import wandb
 
@@ -46,9 +48,9 @@ class MetricsLog:
                 resume="allow" if resume_id else None,
             )
             self.wandb_id = self._wandb.id
-            # every metric is plotted against env steps, the x-axis embodied-RL papers use
-            self._wandb.define_metric("env_steps")
-            self._wandb.define_metric("*", step_metric="env_steps")
+            # every metric is plotted against env steps, the x-axis embodied-RL papers use (SFT: the samples seen)
+            self._wandb.define_metric(step_metric)
+            self._wandb.define_metric("*", step_metric=step_metric)
 
     def log(self, metrics: dict[str, Any]) -> None:
         self._file.write(json.dumps(metrics) + "\n")
@@ -61,7 +63,7 @@ class MetricsLog:
             return
         import wandb
 
-        self._wandb.log({"env_steps": env_steps, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}})
+        self._wandb.log({self.step_metric: env_steps, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}})
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         """The run's totals (summary.json's) as the W&B run summary, and its stage timing as a table

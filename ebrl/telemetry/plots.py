@@ -138,6 +138,45 @@ def plot_gpu(series: tuple[Series, Series], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, ylabel: str, title: str,
+               log_y: bool = False, ylim: tuple[float, float] | None = None) -> Path | None:
+    """A figure of (x, y) lines (a loss curve, success against env steps), written to `path`; None and one console
+    line when it cannot be drawn."""
+    try:
+        with warnings.catch_warnings():  # (see write_plots)
+            warnings.filterwarnings("ignore", message="The value of the smallest subnormal")
+            _draw_lines(path, lines, xlabel, ylabel, title, log_y, ylim)
+    except Exception as e:  # noqa: BLE001  (a figure is a by-product)
+        console.print(f"{path.name} not written: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+                      soft_wrap=True, markup=False)
+        return None
+    return path
+
+
+def _draw_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, ylabel: str, title: str,
+                log_y: bool, ylim: tuple[float, float] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, (x, y) in lines.items():
+        ax.plot(x, y, label=label, linewidth=1.5, marker="o" if len(x) < 40 else None, markersize=3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log_y:
+        ax.set_yscale("log")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_plots(run_dir: Path, trace: Trace, origin: float, end: float, sim_cores: int,
                 cpu_samples: list[tuple[float, dict[int, float]]],
                 gpu_samples: list[tuple[float, dict[int, dict[str, float]]]] | None = None) -> list[Path]:

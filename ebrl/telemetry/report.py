@@ -70,6 +70,16 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     Console().print(table)
 
 
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    """A two-column table (metric, value) on stdout, as the run summaries are."""
+    table = Table(title=title, show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
 def print_eval(summary: Any, run_dir: Path) -> None:
     """The table a user reads at the end of `mode=eval` (an ebrl.runtime.evaluation.EvalSummary)."""
     low, high = summary.success_ci95
