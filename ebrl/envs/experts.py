@@ -176,10 +176,15 @@ EXPERTS: dict[tuple[str, str], tuple[type[WaypointExpert], type[Arm]]] = {
 }
 
 
-def make_expert(env_name: str, task: str, adapter: EnvAdapter) -> WaypointExpert:
-    """The scripted expert of `env_name`'s `task` on this adapter; one line naming the tasks that have one."""
+def expert_for(env_name: str, task: str) -> tuple[type[WaypointExpert], type[Arm]]:
+    """The expert and arm classes of `env_name`'s `task`; one line naming the tasks that have one."""
     if (env_name, task) not in EXPERTS:
         have = ", ".join(f"env={e} env.task={t}" for e, t in EXPERTS)
         raise EnvSetupError(f"env={env_name} env.task={task} has no scripted expert; these have: {have}")
-    expert, arm = EXPERTS[(env_name, task)]
+    return EXPERTS[(env_name, task)]
+
+
+def make_expert(env_name: str, task: str, adapter: EnvAdapter) -> WaypointExpert:
+    """The scripted expert of `env_name`'s `task`, driving this adapter."""
+    expert, arm = expert_for(env_name, task)
     return expert(arm(adapter), adapter.spec.action_dim)
