@@ -258,8 +258,8 @@ class AlgoConfig:
     gae_lambda: float = 0.95
     # ppo: an episode cut off by env.max_episode_steps is bootstrapped from the value of its last observation (the
     # limit is the env's, the task would go on); false: it ends there with nothing more to come (the task is to
-    # succeed within the limit, as with env.reward=sparse: a failure's return is 0)
-    bootstrap_truncated: bool = True
+    # succeed within the limit: a failure's return is 0). By default true with env.reward=dense, false with sparse
+    bootstrap_truncated: bool = II("equals:${env.reward},dense")
     reward_scale: float = 1.0  # ppo: rewards are multiplied by it before GAE (the critic's targets keep a scale near 1)
     epochs: int = II("recipe:epochs")
     minibatches: int = 4
@@ -387,6 +387,7 @@ def register_configs() -> None:
     files only: `scheduler=scheduler_schema` is no choice."""
     OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
     OmegaConf.register_new_resolver("int_mul", lambda a, b: int(a) * int(b), replace=True)
+    OmegaConf.register_new_resolver("equals", lambda a, b: str(a) == str(b), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(name="record_schema", node=RecordConfig)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ebrl.envs.worker import ChunkReport
+from ebrl.telemetry.metrics import wilson_interval
 
 
 @dataclass
@@ -95,6 +96,9 @@ class RolloutStats:
             out["env/return"] = float(np.mean(self.returns))
             out["env/episode_length"] = float(np.mean(self.lengths))
             out["env/success_rate"] = float(np.mean(self.successes))
+            out["env/successes"] = float(np.sum(self.successes))
+            out["env/success_low"], out["env/success_high"] = wilson_interval(int(np.sum(self.successes)),
+                                                                              len(self.successes))
         if self.step_times:
             t = np.concatenate(self.step_times) * 1e3
             out["env/step_ms_mean"] = float(t.mean())

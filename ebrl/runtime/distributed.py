@@ -26,10 +26,12 @@ import torch.distributed as dist
 from ebrl.errors import StageFailed
 from ebrl.policies.training import is_sharded
 from ebrl.node import Ranks, visible_gpu
+from ebrl.telemetry.metrics import wilson_interval
 
 # Rates and counts add up over ranks; the iteration's wall time is the slowest rank's; episode figures are averaged
 # over episodes, everything else over ranks.
-SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iteration_env_steps", "env/episodes")
+SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iteration_env_steps", "env/episodes",
+          "env/successes")
 SLOWEST = ("time/iteration_s",)
 EPISODE_MEANS = ("env/return", "env/episode_length", "env/success_rate")  # weighted by each rank's env/episodes
 # Keys every rank must agree on after an update: the weights' version and their fingerprint.
@@ -152,6 +154,9 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         for key in PER_RANK:
             if key in m:
                 out[f"ranks/{r}/{key.split('/')[-1]}"] = m[key]
+    if out.get("env/episodes") and "env/successes" in out:  # the interval of the run's success rate, over every rank's episodes
+        out["env/success_low"], out["env/success_high"] = wilson_interval(round(out["env/successes"]),
+                                                                          round(out["env/episodes"]))
     out["dist/ranks"] = len(per_rank)
     return out
 

@@ -9,7 +9,6 @@ episodes to finish would favour the short ones, which on tasks that end at succe
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,10 +24,10 @@ from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_poli
 from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy
 from ebrl.runtime.experiment import run_device, seed_everything
+from ebrl.telemetry.metrics import wilson_interval
 from ebrl.telemetry.report import ProgressBar, console, print_eval
 
 MODES = ("train", "eval")
-Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95%
 VIDEO_FPS = 20  # robosuite's (and LIBERO's, ManiSkill's) default control rate: videos play in real time
 
 
@@ -49,17 +48,6 @@ def check_mode(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.episodes={cfg.eval.episodes} must be at least 1")
     if cfg.eval.videos < 0:
         raise ConfigError(f"eval.videos={cfg.eval.videos} must be >= 0 (0: no videos)")
-
-
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a success rate: unlike the normal approximation it stays inside [0, 1] and does
-    not collapse to a point at 0/n or n/n, which is where small evaluations of RL policies often land."""
-    if n < 1:
-        raise ValueError(f"n={n}: an interval needs at least one episode")
-    p, z2 = successes / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass

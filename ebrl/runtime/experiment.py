@@ -2,6 +2,7 @@
 "A run")."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -37,7 +38,7 @@ from ebrl.runtime.distributed import (
     pin_gpu,
 )
 from ebrl.runtime.errors import remove_if_only_hydra_files
-from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan
+from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan, Success
 from ebrl.runtime.init import describe, init_file
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.schedule import Scheduler
@@ -60,6 +61,9 @@ class RunSummary:
     rollout_steps_per_s: float = 0.0  # end to end (rollout + training), iterations after the first
     success_rate: float = float("nan")  # over the episodes of the last iteration that finished any
     mean_return: float = float("nan")
+    # over the episodes of the first and the last (up to 3) iterations that finished any, with their intervals
+    success_start: Success | None = None
+    success_end: Success | None = None
     stage_s: dict[str, float] = field(default_factory=dict)
     cpu_busy: float = float("nan")
     # after warm-up: busy_<stage> (trace: share of the wall time a stage was running; simulate: per sim core)
@@ -69,7 +73,11 @@ class RunSummary:
 
     def figures(self) -> dict[str, Any]:
         """What summary.json and W&B's summary hold."""
-        return {k: v for k, v in self.__dict__.items() if k != "measured"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("measured", "success_start", "success_end")}
+        for key in ("success_start", "success_end"):
+            value = getattr(self, key)
+            out[key] = None if value is None else dataclasses.asdict(value)
+        return out
 
 
 def seed_everything(seed: int) -> None:
@@ -353,8 +361,10 @@ class Experiment:
         end = time.perf_counter()
         cores = len(self.placement.cpus("simulate"))
         seconds = self.scheduler.trace.timeline.occupied(start, end, cores)
+        start_success, end_success = measure.success_at_ends()
         return RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
                           success_rate=measure.success_rate, mean_return=measure.mean_return,
+                          success_start=start_success, success_end=end_success,
                           stage_s={"simulate": seconds["cores"] / cores, "generate": seconds["generate"],
                                    "train": seconds["train"]}, cpu_busy=measure.cpu_busy,
                           busy=measure.stage_means(), measured=measure.measured())

@@ -23,6 +23,7 @@ from ebrl.alloc.allocator import Measured
 from ebrl.node import Ranks
 from ebrl.runtime.distributed import combine, gather_metrics
 from ebrl.runtime.errors import RunStopped
+from ebrl.telemetry.metrics import wilson_interval
 from ebrl.telemetry.report import ProgressBar, console
 
 
@@ -86,6 +87,7 @@ class Measure:
         self.stage_busy: dict[str, list[float]] = {}
         self.per_stage: list[Measured] = []  # this rank's
         self.success_rate, self.mean_return = float("nan"), float("nan")
+        self.outcomes: list[tuple[int, int]] = []  # (successes, episodes) of each iteration that finished any
 
     def __call__(self, it: Finished) -> None:
         m = it.run
@@ -100,6 +102,7 @@ class Measure:
                     self.stage_busy.setdefault(key[5:], []).append(value)
         if "env/success_rate" in m:
             self.success_rate, self.mean_return = m["env/success_rate"], m["env/return"]
+            self.outcomes.append((round(m["env/successes"]), round(m["env/episodes"])))
 
     @property
     def steps_per_s(self) -> float:
@@ -109,12 +112,36 @@ class Measure:
     def cpu_busy(self) -> float:
         return float(np.mean(self.busy)) if self.busy else float("nan")
 
+    def success_at_ends(self, most: int = 3) -> tuple[Success | None, Success | None]:
+        """The success rate over the episodes of the first and of the last `most` iterations that finished any
+        (fewer where the run has fewer than twice as many: the two never share an iteration)."""
+        if not self.outcomes:
+            return None, None
+        k = max(1, min(most, len(self.outcomes) // 2))
+        return Success.of(self.outcomes[:k]), Success.of(self.outcomes[-k:])
+
     def stage_means(self) -> dict[str, float]:
         return {key: float(np.mean(values)) for key, values in self.stage_busy.items()}
 
     def measured(self) -> Measured:
         """The stages' figures over the iterations after warm-up, at the run's rate."""
         return Measured.mean(self.per_stage, self.steps_per_s)
+
+
+@dataclass(frozen=True)
+class Success:
+    """A success rate over the episodes of some iterations, with its 95% Wilson interval."""
+
+    rate: float
+    low: float
+    high: float
+    episodes: int
+    iterations: int
+
+    @classmethod
+    def of(cls, outcomes: list[tuple[int, int]]) -> "Success":
+        wins, n = sum(s for s, _ in outcomes), sum(e for _, e in outcomes)
+        return cls(wins / n, *wilson_interval(wins, n), episodes=n, iterations=len(outcomes))
 
 
 class Progress:

@@ -2,9 +2,23 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95%
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a success rate: unlike the normal approximation it stays inside [0, 1] and does
+    not collapse to a point at 0/n or n/n, which is where small evaluations of RL policies often land."""
+    if n < 1:
+        raise ValueError(f"n={n}: an interval needs at least one episode")
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def sweep_group(hydra_cfg: Any = None) -> str | None:

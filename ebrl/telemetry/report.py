@@ -61,7 +61,13 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     table.add_row("env steps", f"{summary.env_steps:,}")
     table.add_row("wall time", f"{summary.wall_s:.1f} s")
     table.add_row("env steps/s (end to end, after warm-up)", _fmt(summary.rollout_steps_per_s, ".1f"))
-    table.add_row("success rate (last iteration)", _fmt(summary.success_rate, ".1%"))
+    for name, success in (("first", summary.success_start), ("last", summary.success_end)):
+        if success is not None:
+            its = "iteration" if success.iterations == 1 else f"{success.iterations} iterations"
+            table.add_row(f"success rate, {name} {its} ({success.episodes} episodes, 95% CI)",
+                          f"{success.rate:.1%} ({success.low:.0%} to {success.high:.0%})")
+    if summary.success_end is None:
+        table.add_row("success rate", "n/a (no episode ended)")
     table.add_row("episode return (last iteration)", _fmt(summary.mean_return, ".3f"))
     for stage, seconds in summary.stage_s.items():  # stages may overlap: each as a share of the wall time
         table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / max(summary.wall_s, 1e-9):.0%} of wall)")

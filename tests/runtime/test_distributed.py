@@ -20,6 +20,7 @@ from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.node import Ranks, share_of_node
 from ebrl.runtime.distributed import DistributedError, combine, weights_sum
+from ebrl.telemetry.metrics import wilson_interval
 from tests.conftest import REPO, compose_config
 from tests.runtime.test_run import SMALL, metrics, run_py
 
@@ -49,10 +50,10 @@ def as_ranks(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, local_world
 def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     per_rank = [
         {"iteration": 3, "perf/env_steps_per_s": 60.0, "perf/iteration_env_steps": 64, "env/episodes": 1.0,
-         "env/return": 1.0, "losses/policy": 0.2, "time/iteration_s": 1.0, "dist/weights_sum": 5.5,
+         "env/successes": 1.0, "env/return": 1.0, "losses/policy": 0.2, "time/iteration_s": 1.0, "dist/weights_sum": 5.5,
          "alloc/decision": "moved a core"},
         {"iteration": 3, "perf/env_steps_per_s": 40.0, "perf/iteration_env_steps": 64, "env/episodes": 3.0,
-         "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5, "dist/weights_sum": 5.5},
+         "env/successes": 1.0, "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5, "dist/weights_sum": 5.5},
     ]
     out = combine(per_rank)
     assert out["perf/env_steps_per_s"] == 100.0 and out["perf/iteration_env_steps"] == 128
@@ -63,6 +64,7 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     assert out["iteration"] == 3 and out["alloc/decision"] == "moved a core" and out["dist/ranks"] == 2
     assert (out["ranks/0/return"], out["ranks/1/return"]) == (1.0, 3.0)
     assert out["ranks/1/env_steps_per_s"] == 40.0
+    assert (out["env/success_low"], out["env/success_high"]) == wilson_interval(2, 4)  # over all 4 episodes
 
 
 def test_ranks_whose_weights_differ_stop_the_run() -> None:
@@ -115,8 +117,9 @@ def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytes
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("ranks") / "run"
-    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, "iterations=3", "checkpoint_every=1",
-                    f"hydra.run.dir={run_dir}")
+    # the shaped reward: the ranks' returns tell their episodes apart (sparse ones are all 0 from scratch)
+    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, "env.reward=dense", "iterations=3",
+                    "checkpoint_every=1", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ebrl.config import ConfigError, validate
-from ebrl.runtime.evaluation import Z95, check_mode, wilson_interval
+from ebrl.runtime.evaluation import check_mode
+from ebrl.telemetry.metrics import Z95, wilson_interval
 from tests.conftest import compose_config
 from tests.runtime.test_run import SMALL, run_py
 

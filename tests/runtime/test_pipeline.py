@@ -20,7 +20,8 @@ from ebrl.telemetry.trace import read_spans
 from tests.conftest import compose_config
 
 WORKLOAD = ["env.num_envs=4", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=3",
-            "env.max_episode_steps=24", "progress=false", "logger=none", "checkpoint_every=1000"]
+            "env.max_episode_steps=24", "progress=false", "logger=none", "checkpoint_every=1000",
+            "init=null"]  # from the family's initialisation: every env runs its chunks to the end
 
 
 def run(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:

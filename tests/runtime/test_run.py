@@ -20,6 +20,7 @@ SMALL = [
     "env.max_episode_steps=24",
     "progress=false",
     "logger=none",
+    "init=null",  # the mechanics from the family's initialisation: no shipped policy ends episodes mid-chunk
 ]
 
 

@@ -67,3 +67,19 @@ def test_an_sft_checkpoint_evaluates_with_the_statistics_it_was_trained_with(sft
     summary = Evaluation.from_config(cfg, run_dir=tmp_path / "eval").run()
     assert summary.episodes == 2
     assert (tmp_path / "eval" / "norm_stats.json").read_text() == (sft_run / "norm_stats.json").read_text()
+
+
+@pytest.mark.parametrize("overrides, shipped", [
+    ((), True),  # the default run fine-tunes the shipped checkpoint
+    (("env.task=Stack",), False),  # no checkpoint for this task
+    (("policy.chunk=4",), False),  # a policy built otherwise than the shipped one
+    (("algo=sft",), False),  # SFT starts from the family's initialisation
+])
+def test_init_auto_takes_the_shipped_checkpoint_only_for_the_policy_and_env_it_was_made_for(overrides, shipped):
+    from ebrl.runtime.init import SHIPPED, init_file
+
+    found = init_file(compose_config(*overrides))
+    assert (found is not None) == shipped
+    if shipped:
+        assert str(found).endswith(SHIPPED["openpi", "tiny", "pi0", "robosuite", "Lift"])
+        assert load_checkpoint(found)["config"]["algo"]["name"] == "sft"
