@@ -141,10 +141,10 @@ def plot(runs: list[Run], path: Path, target: float) -> Path | None:
     by_time: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for algo, mode in sorted({(r.algo, r.mode) for r in runs}):
         mine = [r for r in runs if (r.algo, r.mode) == (algo, mode)]
-        n = min(len(r.successes) for r in mine)
-        y = np.nanmean([r.moving()[:n] for r in mine], axis=0)
-        by_steps[f"{algo} {mode}"] = (np.mean([r.env_steps[:n] for r in mine], axis=0), y)
-        by_time[f"{algo} {mode}"] = (np.mean([r.seconds[:n] for r in mine], axis=0), y)
+        span = slice(WINDOW - 1, min(len(r.successes) for r in mine))  # the moving mean starts at WINDOW
+        y = np.nanmean([r.moving()[span] for r in mine], axis=0)
+        by_steps[f"{algo} {mode}"] = (np.mean([r.env_steps[span] for r in mine], axis=0), y)
+        by_time[f"{algo} {mode}"] = (np.mean([r.seconds[span] for r in mine], axis=0), y)
     first = plot_lines(path.with_name(path.stem + "_steps.png"), by_steps, "env steps", "success (rollouts)",
                        f"success over {WINDOW} iterations, mean over seeds (target {target:.0%})", ylim=(0, 1))
     plot_lines(path.with_name(path.stem + "_wallclock.png"), by_time, "seconds of RL", "success (rollouts)",
@@ -201,6 +201,11 @@ def report(runs: list[Run], gains: Sequence[float], before: dict[str, float], ou
     return {"start": start, "targets": targets, "eval_before": before, "runs": [asdict(r) for r in runs]}
 
 
+def earlier_runs(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return data["runs"] if isinstance(data, dict) else data
+
+
 def main(argv: Sequence[str] | None = None) -> list[Run]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", default=["colocated", "ebrl"])
@@ -214,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     parser.add_argument("--sft-iterations", type=int, default=20)
     parser.add_argument("--eval-episodes", type=int, default=50, help="mode=eval before and after; 0: none")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of learning.json and the plots")
+    parser.add_argument("--add", type=Path, nargs="+", default=[],
+                        help="runs.json or learning.json of earlier runs from the same start (more seeds) to report with")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -226,8 +233,16 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
             if start is None:
                 parser.error("no shipped SFT checkpoint fits these overrides; give --init <run folder> or --demos N")
         before = evaluate(start, args.eval_episodes, args.overrides) if args.eval_episodes else {}
-        runs = [run_one(algo, mode, seed, start, args.iterations, args.eval_episodes, args.overrides)
-                for algo in args.algos for i, seed in enumerate(args.seeds) for mode in round_order(args.modes, i)]
+        runs = [Run(**r) for path in args.add for r in earlier_runs(path)]
+        for algo in args.algos:
+            for i, seed in enumerate(args.seeds):
+                for mode in round_order(args.modes, i):
+                    runs.append(run_one(algo, mode, seed, start, args.iterations, args.eval_episodes, args.overrides))
+                    r, n = runs[-1], len(runs[-1].successes)
+                    print(f"{algo} {mode} seed {seed}: success {pct(*r.rate(0, WINDOW))} -> "
+                          f"{pct(*r.rate(n - WINDOW, n))} in {r.seconds[-1]:.0f} s", flush=True)
+                    # what has run so far, should a later run fail
+                    (args.out / "runs.json").write_text(json.dumps([asdict(x) for x in runs]))
     origin = f"SFT on {args.demos} demos" if args.demos else str(start)
     print(f"\n{args.iterations} iterations of RL per run, from {origin}")
     figures = report(runs, args.gains, before, args.out)
