@@ -49,6 +49,9 @@ class EnvConfig:
     max_episode_steps: int = 100  # env steps before truncation
     cameras: list[str] = field(default_factory=list)  # empty: state observations only
     image_size: int = 128  # square camera images, pixels
+    # false: cameras render at a chunk's last step and at a reset, the frames the policy reads; true: at every step
+    # (the control of the camera benchmark)
+    render_every_step: bool = False
     reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
     terminate_on_success: bool = True
     python: Optional[str] = None  # interpreter the simulator workers run under; null: this one

@@ -101,6 +101,12 @@ class EnvAdapter:
     """
 
     spec: EnvSpec
+    # Whether the step about to run renders the cameras. The policy reads a chunk's observation once, after its last
+    # step, so run_chunk clears the flag for the steps before that one (unless `render_every_step`, which the worker
+    # sets from env.render_every_step) and sets it again for the reset. Adapters whose cameras can skip a frame read
+    # it (and implement `render_now`); the others render at every step as before.
+    render: bool = True
+    render_every_step: bool = False
 
     def __init__(self, seed: int = 0) -> None:
         self._seed = int(seed)
@@ -124,6 +130,11 @@ class EnvAdapter:
             env.close()
             self.env = None
 
+    def render_now(self) -> dict[str, np.ndarray]:
+        """The cameras' frames ("image/<camera>") of the current state, rendered now: the obs an episode ended on at
+        a step that did not render. Adapters that never skip a frame have nothing to add."""
+        return {}
+
     # --- shared by all adapters ----------------------------------------------------------
     def next_seed(self) -> int:
         """Seeds for successive episodes of this env: distinct across envs and episodes."""
@@ -136,16 +147,23 @@ class EnvAdapter:
         return self.reset(self.next_seed() if seed is None else seed)
 
     def run_chunk(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], ChunkResult]:
-        """Execute `actions` (H, action_dim) in order; auto-reset when the episode ends."""
+        """Execute `actions` (H, action_dim) in order; auto-reset when the episode ends. Only the steps whose
+        observation is read render the cameras: the chunk's last, the one the step limit ends the episode at, and
+        the reset (see `render`)."""
         if len(actions) == 0:
             raise ValueError("run_chunk needs at least one action")
         actions = np.clip(np.asarray(actions, np.float32), self.spec.action_low, self.spec.action_high)
         rewards, times, successes = [], [], []
         terminated = truncated = False
         obs: dict[str, np.ndarray] = {}
-        for action in actions:
+        for i, action in enumerate(actions):
+            self.render = (self.render_every_step or i == len(actions) - 1
+                           or self._ep_len + 1 >= self.spec.max_episode_steps)
             t0 = time.perf_counter()
-            obs, reward, terminated, truncated, info = self.step(action)
+            try:
+                obs, reward, terminated, truncated, info = self.step(action)
+            finally:
+                rendered, self.render = self.render, True
             times.append(time.perf_counter() - t0)
             rewards.append(reward)
             success = bool(info.get("success", False))
@@ -166,6 +184,7 @@ class EnvAdapter:
         )
         if result.done:
             result.episode = {"return": self._ep_return, "length": self._ep_len, "success": float(self._ep_success)}
-            result.final_obs = obs
+            # ended by the task before the chunk's last step: that step did not render
+            result.final_obs = obs if rendered else {**obs, **self.render_now()}
             obs = self.begin_episode()
         return obs, result

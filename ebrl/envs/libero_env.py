@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
+from ebrl.envs.robosuite_cameras import CameraGate, upright
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
 SETUP_HINT = "env=libero needs its own interpreter: run `python -m ebrl.envs.setup libero`"
@@ -133,6 +134,8 @@ class LiberoEnv(EnvAdapter):
             raise EnvSetupError(f"env.cameras={cameras}: LIBERO could not build them ({type(e).__name__}: "
                                 f"{' '.join(str(e).split())}); cameras it has: agentview, robot0_eye_in_hand, "
                                 "frontview, birdview, sideview") from e
+        self.gate = CameraGate(self, cameras)
+        self.gate.install(self.env.env)
         obs = self.reset(seed)
         spec_obs = {"state": ArraySpec(obs["state"].shape, "float32")}
         for cam in cameras:
@@ -154,18 +157,27 @@ class LiberoEnv(EnvAdapter):
             state.append(raw["object-state"])
         obs = {"state": np.concatenate(state).astype(np.float32)}
         for cam in self.cameras:
-            # MuJoCo renders in OpenGL's convention (bottom row first): flip right side up
-            obs[f"image/{cam}"] = np.ascontiguousarray(raw[f"{cam}_image"][::-1], dtype=np.uint8)
+            obs[f"image/{cam}"] = upright(raw[f"{cam}_image"])
         return obs
+
+    def render_now(self) -> dict[str, np.ndarray]:
+        return self.gate.render_now(self.env.env)
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         seed = self._seed if seed is None else int(seed)
         self.env.seed(seed)  # LIBERO's samplers draw from numpy's global generator
-        self.env.reset()
-        # seeds that agree modulo the number of init states share a scene (GRPO-style groups)
-        raw = self.env.set_init_state(self.init_states[seed % len(self.init_states)])
-        for _ in range(SETTLE_STEPS):
-            raw, _, _, _ = self.env.step(NOOP)
+        asked = self.render
+        # the frames of reset, set_init_state and the settling steps are not read, the last one's is
+        self.render = asked and self.render_every_step
+        try:
+            self.env.reset()
+            # seeds that agree modulo the number of init states share a scene (GRPO-style groups)
+            raw = self.env.set_init_state(self.init_states[seed % len(self.init_states)])
+            for i in range(SETTLE_STEPS):
+                self.render = asked and (self.render_every_step or i == SETTLE_STEPS - 1)
+                raw, _, _, _ = self.env.step(NOOP)
+        finally:
+            self.render = asked
         return self._obs(raw)
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:

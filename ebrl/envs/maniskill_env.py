@@ -119,6 +119,9 @@ class ManiSkillEnv(EnvAdapter):
             raise EnvSetupError(f"env.cameras={cameras}: {task} has no camera {', '.join(unknown)}; "
                                 f"choose from: {', '.join(sensors)}")
 
+        self.frames = 0  # sensor renders made
+        if cameras:
+            self._gate_sensors()
         obs, _ = self.env.reset(seed=int(seed))
         obs = self._obs(obs)
         spec_obs = {key: ArraySpec(value.shape, value.dtype.name) for key, value in obs.items()}
@@ -135,10 +138,34 @@ class ManiSkillEnv(EnvAdapter):
     def _obs(self, raw: Any) -> dict[str, np.ndarray]:
         if not self.cameras:
             return {"state": _to_numpy(raw).astype(np.float32).reshape(-1)}
-        obs = {"state": _to_numpy(raw["state"]).astype(np.float32).reshape(-1)}
-        for cam in self.cameras:
-            obs[f"image/{cam}"] = np.ascontiguousarray(_to_numpy(raw["sensor_data"][cam]["rgb"])[..., :3], np.uint8)
-        return obs
+        return {"state": _to_numpy(raw["state"]).astype(np.float32).reshape(-1), **self._images(raw["sensor_data"])}
+
+    def _gate_sensors(self) -> None:
+        """Render the sensors only while `render` is set. ManiSkill renders them in `get_obs` at the end of a step
+        (`_get_obs_sensor_data`: update the render scene, capture, read); the wrapper, on this env object only, runs
+        that at the steps whose observation is read and hands back the last frames otherwise (not read either). The
+        state part of the obs, the reward and the physics do not pass through it."""
+        env = self.env.unwrapped
+        self._sensor_data = sensor_data = env._get_obs_sensor_data  # noqa: SLF001  (ManiSkill 3's one place)
+        last: list[dict] = []
+
+        def gated(*args: Any, **kwargs: Any) -> dict:
+            if self.render or not last:
+                self.frames += 1
+                last[:] = [sensor_data(*args, **kwargs)]
+            return last[0]
+
+        env._get_obs_sensor_data = gated  # noqa: SLF001
+
+    def render_now(self) -> dict[str, np.ndarray]:
+        if not self.cameras:
+            return {}
+        self.frames += 1
+        return self._images(self._sensor_data())
+
+    def _images(self, sensor_data: dict) -> dict[str, np.ndarray]:
+        return {f"image/{cam}": np.ascontiguousarray(_to_numpy(sensor_data[cam]["rgb"])[..., :3], np.uint8)
+                for cam in self.cameras}
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         obs, _ = self.env.reset(seed=seed)

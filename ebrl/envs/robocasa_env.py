@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
+from ebrl.envs.robosuite_cameras import CameraGate, upright
 from ebrl.envs.robosuite_env import _QuietRobosuite  # numpy only at import, like this module
 
 SETUP_HINT = "env=robocasa needs its own interpreter: run `python -m ebrl.envs.setup robocasa`"
@@ -176,6 +177,7 @@ class RoboCasaEnv(EnvAdapter):
                                 f"{' '.join(str(e).split())}); its cameras: robot0_agentview_left, "
                                 "robot0_agentview_right, robot0_eye_in_hand") from e
         self.instruction = ""
+        self.gate = CameraGate(self, cameras)
         obs = self.reset(seed)
         spec_obs = {"state": ArraySpec(obs["state"].shape, "float32")}
         for cam in cameras:
@@ -201,15 +203,18 @@ class RoboCasaEnv(EnvAdapter):
             state.append(np.asarray(raw["object-state"]).ravel())
         obs = {"state": np.concatenate(state).astype(np.float32)}
         for cam in self.cameras:
-            # MuJoCo renders in OpenGL's convention (bottom row first): flip right side up
-            obs[f"image/{cam}"] = np.ascontiguousarray(raw[f"{cam}_image"][::-1], dtype=np.uint8)
+            obs[f"image/{cam}"] = upright(raw[f"{cam}_image"])
         return obs
+
+    def render_now(self) -> dict[str, Any]:
+        return self.gate.render_now(self.env)
 
     def reset(self, seed: int | None = None) -> dict[str, Any]:
         seed = self._seed if seed is None else int(seed)
         # RoboCasa samples the kitchen and objects from env.rng (robosuite 1.5), set from the seed
         self.env.rng = self._np.random.default_rng(seed)
         raw = self.env.reset()
+        self.gate.install(self.env)  # a hard reset (RoboCasa's default) builds new camera sensors
         # the task's instruction for this episode (it names the sampled objects and fixtures)
         self.instruction = str(self.env.get_ep_meta().get("lang", ""))
         return self._obs(raw)

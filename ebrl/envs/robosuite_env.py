@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_reward, use_headless_gl
+from ebrl.envs.robosuite_cameras import CameraGate, upright
 
 INSTRUCTIONS = {
     "Lift": "lift the red cube",
@@ -126,6 +127,8 @@ class RobosuiteEnv(EnvAdapter):
                 raise
             raise EnvSetupError(_camera_error(robosuite, task, robot, controller, cameras, e)) from e
 
+        self.gate = CameraGate(self, cameras)
+        self.gate.install(self.env)
         obs = self.env.reset()
         state = self._state(obs)
         spec_obs = {"state": ArraySpec(state.shape, "float32")}
@@ -150,9 +153,11 @@ class RobosuiteEnv(EnvAdapter):
     def _obs(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         obs = {"state": self._state(raw)}
         for cam in self.cameras:
-            # MuJoCo renders in OpenGL's convention (bottom row first): flip right side up
-            obs[f"image/{cam}"] = np.ascontiguousarray(raw[f"{cam}_image"][::-1], dtype=np.uint8)
+            obs[f"image/{cam}"] = upright(raw[f"{cam}_image"])
         return obs
+
+    def render_now(self) -> dict[str, np.ndarray]:
+        return self.gate.render_now(self.env)
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         if seed is not None:

@@ -48,7 +48,7 @@ from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault")
+NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step")
 RESEED = 100_003  # a replacement process of env i builds from seed + RESEED x (its replacements so far)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
@@ -214,10 +214,13 @@ def load_adapter_class(target: str) -> type[EnvAdapter]:
 
 
 def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
-    """Construct the adapter from a plain config dict: every key but _target_/name/num_envs/python, plus seed."""
+    """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS, plus seed;
+    env.render_every_step is the adapter's `render_every_step`."""
     cls = load_adapter_class(env_cfg["_target_"])
     kwargs = {k: v for k, v in env_cfg.items() if k not in NOT_ADAPTER_ARGS}
-    return cls(**kwargs, seed=seed)
+    adapter = cls(**kwargs, seed=seed)
+    adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
+    return adapter
 
 
 def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int,

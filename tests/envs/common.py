@@ -29,3 +29,34 @@ def run_in_interpreter(python, code: str, timeout: float = 240) -> dict:
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- rendering at the chunk boundary against rendering at every step (test_render_gate, test_libero) ---
+CHUNKS = (5, 5, 5, 4)  # with a step limit of 12 the third chunk ends the episode at its second step
+
+
+def read_over_chunks(env, every_step: bool, seed: int = 3) -> tuple[list, int]:
+    """What a policy reads over CHUNKS, and the frames rendered for it."""
+    env.render_every_step = every_step
+    read = [env.begin_episode(seed=seed)]
+    for k, n in enumerate(CHUNKS):
+        obs, result = env.run_chunk(random_chunk(n, env.spec.action_dim, seed=k))
+        read += [obs, result.rewards, result.successes, result.terminated, result.truncated]
+        if result.final_obs is not None:
+            read.append(result.final_obs)
+    return read, frames(env)
+
+
+def frames(env) -> int:
+    return env.gate.frames if hasattr(env, "gate") else env.frames
+
+
+def assert_same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, dict):
+            assert x.keys() == y.keys()
+            for key in x:
+                assert np.array_equal(x[key], y[key]), key
+        else:
+            assert np.array_equal(x, y)

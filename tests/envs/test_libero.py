@@ -123,3 +123,22 @@ def test_libero_and_robosuite_15_workers_side_by_side():
         assert [r.executed for r in reports] == [4, 4]
         assert libero.spec.instruction.startswith("pick up the black bowl")
         assert robosuite.spec.instruction == "lift the red cube"
+
+
+@needs_venv
+def test_cameras_render_at_the_chunk_boundary_as_at_every_step():
+    """LIBERO's robosuite 1.4 gets the same gate as 1.5 (tests/envs/test_render_gate.py): the frames read at the
+    boundaries are those of rendering every step, bit for bit, from a frame per chunk and per reset."""
+    out = run_in_venv("""
+from tests.envs.common import CHUNKS, assert_same, read_over_chunks
+make = lambda: LiberoEnv(task="0", suite="libero_spatial", max_episode_steps=12, cameras=["agentview"],
+                         image_size=48, seed=0)
+every, gated = make(), make()
+before = every.gate.frames, gated.gate.frames
+want, n_every = read_over_chunks(every, every_step=True)
+got, n_gated = read_over_chunks(gated, every_step=False)
+assert_same(want, got)
+print(json.dumps({"every": n_every - before[0], "gated": n_gated - before[1], "chunks": len(CHUNKS)}))
+""")
+    # gated, a reset renders its last settling step only; every step renders 16 steps and each reset's own frames
+    assert out["gated"] == out["chunks"] + 2 and out["every"] > 16 + 2 * 10, out
