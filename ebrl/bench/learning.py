@@ -79,9 +79,11 @@ def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequenc
     from hydra import compose, initialize_config_dir
 
     from ebrl.bench.schedulers import CONF
+    from ebrl.config import register_configs
     from ebrl.demos.record import record
     from ebrl.runtime.sft import SupervisedRun
 
+    register_configs()  # the schemas the env configs' defaults name
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         env = [o for o in overrides if o.split("=")[0] == "env" or o.startswith("env.")]
         cfg = compose("record", overrides=[*env, f"episodes={demos}", f"out={folder / 'demos'}", "progress=false"])
