@@ -105,7 +105,7 @@ class EnvAdapter:
     # step, so run_chunk clears the flag for the steps before that one (unless `render_every_step`, which the worker
     # sets from env.render_every_step) and sets it again for the reset. Adapters whose cameras can skip a frame read
     # it (and implement `render_now`); the others render at every step as before.
-    render: bool = True
+    render_this_step: bool = True
     render_every_step: bool = False
 
     def __init__(self, seed: int = 0) -> None:
@@ -149,7 +149,7 @@ class EnvAdapter:
     def run_chunk(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], ChunkResult]:
         """Execute `actions` (H, action_dim) in order; auto-reset when the episode ends. Only the steps whose
         observation is read render the cameras: the chunk's last, the one the step limit ends the episode at, and
-        the reset (see `render`)."""
+        the reset (see `render_this_step`)."""
         if len(actions) == 0:
             raise ValueError("run_chunk needs at least one action")
         actions = np.clip(np.asarray(actions, np.float32), self.spec.action_low, self.spec.action_high)
@@ -157,13 +157,13 @@ class EnvAdapter:
         terminated = truncated = False
         obs: dict[str, np.ndarray] = {}
         for i, action in enumerate(actions):
-            self.render = (self.render_every_step or i == len(actions) - 1
+            self.render_this_step = (self.render_every_step or i == len(actions) - 1
                            or self._ep_len + 1 >= self.spec.max_episode_steps)
             t0 = time.perf_counter()
             try:
                 obs, reward, terminated, truncated, info = self.step(action)
             finally:
-                rendered, self.render = self.render, True
+                rendered, self.render_this_step = self.render_this_step, True
             times.append(time.perf_counter() - t0)
             rewards.append(reward)
             success = bool(info.get("success", False))

@@ -166,18 +166,18 @@ class LiberoEnv(EnvAdapter):
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         seed = self._seed if seed is None else int(seed)
         self.env.seed(seed)  # LIBERO's samplers draw from numpy's global generator
-        asked = self.render
+        asked = self.render_this_step
         # the frames of reset, set_init_state and the settling steps are not read, the last one's is
-        self.render = asked and self.render_every_step
+        self.render_this_step = asked and self.render_every_step
         try:
             self.env.reset()
             # seeds that agree modulo the number of init states share a scene (GRPO-style groups)
             raw = self.env.set_init_state(self.init_states[seed % len(self.init_states)])
             for i in range(SETTLE_STEPS):
-                self.render = asked and (self.render_every_step or i == SETTLE_STEPS - 1)
+                self.render_this_step = asked and (self.render_every_step or i == SETTLE_STEPS - 1)
                 raw, _, _, _ = self.env.step(NOOP)
         finally:
-            self.render = asked
+            self.render_this_step = asked
         return self._obs(raw)
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:

@@ -141,16 +141,16 @@ class ManiSkillEnv(EnvAdapter):
         return {"state": _to_numpy(raw["state"]).astype(np.float32).reshape(-1), **self._images(raw["sensor_data"])}
 
     def _gate_sensors(self) -> None:
-        """Render the sensors only while `render` is set. ManiSkill renders them in `get_obs` at the end of a step
-        (`_get_obs_sensor_data`: update the render scene, capture, read); the wrapper, on this env object only, runs
-        that at the steps whose observation is read and hands back the last frames otherwise (not read either). The
-        state part of the obs, the reward and the physics do not pass through it."""
+        """Render the sensors only while `render_this_step` is set. ManiSkill renders them in `get_obs` at the end of
+        a step (`_get_obs_sensor_data`: update the render scene, capture, read); the wrapper, on this env object only,
+        runs that at the steps whose observation is read and hands back the last frames otherwise (not read either).
+        The state part of the obs, the reward and the physics do not pass through it."""
         env = self.env.unwrapped
         self._sensor_data = sensor_data = env._get_obs_sensor_data  # noqa: SLF001  (ManiSkill 3's one place)
         last: list[dict] = []
 
         def gated(*args: Any, **kwargs: Any) -> dict:
-            if self.render or not last:
+            if self.render_this_step or not last:
                 self.frames += 1
                 last[:] = [sensor_data(*args, **kwargs)]
             return last[0]

@@ -2,9 +2,9 @@
 
 A robosuite camera is an observable: it samples on its own clock (its sampling rate, at the substep that clock
 picks) and its sensor renders when it samples. `CameraGate` wraps the sensor, not the observable, so the clock runs
-exactly as before; at a sample the sensor renders only while the adapter's `render` flag is set, and hands back a
-black frame of the same shape otherwise (one that no one reads: `EnvAdapter.run_chunk` sets the flag for a chunk's
-last step and at a reset). The frames the policy reads are then those rendering at every step gives, bit for bit,
+exactly as before; at a sample the sensor renders only while the adapter's `render_this_step` flag is set, and hands
+back a black frame of the same shape otherwise (one that no one reads: `EnvAdapter.run_chunk` sets the flag for a
+chunk's last step and at a reset). The frames the policy reads are then those rendering at every step gives, bit for bit,
 and so are the physics and the rewards, which rendering never touched (tests/envs/test_render_gate.py).
 
 This module imports numpy and, when a gate is built, robosuite: it runs under LIBERO's interpreter too.
@@ -17,7 +17,7 @@ import numpy as np
 
 
 class CameraGate:
-    """The camera sensors of one robosuite env, gated by `adapter.render`; `frames` counts the renders made."""
+    """The camera sensors of one robosuite env, gated by `adapter.render_this_step`; `frames` counts the renders."""
 
     def __init__(self, adapter: Any, cameras: list[str]) -> None:
         self.adapter, self.cameras = adapter, list(cameras)
@@ -38,17 +38,17 @@ class CameraGate:
 
             @sensor(modality=observable.modality)
             def gated(obs_cache: dict, render: Callable = render, blank: np.ndarray = blank) -> np.ndarray:
-                if not self.adapter.render:
+                if not self.adapter.render_this_step:
                     return blank
                 self.frames += 1
                 return render(obs_cache)
 
             gated.gated = True
-            asked, self.adapter.render = self.adapter.render, False
+            asked, self.adapter.render_this_step = self.adapter.render_this_step, False
             try:  # set_sensor calls it once to read its shape: the blank frame has it, no render needed
                 observable.set_sensor(gated)
             finally:
-                self.adapter.render = asked
+                self.adapter.render_this_step = asked
             self.renderers[cam] = render
 
     def render_now(self, env: Any) -> dict[str, np.ndarray]:
