@@ -217,6 +217,10 @@ class SchedulerConfig:
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
     sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first
+    # a plan's shares are priorities, not fences: the simulators also run, niced, on the cores the allocator gave the
+    # policy's stages whenever those leave them idle (with core rebinding: lent to an env when every sim core is
+    # taken); false: only on their own share
+    work_conserving: bool = True
     # where generation runs: supervisor (no process boundary on the hot path) | process (its own, mapping the
     # published weights; a new MPS share is a respawn); null: process under MPS, else supervisor
     generation: Optional[str] = None

@@ -26,21 +26,30 @@ class CorePool:
     """The simulation cores: an env runs only while it holds one. A freed core goes to the ready env with the longest
     estimated step time (EMA of its measured steps; never-measured envs first); with `order="readiness"` to a ready
     env of the group closest to its chunk boundary (fewest of its envs still to run: ready or running), the longest
-    estimate first within it."""
+    estimate first within it.
 
-    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest") -> None:
+    `spare`: the cores the plan gave the policy's stages, lent to the simulators (work-conserving placement: a share
+    is a priority, not a fence). An env gets one only when every simulation core is taken; there it runs niced, so
+    generation and training still get the core first; and when a simulation core frees with no env ready, the env
+    longest on a spare core moves onto it (`promote`), so that no env straggles on a core the policy is using."""
+
+    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest",
+                 spare: Sequence[int] = ()) -> None:
         if not cores:
             raise ValueError("a core pool needs at least one core")
         if order not in CORE_ORDERS:
             raise ValueError(f"order={order!r}: one of {', '.join(CORE_ORDERS)}")
         self.cores: list[int] = list(cores)
-        self.free: list[int] = list(cores)
+        self.spare: list[int] = [c for c in spare if c not in self.cores]
+        self.free: list[int] = [*self.cores, *self.spare]  # simulation cores first (`_take`)
         self.core_of: dict[int, int] = {}  # env -> the core it holds
         self.ready: list[int] = []  # envs with a chunk to run, in arrival order
         self.group_of: dict[int, Any] = {}  # env -> its group (as `push` said)
         self.ema: dict[int, float] = {}
         self.alpha, self.order = alpha, order
         self.decisions: deque[tuple[int, int, float, float]] = deque(maxlen=100_000)  # env, core, its est., max rival
+        self.lent = 0  # chunks started on a spare core
+        self.promoted = 0  # envs moved from a spare core onto a simulation core
 
     def estimate(self, env: int) -> float:
         return self.ema.get(env, math.inf)
@@ -57,20 +66,22 @@ class CorePool:
 
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
-        if core in self.cores:  # (a core taken away by `resize` while an env held it is not handed on)
+        if core in self.cores or core in self.spare:  # (a core taken away by `resize` is not handed on)
             self.free.append(core)
         return core
 
-    def resize(self, cores: Sequence[int]) -> None:
-        """Simulate on these cores from now on; an env holding a core that was taken away finishes its chunk."""
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
+        """Simulate on these cores (and borrow `spare`) from now on; an env holding a core that was taken away
+        finishes its chunk there."""
         if not cores:
             raise ValueError("a core pool needs at least one core")
         held = set(self.core_of.values())
         self.cores = list(cores)
-        self.free = [core for core in self.cores if core not in held]
+        self.spare = [c for c in spare if c not in self.cores]
+        self.free = [core for core in [*self.cores, *self.spare] if core not in held]
 
     def dispatch(self) -> list[tuple[int, int]]:
-        """Hand free cores to ready envs (see the class docstring; ties: first come)."""
+        """Hand free cores to ready envs (see the class docstring; ties: first come), simulation cores first."""
         out = []
         # envs of each group still to run: ready or running (one that moves from ready to a core still counts)
         left = Counter(self.group_of.get(e) for e in [*self.ready, *self.core_of])
@@ -80,11 +91,35 @@ class CorePool:
             # the estimates it was chosen over: of every ready env, or by readiness of those of its group
             rivals = [e for e in self.ready if self.order == "longest" or self.group_of[e] == self.group_of[env]]
             others = max((self.estimate(e) for e in rivals), default=-math.inf)
-            core = self.free.pop(0)
+            core = self._take()
+            self.lent += core not in self.cores
             self.core_of[env] = core
             self.decisions.append((env, core, self.estimate(env), others))
             out.append((env, core))
         return out
+
+    def promote(self) -> list[tuple[int, int]]:
+        """With no env ready: move envs running on a spare core onto free simulation cores, the longest estimate
+        first; (env, its new core) for each."""
+        out = []
+        while not self.ready and (own := [c for c in self.free if c in self.cores]):
+            lent = [e for e, c in self.core_of.items() if c not in self.cores]
+            if not lent:
+                break
+            env = max(lent, key=self.estimate)
+            self.free.remove(own[0])
+            self.free.append(self.core_of[env])
+            self.core_of[env] = own[0]
+            self.promoted += 1
+            out.append((env, own[0]))
+        return out
+
+    def _take(self) -> int:
+        """A free core, a simulation core when one is free."""
+        own = [c for c in self.free if c in self.cores]
+        core = own[0] if own else self.free[0]
+        self.free.remove(core)
+        return core
 
     def _priority(self, env: int, left: Counter) -> tuple[float, float]:
         if self.order == "longest":
@@ -148,11 +183,12 @@ class Dispatcher:
                     self.cores.push(env, envs[0])
         self._wake()
 
-    def resize(self, cores: Sequence[int]) -> None:
-        """Hand chunks out on these sim cores from now on (with a core pool; without one, nothing to do here)."""
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
+        """Hand chunks out on these sim cores (lending `spare` ones) from now on (with a core pool; without one,
+        nothing to do here)."""
         if self.cores is not None:
             with self._lock:
-                self.cores.resize(cores)
+                self.cores.resize(cores, spare)
             self._wake()
 
     def swap_trainer(self, trainer: Any) -> None:
@@ -180,9 +216,12 @@ class Dispatcher:
     def _start_ready(self) -> None:
         with self._lock:
             if self.cores is None:
-                starting, self._ready = [(env, None) for env in self._ready], []
+                starting, self._ready, moving = [(env, None) for env in self._ready], [], []
             else:
                 starting = self.cores.dispatch()
+                moving = self.cores.promote()
+        for env, core in moving:  # (running: its affinity moves it at once)
+            self.pool.workers[env].bind([core])
         for env, core in starting:
             worker = self.pool.workers[env]
             if core is not None:

@@ -8,6 +8,9 @@ map stage -> cores / GPU / SM share / memory budget and everything that changes 
 - `take(runtime)` places the runtime's processes: the supervisor (generation, when it is there) beside the
   simulators, every simulator thread on the simulation cores at `scheduler.sim_nice`, generation's and the trainer's
   processes on their leases.
+- Work-conserving (`scheduler.work_conserving`): a plan's shares are priorities, not fences. The simulators may
+  also run on the cores leased to generation and training (`spare`), niced below them, so a core those stages leave
+  idle simulates; with core rebinding such a core is lent to an env only when every simulation core is taken.
 - `apply()` carries out a new plan in one call: the leases (attached processes move at once), the simulators' cores,
   the generation batch (a regroup), and a respawn of a stage whose SM share or memory budget changed (an MPS share is
   fixed for a process's life); `switched` moves a stage's lease and CPU accounting to a respawned process.
@@ -95,6 +98,15 @@ class Placement:
             return list(self.pool.leases[stage].cpus)
         return list(self.split[stage])
 
+    def spare(self) -> list[int]:
+        """The cores the simulators may borrow from the policy's stages (work-conserving): every core of this rank
+        outside the simulation lease, under an allocator's plan; none while calibrating (every stage on every core),
+        for a schedule's own split (disaggregated's is its definition) or with scheduler.work_conserving=false."""
+        if self.pool is None or not self.cfg.scheduler.work_conserving:
+            return []
+        own = set(self.cpus("simulate"))
+        return [c for c in self.cores if c not in own]
+
     @property
     def train_device(self) -> str:
         """Where training runs: the run's device, or the second GPU where the schedule trains on its own."""
@@ -167,7 +179,7 @@ class Placement:
         set_process_affinity(os.getpid(), self.cpus("generate") if self.generation == "supervisor" else
                              self.split["simulate"])
         for worker in runtime.pool.workers:
-            worker.bind(self.cpus("simulate"))
+            worker.bind(self.cpus("simulate") + self.spare())
             # generation and training are on the critical path of every env: when they want a shared core they get
             # it first, and the simulators fill what is left (README, "Measured choices")
             worker.renice(self.cfg.scheduler.sim_nice)
@@ -223,7 +235,7 @@ class Placement:
         cores, and serve generation in the plan's batches (a regroup at the next common segment boundary; nothing when
         the batch did not change)."""
         self._lease()
-        self.runtime.simulate_on(self.cpus("simulate"))
+        self.runtime.simulate_on(self.cpus("simulate"), self.spare())
         self.runtime.regroup(self.allocator.current.groups)
 
     def _lease(self) -> None:

@@ -17,6 +17,8 @@
   `process` in a process of its own. Generation is `local` (the supervisor) or `process` likewise
   (`scheduler.generation`).
 - `sim_nice`: the simulators' nice value; generation and training (nice 0) take a shared core first.
+- `work_conserving` (the placement's): the simulators also run on the cores a plan gave generation and training,
+  whenever those leave them idle.
 - `train_share`: the share of the cores given to the trainer alone (disaggregated; on GPUs the second GPU); null:
   it shares every core. The placement (ebrl/runtime/placement.py) turns it into core sets.
 
@@ -159,7 +161,8 @@ class Scheduler:
         except BaseException:
             self.trainer.close()
             raise
-        cores = CorePool(placement.cpus("simulate"), order=s.core_order) if s.core_rebinding else None
+        cores = (CorePool(placement.cpus("simulate"), order=s.core_order, spare=placement.spare())
+                 if s.core_rebinding else None)
         self.dispatcher = Dispatcher(pool, cores, events, self.trainer.process)
 
     # --- the caller's view ----------------------------------------------------------------------
@@ -205,13 +208,13 @@ class Scheduler:
         self.ledger.returned += len(out)
         return out
 
-    def simulate_on(self, cpus: Sequence[int]) -> None:
-        """Simulate on these cores from now on (the placement's new plan): the core pool's cores, or, without core
-        rebinding, every simulator's affinity."""
-        self.dispatcher.resize(list(cpus))
+    def simulate_on(self, cpus: Sequence[int], spare: Sequence[int] = ()) -> None:
+        """Simulate on these cores, borrowing `spare` ones, from now on (the placement's new plan): the core pool's
+        cores, or, without core rebinding, every simulator's affinity."""
+        self.dispatcher.resize(list(cpus), list(spare))
         if self.dispatcher.cores is None:
             for worker in self.pool.workers:
-                worker.bind(cpus)
+                worker.bind([*cpus, *spare])
 
     def regroup(self, groups: int) -> None:
         """Serve generation in `groups` groups (batches of num_envs / groups envs, an allocator's new plan) from the

@@ -61,6 +61,27 @@ def test_by_readiness_a_freed_core_goes_to_the_group_closest_to_its_chunk_bounda
     assert CorePool([0], order="longest").order == "longest"
 
 
+def test_a_spare_core_is_lent_only_when_every_sim_core_is_taken_and_its_env_moves_back_when_one_frees():
+    pool = CorePool([0], spare=[1])
+    for env, step_s in [(0, 0.010), (1, 0.030), (2, 0.020)]:
+        pool.observe(env, step_s)
+    pool.push(1)
+    assert pool.dispatch() == [(1, 0)]  # one env ready: the sim core, though the spare one is free too
+    pool.push(0)
+    pool.push(2)
+    assert pool.dispatch() == [(2, 1)]  # the sim core is taken: the spare one, to the slower of the two
+    assert pool.promote() == []  # an env is ready: nothing moves
+    pool.release(1)
+    assert pool.dispatch() == [(0, 0)]
+    pool.release(0)
+    assert pool.dispatch() == [] and pool.promote() == [(2, 0)]  # the sim core frees, none is ready: env 2 moves
+    assert pool.core_of == {2: 0} and sorted(pool.free) == [1] and (pool.lent, pool.promoted) == (1, 1)
+    pool.resize([1], spare=[0])  # a new plan: env 2 finishes on core 0, now a spare one
+    pool.push(0)
+    assert pool.dispatch() == [(0, 1)]
+    assert pool.release(2) == 0 and pool.free == [0]
+
+
 def test_the_step_estimate_is_an_exponential_average():
     pool = CorePool([0], alpha=0.5)
     pool.observe(0, 1.0)
