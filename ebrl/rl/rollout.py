@@ -5,11 +5,17 @@ sampled (`ChunkStep`), then, once every env ran its chunk, what the simulators r
 chunk steps of one iteration stack into a (T, N, ...) `RolloutBatch`; a pipelined schedule's groups collect theirs
 apart and are put side by side (`concat_envs`). `RolloutStats` keeps what the envs reported for the metrics.
 
+Observations are the bulk (camera images, uint8 throughout): a policy batch is copied once out of the simulators'
+shared slots (`batch_obs`), and an iteration's observations once more, straight into their (T, N, ...) place
+(`stack_group_obs`). Where a process reads them (generation's, the trainer's) they are allocated in shared memory
+(`new_tensor`), so that sending one passes a handle instead of a copy.
+
 Every schedule builds its batches with these functions (docs/design.md, "Data").
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -173,19 +179,52 @@ def discard_partial_episode(steps: Sequence[ChunkStep], env: int, stats: Rollout
         rec.mask[env] = False
 
 
+def new_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
+    """An uninitialised tensor; `shared`: allocated in shared memory, so that sending it to another process passes
+    a handle (torch pickles a tensor that is not shared by copying it into a new shared segment first)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not shared or nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, tuple(shape))
+
+
 def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_mask: torch.Tensor,
-              envs: list[int]) -> dict[str, torch.Tensor]:
-    """Observations of the given envs as a policy batch (one copy), with each env's instruction tokens."""
-    obs = {k: torch.from_numpy(np.stack([o[k] for o in per_env])) for k in per_env[0]}
-    obs["tokens"] = tokens[envs]
-    obs["token_mask"] = token_mask[envs]
+              envs: list[int], shared: bool = False) -> dict[str, torch.Tensor]:
+    """Observations of the given envs as a policy batch (one copy: each env's arrays straight into their row), with
+    each env's instruction tokens; `shared`: in shared memory (`new_tensor`), for a process to read."""
+    obs = {}
+    for k, first in per_env[0].items():
+        out = new_tensor((len(per_env), *first.shape), torch.from_numpy(first[:0].reshape(-1)).dtype, shared)
+        np.stack([o[k] for o in per_env], out=out.numpy())
+        obs[k] = out
+    for k, table in (("tokens", tokens), ("token_mask", token_mask)):
+        obs[k] = new_tensor((len(envs), *table.shape[1:]), table.dtype, shared)
+        torch.index_select(table, 0, torch.tensor(envs, dtype=torch.long), out=obs[k])
     return obs
 
 
+def stack_group_obs(groups: Sequence[Sequence[dict[str, torch.Tensor]]], steps: int,
+                    shared: bool = False) -> dict[str, torch.Tensor]:
+    """Each group's chunk-step observations (oldest first; each (N_g, ...)) as one (steps, N, ...) tensor per key,
+    the groups side by side in order and a group with fewer chunk steps padded with its last (as `pad_steps`): one
+    copy each, straight into place; `shared`: in shared memory, for the trainer's process."""
+    first = groups[0][0]
+    sizes = [len(next(iter(g[0].values()))) for g in groups]
+    out = {k: new_tensor((steps, sum(sizes), *v.shape[1:]), v.dtype, shared) for k, v in first.items()}
+    start = 0
+    for g, n in zip(groups, sizes):
+        for t in range(steps):
+            for k, v in g[min(t, len(g) - 1)].items():
+                out[k][t, start:start + n] = v
+        start += n
+    return out
+
+
 def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
-                last_obs: dict[str, torch.Tensor] | None = None) -> RolloutBatch:
+                last_obs: dict[str, torch.Tensor] | None = None, with_obs: bool = True) -> RolloutBatch:
     """Recorded chunk steps -> one (T, N, ...) batch (with their versions where every step has one); with
-    `last_obs`, the obs `last_value` was taken on, and the cut-off obs the steps kept, as bootstrap observations."""
+    `last_obs`, the obs `last_value` was taken on, and the cut-off obs the steps kept, as bootstrap observations.
+    with_obs=False leaves the chunk steps' observations out (obs={}: `stack_group_obs` puts them in place later)."""
     def stack(name: str) -> torch.Tensor:
         return torch.stack([getattr(s, name) for s in steps])
 
@@ -197,7 +236,7 @@ def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
             cutoff_obs = {k: torch.cat([s.cutoff_obs[k] for _, s in kept]) for k in kept[0][1].cutoff_obs}
 
     return RolloutBatch(
-        obs={k: torch.stack([s.obs[k] for s in steps]) for k in steps[0].obs},
+        obs={k: torch.stack([s.obs[k] for s in steps]) for k in steps[0].obs} if with_obs else {},
         chunk=stack("chunk"),
         extras={k: torch.stack([s.extras[k] for s in steps]) for k in steps[0].extras},
         log_prob=stack("log_prob"),

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from ebrl.envs.worker import ChunkReport
-from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, pad_steps, stack_steps
+from ebrl.rl.rollout import (ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, pad_steps,
+                             stack_group_obs, stack_steps)
 
 Next = Literal["start", "wait", "park"]
 
@@ -127,10 +128,11 @@ class Shipment:
 class RolloutLoop:
     """See the module docstring and `Rules`."""
 
-    def __init__(self, num_envs: int, groups: int, rules: Rules) -> None:
+    def __init__(self, num_envs: int, groups: int, rules: Rules, shared_obs: bool = False) -> None:
+        """shared_obs: an iteration's observations are put in shared memory (a trainer process reads them)."""
         if num_envs % rules.unit:
             raise ValueError(f"{num_envs} envs do not split into units of {rules.unit}")
-        self.num_envs, self.rules = num_envs, rules
+        self.num_envs, self.rules, self.shared_obs = num_envs, rules, shared_obs
         self.groups: list[Group] = []
         self.group_of: dict[int, Group] = {}
         self._split(groups, segment=0)
@@ -139,7 +141,8 @@ class RolloutLoop:
         self.waiting: list[Group] = []  # ready, held back: too far ahead of training
         self.regroup_at: tuple[int, int] | None = None  # (groups, segment) of a requested regroup
         self.parked: list[Group] = []  # groups at that segment, waiting for the others
-        self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats]]] = {}  # iteration -> group -> part
+        # iteration -> group -> its part: the batch without obs, its stats, its chunk steps' obs
+        self.segments: dict[int, dict[int, tuple[RolloutBatch, RolloutStats, list]]] = {}
         self.trained_count = 0  # updates finished in this run
 
     @property
@@ -192,7 +195,8 @@ class RolloutLoop:
         batch `last_obs`; episodic: zeros and None, whole episodes need none); once every group did, that iteration
         ships."""
         done = self.segments.setdefault(group.segment, {})
-        done[group.index] = (stack_steps(group.steps, last_value, last_obs), group.stats)
+        done[group.index] = (stack_steps(group.steps, last_value, last_obs, with_obs=False), group.stats,
+                             [step.obs for step in group.steps])
         group.steps, group.stats = [], RolloutStats()
         group.ended = np.zeros(len(group.envs), bool)
         group.segment += 1
@@ -201,10 +205,11 @@ class RolloutLoop:
         iteration = group.segment - 1
         parts = [done[g.index] for g in self.groups]
         del self.segments[iteration]
-        longest = max(b.reward.shape[0] for b, _ in parts)  # episodic groups may have ended after fewer chunk steps
-        batch = concat_envs([pad_steps(b, longest) for b, _ in parts])
+        longest = max(b.reward.shape[0] for b, _, _ in parts)  # episodic groups may have ended after fewer chunk steps
+        batch = concat_envs([pad_steps(b, longest) for b, _, _ in parts])
+        batch.obs = stack_group_obs([obs for _, _, obs in parts], longest, self.shared_obs)  # (one copy)
         dropped, staleness = drop_stale(batch, self.rules.base_version + iteration, self.rules.max_staleness)
-        return Shipment(iteration, batch, RolloutStats.merged([s for _, s in parts]), dropped, staleness)
+        return Shipment(iteration, batch, RolloutStats.merged([s for _, s, _ in parts]), dropped, staleness)
 
     def served(self, serving: Serving) -> None:
         """After the serving: the groups that do not start wait for an update or park at the regroup's boundary."""

@@ -83,10 +83,11 @@ class Schedule:
 
 
 class Observations:
-    """Policy batches of the envs' observations, each with its env's instruction tokens (tokenized once)."""
+    """Policy batches of the envs' observations, each with its env's instruction tokens (tokenized once); `shared`:
+    in shared memory, for generation's own process to read without a copy."""
 
-    def __init__(self, policy: Policy, pool: SimWorkerPool) -> None:
-        self.pool = pool
+    def __init__(self, policy: Policy, pool: SimWorkerPool, shared: bool = False) -> None:
+        self.pool, self.shared = pool, shared
         tokens, mask = policy.tokenize([w.spec.instruction for w in pool.workers])
         self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)
 
@@ -96,7 +97,7 @@ class Observations:
         return self.batch([self.pool.workers[i].obs for i in envs], envs)
 
     def batch(self, per_env: list[dict[str, np.ndarray]], envs: list[int]) -> dict[str, torch.Tensor]:
-        return batch_obs(per_env, self.tokens, self.mask, envs)
+        return batch_obs(per_env, self.tokens, self.mask, envs, self.shared)
 
 
 class Ledger:
@@ -145,8 +146,8 @@ class Scheduler:
         chunks = math.ceil(pool.spec.max_episode_steps / policy.chunk_len) if episodic else int(algo["rollout_chunks"])
         self.loop = RolloutLoop(len(pool.workers), s.groups, Rules(
             chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
-            episodic, int(algo["group_size"]) if episodic else 1))
-        self.observations = Observations(policy, pool)
+            episodic, int(algo["group_size"]) if episodic else 1), shared_obs=s.trainer == "process")
+        self.observations = Observations(policy, pool, shared=placement.generation == "process")
         self.trace = Trace()
         self.ledger = Ledger()
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
