@@ -194,7 +194,7 @@ def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_
     each env's instruction tokens; `shared`: in shared memory (`new_tensor`), for a process to read."""
     obs = {}
     for k, first in per_env[0].items():
-        out = new_tensor((len(per_env), *first.shape), torch.from_numpy(first[:0].reshape(-1)).dtype, shared)
+        out = new_tensor((len(per_env), *first.shape), torch.from_numpy(np.empty(0, first.dtype)).dtype, shared)
         np.stack([o[k] for o in per_env], out=out.numpy())
         obs[k] = out
     for k, table in (("tokens", tokens), ("token_mask", token_mask)):

@@ -360,6 +360,9 @@ class Scheduler:
         self.trace.add("train", "update", message.start, message.published, iteration=iteration)
         self.trace.add("train", "publish", message.published, message.end, iteration=iteration,
                        version=message.version)
-        self.ledger.trained(iteration, {**message.metrics,
-                                        "sched/weights_version": float(self.base_version + message.version)})
+        metrics = {**message.metrics, "sched/weights_version": float(self.base_version + message.version)}
+        cores = self.dispatcher.cores
+        if cores is not None and cores.spare:  # what the simulators borrowed so far (work-conserving)
+            metrics.update({"sched/lent_chunks": float(cores.lent), "sched/promoted_envs": float(cores.promoted)})
+        self.ledger.trained(iteration, metrics)
         self.loop.trained()
