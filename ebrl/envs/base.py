@@ -107,6 +107,9 @@ class EnvAdapter:
     # it (and implement `render_now`); the others render at every step as before.
     render_this_step: bool = True
     render_every_step: bool = False
+    # Whether reset compiles the model anew (RoboCasa samples a new kitchen): then MuJoCo's compile cache is kept
+    # after the build (worker.release_build_memory), since every reset reads it.
+    recompiles_on_reset: bool = False
 
     def __init__(self, seed: int = 0) -> None:
         self._seed = int(seed)

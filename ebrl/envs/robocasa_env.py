@@ -117,6 +117,8 @@ class RoboCasaEnv(EnvAdapter):
     objects from the seed; the instruction names the sampled object, so it can change per episode
     (`self.instruction`; `spec.instruction` is the first episode's)."""
 
+    recompiles_on_reset = True  # robosuite's hard reset, RoboCasa's default: a new kitchen's model each episode
+
     def __init__(
         self,
         task: str = "PickPlaceCounterToCabinet",

@@ -26,6 +26,7 @@ hydra) before the worker could start.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import multiprocessing.connection
 import os
@@ -220,7 +221,27 @@ def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
     kwargs = {k: v for k, v in env_cfg.items() if k not in NOT_ADAPTER_ARGS}
     adapter = cls(**kwargs, seed=seed)
     adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
+    release_build_memory(keep_compile_cache=adapter.recompiles_on_reset)
     return adapter
+
+
+KEEP_BUILD_MEMORY = "EBRL_KEEP_BUILD_MEMORY"  # the benchmark's control: set, a build's leftovers are kept
+
+
+def release_build_memory(keep_compile_cache: bool = False) -> None:
+    """Give back what building a simulator left behind: MuJoCo's compile cache (decoded meshes and textures, kept for
+    a later compile of the same files) unless the adapter recompiles at each reset, and the heap pages glibc's malloc
+    holds free. About 200-260 MiB per process (README, `python -m ebrl.bench.sim_memory`, whose control sets
+    KEEP_BUILD_MEMORY to keep them)."""
+    if os.environ.get(KEEP_BUILD_MEMORY):
+        return
+    mujoco = sys.modules.get("mujoco")
+    if mujoco is not None and not keep_compile_cache and hasattr(mujoco, "mj_clearCache"):
+        mujoco.mj_clearCache(mujoco.mj_getCache())
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int,

@@ -4,6 +4,7 @@ import pytest
 
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.robosuite_env import RobosuiteEnv
+from ebrl.envs.worker import build_adapter, release_build_memory
 from tests.envs.common import assert_matches_spec, random_chunk
 
 TASKS = ["Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"]
@@ -67,15 +68,24 @@ def test_unknown_task_is_one_line():
     assert "Lift" in message and "NutAssemblySquare" in message
 
 
-def test_camera_images():
-    env = make("Lift", cameras=["agentview"], image_size=64)
+def test_camera_images_of_a_worker_build_which_gives_back_the_compile_cache():
+    mujoco = pytest.importorskip("mujoco")
+    cfg = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", task="Lift", max_episode_steps=20,
+               cameras=["agentview"], image_size=48, reward="dense", robot="Panda", control_freq=20)
+    built = build_adapter(cfg, seed=0)
+    assert mujoco.mj_getCacheSize(mujoco.mj_getCache()) == 0  # decoded meshes and textures given back
+    direct = make("Lift", cameras=["agentview"], image_size=48)  # compiles again: the cache fills
     try:
-        assert env.spec.obs["image/agentview"].shape == (64, 64, 3)
-        obs = env.begin_episode(seed=3)
-        assert_matches_spec(env, obs)
-        image = obs["image/agentview"]
-        assert image.dtype == np.uint8 and image.std() > 5  # a rendered scene, not a blank frame
-        obs, _ = env.run_chunk(random_chunk(2, 7))
-        assert obs["image/agentview"].shape == (64, 64, 3)
+        release_build_memory(keep_compile_cache=True)  # what a RoboCasa worker does: its resets recompile
+        assert mujoco.mj_getCacheSize(mujoco.mj_getCache()) > 0
+        assert built.spec.obs["image/agentview"].shape == (48, 48, 3)
+        for env in (built, direct):
+            obs = env.begin_episode(seed=3)
+            assert_matches_spec(env, obs)
+            assert obs["image/agentview"].dtype == np.uint8 and obs["image/agentview"].std() > 5  # not blank
+        chunk = random_chunk(4, 7)
+        (a, _), (b, _) = built.run_chunk(chunk), direct.run_chunk(chunk)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
     finally:
-        env.close()
+        built.close()
+        direct.close()
