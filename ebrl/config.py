@@ -363,8 +363,10 @@ class RecordConfig:
 
 @dataclass
 class Config:
-    env: EnvConfig = MISSING
-    policy: PolicyConfig = MISSING
+    # Any, not EnvConfig / PolicyConfig: a user's yaml names their own class with fields of its own
+    # (`complete_user_classes`); ours carry their schemas in their defaults
+    env: Any = MISSING
+    policy: Any = MISSING
     hw: HwConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     allocator: AllocatorConfig = MISSING
@@ -405,6 +407,9 @@ def register_configs() -> None:
         ("robocasa_schema", RoboCasaEnvConfig),
     ]:
         cs.store(group="schema/env", name=name, node=node)
+    # a user's own env or policy yaml starts from these: the shared keys, open to fields of its class's own
+    cs.store(group="schema/env", name="shared", node=OmegaConf.to_container(OmegaConf.structured(EnvConfig)))
+    cs.store(group="schema/policy", name="shared", node=OmegaConf.to_container(OmegaConf.structured(PolicyConfig)))
     for name, node in [
         ("openpi_schema", OpenPIPolicyConfig),
         ("openvla_oft_schema", OpenVLAOFTPolicyConfig),
@@ -479,8 +484,55 @@ def _check_groups(cfg: DictConfig) -> None:
         raise ConfigError(f"algo.minibatches={m} does not divide env.num_envs={n} (algo=grpo batches whole episodes)")
 
 
+def complete_user_classes(cfg: DictConfig) -> None:
+    """A user's env or policy yaml (one that names no schema of ours) merged onto a schema made from the shared
+    EnvConfig / PolicyConfig and its class's constructor (ebrl/classes.py), its class checked against the contract;
+    ours are left as they are. Idempotent: a completed node is typed."""
+    from ebrl.classes import ContractError, base_named, complete, load_class, missing_methods
+
+    if OmegaConf.get_type(cfg, "env") is dict:
+        from ebrl.envs.worker import NOT_ADAPTER_ARGS, load_adapter_class
+
+        target = cfg_get(cfg, "env._target_", None)
+        if not target:
+            raise ConfigError("env has no _target_: name your adapter class (_target_: my_module.MyEnv) in your env "
+                              "yaml, or pick one of ours (env=robosuite, maniskill, libero, robocasa)")
+        try:
+            cls = load_adapter_class(target)
+        except BadInput as e:
+            raise ConfigError(str(e)) from None
+        cfg.env = complete(cfg.env, cls, EnvConfig, "env", ("seed",), NOT_ADAPTER_ARGS)
+    if OmegaConf.get_type(cfg, "policy") is dict:
+        target = cfg_get(cfg, "policy._target_", None)
+        if not target:
+            raise ConfigError("policy has no _target_: name your policy class (_target_: my_module.MyPolicy) in your "
+                              "policy yaml, or pick one of ours (policy=openpi, openvla_oft, gr00t, wam)")
+        cls = load_class(target, "policy._target_")
+        base = base_named(cls, "ebrl.policies.base.Policy")  # by name: this layer does not import the policies
+        if base is None:
+            raise ContractError(f"policy._target_={target!r} is not an ebrl.policies.base.Policy subclass")
+        needed = ["sample", "evaluate", "value", "tokenize"]
+        train = cfg_get(cfg, "policy.train", "all")
+        needed += {"action_expert": ["rl_heads", "action_expert"], "lora": ["rl_heads", "lora_targets"]}.get(train, [])
+        if cfg_get(cfg, "algo.name", "") == "sft":
+            needed.append("supervised_loss")
+        for method in missing_methods(cls, base, needed):
+            raise ContractError(f"policy._target_={target!r} does not implement {method}, which "
+                                f"{'algo=sft' if method == 'supervised_loss' else 'the runtime'} calls: a policy "
+                                f"implements {POLICY_CONTRACT}")
+        cfg.policy = complete(cfg.policy, cls, PolicyConfig, "policy", ("env_spec",), POLICY_RUNTIME_KEYS)
+
+
+# policy.* keys the runtime applies (ebrl/policies/build.py); the rest are the family constructor's arguments
+POLICY_RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha",
+                       "grad_checkpoint")
+POLICY_CONTRACT = ("__init__(env_spec, ...) setting chunk_len, sample(obs) -> PolicySample, evaluate(obs, chunk, "
+                   "extras) -> (log_prob, entropy, value), value(obs) -> (B,), tokenize(texts) -> (tokens, mask)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Reject values that compose but cannot work, with one line; checks what this machine can satisfy."""
+    complete_user_classes(cfg)
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
                 "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
         _positive(cfg, key)

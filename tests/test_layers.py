@@ -9,7 +9,7 @@ from tests.conftest import REPO
 
 # bottom first; a module may import its own layer's modules and those of the layers before it
 LAYERS = [
-    {"ebrl.errors", "ebrl.telemetry", "ebrl.recipes", "ebrl.install"},
+    {"ebrl.errors", "ebrl.classes", "ebrl.telemetry", "ebrl.recipes", "ebrl.install"},
     {"ebrl.node"},
     {"ebrl.envs"},
     {"ebrl.config"},

@@ -19,6 +19,25 @@ class EnvSetupError(BadInput, RuntimeError):
     """A simulator package, asset or option is missing or wrong; the message is one line saying what to do."""
 
 
+class AdapterContractError(EnvSetupError):
+    """An adapter broke its contract while running (a `step` that returns 4 values): no fresh simulator would do
+    better, so the run stops at once (the worker answers "broken", not "error")."""
+
+
+# what an EnvAdapter subclass implements, as the errors about a user's adapter say it
+ADAPTER_CONTRACT = ("__init__(..., seed) calling EnvAdapter.__init__(self, seed) and setting self.spec (an EnvSpec), "
+                    "reset(seed) -> obs, step(action) -> (obs, reward, terminated, truncated, info) with obs a dict "
+                    "of arrays and info a dict (info['success']: bool)")
+
+
+def describe(value: Any) -> str:
+    """A returned value's shape, for a contract error: "4 values", "a list"."""
+    if isinstance(value, tuple):
+        kinds = ", ".join(type(v).__name__ for v in value)
+        return f"{len(value)} value{'s' if len(value) != 1 else ''} ({kinds})"
+    return f"a {type(value).__name__}"
+
+
 # Offscreen OpenGL for MuJoCo on headless machines: EGL and OSMesa tie on CPU, and EGL also drives the NVIDIA
 # driver on GPU machines, so it is the default (README, "Measured choices").
 HEADLESS_GL = "egl"
@@ -147,7 +166,11 @@ class EnvAdapter:
 
     def begin_episode(self, seed: int | None = None) -> dict[str, np.ndarray]:
         self._ep_return, self._ep_len, self._ep_success = 0.0, 0, False
-        return self.reset(self.next_seed() if seed is None else seed)
+        obs = self.reset(self.next_seed() if seed is None else seed)
+        if not isinstance(obs, dict):  # e.g. gymnasium's (obs, info)
+            raise AdapterContractError(f"{type(self).__qualname__}.reset returned {describe(obs)}, not the obs dict: "
+                                       f"an adapter implements {ADAPTER_CONTRACT}")
+        return obs
 
     def run_chunk(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], ChunkResult]:
         """Execute `actions` (H, action_dim) in order; auto-reset when the episode ends. Only the steps whose
@@ -164,9 +187,13 @@ class EnvAdapter:
                            or self._ep_len + 1 >= self.spec.max_episode_steps)
             t0 = time.perf_counter()
             try:
-                obs, reward, terminated, truncated, info = self.step(action)
+                out = self.step(action)
             finally:
                 rendered, self.render_this_step = self.render_this_step, True
+            if not (isinstance(out, tuple) and len(out) == 5 and isinstance(out[0], dict) and isinstance(out[4], dict)):
+                raise AdapterContractError(f"{type(self).__qualname__}.step returned {describe(out)}: an adapter "
+                                           f"implements {ADAPTER_CONTRACT}")
+            obs, reward, terminated, truncated, info = out
             times.append(time.perf_counter() - t0)
             rewards.append(reward)
             success = bool(info.get("success", False))

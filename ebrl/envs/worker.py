@@ -27,7 +27,6 @@ hydra) before the worker could start.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import multiprocessing.connection
 import os
 import signal
@@ -43,7 +42,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ebrl.envs.base import EnvAdapter, EnvSetupError, EnvSpec, one_line, use_headless_gl
+from ebrl.classes import ContractError, constructor_kwargs, load_class, missing_methods, parameters
+from ebrl.envs.base import (ADAPTER_CONTRACT, AdapterContractError, EnvAdapter, EnvSetupError, EnvSpec, one_line,
+                             use_headless_gl)
 from ebrl.envs.setup import worker_python
 from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
@@ -203,23 +204,35 @@ def _prepare_process(env_cfg: dict[str, Any], cpus: Sequence[int] | None) -> Non
 
 
 def load_adapter_class(target: str) -> type[EnvAdapter]:
-    """The adapter class named by a config's `_target_` ("package.module.Class")."""
-    module_name, _, class_name = target.rpartition(".")
+    """The adapter class named by a config's `_target_` ("package.module.Class"), ours or a user's: one line if it
+    cannot be imported, is no EnvAdapter, or leaves a method of the contract unimplemented."""
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise EnvSetupError(f"env._target_={target!r} cannot be imported: {one_line(e)}") from e
-    if not (isinstance(cls, type) and issubclass(cls, EnvAdapter)):
+        cls = load_class(target, "env._target_")
+    except ContractError as e:
+        raise EnvSetupError(str(e)) from None
+    if not issubclass(cls, EnvAdapter):
         raise EnvSetupError(f"env._target_={target!r} is not an ebrl.envs.base.EnvAdapter subclass")
+    for method in missing_methods(cls, EnvAdapter, ("reset", "step")):
+        raise EnvSetupError(f"env._target_={target!r} does not implement {method}: an adapter implements "
+                            f"{ADAPTER_CONTRACT}")
+    params, var_kw = parameters(cls)
+    if "seed" not in params and not var_kw:
+        raise EnvSetupError(f"env._target_={target!r}: its constructor takes no seed: an adapter implements "
+                            f"{ADAPTER_CONTRACT}")
     return cls
 
 
 def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
-    """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS, plus seed;
-    env.render_every_step is the adapter's `render_every_step`."""
+    """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS that the constructor takes,
+    plus seed; env.render_every_step is the adapter's `render_every_step`."""
     cls = load_adapter_class(env_cfg["_target_"])
-    kwargs = {k: v for k, v in env_cfg.items() if k not in NOT_ADAPTER_ARGS}
-    adapter = cls(**kwargs, seed=seed)
+    adapter = cls(**constructor_kwargs(cls, env_cfg, NOT_ADAPTER_ARGS), seed=seed)
+    if not hasattr(adapter, "_episodes"):
+        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r}: its constructor did not call "
+                            f"EnvAdapter.__init__(self, seed): an adapter implements {ADAPTER_CONTRACT}")
+    if not isinstance(getattr(adapter, "spec", None), EnvSpec):
+        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
+                            f"its constructor: an adapter implements {ADAPTER_CONTRACT}")
     adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
     release_build_memory(keep_compile_cache=adapter.recompiles_on_reset)
     return adapter
@@ -284,6 +297,8 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
                 else:
                     raise ValueError(f"unknown command {command!r}")
                 _send_quietly(conn, ("ok", reply))
+            except AdapterContractError as e:  # no replacement would do better: the parent stops the run
+                _send_quietly(conn, ("broken", one_line(e)))
             except Exception as e:  # noqa: BLE001  (reported to the parent, which decides)
                 _send_quietly(conn, ("error", one_line(e)))
     finally:
@@ -592,6 +607,8 @@ class SimWorker:
             raise SimHung(f"sim worker {self.index} (pid {self.pid}) hung")
         try:
             reply = self._receive("ok") or {}
+        except AdapterContractError:
+            raise
         except EnvSetupError as e:  # died (EOF) or answered ("error", why)
             raise SimFailure(f"sim worker {self.index} (pid {self.pid}) failed: {e}" if "sim worker" not in str(e)
                              else str(e)) from None
@@ -641,6 +658,8 @@ class SimWorker:
             raise EnvSetupError(self._died("stopped")) from e
         if kind == "error":
             raise EnvSetupError(payload)
+        if kind == "broken":
+            raise AdapterContractError(payload)
         if kind != expected:
             raise RuntimeError(f"sim worker {self.index}: expected {expected!r}, got {kind!r}")
         return payload

@@ -13,22 +13,21 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from hydra.utils import get_class
 
+from ebrl.classes import ContractError, constructor_kwargs, load_class
+from ebrl.config import POLICY_CONTRACT, POLICY_RUNTIME_KEYS
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
 from ebrl.policies.layers import Block
 from ebrl.policies.training import prepare_training
 from ebrl.policies.weights import CheckpointError, checkpoint_config, checkpoint_folder, load_weights, weight_files
 
-# policy.* keys the runtime applies; the rest are the family constructor's arguments
-RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha", "grad_checkpoint")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def family_kwargs(policy_cfg: dict[str, Any]) -> dict[str, Any]:
     """The family constructor's arguments in a resolved `policy` config."""
-    return {k: v for k, v in policy_cfg.items() if k not in RUNTIME_KEYS}
+    return {k: v for k, v in policy_cfg.items() if k not in POLICY_RUNTIME_KEYS}
 
 
 def policy_dtype(policy_cfg: dict[str, Any], device: torch.device | str) -> torch.dtype:
@@ -108,8 +107,8 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
     dtype = policy_dtype(policy_cfg, device)
     if torch.device(device).type == "cuda":  # float32 matmuls in TF32 (a float32 policy's, a bfloat16 one's rest)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    cls = get_class(policy_cfg["_target_"])
-    kwargs = family_kwargs(policy_cfg)
+    cls = load_class(policy_cfg["_target_"], "policy._target_")
+    kwargs = constructor_kwargs(cls, policy_cfg, POLICY_RUNTIME_KEYS)  # a user's class need not take every shared key
     if policy_cfg.get("checkpoint"):  # what the checkpoint folder says (a run's own checkpoint too: the same file)
         kwargs = checkpoint_kwargs(cls, policy_cfg["checkpoint"], kwargs)
     checkpoint = policy_cfg.get("checkpoint") if weights == "init" else None
@@ -126,6 +125,10 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
     else:
         with torch.device(device), default_dtype(dtype):
             policy = cls(env_spec=spec, **kwargs)
+    missing = [name for name in ("chunk_len", "action_dim") if not isinstance(getattr(policy, name, None), int)]
+    if missing:
+        raise ContractError(f"policy._target_={policy_cfg['_target_']!r} set no self.{missing[0]} (an int) in its "
+                            f"constructor: a policy implements {POLICY_CONTRACT}")
     policy.compute_dtype = dtype
     if train:
         prepare_training(policy, policy_cfg)
