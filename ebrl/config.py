@@ -55,6 +55,10 @@ class EnvConfig:
     reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
     terminate_on_success: bool = True
     python: Optional[str] = None  # interpreter the simulator workers run under; null: this one
+    # many tasks of this benchmark in one run: a list ([Lift,Stack]) or all (a LIBERO suite's); null: env.task alone.
+    # Envs (GRPO: groups) go to tasks round-robin, or in proportion to task_weights (ebrl/envs/tasks.py)
+    tasks: Any = None
+    task_weights: Optional[List[float]] = None
     fault: FaultConfig = field(default_factory=lambda: FaultConfig())  # tests only
 
 
@@ -558,6 +562,7 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
+    _check_tasks(cfg)
     _check_numbers(cfg)
     _check_failures(cfg)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
@@ -591,6 +596,22 @@ def validate(cfg: DictConfig) -> None:
     cores = _check_launch(cfg)
     _check_schedule(cfg, cores)
     _check_allocator(cfg, cores)
+
+
+def _check_tasks(cfg: DictConfig) -> None:
+    """env.tasks: a list or all, as many envs (GRPO: groups) as tasks at least, env.task_weights one per task."""
+    if cfg_get(cfg, "env.tasks", None) is None:
+        if cfg_get(cfg, "env.task_weights", None) is not None:
+            raise ConfigError("env.task_weights is set without env.tasks: give the tasks it weighs (env.tasks=[...])")
+        return
+    from ebrl.envs.tasks import assign_tasks
+
+    env = OmegaConf.to_container(cfg.env, resolve=True)
+    grpo = cfg_get(cfg, "algo.name", "") == "grpo" and cfg_get(cfg, "mode", "train") != "eval"
+    try:
+        assign_tasks(env, cfg.env.num_envs, cfg.algo.group_size if grpo else 1)
+    except BadInput as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_launch(cfg: DictConfig) -> int:

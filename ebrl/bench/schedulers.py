@@ -226,6 +226,8 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
     means = [t.mean() for t in per_env]
     latency = {"mean": float(every.mean()), "p99": float(np.percentile(every, 99)),
                "env_spread": float(max(means) / min(means)),
+               **{f"task/{t}": float(np.mean([m for m, task in zip(means, pool.tasks) if task == t]))
+                  for t in dict.fromkeys(pool.tasks or ())},
                "cpu_lockstep": 1e3 * worker_cpu / steps, "cpu_placed": 1e3 * placed}
     return steps / wall, min(worker_cpu / steps, placed), parent_cpu / steps, seen, latency
 
@@ -346,7 +348,7 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
         pool.attach(policy.chunk_len)
         pool.reset_all()
         n = cfg.env.num_envs
-        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([pool.spec.instruction] * n))
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in pool.workers]))
 
         def act(obs: dict[str, np.ndarray]) -> np.ndarray:
             with torch.inference_mode():
@@ -504,6 +506,11 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
     print(f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
           f"fastest env's {lat['env_spread']:.2f}; sim CPU ms per env step in lockstep {lat['cpu_lockstep']:.2f}, "
           f"one env per core {lat['cpu_placed']:.2f}")
+    per_task = {k.split("/", 1)[1]: v for k, v in lat.items() if k.startswith("task/")}
+    if per_task:
+        print("sim-only step latency per task (mean of its envs' means, ms): "
+              + ", ".join(f"{t} {v:.1f}" for t, v in per_task.items())
+              + f"; slowest / fastest {max(per_task.values()) / min(per_task.values()):.2f}")
     how = ("min(cores / simulate's CPU-seconds, 1 GPU / generate's and train's GPU-seconds) per env step"
            if result.get("gpu") else "cores / sum of the stages' CPU-seconds per env step")
     print(f"limit = {how}: " + ", ".join(
@@ -518,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--policy", default="openpi", help="policy= group option")
     parser.add_argument("--policy-preset", default="tiny", choices=["tiny", "small", "full"])
     parser.add_argument("--task", default="Lift", help="robosuite task of every env")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="a multi-task workload: env.tasks=[...], envs round-robin over them (instead of --task)")
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=3, help="per measurement; the first is warm-up (>= 2)")
     parser.add_argument("--rollout-chunks", type=int, default=None, help="chunks per env per iteration (algo's)")
@@ -545,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error(f"--iterations={args.iterations}: need at least 2 (the first is discarded)")
     workload = Workload(policy=args.policy, preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
                         iterations=args.iterations, rollout_chunks=args.rollout_chunks,
-                        overrides=list(args.overrides), seed=args.seed, stragglers=args.stragglers,
+                        overrides=[*(["env.tasks=[" + ",".join(args.tasks) + "]"] if args.tasks else []),
+                                   *args.overrides], seed=args.seed, stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     rounds = [run_round(workload, round_order(args.modes, i), gym=not args.no_gym) for i in range(args.repeats)]
     cfg = compose(workload)

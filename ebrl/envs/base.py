@@ -152,6 +152,12 @@ class EnvAdapter:
             env.close()
             self.env = None
 
+    @classmethod
+    def all_tasks(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """What env.tasks=all means for this benchmark (with `env_cfg`'s other keys, e.g. LIBERO's suite): its task
+        list, read without building a simulator; empty where the benchmark has no fixed list."""
+        return []
+
     def render_now(self) -> dict[str, np.ndarray]:
         """The cameras' frames ("image/<camera>") of the current state, rendered now: the obs an episode ended on at
         a step that did not render. Adapters that never skip a frame have nothing to add."""

@@ -18,6 +18,7 @@ from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_
 from ebrl.envs.robosuite_cameras import CameraGate, upright
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
+SUITE_TASKS = 10  # tasks in each of SUITES (env.tasks=all: their indices, read without importing LIBERO)
 SETUP_HINT = "env=libero needs its own interpreter: run `python -m ebrl.envs.setup libero`"
 # LIBERO's evaluation protocol: after loading an init state, objects drop onto the table for a
 # few steps; step a no-op (gripper open) so the first observation is a settled scene.
@@ -162,6 +163,14 @@ class LiberoEnv(EnvAdapter):
 
     def render_now(self) -> dict[str, np.ndarray]:
         return self.gate.render_now(self.env.env)
+
+    @classmethod
+    def all_tasks(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """env.tasks=all: every task of env.suite, by index."""
+        suite = env_cfg.get("suite", "libero_spatial")
+        if suite not in SUITES:
+            raise EnvSetupError(f"env.suite={suite!r} is not a LIBERO suite; choose one of: {', '.join(SUITES)}")
+        return [str(i) for i in range(SUITE_TASKS)]
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         seed = self._seed if seed is None else int(seed)

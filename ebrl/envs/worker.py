@@ -46,11 +46,12 @@ from ebrl.classes import ContractError, constructor_kwargs, load_class, missing_
 from ebrl.envs.base import (ADAPTER_CONTRACT, AdapterContractError, EnvAdapter, EnvSetupError, EnvSpec, one_line,
                              use_headless_gl)
 from ebrl.envs.setup import worker_python
+from ebrl.envs.tasks import assign_tasks, joint_spec
 from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step")
+NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step", "tasks", "task_weights")
 RESEED = 100_003  # a replacement process of env i builds from seed + RESEED x (its replacements so far)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
@@ -270,6 +271,7 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
     shm: SharedMemory | None = None
     views: dict[str, np.ndarray] = {}
     fault, chunks = env_cfg.get("fault") or {}, 0
+    task = str(env_cfg["task"]) if env_cfg.get("tasks") is not None else None
     try:
         while True:
             try:
@@ -280,10 +282,10 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
             if command == "close":
                 break
             try:
-                if command == "attach":
-                    _, shm_name, chunk_len = message
+                if command == "attach":  # (a multi-task run's slot is laid out by the pool's joint spec)
+                    _, shm_name, chunk_len, slot_spec = message
                     shm = attach_shared_memory(shm_name)
-                    views = SlotLayout.build(adapter.spec, chunk_len).views(shm.buf)
+                    views = SlotLayout.build(slot_spec or adapter.spec, chunk_len).views(shm.buf)
                     reply: Any = None
                 elif command == "reset":
                     _write_obs(_split(views, "obs/"), adapter.begin_episode(message[1]))
@@ -293,7 +295,7 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
                     chunks += 1
                     if fault.get("kind") and chunks == fault["chunk"]:
                         _inject(fault)
-                    reply = _run_chunk(adapter, views, int(message[1]))
+                    reply = _run_chunk(adapter, views, int(message[1]), task)
                 else:
                     raise ValueError(f"unknown command {command!r}")
                 _send_quietly(conn, ("ok", reply))
@@ -325,12 +327,13 @@ def _inject(fault: dict[str, Any]) -> None:
         os._exit(9)
 
 
-def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
+def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int,
+               task: str | None = None) -> dict[str, Any]:
     chunk_len = len(views["actions"])
     if not 1 <= n_steps <= chunk_len:
         raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
     started = time.perf_counter()
-    obs, result = adapter.run_chunk(views["actions"][:n_steps].copy())
+    obs, result = adapter.run_chunk(views["actions"][:n_steps, :adapter.spec.action_dim].copy())  # its own dims
     views["clock"][:] = (started, time.perf_counter())
     k = result.executed
     views["rewards"][:k] = result.rewards
@@ -340,12 +343,20 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
         _write_obs(_split(views, "final/"), result.final_obs)
     _write_obs(_split(views, "obs/"), obs)
     views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
+    if result.episode is not None and task is not None:
+        result.episode["task"] = task  # a multi-task run's per-task metrics
     return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def _write_obs(slots: dict[str, np.ndarray], obs: dict[str, np.ndarray]) -> None:
+    """The obs into the slot; a state narrower than the slot's (a task of a multi-task run) padded with zeros."""
     for key, slot in slots.items():
-        slot[...] = obs[key]
+        value = obs[key]
+        if slot.shape == np.shape(value):
+            slot[...] = value
+        else:
+            n = np.shape(value)[0]
+            slot[:n], slot[n:] = value, 0
 
 
 def _send_quietly(conn: multiprocessing.connection.Connection, message: Any) -> None:
@@ -442,13 +453,13 @@ class SimWorker:
                              start_timeout)
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
-        self.base_seed = int(seed)
         self.replacements = 0  # processes that took over this env after one failed
         self.nice: int | None = None  # applied to every process of this env
         self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
         self.index = index
         self.cpus = list(cpus) if cpus else None
         self.spec: EnvSpec | None = None  # set once the slot is attached
+        self.slot_spec: EnvSpec | None = None  # a multi-task pool's joint spec (tasks.joint_spec), its slot's layout
         self._received_spec: EnvSpec | None = None
         self.slot: Slot | None = None
         self._chunk: InFlight | None = None  # submitted, not yet waited for
@@ -500,10 +511,10 @@ class SimWorker:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
         spec = self.receive_spec()
         self.chunk_len = int(chunk_len)
-        layout = SlotLayout.build(spec, self.chunk_len)
+        layout = SlotLayout.build(self.slot_spec or spec, self.chunk_len)
         self._res.shm = SharedMemory(create=True, size=layout.size)
         self.slot = Slot.of(layout.views(self._res.shm.buf))
-        self._send(("attach", self._res.shm.name, self.chunk_len))
+        self._send(("attach", self._res.shm.name, self.chunk_len, self.slot_spec))
         self._receive("ok")
         self.spec = spec
         return spec
@@ -520,7 +531,7 @@ class SimWorker:
         self._finalizer = weakref.finalize(self, self._res.release)
         self.replacements += 1
         if reseed:
-            self.seed = self.base_seed + RESEED * self.replacements
+            self.seed += RESEED  # (each replacement's seed is new: seed + RESEED x reseeded replacements)
         fault = self.env_cfg.get("fault")
         if fault and not fault.get("again"):
             self.env_cfg.pop("fault")  # an injected fault strikes the first process only, unless `again`
@@ -700,8 +711,11 @@ class SimWorkerPool:
         self.started_episodes = False  # reset_all succeeded once: a failure in a later one is a simulator failure
         self.failures: list[tuple[float, int, str]] = []  # (time.monotonic(), env, why) of every replacement
         fault = env_cfg.get("fault") or {}  # env.fault (tests): {kind: hang|error|exit|None, env: i, chunk: k, again}
+        self.tasks = assign_tasks(env_cfg, num_envs, group_size)  # env.tasks: env i's task; None: env.task for all
+        own = [{k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
+               for i in range(num_envs)]
         self.workers = [
-            SimWorker({k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)},
+            SimWorker({**own[i], **({"task": self.tasks[i]} if self.tasks else {})},
                       seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None,
                       process_env=process_env)
             for i in range(num_envs)
@@ -718,10 +732,15 @@ class SimWorkerPool:
             for worker in self.workers:
                 worker.start(wait=False)
             specs = [worker.receive_spec() for worker in self.workers]
-            for i, spec in enumerate(specs[1:], 1):
-                if spec != specs[0]:
-                    raise EnvSetupError(f"sim worker {i} reports {spec}, worker 0 {specs[0]}: the envs disagree")
-            self.spec = specs[0]
+            if self.tasks:  # tasks may differ in state and action size and instruction: the widest, padded
+                self.spec = joint_spec(specs)
+                for worker in self.workers:
+                    worker.slot_spec = self.spec
+            else:
+                for i, spec in enumerate(specs[1:], 1):
+                    if spec != specs[0]:
+                        raise EnvSetupError(f"sim worker {i} reports {spec}, worker 0 {specs[0]}: the envs disagree")
+                self.spec = specs[0]
             if self.chunk_len is not None:
                 self.attach(self.chunk_len)
         except BaseException:

@@ -91,6 +91,7 @@ class RolloutStats:
         self.returns: list[float] = []
         self.lengths: list[float] = []
         self.successes: list[float] = []
+        self.tasks: list[str | None] = []  # each episode's task in a multi-task run (env.tasks), else None
         self.step_times: list[np.ndarray] = []
         self.failures = 0  # simulators replaced (died, hung or failed in a chunk)
         self.discarded_steps = 0  # env steps of the partial episodes they were in, dropped from the loss
@@ -105,10 +106,21 @@ class RolloutStats:
             out["env/successes"] = float(np.sum(self.successes))
             out["env/success_low"], out["env/success_high"] = wilson_interval(int(np.sum(self.successes)),
                                                                               len(self.successes))
+        out.update(self.task_metrics())
         if self.step_times:
             t = np.concatenate(self.step_times) * 1e3
             out["env/step_ms_mean"] = float(t.mean())
             out["env/step_ms_p99"] = float(np.percentile(t, 99))
+        return out
+
+    def task_metrics(self) -> dict[str, float]:
+        """env/<task>/success (rate), env/<task>/return and env/<task>/episodes over the episodes of each task."""
+        out: dict[str, float] = {}
+        for task in sorted({t for t in self.tasks if t is not None}):
+            rows = [i for i, t in enumerate(self.tasks) if t == task]
+            out[f"env/{task}/success"] = float(np.mean([self.successes[i] for i in rows]))
+            out[f"env/{task}/return"] = float(np.mean([self.returns[i] for i in rows]))
+            out[f"env/{task}/episodes"] = float(len(rows))
         return out
 
     @classmethod
@@ -120,6 +132,7 @@ class RolloutStats:
             out.returns += s.returns
             out.lengths += s.lengths
             out.successes += s.successes
+            out.tasks += s.tasks
             out.step_times += s.step_times
             out.failures += s.failures
             out.discarded_steps += s.discarded_steps
@@ -163,6 +176,7 @@ class ChunkStep:
                 stats.returns.append(r.episode["return"])
                 stats.lengths.append(r.episode["length"])
                 stats.successes.append(r.episode["success"])
+                stats.tasks.append(r.episode.get("task"))
         self.reward, self.done, self.mask = torch.from_numpy(reward), torch.from_numpy(done), torch.from_numpy(mask)
         self.cutoff_value = torch.zeros(n)
         self.cut = [i for i, r in enumerate(reports) if r.truncated and r.final_obs is not None]

@@ -65,7 +65,21 @@ class EvalSummary:
     mean_length: float
     wall_s: float
     videos: list[str] = field(default_factory=list)  # mp4 files, relative to the run folder
-    per_episode: list[dict[str, float]] = field(default_factory=list)  # env, return, length, success
+    per_episode: list[dict[str, float]] = field(default_factory=list)  # env, return, length, success (, task)
+    # env.tasks: each task's episodes, successes, success_rate, success_ci95, mean_return
+    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def per_task(episodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A multi-task evaluation's figures per task (episodes carry "task" when env.tasks is set), in task order."""
+    out: dict[str, dict[str, Any]] = {}
+    for task in dict.fromkeys(e["task"] for e in episodes if "task" in e):
+        mine = [e for e in episodes if e.get("task") == task]
+        wins = int(sum(e["success"] for e in mine))
+        out[task] = {"episodes": len(mine), "successes": wins, "success_rate": wins / len(mine),
+                     "success_ci95": wilson_interval(wins, len(mine)),
+                     "mean_return": float(np.mean([e["return"] for e in mine]))}
+    return out
 
 
 class Evaluation:
@@ -140,6 +154,7 @@ class Evaluation:
             wall_s=time.perf_counter() - start,
             videos=videos,
             per_episode=episodes,
+            per_task=per_task(episodes),
         )
         (self.run_dir / "eval.json").write_text(json.dumps(asdict(summary), indent=2))
         print_eval(summary, self.run_dir)

@@ -96,6 +96,10 @@ def print_eval(summary: Any, run_dir: Path) -> None:
     table.add_row("trained for", f"{summary.iteration} iterations, {summary.env_steps:,} env steps")
     table.add_row("episodes", f"{summary.episodes}")
     table.add_row("success rate (95% Wilson CI)", f"{summary.success_rate:.1%} ({low:.1%} to {high:.1%})")
+    for task, t in getattr(summary, "per_task", {}).items():
+        lo, hi = t["success_ci95"]
+        table.add_row(f"  {task} ({t['episodes']} episodes)", f"{t['success_rate']:.1%} ({lo:.1%} to {hi:.1%}), "
+                      f"return {_fmt(t['mean_return'], '.3f')}")
     table.add_row("episode return (mean)", _fmt(summary.mean_return, ".3f"))
     table.add_row("episode length (mean)", _fmt(summary.mean_length, ".1f"))
     table.add_row("videos", f"{len(summary.videos)} in videos/" if summary.videos else "none")

@@ -103,3 +103,20 @@ def test_eval_with_a_camera_saves_videos(tmp_path):
         assert ("success" if episode["success"] else "failure") in video.name
         frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
         assert frames == episode["length"] + 1  # the first obs, then one frame per step
+
+
+def test_a_multi_task_run_logs_and_evaluates_each_task(tmp_path):
+    tasks = ["env.tasks=[Lift,Stack]", "env.max_episode_steps=8"]
+    trained = train_one_iteration(tmp_path / "t", *tasks, "scheduler=ebrl")
+    rows = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert {"env/Lift/success", "env/Stack/success", "env/Lift/return", "env/Stack/return"} <= set(rows[-1])
+    assert rows[-1]["env/Lift/episodes"] + rows[-1]["env/Stack/episodes"] == rows[-1]["env/episodes"]
+    proc = run_py(*SMALL, *tasks, "mode=eval", f"checkpoint={trained}", "eval.episodes=4",
+                  f"hydra.run.dir={tmp_path / 'e'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert [e["task"] for e in result["per_episode"]] == ["Lift", "Stack", "Lift", "Stack"]  # env i runs task i
+    for task in ("Lift", "Stack"):
+        t = result["per_task"][task]
+        assert t["episodes"] == 2 and t["success_ci95"][0] <= t["success_rate"] <= t["success_ci95"][1]
+    assert "Stack (2 episodes)" in proc.stdout
