@@ -45,8 +45,11 @@ def init_file(cfg: Any) -> Path | None:
 
 def shipped_for(cfg: Any) -> Path | None:
     """The shipped SFT checkpoint for this run's policy and env, if one exists and was made for the same policy
-    build and observations; RL only (an SFT run, or one starting from policy.checkpoint, starts from neither)."""
+    build and observations; RL only (an SFT run, or one starting from policy.checkpoint, starts from neither), and one
+    task only (env.tasks)."""
     if cfg.algo.name == "sft" or cfg.policy.get("checkpoint"):
+        return None
+    if cfg_get(cfg, "env.tasks", None) is not None:  # a multi-task run: no shipped checkpoint was made for its tasks
         return None
     p = cfg.policy
     name = SHIPPED.get((p.name, p.preset, p.get("variant"), cfg.env.name, cfg.env.task))
