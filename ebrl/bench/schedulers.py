@@ -35,6 +35,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -472,7 +473,9 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
     w = workload
     stragglers = (f" ({w.straggler_envs} stragglers: {w.straggler_task or w.task} at {w.straggler_slowdown}x the "
                   "substeps)" if w.straggler_envs else "")
-    print(f"\nworkload: {w.num_envs} x {w.task}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
+    tasks = next((o.split("=", 1)[1] for o in w.overrides if o.startswith("env.tasks=")), None)
+    what = f"envs over the tasks {tasks}" if tasks else f"x {w.task}"
+    print(f"\nworkload: {w.num_envs} {what}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
           f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds, modes in "
           "ABBA order")
     first = modes[0] if modes else "-"
@@ -557,7 +560,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         overrides=[*(["env.tasks=[" + ",".join(args.tasks) + "]"] if args.tasks else []),
                                    *args.overrides], seed=args.seed, stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
-    rounds = [run_round(workload, round_order(args.modes, i), gym=not args.no_gym) for i in range(args.repeats)]
+    if args.tasks and not args.no_gym:
+        print("--tasks: no gymnasium reference (its AsyncVectorEnv runs one task)", file=sys.stderr)
+    gym = not args.no_gym and not args.tasks
+    rounds = [run_round(workload, round_order(args.modes, i), gym=gym) for i in range(args.repeats)]
     cfg = compose(workload)
     result = summarize(rounds, args.modes, bench_cores(cfg), gpu=run_device_type(cfg) == "cuda")
     result["workload"] = workload.__dict__

@@ -169,7 +169,7 @@ class Evaluation:
         cameras = sorted(k for k in pool.spec.obs if k.startswith("image/"))
         if cfg.eval.videos and not cameras:
             console.print("no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)",
-                          soft_wrap=True)
+                          soft_wrap=True, markup=False)  # (markup would take [agentview] for a style)
         quota = [len(range(i, total, n)) for i in range(n)]
         finished = [0] * n
         results: list[dict[str, float]] = [{} for _ in range(total)]

@@ -159,7 +159,9 @@ def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
     assert load_checkpoint(two_ranks / "checkpoints" / "last.pt")["iteration"] == 4
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# ddp's pipelined trainers are slow-marked (the default suite's time): the two-rank tests above run ddp, and fsdp's
+# pipelined trainers form the same group
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path, strategy: str) -> None:
     """Two torchrun agents on localhost, a node each: scheduler=ebrl trains in a process of its own per rank, and
     those trainers form their own group beside the supervisors', data-parallel (ddp) or sharded (fsdp)."""

@@ -31,7 +31,7 @@ def test_eval_runs_complete_episodes_and_reports_an_interval(trained, tmp_path):
                   "env.max_episode_steps=12", f"hydra.run.dir={tmp_path / 'e'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL evaluation" in proc.stdout
-    assert "no videos saved: env.cameras is empty" in proc.stderr
+    assert "no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)" in proc.stderr
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert result["episodes"] == 3 and result["iteration"] == 1
     # 2 envs share 3 episodes by index: env 0 runs episodes 0 and 2, env 1 episode 1
