@@ -92,8 +92,8 @@ def complete(node: DictConfig, cls: type, base: type, group: str, given: Iterabl
     schema = class_schema(cls, base, given)
     params, var_kw = parameters(cls)
     name = f"{cls.__module__}.{cls.__qualname__}"
-    accepted = sorted({f.name for f in dataclasses.fields(schema)} - {"fault"})
-    unknown = [k for k in node if k not in accepted and k != "fault"]
+    accepted = {f.name for f in dataclasses.fields(schema)}
+    unknown = [k for k in node if k not in accepted]
     if unknown and not var_kw:
         raise ContractError(f"{group}.{unknown[0]} is not a field of {group} {name}: its constructor takes "
                             f"{', '.join(p for p in params if p not in set(given)) or 'nothing'}; the runtime's "
@@ -107,7 +107,7 @@ def complete(node: DictConfig, cls: type, base: type, group: str, given: Iterabl
             OmegaConf.set_struct(merged, True)
     except OmegaConfBaseException as e:
         raise ContractError(f"{group}: {' '.join(str(e).split()[:30])} (fields of {name})") from None
-    missing = [k for k in OmegaConf.missing_keys(merged)]
+    missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ContractError(f"{group}.{missing[0]} is not set; {name} needs it (no default in its constructor)")
     defaults = OmegaConf.structured(base)

@@ -41,6 +41,12 @@ class NoSpec(ReacherEnv):
         EnvAdapter.__init__(self, seed)
 
 
+class NeedsArm(ReacherEnv):
+    def __init__(self, arm: str, task: str = "Reacher-v5", max_episode_steps: int = 50, goal_radius: float = 0.02,
+                 seed: int = 0):
+        super().__init__(task, max_episode_steps, goal_radius, seed)
+
+
 class NoEvaluate(MLPPolicy):
     evaluate = Policy.evaluate
 '''
@@ -104,6 +110,8 @@ def test_fields_come_from_the_constructor(composed):
     ("env.goal_radius=abc", "env: Value 'abc' of type 'str' could not be converted to Float"),
     ("env.cameras=[agentview]", "env.cameras=['agentview'] has no effect: reacher_env.ReacherEnv's constructor "
                                 "takes no cameras"),
+    ("env._target_=bad.NeedsArm", "env.arm is not set; bad.NeedsArm needs it (no default in its constructor)"),
+    ("policy.train=lora", "policy._target_='mlp_policy.MLPPolicy' does not implement rl_heads, which the runtime"),
     ("env._target_=bad.NoStep", "env._target_='bad.NoStep' does not implement step: an adapter implements"),
     ("policy._target_=bad.NoEvaluate", "policy._target_='bad.NoEvaluate' does not implement evaluate, which the "
                                        "runtime calls"),

