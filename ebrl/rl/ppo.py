@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -164,6 +165,7 @@ class PPOTrainer:
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         critic = {id(p) for name, p in policy.named_parameters() if name.startswith(CRITIC)}
         self.actor = [p for p in self.trained if id(p) not in critic]  # what a critic-only step leaves as it is
+        self.pace: Callable[[], None] = lambda: None  # called before each step (a trainer process: its threads)
 
     def load_optimizer_state(self, state: dict) -> None:
         """Continue from a checkpoint's Adam moments, at this config's hyperparameters (a resumed run may change
@@ -282,6 +284,7 @@ class PPOTrainer:
         for _ in range(cfg.epochs):
             epoch_kl = 0.0
             for idx in torch.randperm(B, device=dev).split(mb):
+                self.pace()
                 self.optimizer.zero_grad(set_to_none=True)
                 step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, critic,
                                         mask, is_clip, critic_only)

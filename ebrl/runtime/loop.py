@@ -146,6 +146,12 @@ class RolloutLoop:
         self.trained_count = 0  # updates finished in this run
 
     @property
+    def idle(self) -> bool:
+        """No env has a chunk to run or to be sampled: every group waits for an update (or the run's rollout is
+        done), a group parked at a regroup's boundary waiting with them."""
+        return bool(self.waiting) and len(self.waiting) + len(self.parked) == len(self.groups)
+
+    @property
     def units(self) -> int:
         """How many groups the envs can be split into at most."""
         return self.num_envs // self.rules.unit

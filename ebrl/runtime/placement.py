@@ -10,7 +10,8 @@ map stage -> cores / GPU / SM share / memory budget and everything that changes 
   processes on their leases.
 - Work-conserving (`scheduler.work_conserving`): a plan's shares are priorities, not fences. The simulators may
   also run on the cores leased to generation and training (`spare`), niced below them, so a core those stages leave
-  idle simulates; with core rebinding such a core is lent to an env only when every simulation core is taken.
+  idle simulates; with core rebinding such a core is lent to an env only when every simulation core is taken. The
+  other way, while the rollout has nothing to run, a trainer process on CPU trains on every core (`lend_to_trainer`).
 - `apply()` carries out a new plan in one call: the leases (attached processes move at once), the simulators' cores,
   the generation batch (a regroup), and a respawn of a stage whose SM share or memory budget changed (an MPS share is
   fixed for a process's life); `switched` moves a stage's lease and CPU accounting to a respawned process.
@@ -125,6 +126,27 @@ class Placement:
             return s.train_threads or (len(self.split["train"]) if alone else 1)
         return s.torch_threads or (len(self.cores) if self.local or cuda else 1)
 
+    def lend_to_trainer(self, trainer: Any, idle: bool) -> None:
+        """Work-conserving the other way: while the rollout has nothing to run (`idle`: every group waits for an
+        update, or the run's rollout is done), a trainer process on CPU trains on every core of this rank with as many
+        threads; back on its lease and count once a group goes on. Under an allocator's plan with
+        scheduler.work_conserving, unless scheduler.train_threads fixes the count (a GPU trains on the GPU; a local
+        trainer has every core already)."""
+        s = self.cfg.scheduler
+        if self.pool is None or not s.work_conserving or s.train_threads or self.local or self.device.type != "cpu":
+            return
+        threads = len(self.cores) if idle else self.threads("train")
+        if trainer.shared_threads.count != threads:
+            set_process_affinity(trainer.pid, self.cores if idle else self.cpus("train"))
+            trainer.shared_threads.set(threads)
+
+    def _keep_lent(self) -> None:
+        """A lease just pinned the trainer to its cores (a new plan, a successor): while it is lent every core, it
+        keeps them."""
+        trainer = self.runtime.trainer
+        if not self.local and trainer.shared_threads.count > self.threads("train"):
+            set_process_affinity(trainer.pid, self.cores)
+
     def spawn_env(self, stage: str) -> ContextManager:
         """The environment a stage's child starts in (its MPS share, GPU and memory budget), around its start."""
         return self.pool.spawn_env(stage) if self.pool is not None else contextlib.nullcontext()
@@ -211,6 +233,8 @@ class Placement:
         if self.pool is not None:
             self.pool.detach(stage, old_pid)
             self.pool.attach(stage, new_pid)
+            if stage == "train":
+                self._keep_lent()
         if self.cpu is not None:
             self.cpu.add(CPU_GROUP[stage], new_pid)
 
@@ -235,6 +259,7 @@ class Placement:
         cores, and serve generation in the plan's batches (a regroup at the next common segment boundary; nothing when
         the batch did not change)."""
         self._lease()
+        self._keep_lent()
         self.runtime.simulate_on(self.cpus("simulate"), self.spare())
         self.runtime.regroup(self.allocator.current.groups)
 

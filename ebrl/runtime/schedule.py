@@ -18,7 +18,7 @@
   (`scheduler.generation`).
 - `sim_nice`: the simulators' nice value; generation and training (nice 0) take a shared core first.
 - `work_conserving` (the placement's): the simulators also run on the cores a plan gave generation and training,
-  whenever those leave them idle.
+  whenever those leave them idle; while the rollout has nothing to run, a trainer process trains on every core.
 - `train_share`: the share of the cores given to the trainer alone (disaggregated; on GPUs the second GPU); null:
   it shares every core. The placement (ebrl/runtime/placement.py) turns it into core sets.
 
@@ -245,9 +245,11 @@ class Scheduler:
             for shipment in self._serve(serving):
                 self._ship(shipment)
         events = self.dispatcher.events
+        self.placement.lend_to_trainer(self.trainer, self.loop.idle)  # (before blocking: the rollout may be idle now)
         self._handle(events.get() if not self.loop.queue else events.get_nowait() if not events.empty() else None)
         while not events.empty():
             self._handle(events.get_nowait())
+        self.placement.lend_to_trainer(self.trainer, self.loop.idle)
 
     def _handle(self, event: Event | None) -> None:
         if isinstance(event, ChunkEnded):

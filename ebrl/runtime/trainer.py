@@ -55,9 +55,33 @@ class TrainerError(StageFailed):
     """The trainer process failed or died; the message is its one-line reason."""
 
 
+class TrainerThreads:
+    """A trainer process's torch threads, which the supervisor may change while it trains: its share's count, or every
+    core of the rank while the rollout has nothing to run (Placement.lend_to_trainer). The supervisor `set`s the
+    count in shared memory; the trainer process takes it up before each optimizer step (`follow`), since a thread
+    count is the calling thread's own, and `most` is the largest an update trained with."""
+
+    def __init__(self, ctx: Any, n: int) -> None:
+        self.shared = ctx.RawValue("i", n)
+        self.most = n
+
+    @property
+    def count(self) -> int:
+        return int(self.shared.value)
+
+    def set(self, n: int) -> None:
+        self.shared.value = n
+
+    def follow(self) -> None:
+        n = self.count
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        self.most = max(self.most, n)
+
+
 def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                  requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
-                 cpus: Sequence[int], threads: int, device: str, resume: str | None, successor: bool,
+                 cpus: Sequence[int], threads: TrainerThreads, device: str, resume: str | None, successor: bool,
                  init: str | None = None) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
 
@@ -76,7 +100,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us
     try:
-        start_worker(cpus, threads, int(conf["seed"]) + 1, device)
+        start_worker(cpus, threads.count, int(conf["seed"]) + 1, device)
         ranks = Ranks.from_env()  # a child of the supervisor: torchrun's environment is ours too
         group = None
         if ranks.distributed:  # data-parallel with the other ranks' trainers
@@ -88,7 +112,9 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
         def new_trainer(policy: torch.nn.Module) -> Any:
             if group is not None and conf["distributed"]["strategy"] == "fsdp":
                 shard(policy)
-            return make_trainer(policy, OmegaConf.create(conf["algo"]), device, group)
+            made = make_trainer(policy, OmegaConf.create(conf["algo"]), device, group)
+            made.pace = threads.follow
+            return made
 
         policy = trainer = None
         if not successor:
@@ -109,8 +135,11 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 return
             if isinstance(message, Train):
                 start = time.perf_counter()
+                threads.most = 0
+                threads.follow()  # (before the update's first passes: the proximal policy's, the advantages)
                 metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip,
                                          critic_only=message.critic_only)
+                metrics["sched/train_threads"] = float(threads.most)
                 published = time.perf_counter()
                 state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
                 version = channel.publish(state)
@@ -162,7 +191,7 @@ class TrainerProcess(PipedProcess):
     error = TrainerError
 
     def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, resume: str | None = None, successor: bool = False,
+                 threads: TrainerThreads, device: str, resume: str | None = None, successor: bool = False,
                  init: str | None = None) -> None:
         """Start the trainer publishing into `channel` (see trainer_main for `resume`, `successor` and `init`); it
         says `Ready` once it serves."""
@@ -308,8 +337,10 @@ class ProcessTrainer(Trainer):
                  on_switch: Callable[[int, int], None] | None = None, init: str | None = None) -> None:
         super().__init__()
         self.weights, self.threads, self.cpus = channel, threads, list(cpus)
+        # the count it trains with now, shared with the process (and a successor): Placement.lend_to_trainer sets it
+        self.shared_threads = TrainerThreads(torch.multiprocessing.get_context("spawn"), threads)
         self.succession: Succession[TrainerProcess] = Succession(
-            lambda successor: TrainerProcess(conf, spec, channel, self.cpus, threads, device,
+            lambda successor: TrainerProcess(conf, spec, channel, self.cpus, self.shared_threads, device,
                                              None if successor else resume, successor, None if successor else init),
             on_switch=on_switch)
 

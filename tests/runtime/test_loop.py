@@ -69,6 +69,7 @@ def test_a_segment_ships_once_every_group_collected_it_and_no_group_runs_more_th
         run_chunk(loop, 0)
         serve(loop)
     assert loop.waiting == [loop.groups[0]] and loop.groups[0].pending is None and not loop.queue
+    assert not loop.idle  # group 1 still has its chunk to run
     loop.trained()  # update 0 done: it may go on
     assert list(loop.queue) == [loop.groups[0]] and not loop.waiting
     assert serve(loop) == ([0], [])
@@ -80,8 +81,9 @@ def test_synchronous_rollout_waits_for_every_update_and_stops_at_the_run_s_itera
     serve(loop)
     run_chunk(loop, 0)
     served, shipped = serve(loop)  # its segment ends, the next would be beyond the updates done: bootstrap only
-    assert [s.iteration for s in shipped] == [0] and loop.waiting == loop.groups
+    assert [s.iteration for s in shipped] == [0] and loop.waiting == loop.groups and loop.idle
     loop.trained()
+    assert not loop.idle
     serve(loop)
     run_chunk(loop, 0)
     served, shipped = serve(loop)
@@ -89,7 +91,7 @@ def test_synchronous_rollout_waits_for_every_update_and_stops_at_the_run_s_itera
     loop.trained()
     assert list(loop.queue) == loop.groups
     serve(loop)  # past the run's iterations: it waits for good
-    assert loop.groups[0].pending is None and loop.waiting == loop.groups
+    assert loop.groups[0].pending is None and loop.waiting == loop.groups and loop.idle
 
 
 def test_chunk_steps_older_than_max_staleness_are_masked_when_their_segment_ships():

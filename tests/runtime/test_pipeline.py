@@ -226,6 +226,14 @@ def test_weights_reach_generation_with_increasing_versions(ebrl_run):
     assert all(m["sched/dropped_chunks"] == 0 for m in metrics)  # the rollout never runs past max_staleness
 
 
+def test_the_trainer_takes_every_core_while_the_rollout_has_nothing_to_run(ebrl_run):
+    """Work-conserving the other way: the last update has no rollout left beside it, so the trainer process trains it
+    on every core with as many threads (beside a running rollout it has its share's one); a group that goes on takes
+    the cores back."""
+    exp, metrics = ebrl_run
+    assert metrics[-1]["sched/train_threads"] == len(exp.cores) > exp.placement.threads("train") == 1
+
+
 def test_the_trace_file_parses_and_its_intervals_are_consistent(ebrl_run):
     """trace.json (what ui.perfetto.dev opens): every lane named, no negative time, one thing at a time per lane
     (an env runs one chunk, generation one batch, the trainer one update then its publication), and every update
@@ -275,12 +283,17 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
         assert other.placement.allocator is None and other.scheduler.trainer.threads == len(other.cores)
 
 
-def test_simulators_yield_shared_cores_to_generation_and_training(tmp_path):
+def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_the_trainer_every_core(tmp_path):
     exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.sim_nice=7"),
                                  run_dir=tmp_path / "run")
     try:
         assert {os.getpriority(os.PRIO_PROCESS, w.pid) for w in exp.pool.workers} == {7}
         assert os.getpriority(os.PRIO_PROCESS, exp.scheduler.trainer.process.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        # the trainer lent every core while the rollout has nothing to run, and its share's back after
+        trainer, placement = exp.scheduler.trainer, exp.placement
+        for idle, threads, cpus in [(True, len(exp.cores), exp.cores), (False, 1, placement.cpus("train"))]:
+            placement.lend_to_trainer(trainer, idle)
+            assert trainer.shared_threads.count == threads and os.sched_getaffinity(trainer.pid) == set(cpus)
     finally:
         exp.close()
 
