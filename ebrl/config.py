@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
@@ -95,6 +96,12 @@ class RoboCasaEnvConfig(EnvConfig):
     task: str = "PickPlaceCounterToCabinet"  # RoboCasa 1.0's name for v0.x's PnPCounterToCab
     assets_dir: Optional[str] = None  # where the kitchen assets are; null: the package's own folder
     robot: str = "PandaOmron"  # RoboCasa's mobile manipulator
+
+
+ENV_SCHEMAS = {"robosuite": RobosuiteEnvConfig, "maniskill": ManiSkillEnvConfig, "libero": LiberoEnvConfig,
+               "robocasa": RoboCasaEnvConfig}
+# what every task of a run observes alike (the policy's batch): a task of another benchmark takes the run's
+SHARED_OBSERVATION = ("cameras", "image_size", "render_every_step")
 
 
 # --- policy ------------------------------------------------------------------------------
@@ -225,6 +232,10 @@ class SchedulerConfig:
     # policy's stages whenever those leave them idle (with core rebinding: lent to an env when every sim core is
     # taken); false: only on their own share
     work_conserving: bool = True
+    # every stage in this process, one after another, for debugging (breakpoint() works in an adapter or a policy):
+    # the simulators answered in one thread of the supervisor by the code a simulator process runs, no chunk timeout;
+    # with a local trainer (scheduler=colocated)
+    serial: bool = False
     # where generation runs: supervisor (no process boundary on the hot path) | process (its own, mapping the
     # published weights; a new MPS share is a respawn); null: process under MPS, else supervisor
     generation: Optional[str] = None
@@ -404,13 +415,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(name="record_schema", node=RecordConfig)
-    for name, node in [
-        ("robosuite_schema", RobosuiteEnvConfig),
-        ("maniskill_schema", ManiSkillEnvConfig),
-        ("libero_schema", LiberoEnvConfig),
-        ("robocasa_schema", RoboCasaEnvConfig),
-    ]:
-        cs.store(group="schema/env", name=name, node=node)
+    for name, node in ENV_SCHEMAS.items():
+        cs.store(group="schema/env", name=f"{name}_schema", node=node)
     # a user's own env or policy yaml starts from these: the shared keys, open to fields of its class's own
     cs.store(group="schema/env", name="shared", node=OmegaConf.to_container(OmegaConf.structured(EnvConfig)))
     cs.store(group="schema/policy", name="shared", node=OmegaConf.to_container(OmegaConf.structured(PolicyConfig)))
@@ -527,6 +533,40 @@ def complete_user_classes(cfg: DictConfig) -> None:
         cfg.policy = complete(cfg.policy, cls, PolicyConfig, "policy", ("env_spec",), POLICY_RUNTIME_KEYS)
 
 
+def complete_benchmark_tasks(cfg: DictConfig) -> None:
+    """env.tasks entries of another benchmark (`{env: libero, task: "3"}`, with any of its keys: `suite`) become that
+    benchmark's whole env config: its schema, its conf/env yaml, the run's SHARED_OBSERVATION keys, the entry's own
+    (ebrl/envs/tasks.py runs each under its interpreter). Idempotent: a completed entry names its _target_."""
+    tasks = cfg_get(cfg, "env.tasks", None)
+    if not isinstance(tasks, ListConfig):
+        return
+    done = []
+    for entry in tasks:
+        if not isinstance(entry, DictConfig) or "_target_" in entry:
+            done.append(entry)
+            continue
+        option = entry.get("env")
+        if option not in ENV_SCHEMAS:
+            raise ConfigError(f"env.tasks entry {OmegaConf.to_container(entry)} must name a benchmark as env: one of "
+                              f"{', '.join(ENV_SCHEMAS)} (with its task: {{env: libero, task: '0'}})")
+        own = OmegaConf.load(CONF_DIR / "env" / f"{option}.yaml")
+        own.pop("defaults", None)
+        keys = {k: v for k, v in entry.items() if k != "env"}
+        shared = {k: cfg.env[k] for k in SHARED_OBSERVATION}
+        schema = OmegaConf.structured(ENV_SCHEMAS[option])
+        try:
+            node = OmegaConf.merge(schema, own, shared, keys)
+        except ConfigKeyError as e:
+            raise ConfigError(f"env.tasks entry of env={option}: {e.key} is not one of its keys ("
+                              f"{', '.join(k for k in schema if k != 'fault')})") from None
+        except ValidationError as e:
+            raise ConfigError(f"env.tasks entry of env={option}: {str(e).splitlines()[0]}") from None
+        node.num_envs = cfg.env.num_envs
+        done.append(OmegaConf.to_container(node, resolve=True))
+    with open_dict(cfg.env):
+        cfg.env.tasks = done
+
+
 # policy.* keys the runtime applies (ebrl/policies/build.py); the rest are the family constructor's arguments
 POLICY_RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha",
                        "grad_checkpoint")
@@ -537,6 +577,7 @@ POLICY_CONTRACT = ("__init__(env_spec, ...) setting chunk_len, sample(obs) -> Po
 def validate(cfg: DictConfig) -> None:
     """Reject values that compose but cannot work, with one line; checks what this machine can satisfy."""
     complete_user_classes(cfg)
+    complete_benchmark_tasks(cfg)
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
                 "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
         _positive(cfg, key)
@@ -786,6 +827,10 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and {units} with algo=grpo: a group of "
                           f"the schedule holds whole GRPO groups (env.num_envs={cfg.env.num_envs} / "
                           f"algo.group_size={cfg.algo.group_size})")
+    if s.serial and (s.trainer != "local" or s.core_rebinding):
+        why = "trains in a process of its own" if s.trainer != "local" else "pins each simulator process to a core"
+        raise ConfigError(f"scheduler.serial=true runs every stage in this process, one after another, and "
+                          f"scheduler={name} {why}; use scheduler=colocated scheduler.serial=true")
     if s.trainer == "local":
         _check_local_trainer(cfg)
         return

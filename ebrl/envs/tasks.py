@@ -8,18 +8,43 @@ proportion to `env.task_weights` (largest remainders, then interleaved so that e
 Tasks of one benchmark may observe different state sizes (robosuite's object state) and act with different action
 sizes; `joint_spec` is the widest of each, and a worker pads its state with zeros and reads its own action dims
 (`ebrl/envs/worker.py`). Each env keeps its own instruction.
+
+A task may be of another benchmark: an entry `{env: libero, task: "3"}` that the config completes into that
+benchmark's whole env config (ebrl/config.py, `complete_benchmark_tasks`). Its envs run its adapter under its own
+interpreter beside the run's; its name in metrics is "libero:3" (`task_label`), and `task_config` is an env's config.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ebrl.classes import load_class
 from ebrl.envs.base import ArraySpec, EnvSetupError, EnvSpec
 
 
+def task_label(entry: Any) -> str:
+    """A task's name in metrics and in the pool: its own for a task of the run's benchmark, "<env>:<task>" for an
+    entry of another (a completed env config)."""
+    if isinstance(entry, Mapping):
+        if "_target_" not in entry:
+            raise EnvSetupError(f"env.tasks entry {dict(entry)} is not completed into its benchmark's config (run it "
+                                "through ebrl.config.validate, or give a task name)")
+        return f"{entry['name']}:{entry['task']}"
+    return str(entry)
+
+
+def task_config(env_cfg: dict[str, Any], task: str) -> dict[str, Any]:
+    """The env config of an env that runs `task` (a label) in a multi-task run: the run's with env.task set, or the
+    config of the other benchmark's entry; env.tasks stays in it (the worker lays its slot out by the joint spec)."""
+    for entry in env_cfg["tasks"] if isinstance(env_cfg.get("tasks"), Sequence) else ():
+        if isinstance(entry, Mapping) and task_label(entry) == task:
+            fault = {"fault": env_cfg["fault"]} if "fault" in env_cfg else {}
+            return {**entry, **fault, "tasks": env_cfg["tasks"]}
+    return {**env_cfg, "task": task}
+
+
 def task_list(env_cfg: dict[str, Any]) -> list[str] | None:
-    """env.tasks as a list of task names (env.tasks=all resolved by the adapter class), or None for one task."""
+    """env.tasks as a list of task labels (env.tasks=all resolved by the adapter class), or None for one task."""
     tasks = env_cfg.get("tasks")
     if tasks is None:
         return None
@@ -33,7 +58,7 @@ def task_list(env_cfg: dict[str, Any]) -> list[str] | None:
         return [str(t) for t in names]
     if isinstance(tasks, str) or not isinstance(tasks, Sequence) or not tasks:
         raise EnvSetupError(f"env.tasks={tasks!r} must be a non-empty list of tasks (env.tasks=[Lift,Stack]) or all")
-    return [str(t) for t in tasks]
+    return [task_label(t) for t in tasks]
 
 
 def assign_tasks(env_cfg: dict[str, Any], num_envs: int, group_size: int = 1) -> list[str] | None:

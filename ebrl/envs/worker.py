@@ -22,7 +22,8 @@ episode. More than `max_failures` replacements within `failure_window_s` stop th
 A worker is a plain `python -m ebrl.envs.worker FD` subprocess joined to its handle by a socket
 pair, not a multiprocessing child: it may run under a benchmark's own interpreter (`env.python`),
 where multiprocessing's spawn would re-import the parent's main script (run.py, which needs
-hydra) before the worker could start.
+hydra) before the worker could start. With scheduler.serial no process starts: the supervisor answers the same
+notices in a thread of its own (ebrl/envs/serial.py) with the same code (`Simulator.serve`).
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ import numpy as np
 from ebrl.classes import ContractError, constructor_kwargs, load_class, missing_methods, parameters
 from ebrl.envs.base import (ADAPTER_CONTRACT, AdapterContractError, EnvAdapter, EnvSetupError, EnvSpec, one_line,
                              use_headless_gl)
+from ebrl.envs.serial import InProcess
 from ebrl.envs.setup import worker_python
-from ebrl.envs.tasks import assign_tasks, joint_spec
+from ebrl.envs.tasks import assign_tasks, joint_spec, task_config
 from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
 
@@ -137,11 +139,13 @@ class Slot:
 @dataclass(frozen=True)
 class Launch:
     """How a simulator process starts: its interpreter (env.python or the benchmark's), variables for its environment
-    (egl_environment) and how long its simulator may take to build."""
+    (egl_environment) and how long its simulator may take to build; `serial`: no process, the simulator runs in this
+    one (scheduler.serial, ebrl/envs/serial.py)."""
 
     python: str
     env: dict[str, str]
     timeout_s: float
+    serial: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,57 +267,71 @@ def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, 
     """Body of a simulator process: build the env, send its spec, then serve notices until "close"."""
     _prepare_process(env_cfg, cpus)
     try:
-        adapter = build_adapter(env_cfg, seed)
-        conn.send(("spec", adapter.spec))
+        simulator = Simulator(env_cfg, seed)
+        conn.send(("spec", simulator.adapter.spec))
     except BaseException as e:  # noqa: BLE001  (a failed import can raise SystemExit, too)
         _send_quietly(conn, ("error", one_line(e)))
         return
-    shm: SharedMemory | None = None
-    views: dict[str, np.ndarray] = {}
-    fault, chunks = env_cfg.get("fault") or {}, 0
-    task = str(env_cfg["task"]) if env_cfg.get("tasks") is not None else None
     try:
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):  # the parent is gone
                 break
-            command = message[0]
-            if command == "close":
+            if message[0] == "close":
                 break
-            try:
-                if command == "attach":  # (a multi-task run's slot is laid out by the pool's joint spec)
-                    _, shm_name, chunk_len, slot_spec = message
-                    shm = attach_shared_memory(shm_name)
-                    views = SlotLayout.build(slot_spec or adapter.spec, chunk_len).views(shm.buf)
-                    reply: Any = None
-                elif command == "reset":
-                    _write_obs(_split(views, "obs/"), adapter.begin_episode(message[1]))
-                    views["header"][:] = 0
-                    reply = None
-                elif command == "chunk":
-                    chunks += 1
-                    if fault.get("kind") and chunks == fault["chunk"]:
-                        _inject(fault)
-                    reply = _run_chunk(adapter, views, int(message[1]), task)
-                else:
-                    raise ValueError(f"unknown command {command!r}")
-                _send_quietly(conn, ("ok", reply))
-            except AdapterContractError as e:  # no replacement would do better: the parent stops the run
-                _send_quietly(conn, ("broken", one_line(e)))
-            except Exception as e:  # noqa: BLE001  (reported to the parent, which decides)
-                _send_quietly(conn, ("error", one_line(e)))
+            _send_quietly(conn, simulator.serve(message))
     finally:
-        views.clear()
+        simulator.close()
+
+
+class Simulator:
+    """One env and its shared slot, answering the parent's notices (the protocol above): what a simulator process
+    runs, and what scheduler.serial runs in the supervisor itself (ebrl/envs/serial.py)."""
+
+    def __init__(self, env_cfg: dict[str, Any], seed: int) -> None:
+        self.adapter = build_adapter(env_cfg, seed)
+        self.shm: SharedMemory | None = None
+        self.views: dict[str, np.ndarray] = {}
+        self.fault, self.chunks = env_cfg.get("fault") or {}, 0
+
+    def serve(self, message: tuple) -> tuple[str, Any]:
+        """The answer to one notice: ("ok", reply), ("broken", why) for a broken adapter contract (no replacement
+        would do better: the parent stops the run), or ("error", why) (the parent decides)."""
+        command = message[0]
         try:
-            adapter.close()
+            if command == "attach":  # (a multi-task run's slot is laid out by the pool's joint spec)
+                _, shm_name, chunk_len, slot_spec = message
+                self.shm = attach_shared_memory(shm_name)
+                self.views = SlotLayout.build(slot_spec or self.adapter.spec, chunk_len).views(self.shm.buf)
+                return "ok", None
+            if command == "reset":
+                _write_obs(_split(self.views, "obs/"), self.adapter.begin_episode(message[1]))
+                self.views["header"][:] = 0
+                return "ok", None
+            if command == "chunk":
+                self.chunks += 1
+                if self.fault.get("kind") and self.chunks == self.fault["chunk"]:
+                    _inject(self.fault)
+                return "ok", _run_chunk(self.adapter, self.views, int(message[1]))
+            raise ValueError(f"unknown command {command!r}")
+        except AdapterContractError as e:
+            return "broken", one_line(e)
+        except Exception as e:  # noqa: BLE001
+            return "error", one_line(e)
+
+    def close(self) -> None:
+        self.views.clear()
+        try:
+            self.adapter.close()
         except Exception:  # noqa: BLE001  (closing at exit: nothing left to tell)
             pass
-        if shm is not None:
+        if self.shm is not None:
             try:
-                shm.close()
+                self.shm.close()
             except BufferError:  # a view still referenced: the mapping goes with the process
                 pass
+            self.shm = None
 
 
 def _inject(fault: dict[str, Any]) -> None:
@@ -327,8 +345,7 @@ def _inject(fault: dict[str, Any]) -> None:
         os._exit(9)
 
 
-def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int,
-               task: str | None = None) -> dict[str, Any]:
+def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
     chunk_len = len(views["actions"])
     if not 1 <= n_steps <= chunk_len:
         raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
@@ -343,8 +360,6 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int,
         _write_obs(_split(views, "final/"), result.final_obs)
     _write_obs(_split(views, "obs/"), obs)
     views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
-    if result.episode is not None and task is not None:
-        result.episode["task"] = task  # a multi-task run's per-task metrics
     return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0))}
 
 
@@ -446,11 +461,11 @@ class SimWorker:
 
     def __init__(self, env_cfg: dict[str, Any], seed: int, chunk_len: int | None = None, index: int = 0,
                  cpus: Sequence[int] | None = None, start_timeout: float = 600.0,
-                 process_env: Mapping[str, str] | None = None) -> None:
+                 process_env: Mapping[str, str] | None = None, serial: bool = False) -> None:
         if chunk_len is not None and chunk_len < 1:
             raise ValueError(f"chunk_len={chunk_len} must be >= 1")
         self.launch = Launch(worker_python(env_cfg.get("name", ""), env_cfg.get("python")), dict(process_env or {}),
-                             start_timeout)
+                             start_timeout, serial)
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.replacements = 0  # processes that took over this env after one failed
@@ -469,8 +484,22 @@ class SimWorker:
     # --- lifecycle
     def start(self, wait: bool = True) -> None:
         """Start the process under `env.python`; with wait, also receive its spec and attach the shared slot."""
-        if self._res.process is not None:
+        if self._res.process is not None or self._res.conn is not None:
             raise RuntimeError(f"sim worker {self.index} was started already")
+        if self.launch.serial:
+            self._start_here()
+        else:
+            self._start_process()
+        if wait:
+            self.connect()
+
+    def _start_here(self) -> None:
+        if os.path.abspath(self.launch.python) != os.path.abspath(sys.executable):
+            raise EnvSetupError(f"scheduler.serial=true runs the simulators in this process ({sys.executable}) and "
+                                f"this env's run under {self.launch.python}; serially, run an env of this interpreter")
+        self._res.conn = InProcess(Simulator, self.env_cfg, self.seed)  # type: ignore[assignment]
+
+    def _start_process(self) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -486,8 +515,6 @@ class SimWorker:
         self._res.process = process
         self._res.conn = multiprocessing.connection.Connection(ours.detach())
         self._send(("init", self.env_cfg, self.seed, self.cpus))
-        if wait:
-            self.connect()
 
     def connect(self) -> EnvSpec:
         """Receive the spec and attach a slot of `chunk_len` actions (both steps of a started process)."""
@@ -548,7 +575,8 @@ class SimWorker:
     def renice(self, nice: int) -> None:
         """Run this env's processes (this one and any replacement), every thread of them, at `nice`."""
         self.nice = nice
-        set_process_nice(self.pid, nice)
+        if self.pid is not None:  # (serial: this process's own stays)
+            set_process_nice(self.pid, nice)
 
     def close(self) -> None:
         """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
@@ -575,7 +603,8 @@ class SimWorker:
     def bind(self, cpus: Sequence[int]) -> None:
         """Let the simulator process, every thread of it (a renderer's too), run only on `cpus` from now on (a
         scheduler handing it a core)."""
-        set_process_affinity(self.pid, cpus)
+        if self.pid is not None:  # (serial: the simulators' thread runs where this process does)
+            set_process_affinity(self.pid, cpus)
         self.cpus = list(cpus)
 
     def reset(self, seed: int | None = None) -> None:
@@ -698,7 +727,7 @@ class SimWorkerPool:
     def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
                  cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
                  chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
-                 process_env: Mapping[str, str] | None = None) -> None:
+                 process_env: Mapping[str, str] | None = None, serial: bool = False) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
@@ -715,9 +744,9 @@ class SimWorkerPool:
         own = [{k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
                for i in range(num_envs)]
         self.workers = [
-            SimWorker({**own[i], **({"task": self.tasks[i]} if self.tasks else {})},
+            SimWorker(task_config(own[i], self.tasks[i]) if self.tasks else own[i],
                       seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None,
-                      process_env=process_env)
+                      process_env=process_env, serial=serial)
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None
@@ -817,11 +846,14 @@ class SimWorkerPool:
         """Env `env`'s chunk; if its simulator died, failed or hung (past `timeout`), it is replaced and the chunk
         reports `failed`. Raises SimulatorsFailing when replacements come too often."""
         try:
-            return self.workers[env].wait(timeout)
+            report = self.workers[env].wait(timeout)
         except SimHung as e:
             return self.replace(env, f"{e}: no result within scheduler.chunk_timeout_s={self.chunk_timeout_s:g} s")
         except SimFailure as e:
             return self.replace(env, str(e))
+        if self.tasks and report.episode is not None:
+            report.episode["task"] = self.tasks[env]  # a multi-task run's per-task metrics
+        return report
 
     def replace(self, env: int, why: str) -> ChunkReport:
         """Replace env `env`'s simulator process (see `SimWorker.replace`) and record why."""

@@ -34,6 +34,7 @@ SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iterati
           "env/successes")
 SLOWEST = ("time/iteration_s",)
 EPISODE_MEANS = ("env/return", "env/episode_length", "env/success_rate")  # weighted by each rank's env/episodes
+TASK_MEANS = ("success", "return")  # env/<task>/<figure> of a multi-task run: weighted by env/<task>/episodes
 # Keys every rank must agree on after an update: the weights' version and their fingerprint.
 AGREED = ("sched/weights_version", "dist/weights_sum")
 PER_RANK = ("perf/env_steps_per_s", "env/return", "dist/weights_sum")  # also logged per rank, as ranks/<r>/<key>
@@ -118,6 +119,17 @@ def gather_metrics(metrics: dict[str, Any], ranks: Ranks) -> list[dict[str, Any]
     return out
 
 
+def episode_count(key: str) -> str | None:
+    """The count an episode figure is averaged over the ranks with: env/episodes for the run's (EPISODE_MEANS),
+    env/<task>/episodes for a task's (TASK_MEANS); None for any other key."""
+    if key in EPISODE_MEANS:
+        return "env/episodes"
+    head, _, figure = key.rpartition("/")
+    if key.startswith("env/") and figure in TASK_MEANS and head != "env":
+        return f"{head}/episodes"
+    return None
+
+
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One iteration's run-wide metrics from the ranks' own (see SUMMED, SLOWEST); ranks/<r>/<key> for PER_RANK.
 
@@ -137,14 +149,15 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             if key in first:
                 out[key] = first[key]  # text (an allocator decision): rank 0's
             continue
-        if key in SUMMED:
+        weight_key = episode_count(key)
+        if key in SUMMED or (key.startswith("env/") and key.endswith("/episodes")):  # (a task's episodes too)
             out[key] = sum(numbers)
         elif key in SLOWEST:
             out[key] = max(numbers)
         elif key in AGREED or key in ("iteration", "env_steps"):
             out[key] = first[key]
-        elif key in EPISODE_MEANS:  # over the episodes that finished, wherever they ran
-            pairs = [(float(m[key]), float(m.get("env/episodes", 0))) for m in per_rank if key in m]
+        elif weight_key is not None:  # over the episodes that finished, wherever they ran
+            pairs = [(float(m[key]), float(m.get(weight_key, 0))) for m in per_rank if key in m]
             weight = sum(w for _, w in pairs)
             out[key] = sum(v * w for v, w in pairs) / weight if weight else float("nan")
         else:

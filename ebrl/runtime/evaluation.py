@@ -119,7 +119,7 @@ class Evaluation:
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed,
-                                  process_env=simulator_gpu_environment(cfg.hw.gpus))
+                                  process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial)
         try:
             self.pool.start()
             self.policy = build_policy(conf["policy"], self.pool.spec, self.device, weights="given")

@@ -170,9 +170,9 @@ class Experiment:
             group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
             s = cfg.scheduler
             self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed,
-                                      group_size=group_size, chunk_timeout_s=s.chunk_timeout_s,
+                                      group_size=group_size, chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
                                       max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
-                                      process_env=sim_env)
+                                      process_env=sim_env, serial=s.serial)
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.placement.check_memory(self.pool.spec)
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a

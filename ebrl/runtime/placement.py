@@ -216,7 +216,8 @@ class Placement:
         """Which processes do which stage's work: the simulators; this one (orchestration, generation unless it has a
         process of its own, a local trainer's training) with a generation process; the trainer process."""
         runtime = self.runtime
-        out = {"simulate": [w.pid for w in runtime.pool.workers], "main": [os.getpid()]}
+        # (serial: the simulators run in this process, whose CPU time is "main")
+        out = {"simulate": [w.pid for w in runtime.pool.workers if w.pid is not None], "main": [os.getpid()]}
         if self.generation == "process":
             out["main"].append(runtime.generation.pid)
         if not self.local:

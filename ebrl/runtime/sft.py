@@ -124,7 +124,8 @@ class SupervisedRun:
 
     def _spec(self) -> EnvSpec:
         """The env's spec, from one simulator started for it (under the env's own interpreter where it has one)."""
-        pool = SimWorkerPool(env_cfg=self.conf["env"], num_envs=1, seed=self.cfg.seed)
+        pool = SimWorkerPool(env_cfg=self.conf["env"], num_envs=1, seed=self.cfg.seed,
+                             serial=self.cfg.scheduler.serial)
         try:
             return pool.start().spec
         finally:

@@ -1,11 +1,16 @@
 """Many tasks in one run: which env runs which task (GRPO groups whole), one slot layout for tasks of different state
-sizes (real robosuite workers: Lift and Stack), and each env's own instruction and per-task episodes."""
+sizes (real robosuite workers: Lift and Stack; robosuite beside LIBERO in its venv), and each env's own instruction
+and per-task episodes."""
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
+from ebrl.config import ConfigError, validate
 from ebrl.envs.base import ArraySpec, EnvSetupError, EnvSpec
-from ebrl.envs.tasks import assign_tasks, joint_spec, task_list
+from ebrl.envs.setup import benchmark_python
+from ebrl.envs.tasks import assign_tasks, joint_spec, task_config, task_list
 from ebrl.envs.worker import SimWorkerPool
+from tests.conftest import compose_config
 
 ROBOSUITE = {"_target_": "ebrl.envs.robosuite_env.RobosuiteEnv", "name": "robosuite", "task": "Lift",
              "max_episode_steps": 6, "cameras": [], "image_size": 64, "reward": "dense", "robot": "Panda",
@@ -69,3 +74,44 @@ def test_a_pool_of_two_tasks_pads_the_narrower_state_and_reports_each_task():
             pool.submit_all(4, np.zeros((2, 4, pool.spec.action_dim), np.float32))
             tasks += [r.episode["task"] for r in pool.wait_all() if r.episode]
         assert sorted(tasks) == ["Lift", "Stack"]
+
+
+# --- several benchmarks side by side -------------------------------------------------------------
+LIBERO_PYTHON = benchmark_python("libero")
+
+
+def test_a_task_of_another_benchmark_becomes_its_whole_env_config():
+    cfg = compose_config("env.num_envs=4", "env.cameras=[]", "env.tasks=[Lift,{env:libero,task:'3',suite:libero_10}]")
+    validate(cfg)
+    lift, libero = cfg.env.tasks
+    assert lift == "Lift"
+    assert (libero["_target_"], libero["name"], libero["suite"], libero["task"]) == (
+        "ebrl.envs.libero_env.LiberoEnv", "libero", "libero_10", "3")
+    assert libero["max_episode_steps"] == 220 and libero["cameras"] == []  # its yaml's own; the run's observation
+    env = OmegaConf.to_container(cfg.env)
+    assert assign_tasks(env, 4) == ["Lift", "libero:3"] * 2
+    assert task_config(env, "libero:3")["name"] == "libero" and task_config(env, "Lift")["task"] == "Lift"
+    for tasks, line in [("[Lift,{env:libero,tsk:'3'}]", r"env=libero: tsk is not one of its keys \(_target_, name,"),
+                        ("[Lift,{env:gym,task:'3'}]", "must name a benchmark as env: one of robosuite, maniskill")]:
+        with pytest.raises(ConfigError, match=line):
+            validate(compose_config("env.num_envs=2", f"env.tasks={tasks}"))
+
+
+@pytest.mark.slow  # (LIBERO's build: 15 s)
+@pytest.mark.skipif(LIBERO_PYTHON is None, reason="no LIBERO venv: run `python -m ebrl.envs.setup libero`")
+def test_robosuite_and_libero_envs_run_side_by_side_under_their_own_interpreters():
+    cfg = compose_config("env.num_envs=2", "env.max_episode_steps=6",
+                         "env.tasks=[Lift,{env:libero,task:'0',max_episode_steps:6}]")
+    validate(cfg)
+    with SimWorkerPool(OmegaConf.to_container(cfg.env), num_envs=2, seed=0, chunk_len=4) as pool:
+        lift, libero = (w.spec for w in pool.workers)
+        assert pool.workers[1].launch.python == str(LIBERO_PYTHON) != pool.workers[0].launch.python
+        widths = sorted(s.obs["state"].shape[0] for s in (lift, libero))
+        assert widths[0] < widths[1] == pool.spec.obs["state"].shape[0]  # the narrower padded
+        assert lift.instruction == "lift the red cube" != libero.instruction
+        pool.reset_all()
+        tasks = []
+        for _ in range(2):  # 8 steps: each env ends its 6-step episode once
+            pool.submit_all(4, np.zeros((2, 4, pool.spec.action_dim), np.float32))
+            tasks += [r.episode["task"] for r in pool.wait_all() if r.episode]
+        assert sorted(tasks) == ["Lift", "libero:0"]

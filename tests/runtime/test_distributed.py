@@ -51,9 +51,11 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     per_rank = [
         {"iteration": 3, "perf/env_steps_per_s": 60.0, "perf/iteration_env_steps": 64, "env/episodes": 1.0,
          "env/successes": 1.0, "env/return": 1.0, "losses/policy": 0.2, "time/iteration_s": 1.0, "dist/weights_sum": 5.5,
-         "alloc/decision": "moved a core"},
+         "alloc/decision": "moved a core", "env/Lift/success": 1.0, "env/Lift/return": 1.0, "env/Lift/episodes": 1.0},
         {"iteration": 3, "perf/env_steps_per_s": 40.0, "perf/iteration_env_steps": 64, "env/episodes": 3.0,
-         "env/successes": 1.0, "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5, "dist/weights_sum": 5.5},
+         "env/successes": 1.0, "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5,
+         "dist/weights_sum": 5.5, "env/Lift/success": 0.0, "env/Lift/return": 2.0, "env/Lift/episodes": 2.0,
+         "env/Stack/success": 1.0, "env/Stack/return": 4.0, "env/Stack/episodes": 1.0},
     ]
     out = combine(per_rank)
     assert out["perf/env_steps_per_s"] == 100.0 and out["perf/iteration_env_steps"] == 128
@@ -65,6 +67,10 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     assert (out["ranks/0/return"], out["ranks/1/return"]) == (1.0, 3.0)
     assert out["ranks/1/env_steps_per_s"] == 40.0
     assert (out["env/success_low"], out["env/success_high"]) == wilson_interval(2, 4)  # over all 4 episodes
+    # a multi-task run's figures per task: over that task's episodes on every rank
+    assert out["env/Lift/episodes"] == 3.0 and out["env/Lift/success"] == pytest.approx(1 / 3)
+    assert out["env/Lift/return"] == pytest.approx((1.0 + 2 * 2.0) / 3)
+    assert (out["env/Stack/episodes"], out["env/Stack/success"], out["env/Stack/return"]) == (1.0, 1.0, 4.0)
 
 
 def test_ranks_whose_weights_differ_stop_the_run() -> None:

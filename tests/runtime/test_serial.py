@@ -1,0 +1,66 @@
+"""scheduler.serial=true: every stage in the supervisor, the simulators answered in one of its threads by the code a
+simulator process runs (ebrl/envs/serial.py); a real robosuite run, set beside the same run on processes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import psutil
+import pytest
+
+from ebrl.config import ConfigError, validate
+from ebrl.envs.base import EnvSetupError
+from ebrl.envs.robosuite_env import RobosuiteEnv
+from ebrl.envs.worker import SimWorkerPool
+from ebrl.runtime.experiment import Experiment
+from tests.conftest import compose_config
+
+RUN = ["env.num_envs=2", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=2",
+       "env.max_episode_steps=24", "env.reward=dense", "progress=false", "logger=none", "checkpoint_every=1000",
+       "init=null", "seed=3"]
+STOPS: list[tuple[int, str]] = []  # (pid, thread name) of each breakpoint() a BreakingLift reached
+
+
+class BreakingLift(RobosuiteEnv):
+    """robosuite's Lift with a breakpoint() in its first step, as a user debugging an adapter writes it."""
+
+    def step(self, action):
+        if not getattr(self, "stopped", False):
+            self.stopped = True
+            breakpoint()
+        return super().step(action)
+
+
+def trained(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:
+    exp = Experiment.from_config(compose_config(*RUN, *overrides), run_dir=tmp_path / "run")
+    if "scheduler.serial=true" in overrides:
+        children = [" ".join(c.cmdline()) for c in psutil.Process().children(recursive=True)]
+        assert [c for c in children if "resource_tracker" not in c] == []  # its simulators are built, here
+        assert {w.pid for w in exp.pool.workers} == {None}
+    exp.train()
+    return exp, [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_serial_run_is_the_same_run_in_one_process_and_a_breakpoint_in_its_adapter_stops_there(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "breakpointhook", lambda: STOPS.append((os.getpid(), threading.current_thread().name)))
+    target = f"env._target_={__name__}.BreakingLift"
+    _, serial = trained(tmp_path / "serial", "scheduler.serial=true", target)
+    assert STOPS == [(os.getpid(), "ebrl-simulators_0")] * 2  # each env's first step, in this process's thread
+    _, spawned = trained(tmp_path / "spawned")  # robosuite's Lift itself, in processes
+    keys = ["train/return_mean", "train/value_mean", "losses/policy", "losses/value", "train/approx_kl"]
+    assert [[m[k] for k in keys] for m in serial] == [[m[k] for k in keys] for m in spawned]
+
+
+def test_serial_takes_a_schedule_that_runs_in_this_process_and_an_env_of_this_interpreter():
+    with pytest.raises(ConfigError, match="^scheduler.serial=true runs every stage in this process, one after "
+                                          "another, and scheduler=ebrl trains in a process of its own; use "
+                                          "scheduler=colocated scheduler.serial=true$"):
+        validate(compose_config(*RUN, "scheduler=ebrl", "scheduler.serial=true"))
+    pool = SimWorkerPool({"_target_": "ebrl.envs.robosuite_env.RobosuiteEnv", "name": "robosuite", "task": "Lift",
+                          "python": "/usr/bin/python3"}, num_envs=1, seed=0, serial=True)
+    with pytest.raises(EnvSetupError, match="runs the simulators in this process .* and this env's run under "
+                                            "/usr/bin/python3; serially, run an env of this interpreter"):
+        pool.start()
