@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from omegaconf import OmegaConf
+
 from ebrl.alloc.planner import (CYCLE, GPU_STAGE_CORES, Decision, ElasticController, Plan, PlanError, StaticController,
                                 Totals, evaluate, groups_text)
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
@@ -32,8 +34,17 @@ def profile_key(cfg: Any) -> dict[str, Any]:
     """What a stage profile was measured for: policy and preset, env and task, hw and the cores it gave (hw=cpu
     is whatever machine runs it), env count."""
     return {"policy": cfg.policy.name, "preset": cfg.policy.get("preset", ""), "env": cfg.env.name,
-            "task": cfg.env.get("task", ""), "hw": cfg.hw.name, "cores": len(rank_cores(cfg)),
+            "task": run_tasks(cfg), "hw": cfg.hw.name, "cores": len(rank_cores(cfg)),
             "num_envs": int(cfg.env.num_envs)}
+
+
+def run_tasks(cfg: Any) -> str:
+    """What a run steps: env.task, or a multi-task run's tasks joined by "+" (its stages cost what that mix costs)."""
+    if cfg.env.get("tasks") is None:
+        return str(cfg.env.get("task", ""))
+    from ebrl.envs.tasks import task_list
+
+    return "+".join(task_list(OmegaConf.to_container(cfg.env, resolve=True)))
 
 
 def profiles_root(cfg: Any) -> Path:

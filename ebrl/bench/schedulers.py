@@ -109,6 +109,9 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
     if workload.rollout_chunks:
         overrides.append(f"algo.rollout_chunks={workload.rollout_chunks}")
     cfg = compose_overrides(overrides + list(workload.overrides), mode)
+    from ebrl.config import complete_benchmark_tasks
+
+    complete_benchmark_tasks(cfg)  # (the references build simulators from it, as a run does after validating)
     if workload.straggler_envs:
         from omegaconf import OmegaConf
 

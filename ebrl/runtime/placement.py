@@ -137,7 +137,10 @@ class Placement:
             return
         threads = len(self.cores) if idle else self.threads("train")
         if trainer.shared_threads.count != threads:
-            set_process_affinity(trainer.pid, self.cores if idle else self.cpus("train"))
+            try:
+                set_process_affinity(trainer.pid, self.cores if idle else self.cpus("train"))
+            except ProcessLookupError:  # it stopped: its pipe tells the run why
+                return
             trainer.shared_threads.set(threads)
 
     def _keep_lent(self) -> None:

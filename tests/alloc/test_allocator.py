@@ -109,3 +109,10 @@ def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refuse
     cores = profile_key(cfg)["cores"]
     with pytest.raises(ConfigError, match=f"was measured for cores=64, and this run has cores={cores}"):
         Allocator(cfg, [0, 1])
+
+
+def test_a_multi_task_run_s_profile_is_of_its_mix_of_tasks(tmp_path):
+    cfg = compose_config("env.num_envs=4", "env.tasks=[Lift,Stack]", f"allocator.profiles_dir={tmp_path}")
+    assert profile_key(cfg)["task"] == "Lift+Stack"
+    assert profile_path(tmp_path, profile_key(cfg)).name.startswith("openpi-tiny_robosuite-Lift_Stack_")
+    assert profile_key(compose_config("env.task=Door"))["task"] == "Door"
