@@ -561,7 +561,6 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
                               f"{', '.join(k for k in schema if k != 'fault')})") from None
         except ValidationError as e:
             raise ConfigError(f"env.tasks entry of env={option}: {str(e).splitlines()[0]}") from None
-        node.num_envs = cfg.env.num_envs
         done.append(OmegaConf.to_container(node, resolve=True))
     with open_dict(cfg.env):
         cfg.env.tasks = done

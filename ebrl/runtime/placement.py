@@ -126,28 +126,37 @@ class Placement:
             return s.train_threads or (len(self.split["train"]) if alone else 1)
         return s.torch_threads or (len(self.cores) if self.local or cuda else 1)
 
-    def lend_to_trainer(self, trainer: Any, idle: bool) -> None:
-        """Work-conserving the other way: while the rollout has nothing to run (`idle`: every group waits for an
-        update, or the run's rollout is done), a trainer process on CPU trains on every core of this rank with as many
-        threads; back on its lease and count once a group goes on. Under an allocator's plan with
-        scheduler.work_conserving, unless scheduler.train_threads fixes the count (a GPU trains on the GPU; a local
-        trainer has every core already)."""
+    def idle_trainer_threads(self) -> int | None:
+        """Work-conserving the other way: the threads a trainer process on CPU trains with while the rollout has
+        nothing to run, on every core of this rank (`lend_to_trainer`); None where it keeps its share. Under an
+        allocator's plan with scheduler.work_conserving, unless scheduler.train_threads fixes the count (a GPU trains
+        on the GPU; a local trainer has every core already)."""
         s = self.cfg.scheduler
         if self.pool is None or not s.work_conserving or s.train_threads or self.local or self.device.type != "cpu":
+            return None
+        return len(self.cores) if len(self.cores) > self.threads("train") else None
+
+    def lend_to_trainer(self, trainer: Any, idle: bool) -> None:
+        """While the rollout has nothing to run (`idle`: every group waits for an update, or the run's rollout is
+        done) the trainer process trains on every core with its `idle_trainer_threads`; back on its lease and count
+        once a group goes on. Called at every step of the loop: plain attributes only until something changes."""
+        threads = trainer.shared_threads
+        if threads is None or threads.lent is None:
             return
-        threads = len(self.cores) if idle else self.threads("train")
-        if trainer.shared_threads.count != threads:
+        want = threads.lent if idle else trainer.threads
+        if threads.count != want:
             try:
                 set_process_affinity(trainer.pid, self.cores if idle else self.cpus("train"))
             except ProcessLookupError:  # it stopped: its pipe tells the run why
                 return
-            trainer.shared_threads.set(threads)
+            threads.set(want)
 
     def _keep_lent(self) -> None:
         """A lease just pinned the trainer to its cores (a new plan, a successor): while it is lent every core, it
         keeps them."""
         trainer = self.runtime.trainer
-        if not self.local and trainer.shared_threads.count > self.threads("train"):
+        threads = trainer.shared_threads
+        if threads is not None and threads.lent is not None and threads.count == threads.lent:
             set_process_affinity(trainer.pid, self.cores)
 
     def spawn_env(self, stage: str) -> ContextManager:

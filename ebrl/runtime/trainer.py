@@ -56,14 +56,15 @@ class TrainerError(StageFailed):
 
 
 class TrainerThreads:
-    """A trainer process's torch threads, which the supervisor may change while it trains: its share's count, or every
-    core of the rank while the rollout has nothing to run (Placement.lend_to_trainer). The supervisor `set`s the
-    count in shared memory; the trainer process takes it up before each optimizer step (`follow`), since a thread
-    count is the calling thread's own, and `most` is the largest an update trained with."""
+    """A trainer process's torch threads, which the supervisor may change while it trains: its share's count, or
+    `lent` (every core of the rank; None: never) while the rollout has nothing to run (Placement.lend_to_trainer).
+    The supervisor `set`s the count in shared memory; the trainer process takes it up before each optimizer step
+    (`follow`), since a thread count is the calling thread's own, and `most` is the largest an update trained with."""
 
-    def __init__(self, ctx: Any, n: int) -> None:
+    def __init__(self, ctx: Any, n: int, lent: int | None = None) -> None:
         self.shared = ctx.RawValue("i", n)
         self.most = n
+        self.lent = lent
 
     @property
     def count(self) -> int:
@@ -215,7 +216,8 @@ class Trainer:
     (`state`)."""
 
     weights: Any  # what generation pulls the trainer's weights from: a WeightChannel, or SharedWeights
-    threads: int  # torch threads it trains with
+    threads: int  # torch threads it trains with (its share's)
+    shared_threads: TrainerThreads | None = None  # a trainer process's count of the moment (it may be lent cores)
 
     def __init__(self) -> None:
         self.state: tuple[dict, dict] | None = None  # the answer to a state request
@@ -334,11 +336,12 @@ class ProcessTrainer(Trainer):
 
     def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
                  threads: int, device: str, resume: str | None = None,
-                 on_switch: Callable[[int, int], None] | None = None, init: str | None = None) -> None:
+                 on_switch: Callable[[int, int], None] | None = None, init: str | None = None,
+                 idle_threads: int | None = None) -> None:
         super().__init__()
         self.weights, self.threads, self.cpus = channel, threads, list(cpus)
         # the count it trains with now, shared with the process (and a successor): Placement.lend_to_trainer sets it
-        self.shared_threads = TrainerThreads(torch.multiprocessing.get_context("spawn"), threads)
+        self.shared_threads = TrainerThreads(torch.multiprocessing.get_context("spawn"), threads, idle_threads)
         self.succession: Succession[TrainerProcess] = Succession(
             lambda successor: TrainerProcess(conf, spec, channel, self.cpus, self.shared_threads, device,
                                              None if successor else resume, successor, None if successor else init),
@@ -405,4 +408,4 @@ def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Mod
     with placement.spawn_env("train"):
         return ProcessTrainer(conf, spec, channel, placement.cpus("train"), placement.threads("train"),
                               placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"),
-                              init=init)
+                              init=init, idle_threads=placement.idle_trainer_threads())

@@ -20,7 +20,6 @@ from tests.conftest import compose_config
 RUN = ["env.num_envs=2", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=2",
        "env.max_episode_steps=24", "env.reward=dense", "progress=false", "logger=none", "checkpoint_every=1000",
        "init=null", "seed=3"]
-STOPS: list[tuple[int, str]] = []  # (pid, thread name) of each breakpoint() a BreakingLift reached
 
 
 class BreakingLift(RobosuiteEnv):
@@ -39,16 +38,18 @@ def trained(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:
         children = [" ".join(c.cmdline()) for c in psutil.Process().children(recursive=True)]
         assert [c for c in children if "resource_tracker" not in c] == []  # its simulators are built, here
         assert {w.pid for w in exp.pool.workers} == {None}
+        assert exp.pool.chunk_timeout_s is None  # a paused breakpoint is no hung simulator
     exp.train()
     return exp, [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_serial_run_is_the_same_run_in_one_process_and_a_breakpoint_in_its_adapter_stops_there(
         tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "breakpointhook", lambda: STOPS.append((os.getpid(), threading.current_thread().name)))
+    stops = []  # (pid, thread name) of each breakpoint() a BreakingLift reached
+    monkeypatch.setattr(sys, "breakpointhook", lambda: stops.append((os.getpid(), threading.current_thread().name)))
     target = f"env._target_={__name__}.BreakingLift"
     _, serial = trained(tmp_path / "serial", "scheduler.serial=true", target)
-    assert STOPS == [(os.getpid(), "ebrl-simulators_0")] * 2  # each env's first step, in this process's thread
+    assert stops == [(os.getpid(), "ebrl-simulators_0")] * 2  # each env's first step, in this process's thread
     _, spawned = trained(tmp_path / "spawned")  # robosuite's Lift itself, in processes
     keys = ["train/return_mean", "train/value_mean", "losses/policy", "losses/value", "train/approx_kl"]
     assert [[m[k] for k in keys] for m in serial] == [[m[k] for k in keys] for m in spawned]
