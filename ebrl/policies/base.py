@@ -46,6 +46,7 @@ class Policy(nn.Module):
 
     env_spec: EnvSpec
     chunk_len: int  # H: actions per chunk
+    execute: int  # k <= H: the actions of each chunk the env executes before the next is sampled (policy.execute)
     action_dim: int  # env action dims
     model_action_dim: int  # the model's real action dims (a checkpoint's; `to_env` maps them to the env's)
     cameras: list[str]  # the env's "image/<cam>" keys, sorted

@@ -15,12 +15,13 @@ from typing import Any, Iterator
 import torch
 
 from ebrl.classes import ContractError, constructor_kwargs, load_class
-from ebrl.config import POLICY_CONTRACT, POLICY_RUNTIME_KEYS
+from ebrl.config import POLICY_CONTRACT, POLICY_RUNTIME_KEYS, ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
 from ebrl.policies.layers import Block
 from ebrl.policies.training import prepare_training
 from ebrl.policies.weights import CheckpointError, checkpoint_config, checkpoint_folder, load_weights, weight_files
+from ebrl.recipes import recipe_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,6 +87,37 @@ def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dic
     return cls.checkpoint_defaults(checkpoint_folder(checkpoint), checkpoint_config(checkpoint), keys, dict(kwargs))
 
 
+def settle_execute(cfg: Any, trained: dict[str, Any] | None = None) -> str:
+    """Set `policy.execute` in the composed config `cfg` where it is null, and say where the number came from: the
+    run's recipe at full size (RLinf's num_action_chunks), else the checkpoint folder's lerobot n_action_steps, else
+    the whole chunk (null stays). mode=eval takes the evaluated run's own setting (`trained`: its policy config) and
+    then the folder's before the recipe's, so a published checkpoint is measured as its folder says it acts."""
+    p = cfg.policy
+    if p.get("execute") is not None:
+        return "policy.execute"
+    recipe, source = recipe_for(p.name, p.get("variant"), p.preset, cfg.env.name, cfg.algo.name)
+    found = [(recipe.execute, f"the recipe: {source}")]
+    if p.get("checkpoint"):
+        folder = checkpoint_config(str(p.checkpoint)).get("n_action_steps")
+        found.append((folder, f"n_action_steps of policy.checkpoint={p.checkpoint}"))
+    if cfg.get("mode") == "eval":
+        found.reverse()
+        found.insert(0, ((trained or {}).get("execute"), f"what checkpoint={cfg.get('checkpoint')} trained with"))
+    for value, why in found:
+        if value is not None:
+            p.execute = int(value)
+            return why
+    return "the whole chunk"
+
+
+def executed_line(policy: Policy, source: str) -> str | None:
+    """The console line of a run whose env executes part of each chunk (None when it executes the whole chunk)."""
+    if policy.execute == policy.chunk_len:
+        return None
+    return f"policy.execute={policy.execute}: {policy.execute} of each chunk's {policy.chunk_len} actions run before " \
+           f"the next chunk is sampled ({source})"
+
+
 def tokenizer_warning(policy_cfg: dict[str, Any], policy: Policy) -> str | None:
     """The line a full-size run prints when a family that can load a real tokenizer (`policy.tokenizer`) was given
     none: its prompts are not the ones a published checkpoint was trained on."""
@@ -130,6 +162,11 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
         raise ContractError(f"policy._target_={policy_cfg['_target_']!r} set no self.{missing[0]} (an int) in its "
                             f"constructor: a policy implements {POLICY_CONTRACT}")
     policy.compute_dtype = dtype
+    execute = policy_cfg.get("execute")
+    if execute is not None and not 1 <= int(execute) <= policy.chunk_len:
+        raise ConfigError(f"policy.execute={execute} must be in 1..{policy.chunk_len}, the policy's chunk of "
+                          f"{policy.chunk_len} actions")
+    policy.execute = policy.chunk_len if execute is None else int(execute)
     if train:
         prepare_training(policy, policy_cfg)
         for module in policy.modules():

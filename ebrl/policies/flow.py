@@ -5,9 +5,14 @@ Two ways to make the chain stochastic (`policy.logprob`):
 - flow_noise (Flow-Noise, as RLinf trains pi0): x_{k+1} = x_k + dt v + sigma_k eps, with sigma_k (per step, action and
   dim) from a small learned head on the velocity features and the time, bounded in [noise_std_min, noise_std_max].
 - flow_sde (Flow-GRPO's SDE): the reverse-time SDE with the same marginals as the ODE, sigma_t = a sqrt(t / (1 - t)):
-  mean = x + dt [v + sigma_t^2 / (2t) (x + (1 - t) v)], std = sigma_t sqrt(|dt|); a = policy.sde_noise_level.
-The log-prob of an action is the sum over the K steps of its dims' Gaussian log-densities; evaluate recomputes it from
-the stored chain, all K steps in one batched pass. The chain, its means, stds and densities are float32 whatever the
+  mean = x + dt [v + sigma_t^2 / (2t) (x + (1 - t) v)], std = sigma_t sqrt(|dt|); a = policy.sde_noise_level. At
+  t = 1 the denominator takes the second step's time, as Flow-GRPO and RLinf do (sigma = a sqrt(1 / (1 - t_1))).
+Where the noise enters and what the log-prob of an action is (`policy.chain_logprob`):
+- sum: every step is stochastic; the log-prob is the sum over the K steps of its dims' Gaussian log-densities;
+- mean: every step; the mean of those K and x_0's standard normal density (RLinf's joint_logprob);
+- one_step: one step, drawn per sampled batch, is stochastic and the others are plain Euler steps; the log-prob is
+  that step's density (RLinf's Flow-SDE without joint_logprob), so the trainer runs the velocity once per row.
+evaluate recomputes the log-prob from the stored chain, all the steps it needs in one batched pass. The chain, its means, stds and densities are float32 whatever the
 policy's dtype (a bfloat16 policy's velocity is cast up): a ratio is a product of K x action-dims Gaussian factors.
 Only the env's action dims are stochastic. The padded dims (the model's flow_dim is wider) follow flow matching's
 straight path from their starting noise to 0, t x_0, as training on zero-padded actions shaped them: no noise is
@@ -27,6 +32,7 @@ from ebrl.policies.base import Policy, PolicySample, masked_mean
 from ebrl.policies.layers import expand_rows, map_tensors
 
 LOGPROBS = ("flow_noise", "flow_sde")
+CHAIN_LOGPROBS = ("sum", "mean", "one_step")
 
 
 def sample_flow_time(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -48,10 +54,15 @@ class FlowPolicy(Policy):
     value_head: nn.Module
 
     def init_flow(self, *, flow_dim: int, chunk_len: int, denoise_steps: int, feature_dim: int, time_dim: int,
-                  logprob: str, noise_std_min: float, noise_std_max: float, sde_noise_level: float) -> None:
-        """Check the chain's options and build the Flow-Noise std head (only for logprob=flow_noise)."""
+                  logprob: str, noise_std_min: float, noise_std_max: float, sde_noise_level: float,
+                  chain_logprob: str = "sum", detach_critic_input: bool = False) -> None:
+        """Check the chain's options and build the Flow-Noise std head (only for logprob=flow_noise).
+        detach_critic_input: the value head reads the features without passing its loss's gradient into them."""
         if logprob not in LOGPROBS:
             raise ConfigError(f"policy.logprob={logprob!r} is not available; accepted: {', '.join(LOGPROBS)}")
+        if chain_logprob not in CHAIN_LOGPROBS:
+            raise ConfigError(f"policy.chain_logprob={chain_logprob!r} is not available; accepted: "
+                              f"{', '.join(CHAIN_LOGPROBS)}")
         if not 0 < noise_std_min <= noise_std_max:
             raise ConfigError(f"policy.noise_std_min={noise_std_min} and policy.noise_std_max={noise_std_max} "
                               "must satisfy 0 < min <= max")
@@ -61,7 +72,7 @@ class FlowPolicy(Policy):
             if value < 1:
                 raise ConfigError(f"{key}={value} must be a positive integer")
         self.flow_dim, self.chunk_len, self.denoise_steps = flow_dim, chunk_len, denoise_steps
-        self.logprob = logprob
+        self.logprob, self.chain_logprob, self.detach_critic_input = logprob, chain_logprob, bool(detach_critic_input)
         self.log_std_min, self.log_std_max = math.log(noise_std_min), math.log(noise_std_max)
         self.sde_noise_level = sde_noise_level
         if logprob == "flow_noise":
@@ -106,17 +117,20 @@ class FlowPolicy(Policy):
         raw = self.noise_std_head(torch.cat([h, temb.to(h.dtype)], -1)).float()
         return v, self.log_std_min + (self.log_std_max - self.log_std_min) * raw.sigmoid()
 
-    def step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and log std (both (N, H, flow_dim), float32) of x at the next time, from x (float32) at times t (N,)."""
+    def step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
+             velocity: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and log std (both (N, H, flow_dim), float32) of x at the next time, from x (float32) at times t (N,)
+        (`velocity`: v and the log std at x, where the caller has them)."""
         steps = self.denoise_steps
-        v, log_std = self.velocity(x, t, cond)
+        v, log_std = velocity or self.velocity(x, t, cond)
         dt = -1.0 / steps
         if log_std is not None:
             return x + dt * v, log_std
-        # Flow-SDE; sigma_t is infinite at t = 1, so the first step uses the second step's sigma (as Flow-GRPO does)
+        # Flow-SDE; sigma_t is infinite at t = 1: there the denominator takes the second step's time (Flow-GRPO's
+        # sde_step_with_logprob, RLinf's sample_mean_var_val)
         t = t.to(x.dtype)[:, None, None]
-        t_sigma = t.clamp(max=1.0 - 1.0 / steps if steps > 1 else 0.5)
-        sigma = self.sde_noise_level * torch.sqrt(t_sigma / (1.0 - t_sigma))
+        denominator = 1.0 - t.clamp(max=1.0 - 1.0 / steps if steps > 1 else 0.5)
+        sigma = self.sde_noise_level * torch.sqrt(t / denominator)
         mean = x + dt * (v + sigma.pow(2) / (2.0 * t) * (x + (1.0 - t) * v))
         return mean, torch.log(sigma * math.sqrt(-dt)).expand_as(mean)
 
@@ -135,13 +149,22 @@ class FlowPolicy(Policy):
         z = (x - mean) * torch.exp(-log_std)
         return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi))[..., : self.model_action_dim].sum(-1)
 
+    def x0_log_density(self, start: torch.Tensor) -> torch.Tensor:
+        """x_0's standard normal log-density over the env's action dims (the chain's first term under
+        chain_logprob=mean), (N, H)."""
+        return (-0.5 * start.pow(2) - 0.5 * math.log(2 * math.pi))[..., : self.model_action_dim].sum(-1)
+
+    def euler(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
+        """A plain Euler step x + dt v over every dim, as openpi, lerobot and GR00T sample."""
+        return x - self.velocity(x, t, cond)[0] / self.denoise_steps
+
     @torch.no_grad()
     def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False,
                noise: torch.Tensor | None = None) -> PolicySample:
-        """x_0 ~ N(0, I) (or `noise`, (B, H, flow_dim)), then K stochastic Euler steps from t = 1 to t = 0; the chain
-        goes to extras for evaluate. deterministic: plain Euler steps x + dt v over every dim, as openpi, lerobot and
-        GR00T sample (evaluation: a loaded checkpoint's real success); its log-probs are 0. The chunk is in the env's
-        action space (`to_env`), the chain in the model's."""
+        """x_0 ~ N(0, I) (or `noise`, (B, H, flow_dim)), then K Euler steps from t = 1 to t = 0, stochastic where
+        `chain_logprob` says (module docstring); the chain goes to extras for evaluate. deterministic: plain Euler
+        steps over every dim, as openpi, lerobot and GR00T sample (evaluation: a loaded checkpoint's real success);
+        its log-probs are 0. The chunk is in the env's action space (`to_env`), the chain in the model's."""
         with self.precision():
             cond, pooled = self.encode(obs)
             batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
@@ -149,17 +172,38 @@ class FlowPolicy(Policy):
             x = start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
                          else noise.to(device, torch.float32))
             chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=device)
+            extras: dict[str, torch.Tensor] = {}
+            one_step = not deterministic and self.chain_logprob == "one_step"
+            if one_step:  # the stochastic step, one per batch (as RLinf draws it)
+                stochastic = int(torch.randint(steps, ()))
+                extras["denoise_index"] = torch.full((batch,), stochastic, dtype=torch.long, device=device)
             for k in range(steps):
-                if deterministic:
-                    x = x - self.velocity(x, times[k].expand(batch), cond)[0] / steps
+                t = times[k].expand(batch)
+                if deterministic or (one_step and k != stochastic):
+                    x = self.euler(x, t, cond)
+                elif one_step:
+                    x, log_prob = self.sde_step(x, t, cond)
                 else:
-                    mean, log_std = self.step(x, times[k].expand(batch), cond)
+                    mean, log_std = self.step(x, t, cond)
                     x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
                     log_prob += self.log_density(x, mean, log_std)
                 chain.append(x)
+            if self.chain_logprob == "mean" and not deterministic:
+                log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
             value = self.value_head(pooled).squeeze(-1).float()
         return PolicySample(chunk=self.to_env(x[..., : self.model_action_dim]), log_prob=log_prob, value=value,
-                            extras={"chain": torch.stack(chain, 1)})
+                            extras={"chain": torch.stack(chain, 1), **extras})
+
+    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """chain_logprob=one_step's stochastic step and its log-density (N, H): the env's dims drawn around the
+        step's mean, the padded dims by a plain Euler step (no noise and no density, as in the chain's other steps)."""
+        v, log_std = self.velocity(x, t, cond)
+        mean, log_std = self.step(x, t, cond, (v, log_std))
+        drawn = mean + log_std.exp() * torch.randn_like(mean)
+        if self.model_action_dim < self.flow_dim:
+            euler = x - v / self.denoise_steps
+            drawn = torch.cat([drawn[..., : self.model_action_dim], euler[..., self.model_action_dim:]], -1)
+        return drawn, self.log_density(drawn, mean, log_std)
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -170,18 +214,30 @@ class FlowPolicy(Policy):
     def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused.
-        All K steps go through the velocity in one pass whose rows b*K + k attend to observation b's features
-        as they are (no per-step copy of them)."""
+        The steps the log-prob counts (every one, or chain_logprob=one_step's) go through the velocity in one pass
+        whose rows attend to their observation's features as they are (no per-step copy of them)."""
         with self.precision():
             cond, pooled = self.encode(obs)
             chain = extras["chain"].to(pooled.device, torch.float32)  # (B, K+1, H, flow_dim)
             batch, steps, horizon, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2], chain.shape[3]
-            x = chain[:, :-1].reshape(batch * steps, horizon, dim)
-            mean, log_std = self.step(x, self.times(steps, x.device).repeat(batch), cond)
-            log_prob = self.log_density(chain[:, 1:].reshape_as(x), mean, log_std)
+            times = self.times(steps, chain.device)
+            if self.chain_logprob == "one_step":
+                rows, k = torch.arange(batch, device=chain.device), extras["denoise_index"].to(chain.device)
+                x, counted = chain[rows, k], 1
+                mean, log_std = self.step(x, times[k], cond)
+                nxt = chain[rows, k + 1]
+            else:
+                x, counted = chain[:, :-1].reshape(batch * steps, horizon, dim), steps
+                mean, log_std = self.step(x, times.repeat(batch), cond)
+                nxt = chain[:, 1:].reshape_as(x)
+            log_prob = self.log_density(nxt, mean, log_std).view(batch, counted, horizon).sum(1)
             entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi)))[..., : self.model_action_dim].sum(-1)
-            value = self.value_head(pooled).squeeze(-1).float()
-        return log_prob.view(batch, steps, horizon).sum(1), entropy.view(batch, steps, horizon).sum(1), value
+            entropy = entropy.view(batch, counted, horizon).sum(1)
+            if self.chain_logprob == "mean":  # x_0's density and entropy join the K steps', averaged
+                log_prob = (log_prob + self.x0_log_density(chain[:, 0])) / (steps + 1)
+                entropy = (entropy + 0.5 * (1.0 + math.log(2 * math.pi)) * self.model_action_dim) / (steps + 1)
+            value = self.value_head(pooled.detach() if self.detach_critic_input else pooled).squeeze(-1).float()
+        return log_prob, entropy, value
 
     def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
                            mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -354,7 +354,8 @@ class GR00TPolicy(FlowPolicy):
 
     def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5, embodiment_id: int | None = None) -> None:
+                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
+                 chain_logprob: str = "sum", detach_critic_input: bool = False, embodiment_id: int | None = None) -> None:
         super().__init__()
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
@@ -372,7 +373,8 @@ class GR00TPolicy(FlowPolicy):
         inner = d.dit_heads * d.dit_head_dim
         self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk, denoise_steps=denoise_steps or d.denoise_steps,
                        feature_dim=d.hidden_size, time_dim=inner, logprob=logprob, noise_std_min=noise_std_min,
-                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level)
+                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
+                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
         self.value_head = nn.Sequential(nn.Linear(d.width, d.hidden_size), nn.Tanh(), nn.Linear(d.hidden_size, 1))
         if not self.action_head.future_tokens.weight.is_meta:
             self._prepare_contracting_init()

@@ -194,7 +194,8 @@ class OpenPIPolicy(FlowPolicy):
 
     def __init__(self, env_spec: EnvSpec, preset: str = "tiny", variant: str | None = None, chunk: int | None = None,
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5, dims: dict[str, int] | None = None,
+                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
+                 chain_logprob: str = "sum", detach_critic_input: bool = False, dims: dict[str, int] | None = None,
                  tokenizer: str | None = None, norm_stats: str | None = None, norm_mode: str | None = None,
                  cameras: dict[str, str | None] | None = None, action_dims: list[int] | None = None,
                  action_scale: list[float] | None = None, prompt_style: str | None = None,
@@ -238,7 +239,8 @@ class OpenPIPolicy(FlowPolicy):
             self.action_time_mlp_out = nn.Linear(w, w)
         self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk or d.chunk,
                        denoise_steps=denoise_steps or d.denoise_steps, feature_dim=w, time_dim=w, logprob=logprob,
-                       noise_std_min=noise_std_min, noise_std_max=noise_std_max, sde_noise_level=sde_noise_level)
+                       noise_std_min=noise_std_min, noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
+                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
         value_in = d.width + (0 if pi05 else w)  # pi0's state lives in the expert: its token output joins the pool
         self.value_head = nn.Sequential(nn.Linear(value_in, d.width), nn.Tanh(), nn.Linear(d.width, 1))
         if not self.action_in_proj.weight.is_meta:

@@ -156,7 +156,8 @@ class WAMPolicy(FlowPolicy):
 
     def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
                  denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5) -> None:
+                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
+                 chain_logprob: str = "sum", detach_critic_input: bool = False) -> None:
         super().__init__()
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
@@ -190,7 +191,8 @@ class WAMPolicy(FlowPolicy):
         self.action_out_proj = nn.Linear(w, d.max_action_dim)
         self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk, denoise_steps=denoise_steps or d.denoise_steps,
                        feature_dim=w, time_dim=w, logprob=logprob, noise_std_min=noise_std_min,
-                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level)
+                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
+                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
         self.frame_steps = self.denoise_steps  # Euler steps of `imagine`'s joint chain; rollouts never use it
         self.value_head = nn.Sequential(nn.Linear(w, w), nn.Tanh(), nn.Linear(w, 1))
         if not self.action_in_proj.weight.is_meta:

@@ -1,10 +1,12 @@
 """PPO over action chunks, readable top to bottom (CleanRL style).
 
 One transition = one decision: the observation at a chunk boundary, the chunk the policy
-sampled, the reward summed over the env steps the chunk executed, and whether the episode
-ended inside it. GAE runs over these chunk steps. The ratio is taken per action of the chunk
-(each action's log-density under the denoising chain); actions after an episode ended inside
-a chunk were never executed and are masked out of the loss.
+sampled, the reward summed over the env steps the chunk executed (its first `policy.execute`
+actions, or fewer where the episode ended inside it), and whether the episode ended inside it.
+GAE runs over these chunk steps. The ratio is taken per executed action of the chunk (each
+action's log-density under the denoising chain; algo.logprob_level=action), or once per chunk
+over the sum of its executed actions' log-densities (chunk: RLinf's chunk_level); actions the
+env never executed are masked out of the loss.
 
 Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL) for
 asynchronous schedules, where a rollout may come from weights older than the trainer's: the clip
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -59,6 +62,19 @@ def compute_gae(
     return adv, adv + value
 
 
+LEVELS = ("action", "chunk")
+
+
+def by_level(log_prob: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H) per-action log-probs and executed-action mask as the units one ratio is taken over: as they are
+    (action), or (B, 1): each chunk's sum over its executed actions and whether it executed any (chunk)."""
+    if level == "action":
+        return log_prob, mask
+    if level != "chunk":
+        raise ValueError(f"algo.logprob_level={level!r}; accepted: {', '.join(LEVELS)}")
+    return (log_prob * mask).sum(-1, keepdim=True), mask.any(-1, keepdim=True)
+
+
 def ppo_loss(
     new_log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -69,28 +85,36 @@ def ppo_loss(
     is_clip: float = 2.0,
     count: torch.Tensor | None = None,
     clip_high: float | None = None,
+    level: str = "action",
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate per action, averaged over executed actions (over `count` of them: a micro-batch's share of
-    its minibatch's mean, so that the micro-batches' losses and stats add up to the minibatch's).
+    """Clipped surrogate per unit (an executed action, or a chunk: `level`, see `by_level`), averaged over the units
+    (over `count` of them: a micro-batch's share of its minibatch's mean, so that the micro-batches' losses and stats
+    add up to the minibatch's).
 
     new/old_log_prob, behaviour_log_prob and mask: (B, H); advantage: (B,), shared by the actions of a chunk.
     With `behaviour_log_prob` (decoupled PPO) `old_log_prob` is the proximal policy's: the ratio is clipped around
-    it, and each action's surrogate is scaled by w = min(proximal / behaviour, is_clip), a constant, truncated
+    it, and each unit's surrogate is scaled by w = min(proximal / behaviour, is_clip), a constant, truncated
     so that one very stale action cannot dominate the step. The ratio is clipped to [1 - clip, 1 + clip_high]
-    (clip_high None: clip).
+    (clip_high None: clip); with `dual_clip` c, a negative advantage's loss is at most c |A| (dual-clip PPO, as
+    RLinf's clip_ratio_c).
     """
     high = clip if clip_high is None else clip_high
+    new_log_prob, units = by_level(new_log_prob, mask, level)
+    old_log_prob = by_level(old_log_prob, mask, level)[0]
     log_ratio = new_log_prob - old_log_prob
     ratio = log_ratio.exp()
     adv = advantage.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + high) * adv)
-    m = mask.float()
+    if dual_clip is not None:  # (a positive advantage's surrogate is never below -c |A|)
+        surrogate = torch.maximum(surrogate, -dual_clip * adv.abs())
+    m = units.float()
     n = m.sum().clamp_min(1.0) if count is None else count
     if behaviour_log_prob is not None:
         if not is_clip > 0:
             raise ValueError(f"is_clip={is_clip} must be > 0 (the cap on the importance weight; 2.0 is usual)")
         with torch.no_grad():
-            raw = (old_log_prob - behaviour_log_prob).exp()
+            raw = (old_log_prob - by_level(behaviour_log_prob, mask, level)[0]).exp()
             weight = raw.clamp(max=is_clip)
         surrogate = surrogate * weight
     loss = -(surrogate * m).sum() / n
@@ -103,6 +127,15 @@ def ppo_loss(
             stats["train/is_weight_mean"] = (weight * m).sum() / n
             stats["train/is_truncated"] = ((raw >= is_clip).float() * m).sum() / n
     return loss, stats
+
+
+def minibatch_rows(cfg: AlgoConfig, rows: int, ranks: int = 1) -> int:
+    """Rows of one optimizer step on this rank: the rank's share of algo.global_batch (all of its `rows` when the
+    rollout is smaller), else `rows` / algo.minibatches."""
+    global_batch = cfg.get("global_batch")
+    if global_batch is None:
+        return max(1, rows // cfg.minibatches)
+    return max(1, min(rows, global_batch // ranks))
 
 
 def value_loss(value: torch.Tensor, ret: torch.Tensor, old_value: torch.Tensor, clip: float | None,
@@ -252,7 +285,8 @@ class PPOTrainer:
         extras = {k: _flat(v).to(dev) for k, v in batch.extras.items()}
         chunk, old_lp, mask = _flat(batch.chunk).to(dev), _flat(batch.log_prob).to(dev), _flat(batch.mask).to(dev)
         B = chunk.shape[0]
-        mb = B // cfg.minibatches
+        mb = minibatch_rows(cfg, B, 1 if self.group is None else dist.get_world_size(self.group))
+        steps = math.ceil(B / mb)
         rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
         self.policy.train()
         behaviour_lp = None
@@ -303,7 +337,7 @@ class PPOTrainer:
                 for k, v in step.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
-                epoch_kl += float(step["train/approx_kl"]) / cfg.minibatches
+                epoch_kl += float(step["train/approx_kl"]) / steps
             if cfg.target_kl is not None and self._mean_over_ranks(epoch_kl) > cfg.target_kl:
                 stopped_early = 1.0  # the policy moved far enough from the one that collected the data
                 break
@@ -324,8 +358,10 @@ class PPOTrainer:
         part's terms are divided by the whole minibatch's counts. `critic`: each row's value target and the value
         the clip holds it near (None: no critic). Returns the minibatch's loss terms and stats."""
         cfg = self.cfg
+        level = cfg.get("logprob_level", "action")
         m = mask[idx].float()
         actions = m.sum().clamp_min(1.0)
+        units = by_level(m, mask[idx], level)[1].float().sum().clamp_min(1.0)  # what one ratio is over
         # without a critic the value head gets no loss (and no gradient); rows that executed no action (a failed
         # simulator's, a stale chunk's) have no return to learn from
         value_rows = m.amax(-1).sum().clamp_min(1.0)
@@ -337,8 +373,8 @@ class PPOTrainer:
                 )
                 pm = mask[part].float()
                 pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
-                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, actions,
-                                          cfg.clip_high)
+                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, units,
+                                          cfg.clip_high, level, cfg.get("dual_clip"))
                 v_loss = pg_loss.new_zeros(())
                 if critic is not None:
                     rows_loss = value_loss(value, critic[0][part], critic[1][part], cfg.value_clip, cfg.huber_delta)

@@ -1,10 +1,15 @@
 """`mode=eval`: run the policy of a checkpoint for `eval.episodes` complete episodes, without training.
 
-The policy samples its chunks as it does in training rollouts (stochastic: no family has a deterministic mode
-in common). The episodes run on the simulator workers training uses, in lockstep with one batched generation
-per decision; success is the env's own success flag of each episode (env/success_rate in training). Env i of
-the pool runs episodes i, i + n, i + 2n, ...: a fixed share whatever the outcomes, since keeping the first
-episodes to finish would favour the short ones, which on tasks that end at success are the successes.
+The checkpoint is a run's (`checkpoint=<run folder>`), or a published one as `policy.checkpoint` names it (then
+nothing else is needed: the weights are the folder's). The policy acts deterministically by default
+(`eval.deterministic`) and executes `policy.execute` actions of each chunk, as the run it evaluates trained, or as
+the checkpoint folder says (lerobot's n_action_steps). The episodes run on the simulator workers training uses, in
+lockstep with one batched generation per decision; success is the env's own success flag of each episode
+(env/success_rate in training). Env i of the pool runs episodes i, i + n, i + 2n, ...: a fixed share whatever the
+outcomes, since keeping the first episodes to finish would favour the short ones, which on tasks that end at success
+are the successes. Episode j starts from reset seed `episode_seed(seed, j)` whatever the number of envs: with
+seed=0, LIBERO's episode j starts from its task's init state j, as LIBERO's own evaluation (and openpi's, RLinf's)
+runs its trials.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
 from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs
-from ebrl.policies.build import build_policy
+from ebrl.policies.build import build_policy, executed_line, settle_execute
 from ebrl.runtime.experiment import run_device, seed_everything
 from ebrl.telemetry.metrics import wilson_interval
 from ebrl.telemetry.report import ProgressBar, console, print_eval
@@ -40,9 +45,10 @@ def check_mode(cfg: DictConfig) -> None:
             raise ConfigError(f"checkpoint={cfg.checkpoint} is read by mode=eval only; to continue a run use "
                               "resume=<run folder>, to start from weights policy.checkpoint=<file.safetensors>")
         return
-    if not cfg.checkpoint:
-        raise ConfigError("mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>")
-    if not Path(cfg.checkpoint).expanduser().exists():
+    if not cfg.checkpoint and not cfg.policy.get("checkpoint"):
+        raise ConfigError("mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
+                          "policy.checkpoint=<a published checkpoint folder> to evaluate that one")
+    if cfg.checkpoint and not Path(cfg.checkpoint).expanduser().exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint} does not exist; give a run folder or its checkpoints/last.pt")
     if cfg.eval.episodes < 1:
         raise ConfigError(f"eval.episodes={cfg.eval.episodes} must be at least 1")
@@ -65,9 +71,14 @@ class EvalSummary:
     mean_length: float
     wall_s: float
     videos: list[str] = field(default_factory=list)  # mp4 files, relative to the run folder
-    per_episode: list[dict[str, float]] = field(default_factory=list)  # env, return, length, success (, task)
+    per_episode: list[dict[str, float]] = field(default_factory=list)  # env, seed, return, length, success (, task)
     # env.tasks: each task's episodes, successes, success_rate, success_ci95, mean_return
     per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def episode_seed(seed: int, episode: int) -> int:
+    """The reset seed of an evaluation's episode `episode` (LIBERO: init state `seed * 3 + episode` mod 50)."""
+    return seed * 100_003 + episode
 
 
 def per_task(episodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -106,14 +117,21 @@ class Evaluation:
 
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
-        self.ckpt_path = checkpoint_file(cfg.checkpoint)
-        self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}",
-                                           resume=False)
-        adopt_norm_stats(self.ckpt, conf, self.run_dir)  # (the statistics its weights were trained with)
-        trained_on = self.ckpt["config"]["env"]
-        if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
-            console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task={trained_on['task']}"
-                          f"; evaluating on env={cfg.env.name} env.task={cfg.env.task}", soft_wrap=True)
+        self.ckpt = None  # a run's checkpoint; none: the published weights of policy.checkpoint
+        if cfg.checkpoint:
+            self.ckpt_path = checkpoint_file(cfg.checkpoint)
+            self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}",
+                                               resume=False)
+            adopt_norm_stats(self.ckpt, conf, self.run_dir)  # (the statistics its weights were trained with)
+            trained_on = self.ckpt["config"]["env"]
+            if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
+                console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task="
+                              f"{trained_on['task']}; evaluating on env={cfg.env.name} env.task={cfg.env.task}",
+                              soft_wrap=True)
+        else:
+            self.ckpt_path = Path(cfg.policy.checkpoint).expanduser()
+        executes = settle_execute(cfg, self.ckpt["config"]["policy"] if self.ckpt else None)
+        conf["policy"]["execute"] = cfg.policy.execute
         seed_everything(cfg.seed)
         self.device = run_device(cfg)
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
@@ -122,11 +140,16 @@ class Evaluation:
                                   process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial)
         try:
             self.pool.start()
-            self.policy = build_policy(conf["policy"], self.pool.spec, self.device, weights="given")
-            restore_weights(self.policy, self.ckpt, f"checkpoint={cfg.checkpoint}")
+            self.policy = build_policy(conf["policy"], self.pool.spec, self.device,
+                                       weights="given" if self.ckpt else "init")
+            if self.ckpt:
+                restore_weights(self.policy, self.ckpt, f"checkpoint={cfg.checkpoint}")
             self.policy.eval()  # as generation runs in training (PPOTrainer.update leaves it so)
-            self.pool.attach(self.policy.chunk_len)
-            self.pool.reset_all()
+            line = executed_line(self.policy, executes)
+            if line:
+                console.print(line, soft_wrap=True, markup=False)
+            self.pool.attach(self.policy.execute)
+            self.pool.reset_all([episode_seed(cfg.seed, i) for i in range(num_envs)])
         except BaseException:
             self.close()
             raise
@@ -143,8 +166,8 @@ class Evaluation:
         successes = int(sum(e["success"] for e in episodes))
         summary = EvalSummary(
             checkpoint=str(self.ckpt_path),
-            iteration=int(self.ckpt["iteration"]),
-            env_steps=int(self.ckpt["env_steps"]),
+            iteration=int(self.ckpt["iteration"]) if self.ckpt else 0,
+            env_steps=int(self.ckpt["env_steps"]) if self.ckpt else 0,
             episodes=n,
             successes=successes,
             success_rate=successes / n,
@@ -164,9 +187,9 @@ class Evaluation:
         """eval.episodes complete episodes (env i runs episodes i, i + n, ...), in episode order, and the videos
         written. An env recording a video steps one action at a time, so that every step gives a frame."""
         pool, policy, cfg = self.pool, self.policy, self.cfg
-        workers, n, H, total = pool.workers, len(pool.workers), policy.chunk_len, cfg.eval.episodes
+        workers, n, k, total = pool.workers, len(pool.workers), policy.execute, cfg.eval.episodes
         tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
-        cameras = sorted(k for k in pool.spec.obs if k.startswith("image/"))
+        cameras = sorted(key for key in pool.spec.obs if key.startswith("image/"))
         if cfg.eval.videos and not cameras:
             console.print("no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)",
                           soft_wrap=True, markup=False)  # (markup would take [agentview] for a style)
@@ -187,18 +210,19 @@ class Evaluation:
             while any(done < want for done, want in zip(finished, quota)):
                 envs = [i for i in range(n) if finished[i] < quota[i]]
                 obs = batch_obs([workers[i].obs for i in envs], tokens, token_mask, envs)
-                batch = {k: v.to(self.device) for k, v in obs.items()}
+                batch = {key: v.to(self.device) for key, v in obs.items()}
                 out = policy.sample(batch, deterministic=True) if cfg.eval.deterministic else policy.sample(batch)
-                chunks = out.chunk.float().cpu().numpy()
+                chunks = out.chunk[:, :k].float().cpu().numpy()
                 chunk_of = {i: chunks[row] for row, i in enumerate(envs)}
                 pos = dict.fromkeys(envs, 0)  # actions of its chunk each env has executed
                 while pos:
                     steps = [0] * n
                     for i, p in pos.items():
-                        steps[i] = 1 if i in frames else H - p
+                        steps[i] = 1 if i in frames else k - p
                         workers[i].actions[: steps[i]] = chunk_of[i][p : p + steps[i]]
                     pool.submit_all(steps)
                     reports = pool.wait_all()
+                    again = []  # envs whose next episode starts from its own seed
                     for i in list(pos):
                         r = reports[i]
                         pos[i] += r.executed
@@ -206,18 +230,21 @@ class Evaluation:
                             frames[i].append(frame(r.final_obs if r.done else workers[i].obs))
                         if r.done:  # the rest of the chunk belongs to no episode: the next one decides afresh
                             index = i + finished[i] * n
-                            results[index] = {"env": i, **r.episode}
+                            results[index] = {"env": i, "seed": episode_seed(cfg.seed, index), **r.episode}
                             if i in frames:
                                 videos += self._write_video(index, r.episode["success"], frames.pop(i))
                             finished[i] += 1
-                            if recorded(i):
-                                frames[i] = [frame(workers[i].obs)]
+                            if finished[i] < quota[i]:
+                                again.append(i)
                             done = sum(finished)
                             rate = sum(e.get("success", 0.0) for e in results) / done
                             bar.advance(f"success {rate:.0%} of {done}")
                             del pos[i]
-                        elif pos[i] == H:
+                        elif pos[i] == k:
                             del pos[i]
+                    if again:  # (the simulator reset itself already; episode j's reset is from episode j's seed)
+                        pool.reset(again, [episode_seed(cfg.seed, i + finished[i] * n) for i in again])
+                        frames.update({i: [frame(workers[i].obs)] for i in again if recorded(i)})
         finally:
             bar.close()
         return results, videos

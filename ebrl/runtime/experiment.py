@@ -19,7 +19,7 @@ from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
 from ebrl.node import Ranks
-from ebrl.policies.build import build_policy, tokenizer_warning
+from ebrl.policies.build import build_policy, executed_line, settle_execute, tokenizer_warning
 from ebrl.recipes import recipe_line
 from ebrl.runtime.checkpoint import (
     CheckpointWriter,
@@ -120,6 +120,7 @@ class Experiment:
         """Validate, then build every part; bad input raises ConfigError/EnvSetupError/CheckpointError (one line)."""
         validate(cfg)
         init_file(cfg)  # (an init that names nothing: one line before anything starts)
+        executes = settle_execute(cfg)  # (before the config is read: the placement's memory, the processes' copies)
         ranks = Ranks.from_env()
         if run_device(cfg).type == "cuda":
             pin_gpu(ranks)  # before anything touches CUDA
@@ -138,6 +139,9 @@ class Experiment:
         if cfg.resume:
             exp._resume_ckpt = exp._read_resume_checkpoint()
         exp._build()
+        line = executed_line(exp.policy, executes)
+        if line and ranks.leader:
+            console.print(line, soft_wrap=True, markup=False)
         return exp
 
     def _read_resume_checkpoint(self) -> dict[str, Any]:
@@ -199,7 +203,7 @@ class Experiment:
             broadcast_module(self.policy, self.ranks)  # every rank starts from rank 0's weights
             if self.ranks.rank > 0:
                 seed_everything(self.seed)  # then samples its own noise
-            self.pool.attach(self.policy.chunk_len)
+            self.pool.attach(self.policy.execute)
             if self._resume_ckpt is not None:
                 self._restore(self._resume_ckpt)
             self.pool.reset_all()

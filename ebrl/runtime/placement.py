@@ -33,6 +33,7 @@ from ebrl.alloc.profile import STAGES
 from ebrl.config import ConfigError, cuda_device_count, generation_place, sm_partition, train_core_count
 from ebrl.envs.base import EnvSpec
 from ebrl.node import Ranks, set_process_affinity
+from ebrl.rl.ppo import minibatch_rows
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool, apply_memory_budget, visible_gpu
 from ebrl.telemetry.monitor import gpu_free_bytes
 from ebrl.telemetry.report import console
@@ -184,13 +185,13 @@ class Placement:
         gpu = self.device.type == "cuda"
         model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                                self.device.type, trace=gpu)
-        chunks = (math.ceil(spec.max_episode_steps / model.chunk_len) if cfg.algo.name == "grpo"
+        chunks = (math.ceil(spec.max_episode_steps / model.execute) if cfg.algo.name == "grpo"
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
         check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
         if gpu and self.pool is not None:
-            micro = cfg.algo.micro_batch or max(1, rows // cfg.algo.minibatches)
+            micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, rows, self.ranks.world)
             self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
                                    rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
             try:

@@ -143,7 +143,7 @@ class Scheduler:
         self.schedule = s = Schedule.from_config(conf["scheduler"])
         algo = conf["algo"]
         episodic = algo["name"] == "grpo"  # one whole episode per env from its group's seeded reset
-        chunks = math.ceil(pool.spec.max_episode_steps / policy.chunk_len) if episodic else int(algo["rollout_chunks"])
+        chunks = math.ceil(pool.spec.max_episode_steps / policy.execute) if episodic else int(algo["rollout_chunks"])
         self.loop = RolloutLoop(len(pool.workers), s.groups, Rules(
             chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
             episodic, int(algo["group_size"]) if episodic else 1), shared_obs=s.trainer == "process")
@@ -304,7 +304,7 @@ class Scheduler:
         shipped = []
         obs = self.observations.of([i for g in starting for i in g.envs])
         out = self.generation.sample(obs)
-        chunk = out.chunk.float()
+        executed = out.chunk[:, : self.policy.execute].float()  # (the rest of each chunk is never run)
         version = self.base_version + out.version
         for g, rows in zip(starting, _rows([len(g.envs) for g in starting])):
             if g in ending:  # its segment's bootstrap value: from this sample's prefix
@@ -313,7 +313,7 @@ class Scheduler:
                 obs=_rows_of(obs, rows), chunk=out.chunk[rows], extras=_rows_of(out.extras, rows),
                 log_prob=out.log_prob[rows], value=out.value[rows],
                 version=torch.full((len(g.envs),), version, dtype=torch.long)))
-            for i, actions in zip(g.envs, chunk[rows].numpy()):
+            for i, actions in zip(g.envs, executed[rows].numpy()):
                 self.pool.workers[i].actions[: len(actions)] = actions
             self.dispatcher.ready(run)
         return shipped

@@ -87,7 +87,7 @@ def test_a_task_of_another_benchmark_becomes_its_whole_env_config():
     assert lift == "Lift"
     assert (libero["_target_"], libero["name"], libero["suite"], libero["task"]) == (
         "ebrl.envs.libero_env.LiberoEnv", "libero", "libero_10", "3")
-    assert libero["max_episode_steps"] == 220 and libero["cameras"] == []  # its yaml's own; the run's observation
+    assert libero["max_episode_steps"] == 512 and libero["cameras"] == []  # its suite's limit; the run's observation
     env = OmegaConf.to_container(cfg.env)
     assert assign_tasks(env, 4) == ["Lift", "libero:3"] * 2
     assert task_config(env, "libero:3")["name"] == "libero" and task_config(env, "Lift")["task"] == "Lift"

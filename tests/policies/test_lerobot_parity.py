@@ -47,12 +47,12 @@ def reference(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, out
 
 
-def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, dict, dict]:
+def build_ours(out: Path, layout: str, spec: EnvSpec | None = None, **overrides) -> tuple[torch.nn.Module, dict, dict]:
     meta = json.loads((out / "reference.json").read_text())
     ref = load_file(str(out / "reference.safetensors"))
     obs = {"state": ArraySpec((meta["state_dim"],), "float32"), "image/agentview": ArraySpec((224, 224, 3), "uint8"),
            "image/wrist": ArraySpec((224, 224, 3), "uint8")}
-    spec = EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
+    spec = spec or EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
     vlm, expert, vision = meta["vlm"], meta["expert"], meta["vision"]
     dims = dict(image_size=224, patch_size=vision["patch_size"], vit_width=vision["hidden_size"],
                 vit_depth=vision["num_hidden_layers"], vit_mlp=vision["intermediate_size"],
@@ -135,3 +135,49 @@ def test_openpi_prompts(tmp_path) -> None:
     assert PaligemmaTokenizer(model, max_len=5).tokenize([CORPUS[0]])[1].all()
     with pytest.raises(ConfigError, match="policy.tokenizer=.* does not exist"):
         PaligemmaTokenizer(tmp_path / "missing.model", 48)
+
+
+QUEUE = Path(__file__).with_name("lerobot_queue_reference.py")
+
+
+@pytest.mark.slow
+def test_executing_k_of_each_chunk_acts_as_lerobots_select_action_queue(reference) -> None:
+    """lerobot's select_action with n_action_steps=4 of its chunk of 6, closed loop on robosuite Lift for 20 steps
+    (the queue refills from the observation after 4 actions), against our policy from the same folder executing
+    `policy.execute` (read from that folder) of each chunk sampled from the observation lerobot refilled on, with the
+    same noise. (Each side's own closed loop drifts apart: the random small policy's actions, 2e-5 apart, slam the arm
+    about and the physics multiplies the difference, 0.09 in the state by step 16; so the observations are
+    lerobot's.)"""
+    from ebrl.policies.build import settle_execute
+    from tests.conftest import compose_config
+
+    variant, out = reference
+    k, steps = 4, 20
+    subprocess.run([str(benchmark_python("lerobot")), str(QUEUE), str(out), variant, str(k), str(steps)], check=True,
+                   capture_output=True, timeout=300)
+    ref = load_file(str(out / "queue.safetensors"))
+    cfg = compose_config(f"policy.checkpoint={out / 'lerobot_queue'}")
+    settle_execute(cfg)
+    assert cfg.policy.execute == k  # the folder's n_action_steps
+    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32"), "image/agentview": ArraySpec((64, 64, 3), "uint8")},
+                   action_dim=7, instruction="lift the red cube", max_episode_steps=200)
+
+    def executed(execute: int) -> torch.Tensor:
+        """The actions our runtime sends the env: the first `execute` of each chunk, sampled every `execute` steps
+        from lerobot's observation at that step, the chunks' noises in order."""
+        policy, _, _ = build_ours(out, "lerobot_queue", execute=execute, spec=spec,
+                                  cameras={"base_0_rgb": "agentview", "left_wrist_0_rgb": None,
+                                           "right_wrist_0_rgb": None})
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
+        actions = []
+        for noise, t in zip(ref["noise"], range(0, steps, policy.execute)):
+            obs = {"state": ref["state"][t : t + 1, :8], "image/agentview": ref["image"][t : t + 1], "tokens": tokens,
+                   "token_mask": mask}
+            actions.append(policy.sample(obs, deterministic=True, noise=noise[None]).chunk[0, : policy.execute])
+        return torch.cat(actions)[:steps]
+
+    scale = max(1.0, float(ref["actions"].abs().max()))
+    assert (executed(cfg.policy.execute) - ref["actions"]).abs().max() < 1e-4 * scale
+    whole = executed(6)  # the whole chunk, open loop: lerobot's queue refilled at step 4 and ours did not
+    assert (whole[:k] - ref["actions"][:k]).abs().max() < 1e-4 * scale
+    assert (whole[k:6] - ref["actions"][k:6]).abs().max() > 1e-2

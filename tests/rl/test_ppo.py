@@ -201,3 +201,54 @@ def test_decoupled_update_takes_the_bootstrap_values_from_the_current_critic_too
     plain = [PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded))
              ["train/return_mean"] for recorded in (0.0, 100.0)]
     assert plain[1] > plain[0] + 10  # synchronous: generation's weights are the trainer's, and its values count
+
+
+def rlinf_actor_loss(logprobs, old_logprobs, advantages, mask, clip, clip_c=None):
+    """RLinf's compute_ppo_actor_loss (rlinf/algorithms/losses.py, a3816b5) for one ratio per row, as its
+    chunk_level log-probs give it: max(-A r, -A clip(r)), capped at c |A| (clip_ratio_c), the masked mean."""
+    ratio = torch.where(mask, (logprobs - old_logprobs).exp(), 0)
+    loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+    if clip_c is not None:
+        loss = torch.min(loss, torch.sign(advantages) * clip_c * advantages)
+    return (loss * mask).sum() / mask.sum()
+
+
+def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_actions():
+    # three chunks of four actions, the env executes the first two (policy.execute=2); chunk 2's episode ended after
+    # its first action; chunk 1 has a negative advantage with a large ratio, which the dual clip caps
+    g = torch.Generator().manual_seed(0)
+    new, old = torch.randn(3, 4, generator=g) * 0.3, torch.randn(3, 4, generator=g) * 0.3
+    new[1, :2] = old[1, :2] + 1.5
+    adv = torch.tensor([0.7, -1.2, 0.4])
+    mask = torch.tensor([[True, True, False, False], [True, True, False, False], [True, False, False, False]])
+    chunk_new, chunk_old = (new * mask).sum(-1), (old * mask).sum(-1)  # RLinf: logprobs summed over dims [1, 2]
+    for clip_c in (None, 3.0):
+        loss, stats = ppo_loss(new, old, adv, mask, clip=0.2, level="chunk", dual_clip=clip_c)
+        want = rlinf_actor_loss(chunk_new, chunk_old, adv, torch.ones(3, dtype=torch.bool), 0.2, clip_c)
+        assert abs(loss.item() - want.item()) < 1e-6
+    assert stats["train/clipfrac"].item() == pytest.approx(sum(abs(r - 1) > 0.2 for r in (chunk_new - chunk_old).exp()
+                                                              .tolist()) / 3)
+    # the actions never executed do not count: changing their log-probs changes nothing
+    other = new.clone()
+    other[~mask] += 5.0
+    assert ppo_loss(other, old, adv, mask, clip=0.2, level="chunk")[0] == ppo_loss(new, old, adv, mask, clip=0.2,
+                                                                                   level="chunk")[0]
+
+
+def test_dual_clip_caps_a_negative_advantages_loss_per_action_too():
+    new, old = torch.tensor([[math.log(5.0)], [math.log(5.0)]]), torch.zeros(2, 1)
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2, 1, dtype=torch.bool)
+    loss, _ = ppo_loss(new, old, adv, mask, clip=0.2, dual_clip=3.0)
+    # row 0: -A r = 5 -> capped at 3; row 1: min(5, 1.2) = 1.2 gains, a loss of -1.2
+    assert loss.item() == pytest.approx((3.0 - 1.2) / 2)
+    assert loss.item() == pytest.approx(rlinf_actor_loss(new[:, 0], old[:, 0], adv, mask[:, 0], 0.2, 3.0).item())
+
+
+def test_global_batch_sets_the_rows_of_an_optimizer_step():
+    from ebrl.rl.ppo import minibatch_rows
+
+    cfg = compose_config("algo.minibatches=4").algo
+    assert minibatch_rows(cfg, 80) == 20
+    cfg = compose_config("algo.global_batch=32").algo
+    assert minibatch_rows(cfg, 128) == 32 and minibatch_rows(cfg, 128, ranks=2) == 16
+    assert minibatch_rows(cfg, 20) == 20  # a rollout smaller than the global batch is one step

@@ -23,19 +23,24 @@ def train_one_iteration(run_dir: Path, *overrides: str) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    return train_one_iteration(tmp_path_factory.mktemp("train") / "r")
+    return train_one_iteration(tmp_path_factory.mktemp("train") / "r", "policy.execute=5")
 
 
 def test_eval_runs_complete_episodes_and_reports_an_interval(trained, tmp_path):
-    proc = run_py(*SMALL, "mode=eval", f"checkpoint={trained / 'checkpoints' / 'last.pt'}", "eval.episodes=3",
-                  "env.max_episode_steps=12", f"hydra.run.dir={tmp_path / 'e'}")
+    checkpoint = trained / "checkpoints" / "last.pt"
+    proc = run_py(*SMALL, "mode=eval", f"checkpoint={checkpoint}", "eval.episodes=3", "env.max_episode_steps=12",
+                  f"hydra.run.dir={tmp_path / 'e'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL evaluation" in proc.stdout
+    # the actions of each chunk the run trained with, not the whole chunk
+    assert f"policy.execute=5: 5 of each chunk's 8 actions run before the next chunk is sampled (what " \
+           f"checkpoint={checkpoint} trained with)" in " ".join(proc.stderr.split())
     assert "no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)" in proc.stderr
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert result["episodes"] == 3 and result["iteration"] == 1
     # 2 envs share 3 episodes by index: env 0 runs episodes 0 and 2, env 1 episode 1
     assert [e["env"] for e in result["per_episode"]] == [0, 1, 0]
+    assert [e["seed"] for e in result["per_episode"]] == [0, 1, 2]  # episode j from seed j whatever the envs
     assert all(1 <= e["length"] <= 12 for e in result["per_episode"])  # complete episodes, none past the limit
     assert result["successes"] == sum(e["success"] for e in result["per_episode"])
     low, high = result["success_ci95"]
@@ -82,7 +87,8 @@ def test_eval_skips_the_training_only_checks():
 def test_eval_without_checkpoint_stops_with_one_line(tmp_path):
     proc = run_py("mode=eval", f"hydra.run.dir={tmp_path / 'never'}")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>"
+    assert proc.stderr.strip() == ("error: mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
+                                   "policy.checkpoint=<a published checkpoint folder> to evaluate that one")
     assert not (tmp_path / "never").exists()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ebrl.envs.setup import benchmark_python
+from ebrl.telemetry.trace import read_spans
 from tests.conftest import REPO
 
 SMALL = [
@@ -39,21 +40,27 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
 
 
+EXECUTE = "policy.execute=6"  # of tiny's 8 actions: the 24-step episodes end at a chunk boundary
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    proc = run_py(*SMALL, "iterations=3", f"hydra.run.dir={run_dir}")
+    proc = run_py(*SMALL, EXECUTE, "iterations=3", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL run summary" in proc.stdout
+    assert "policy.execute=6: 6 of each chunk's 8 actions run before the next chunk is sampled" in proc.stderr
     return run_dir
 
 
 def test_run_writes_metrics_checkpoint_and_summary(finished_run):
     rows = metrics(finished_run)
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    # 2 envs x 4 chunks x 8 actions per iteration, fewer only where an episode ended inside a chunk
+    # 2 envs x 4 chunks x the 6 executed actions per iteration: every chunk runs 6 steps, every episode 4 chunks
     steps = [b["env_steps"] - a["env_steps"] for a, b in zip([{"env_steps": 0}] + rows, rows)]
-    assert all(40 <= s <= 64 for s in steps), steps
+    assert steps == [48, 48, 48], steps
+    chunks = [s for s in read_spans(finished_run / "trace.json") if s.name == "chunk"]
+    assert chunks and {s.args["steps"] for s in chunks} == {6}
     for key in ("perf/env_steps_per_s", "time/simulate_s", "time/generate_s", "time/train_s", "perf/cpu_busy",
                 "losses/policy", "losses/value", "train/approx_kl", "env/step_ms_mean"):
         assert key in rows[-1], key
@@ -81,7 +88,7 @@ def test_other_envs_train_end_to_end(tmp_path, overrides):
 
 
 def test_resume_continues_the_run(finished_run):
-    proc = run_py(*SMALL, "iterations=4", f"resume={finished_run}")
+    proc = run_py(*SMALL, EXECUTE, "iterations=4", f"resume={finished_run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(finished_run)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
