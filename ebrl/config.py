@@ -355,11 +355,14 @@ class DistributedConfig:
 
 @dataclass
 class DemosConfig:
-    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout (ebrl/demos/dataset.py)."""
+    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout or LeRobot's (docs/demos.md)."""
 
-    path: Optional[str] = None  # an .hdf5 file or a folder of them (`python -m ebrl.demos record` writes one)
-    state_keys: List[str] = field(default_factory=lambda: ["state"])  # obs datasets concatenated into the state
-    image_keys: Optional[Dict[str, str]] = None  # env camera -> its obs dataset; null: <camera>_image
+    # an .hdf5 file, a LeRobot dataset folder (v2.1, v3.0), or a folder of either (`python -m ebrl.demos record`)
+    path: Optional[str] = None
+    # obs datasets (HDF5) or features (LeRobot) concatenated into the state; null: [state], LeRobot [observation.state]
+    state_keys: Optional[List[str]] = None
+    # env camera -> its obs dataset or feature; null: <camera>_image, LeRobot observation.images.<camera>
+    image_keys: Optional[Dict[str, str]] = None
     valid: float = 0.2  # share of a file's episodes held out for the validation loss, where it has no mask/valid
 
 
