@@ -372,8 +372,10 @@ class RecordConfig:
 
     env: EnvConfig = MISSING
     episodes: int = 20  # successful episodes to keep
-    out: str = "demos/${env.name}-${env.task}"  # the folder demo.hdf5 is written to
-    valid: float = 0.2  # share of them held out (the file's mask/valid)
+    out: str = "demos/${env.name}-${env.task}"  # the folder demo.hdf5 is written to, or the LeRobot dataset's
+    format: str = "hdf5"  # hdf5 (robomimic's layout) | lerobot (LeRobot's v3.0, images as PNG in the parquet)
+    fps: int = II("oc.select:env.control_freq,20")  # format=lerobot: its frame rate (the env's control rate)
+    valid: float = 0.2  # share of them held out (the file's mask/valid; a LeRobot dataset's valid split)
     seed: int = 0
     max_attempts: int = II("int_mul:${episodes},3")  # episodes tried before the recorder gives up
     progress: bool = True

@@ -1,5 +1,5 @@
 """Demonstrations in LeRobot's dataset layout (lerobot's `LeRobotDataset`): codebase versions v2.1 and v3.0 read into
-our `Episode`s (docs/demos.md).
+our `Episode`s, v3.0 written by `python -m ebrl.demos record format=lerobot` (docs/demos.md).
 
     meta/info.json   codebase_version, fps, features ({key: {dtype, shape, names}}: float32 vectors, `image`, `video`),
                      data_path and video_path (format strings), chunks_size, splits ({"train": "0:N"})
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +31,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.demos.episodes import DemosError, DemoSet, Episode, episode_obs
+from ebrl.demos.episodes import DemosError, DemoSet, Episode, episode_obs, moments
 
 VERSIONS = ("v2.1", "v3.0")
 STATE_KEYS = ("observation.state",)
 ACTION = "action"
 TOLERANCE_S = 1e-4  # lerobot's tolerance_s: a video frame further than this from a frame's timestamp is an error
-CHUNKS_SIZE = 1000  # lerobot's default: files per chunk folder
+CHUNKS_SIZE = 1000  # lerobot's defaults: files per chunk folder, MB per data file
+DATA_FILE_MB = 100
+STAT_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)  # the quantiles lerobot 0.4 keeps in meta/stats.json
 
 
 def is_lerobot_dataset(path: Path) -> bool:
@@ -280,3 +283,138 @@ def read_lerobot(root: Path, state_keys: Sequence[str] | None, image_keys: dict[
     record = dict(info.get("ebrl") or {})
     record["instruction"] = episodes[0].instruction if episodes else None
     return DemoSet(episodes, names, held, record)
+
+
+def _png(frame: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(frame).save(out, format="PNG", compress_level=6)  # (lerobot's level for image features)
+    return out.getvalue()
+
+
+def _feature_stats(x: np.ndarray, image: bool) -> dict[str, Any]:
+    """meta/stats.json's entry for a feature, as lerobot computes it: per dimension, or per channel in [0, 1] with
+    shape (3, 1, 1) for images (over a pixel subsample)."""
+    if image:
+        step = max(1, x.shape[1] // 32)
+        x = x[:, ::step, ::step].reshape(-1, x.shape[-1]).astype(np.float64) / 255.0
+    stats = {**moments(x, STAT_QUANTILES), "min": x.min(0).tolist(), "max": x.max(0).tolist(), "count": [len(x)]}
+    if image:
+        return {k: v if k == "count" else [[[c]] for c in v] for k, v in stats.items()}
+    return stats
+
+
+def _vector(values: np.ndarray, dtype: Any) -> Any:
+    """(T, D) values as a parquet column of fixed-size lists (datasets' Sequence(length=D), as lerobot writes)."""
+    import pyarrow as pa
+
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), dtype), values.shape[1])
+
+
+def write_lerobot(root: str | Path, episodes: Sequence[Episode], instruction: str, fps: int, valid: int = 0,
+                  info: dict[str, Any] | None = None, robot_type: str | None = None) -> Path:
+    """Write `episodes` as a LeRobot v3.0 dataset at `root` (its meta, data and videos folders replaced), images as
+    PNG inside the parquet files; the last `valid` episodes form the `valid` split. Returns `root`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = Path(root)
+    if is_lerobot_dataset(root):
+        for part in ("meta", "data", "videos", "images"):
+            shutil.rmtree(root / part, ignore_errors=True)
+    elif (root / "meta").exists() or (root / "data").exists():
+        raise DemosError(f"out={root} has a meta/ or data/ folder that is not a LeRobot dataset's; choose another out")
+    cameras = sorted(k[len("image/"):] for k in episodes[0].obs if k.startswith("image/"))
+    first = episodes[0]
+    features: dict[str, Any] = {
+        "observation.state": {"dtype": "float32", "shape": [first.obs["state"].shape[1]], "names": None},
+        **{camera_key(c): {"dtype": "image", "shape": list(first.obs[f"image/{c}"].shape[1:]),
+                           "names": ["height", "width", "channel"]} for c in cameras},
+        ACTION: {"dtype": "float32", "shape": [first.actions.shape[1]], "names": None},
+        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+        "next.done": {"dtype": "bool", "shape": [1], "names": None},
+        "next.success": {"dtype": "bool", "shape": [1], "names": None},
+        # lerobot's own columns of every frame
+        "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+        "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+        "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+        "index": {"dtype": "int64", "shape": [1], "names": None},
+        "task_index": {"dtype": "int64", "shape": [1], "names": None},
+    }
+    tasks = list(dict.fromkeys(e.instruction or instruction for e in episodes))
+    chunk, file, size, total = 0, 0, 0.0, 0
+    rows: list[dict[str, Any]] = []
+    pending: list[Any] = []
+
+    def flush() -> None:
+        path = root / "data" / f"chunk-{chunk:03d}" / f"file-{file:03d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.concat_tables(pending), path, compression="snappy")
+        pending.clear()
+
+    for i, e in enumerate(episodes):
+        steps = len(e)
+        task = tasks.index(e.instruction or instruction)
+        done = np.zeros(steps, bool)
+        done[-1] = True
+        columns = {"observation.state": _vector(e.obs["state"], pa.float32()),
+                   **{camera_key(c): pa.StructArray.from_arrays(
+                       [pa.array([_png(f) for f in e.obs[f"image/{c}"]], pa.binary()),
+                        pa.array([f"frame-{j:06d}.png" for j in range(steps)], pa.string())], ["bytes", "path"])
+                      for c in cameras},
+                   ACTION: _vector(e.actions, pa.float32()),
+                   "next.reward": pa.array(np.asarray(e.rewards, np.float32)),
+                   "next.done": pa.array(done),
+                   "next.success": pa.array(done & e.success),
+                   "timestamp": pa.array((np.arange(steps) / fps).astype(np.float32)),
+                   "frame_index": pa.array(np.arange(steps, dtype=np.int64)),
+                   "episode_index": pa.array(np.full(steps, i, np.int64)),
+                   "index": pa.array(np.arange(total, total + steps, dtype=np.int64)),
+                   "task_index": pa.array(np.full(steps, task, np.int64))}
+        table = pa.table(columns)
+        if pending and size + table.nbytes / 2**20 >= DATA_FILE_MB:  # a new file, as lerobot rolls them
+            flush()
+            chunk, file = (chunk + 1, 0) if file == CHUNKS_SIZE - 1 else (chunk, file + 1)
+            size = 0.0
+        pending.append(table)
+        size += table.nbytes / 2**20
+        rows.append({"episode_index": i, "tasks": [tasks[task]], "length": steps, "data/chunk_index": chunk,
+                     "data/file_index": file, "dataset_from_index": total, "dataset_to_index": total + steps,
+                     "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0, "seed": e.seed})
+        total += steps
+    flush()
+    meta = root / "meta"
+    (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
+        ("episode_index", pa.int64()), ("tasks", pa.list_(pa.string())), ("length", pa.int64()),
+        ("data/chunk_index", pa.int64()), ("data/file_index", pa.int64()), ("dataset_from_index", pa.int64()),
+        ("dataset_to_index", pa.int64()), ("meta/episodes/chunk_index", pa.int64()),
+        ("meta/episodes/file_index", pa.int64()), ("seed", pa.int64())])),
+        meta / "episodes" / "chunk-000" / "file-000.parquet", compression="snappy")
+    # tasks.parquet as pandas writes lerobot's DataFrame: the task is the (unnamed) index column
+    index = "__index_level_0__"
+    pandas = {"index_columns": [index], "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
+                                                              "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
+              "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
+                           "numpy_type": "int64", "metadata": None},
+                          {"name": None, "field_name": index, "pandas_type": "unicode", "numpy_type": "object",
+                           "metadata": None}],
+              "creator": {"library": "pyarrow", "version": pa.__version__}}
+    table = pa.table({"task_index": pa.array(range(len(tasks)), pa.int64()), index: pa.array(tasks, pa.string())})
+    pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas)}), meta / "tasks.parquet")
+    stats = {"observation.state": _feature_stats(np.concatenate([e.obs["state"] for e in episodes]), False),
+             ACTION: _feature_stats(np.concatenate([e.actions for e in episodes]), False),
+             "next.reward": _feature_stats(np.concatenate([e.rewards for e in episodes]).reshape(-1, 1), False),
+             **{camera_key(c): _feature_stats(np.concatenate([e.obs[f"image/{c}"] for e in episodes]), True)
+                for c in cameras}}
+    (meta / "stats.json").write_text(json.dumps(stats, indent=4))
+    n = len(episodes)
+    splits = {"train": f"0:{n - valid}", **({"valid": f"{n - valid}:{n}"} if valid else {})}
+    (meta / "info.json").write_text(json.dumps({
+        "codebase_version": "v3.0", "robot_type": robot_type, "total_episodes": n, "total_frames": total,
+        "total_tasks": len(tasks), "chunks_size": CHUNKS_SIZE, "data_files_size_in_mb": DATA_FILE_MB,
+        "video_files_size_in_mb": 200, "fps": int(fps), "splits": splits,
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet", "video_path": None,
+        "features": features, "ebrl": info or {}}, indent=4))
+    return root
