@@ -5,7 +5,8 @@ lerobot-v21`) v2.1.
     python lerobot_datasets.py <job.json>
 
 job.json: {"inputs": <.npz>, "fps": <int>, "tasks": [a task per episode], "out": <.npz>,
-           "write": [{"root": <folder>, "images": <npz prefix>, "dtype": "image" | "video", "vcodec": <codec>}],
+           "write": [{"root": <folder>, "images": <npz prefix>, "dtype": "image" | "video", "vcodec": <codec>,
+                      optional "file_mb" and "chunks_size": lerobot's data and video file size limits}],
            "read": [<folder>]}
 Each `write` is a dataset of the npz's episodes (state_<i>, action_<i>, reward_<i>, <images>_<i>) made by
 `LeRobotDataset.create`, `add_frame`, `save_episode` (and `finalize`, 0.4); its camera is observation.images.front.
@@ -37,7 +38,12 @@ def write(spec: dict, inputs: dict, tasks: list[str], fps: int) -> None:
         CAMERA: {"dtype": spec["dtype"], "shape": first.shape[1:], "names": ["height", "width", "channel"]},
     }
     options = {} if CODEBASE_VERSION == "v2.1" else {"vcodec": spec["vcodec"]}  # (0.3 encodes libsvtav1 only)
+    if "file_mb" in spec:
+        options["metadata_buffer_size"] = 1  # (each episode's meta written at once, so that its file can roll too)
     ds = LeRobotDataset.create("ebrl/test", fps=fps, features=features, root=spec["root"], use_videos=True, **options)
+    if "file_mb" in spec:  # (0.4) files this small hold an episode each, and chunks_size files a chunk folder
+        ds.meta.update_chunk_settings(chunks_size=spec["chunks_size"], data_files_size_in_mb=spec["file_mb"],
+                                      video_files_size_in_mb=spec["file_mb"])
     for i, task in enumerate(tasks):
         for t in range(len(inputs[f"state_{i}"])):
             frame = {"observation.state": inputs[f"state_{i}"][t], "action": inputs[f"action_{i}"][t],

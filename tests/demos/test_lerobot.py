@@ -88,6 +88,8 @@ def v30(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
         {"root": "image", "images": "image16", "dtype": "image", "vcodec": "libsvtav1"},
         {"root": "av1", "images": "image32", "dtype": "video", "vcodec": "libsvtav1"},
         {"root": "h264", "images": "image16", "dtype": "video", "vcodec": "h264"},
+        {"root": "files", "images": "image32", "dtype": "video", "vcodec": "libsvtav1", "file_mb": 1e-4,
+         "chunks_size": 2},
     ], [str(folder / "ours")])
     return folder, read
 
@@ -129,6 +131,14 @@ def test_lerobot_v30_images_in_the_parquet_read_bit_for_bit(v30):
 @pytest.mark.parametrize("codec,images", [("av1", "image32"), ("h264", "image16")])
 def test_lerobot_v30_video_frames_read_within_the_codecs_error(v30, codec, images):
     assert_written(v30[0] / codec, images, exact=False)
+
+
+def test_lerobot_v30_episodes_across_files_and_chunks(v30):
+    root = v30[0] / "files"
+    assert sorted(p.relative_to(root).as_posix() for p in root.glob("data/*/*.parquet")) == [
+        "data/chunk-000/file-000.parquet", "data/chunk-000/file-001.parquet", "data/chunk-001/file-000.parquet"]
+    assert len(list(root.glob("videos/*/chunk-001/*.mp4"))) == 1 and len(list(root.glob("meta/episodes/*/*"))) > 1
+    assert_written(root, "image32", exact=False)
 
 
 @pytest.mark.slow  # (a second lerobot interpreter, 3 s)
