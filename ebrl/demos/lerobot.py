@@ -296,10 +296,11 @@ def _png(frame: np.ndarray) -> bytes:
 def _feature_stats(x: np.ndarray, image: bool) -> dict[str, Any]:
     """meta/stats.json's entry for a feature, as lerobot computes it: per dimension, or per channel in [0, 1] with
     shape (3, 1, 1) for images (over a pixel subsample)."""
+    count = len(x)  # (frames, for images too)
     if image:
         step = max(1, x.shape[1] // 32)
         x = x[:, ::step, ::step].reshape(-1, x.shape[-1]).astype(np.float64) / 255.0
-    stats = {**moments(x, STAT_QUANTILES), "min": x.min(0).tolist(), "max": x.max(0).tolist(), "count": [len(x)]}
+    stats = {**moments(x, STAT_QUANTILES), "min": x.min(0).tolist(), "max": x.max(0).tolist(), "count": [count]}
     if image:
         return {k: v if k == "count" else [[[c]] for c in v] for k, v in stats.items()}
     return stats
