@@ -376,11 +376,14 @@ class DistributedConfig:
 
 @dataclass
 class DemosConfig:
-    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout (ebrl/demos/dataset.py)."""
+    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout or LeRobot's (docs/demos.md)."""
 
-    path: Optional[str] = None  # an .hdf5 file or a folder of them (`python -m ebrl.demos record` writes one)
-    state_keys: List[str] = field(default_factory=lambda: ["state"])  # obs datasets concatenated into the state
-    image_keys: Optional[Dict[str, str]] = None  # env camera -> its obs dataset; null: <camera>_image
+    # an .hdf5 file, a LeRobot dataset folder (v2.1, v3.0), or a folder of either (`python -m ebrl.demos record`)
+    path: Optional[str] = None
+    # obs datasets (HDF5) or features (LeRobot) concatenated into the state; null: [state], LeRobot [observation.state]
+    state_keys: Optional[List[str]] = None
+    # env camera -> its obs dataset or feature; null: <camera>_image, LeRobot observation.images.<camera>
+    image_keys: Optional[Dict[str, str]] = None
     valid: float = 0.2  # share of a file's episodes held out for the validation loss, where it has no mask/valid
 
 
@@ -390,8 +393,10 @@ class RecordConfig:
 
     env: EnvConfig = MISSING
     episodes: int = 20  # successful episodes to keep
-    out: str = "demos/${env.name}-${env.task}"  # the folder demo.hdf5 is written to
-    valid: float = 0.2  # share of them held out (the file's mask/valid)
+    out: str = "demos/${env.name}-${env.task}"  # the folder demo.hdf5 is written to, or the LeRobot dataset's
+    format: str = "hdf5"  # hdf5 (robomimic's layout) | lerobot (LeRobot's v3.0, images as PNG in the parquet)
+    fps: int = II("oc.select:env.control_freq,20")  # format=lerobot: its frame rate (the env's control rate)
+    valid: float = 0.2  # share of them held out (the file's mask/valid; a LeRobot dataset's valid split)
     seed: int = 0
     max_attempts: int = II("int_mul:${episodes},3")  # episodes tried before the recorder gives up
     progress: bool = True

@@ -1,5 +1,6 @@
-"""`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=N [out=<folder>] [valid=0.2] [seed=0]`:
-record a scripted expert's successful episodes (ebrl/demos/record.py); the options are conf/record.yaml's."""
+"""`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=N [out=<folder>] [format=hdf5|lerobot]
+[valid=0.2] [seed=0]`: record a scripted expert's successful episodes (ebrl/demos/record.py); the options are
+conf/record.yaml's."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,7 @@ from ebrl.config import CONF_DIR, register_configs
 from ebrl.runtime.errors import exit_cleanly
 
 USAGE = ("usage: python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=N [out=<folder>] "
-         "[valid=0.2] [seed=0]")
+         "[format=hdf5|lerobot] [valid=0.2] [seed=0]")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="record")

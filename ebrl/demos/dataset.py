@@ -9,66 +9,30 @@
         obs/<key>        (T, ...): our recorder writes `state` (the adapter's state vector) and `<camera>_image`
     mask/train, mask/valid   the demo names of each split (bytes)
 
-Chosen over LeRobot's parquet layout because its episodes are whole arrays per demo (a sample is a slice, no
-decoding), images stay uint8 without a video codec, and h5py is the only dependency; the robosuite and LIBERO files
-users hold read as they are, their state assembled from the obs datasets `demos.state_keys` names.
+The recorder's default over LeRobot's parquet layout (lerobot.py, read and written too) because its episodes are
+whole arrays per demo (a sample is a slice, no decoding), images stay uint8 without a video codec, and h5py is the
+only dependency; the robosuite and LIBERO files users hold read as they are, their state assembled from the obs
+datasets `demos.state_keys` names. `read_demos` reads either format, or a folder of both.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.errors import BadInput
+from ebrl.demos.episodes import Demos, DemosError, DemoSet, Episode, episode_obs, held_out, statistics
 
+__all__ = ["Demos", "DemosError", "Episode", "demo_sources", "read_demos", "statistics", "write_demos"]
 
-class DemosError(BadInput, ValueError):
-    """A demonstration file or folder that cannot be read as asked; the message is one line."""
-
-
-@dataclass
-class Episode:
-    """One demonstration: the observation before each action, the actions, the rewards."""
-
-    obs: dict[str, np.ndarray]  # "state" (T, D) float32; "image/<camera>" (T, H, W, 3) uint8
-    actions: np.ndarray  # (T, action_dim) float32
-    rewards: np.ndarray  # (T,) float32
-    success: bool = True
-    seed: int | None = None  # the reset seed that replays it (recorded episodes)
-
-    def __len__(self) -> int:
-        return len(self.actions)
-
-
-@dataclass
-class Demos:
-    """The episodes of one or more files, split into training and held-out episodes (indices into `episodes`)."""
-
-    episodes: list[Episode]
-    train: list[int]
-    valid: list[int]
-    files: list[str]
-    instruction: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # the first file's `ebrl` record, where it has one
-
-    @property
-    def steps(self) -> int:
-        return sum(len(e) for e in self.episodes)
+STATE_KEYS = ("state",)  # the state our recorder writes
 
 
 def _names(group: Any) -> list[str]:
     """A group's demo names in their numeric order (demo_2 before demo_10)."""
     return sorted(group, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
-
-
-def held_out(share: float, episodes: int) -> int:
-    """How many of a file's `episodes` a held-out `share` keeps back: at least one where the share is above 0 and
-    there are two or more."""
-    return max(1, round(share * episodes)) if share > 0 and episodes > 1 else 0
 
 
 def write_demos(path: str | Path, episodes: Sequence[Episode], instruction: str, env_args: dict[str, Any],
@@ -105,16 +69,23 @@ def write_demos(path: str | Path, episodes: Sequence[Episode], instruction: str,
     return path
 
 
-def demo_files(path: str | Path) -> list[Path]:
-    """The .hdf5 files `demos.path` names: the file itself, or those in the folder and its subfolders."""
+def demo_sources(path: str | Path) -> list[Path]:
+    """What `demos.path` names: an .hdf5 file, a LeRobot dataset folder (meta/info.json), or a folder holding either
+    below it (a LeRobot dataset's folder reads as that dataset alone)."""
+    from ebrl.demos.lerobot import is_lerobot_dataset
+
     p = Path(path).expanduser()
     if not p.exists():
-        raise DemosError(f"demos.path={path} does not exist; give an .hdf5 file or a folder of them "
-                         "(python -m ebrl.demos record writes one)")
-    files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.suffix in (".hdf5", ".h5"))
-    if not files:
-        raise DemosError(f"demos.path={path} holds no .hdf5 files; record some with python -m ebrl.demos record")
-    return files
+        raise DemosError(f"demos.path={path} does not exist; give an .hdf5 file, a LeRobot dataset folder or a folder "
+                         "of them (python -m ebrl.demos record writes either)")
+    if p.is_file() or is_lerobot_dataset(p):
+        return [p]
+    roots = sorted(q.parent.parent for q in p.rglob("info.json") if is_lerobot_dataset(q.parent.parent))
+    files = [q for q in p.rglob("*") if q.suffix in (".hdf5", ".h5") and not any(r in q.parents for r in roots)]
+    if not roots and not files:
+        raise DemosError(f"demos.path={path} is neither a LeRobot dataset (meta/info.json) nor holds .hdf5 files or "
+                         "LeRobot datasets; record some with python -m ebrl.demos record")
+    return sorted(roots + files)
 
 
 def _obs_key(demo: Any, key: str, file: Path, what: str) -> np.ndarray:
@@ -123,10 +94,12 @@ def _obs_key(demo: Any, key: str, file: Path, what: str) -> np.ndarray:
     return np.asarray(demo["obs"][key])
 
 
-def _read_file(file: Path, state_keys: Sequence[str], image_keys: dict[str, str], cameras: Sequence[str]
-               ) -> tuple[list[Episode], list[str], set[str] | None, dict[str, Any]]:
+def _read_file(file: Path, state_keys: Sequence[str] | None, image_keys: dict[str, str], cameras: Sequence[str]
+               ) -> DemoSet:
+    """The episodes of one robomimic file, their state from `state_keys` (None: `state`, what our recorder writes)."""
     import h5py
 
+    state_keys = list(STATE_KEYS if state_keys is None else state_keys)
     try:
         f = h5py.File(file, "r")
     except OSError as e:
@@ -135,62 +108,53 @@ def _read_file(file: Path, state_keys: Sequence[str], image_keys: dict[str, str]
         if "data" not in f or not any(n.startswith("demo") for n in f["data"]):
             raise DemosError(f"demos: {file} is not in robomimic's layout (a data group of demo_<i> groups)")
         data = f["data"]
+        attrs = dict(data.attrs)
+        info = json.loads(attrs["ebrl"]) if "ebrl" in attrs else {}
+        problem = json.loads(attrs["problem_info"]) if "problem_info" in attrs else {}
+        info["instruction"] = problem.get("language_instruction")
         names = [n for n in _names(data) if n.startswith("demo")]
         episodes = []
         for name in names:
             demo = data[name]
             actions = np.asarray(demo["actions"], np.float32)
-            parts = [_obs_key(demo, k, file, "demos.state_keys").reshape(len(actions), -1) for k in state_keys]
-            obs = {"state": np.concatenate(parts, axis=1).astype(np.float32)}
-            for cam in cameras:
-                key = image_keys.get(cam, f"{cam}_image")
-                obs[f"image/{cam}"] = _obs_key(demo, key, file, f"env camera {cam}; demos.image_keys maps cameras "
-                                                                 "to datasets").astype(np.uint8)
+            obs = episode_obs(lambda key, what: _obs_key(demo, key, file, what), len(actions), state_keys,
+                              image_keys, cameras, lambda cam: f"{cam}_image")
             rewards = np.asarray(demo["rewards"], np.float32) if "rewards" in demo else np.zeros(len(actions))
             seed = int(demo.attrs["seed"]) if "seed" in demo.attrs else None
-            episodes.append(Episode(obs, actions, rewards, bool(demo.attrs.get("success", True)), seed))
+            episodes.append(Episode(obs, actions, rewards, bool(demo.attrs.get("success", True)), seed,
+                                    info["instruction"]))
         held = None
         if "mask" in f and "valid" in f["mask"]:
             held = {n.decode() if isinstance(n, bytes) else str(n) for n in np.asarray(f["mask"]["valid"])}
-        attrs = dict(data.attrs)
-        info = json.loads(attrs["ebrl"]) if "ebrl" in attrs else {}
-        problem = json.loads(attrs["problem_info"]) if "problem_info" in attrs else {}
-        info["instruction"] = problem.get("language_instruction")
-    return episodes, names, held, info
+    return DemoSet(episodes, names, held, info)
 
 
-def read_demos(path: str | Path, state_keys: Sequence[str] = ("state",), image_keys: dict[str, str] | None = None,
+def read_demos(path: str | Path, state_keys: Sequence[str] | None = None, image_keys: dict[str, str] | None = None,
                cameras: Sequence[str] = (), valid_share: float = 0.2) -> Demos:
-    """Every episode under `path`, with `cameras`' images; held out: a file's mask/valid, else the last
-    `valid_share` of its episodes (at least one where the share is above 0 and the file has two or more)."""
+    """Every episode under `path`, with `cameras`' images; the state is `state_keys` side by side (None: the format's
+    own, `state` in HDF5, `observation.state` in LeRobot's). Held out: a file's mask/valid (a LeRobot dataset's
+    `valid` split), else the last `valid_share` of its episodes (at least one where the share is above 0 and it has
+    two or more)."""
+    from ebrl.demos.lerobot import is_lerobot_dataset, read_lerobot
+
     episodes: list[Episode] = []
     train: list[int] = []
     valid: list[int] = []
-    files = demo_files(path)
+    sources = demo_sources(path)
     instruction, first = None, {}
-    for file in files:
-        found, names, held, info = _read_file(file, list(state_keys), dict(image_keys or {}), list(cameras))
+    for source in sources:
+        read = read_lerobot if is_lerobot_dataset(source) else _read_file
+        found = read(source, state_keys, dict(image_keys or {}), list(cameras))
+        held = found.held
         if held is None:
-            k = held_out(valid_share, len(found))
-            held = set(names[len(names) - k:]) if k else set()
-        for name, episode in zip(names, found):
+            k = held_out(valid_share, len(found.names))
+            held = set(found.names[len(found.names) - k:]) if k else set()
+        for name, episode in zip(found.names, found.episodes):
             (valid if name in held else train).append(len(episodes))
             episodes.append(episode)
-        instruction = instruction or info.get("instruction")
-        first = first or info
+        instruction = instruction or found.info.get("instruction")
+        first = first or found.info
     dims = {e.obs["state"].shape[1] for e in episodes}
     if len(dims) > 1:
         raise DemosError(f"demos.path={path}: its files' states differ in size ({sorted(dims)}); give files of one env")
-    return Demos(episodes, train, valid, [str(f) for f in files], instruction, first)
-
-
-def _stats(x: np.ndarray) -> dict[str, list[float]]:
-    return {"mean": x.mean(0).tolist(), "std": x.std(0).tolist(),
-            "q01": np.quantile(x, 0.01, axis=0).tolist(), "q99": np.quantile(x, 0.99, axis=0).tolist()}
-
-
-def statistics(demos: Demos, episodes: Sequence[int]) -> dict[str, Any]:
-    """The state's and actions' statistics over `episodes`, in openpi's norm_stats.json layout."""
-    state = np.concatenate([demos.episodes[i].obs["state"] for i in episodes])
-    actions = np.concatenate([demos.episodes[i].actions for i in episodes])
-    return {"norm_stats": {"state": _stats(state), "actions": _stats(actions)}}
+    return Demos(episodes, train, valid, [str(f) for f in sources], instruction, first)

@@ -1,11 +1,12 @@
 """`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=N`: a scripted expert's successful episodes
-(ebrl/envs/experts.py), written to `<out>/demo.hdf5` in robomimic's layout (docs/design.md, "Demonstrations, SFT,
-RL").
+(ebrl/envs/experts.py), written to `<out>/demo.hdf5` in robomimic's layout, or with format=lerobot as the LeRobot
+dataset `<out>` (docs/design.md, "Demonstrations, SFT, RL"; docs/demos.md).
 
 The simulator is the adapter RL runs (same config, same action space), built in this process because the expert
 reads its state. Attempt j resets with seed SEED_BASE + 1000 x `seed` + j, apart from the seeds RL's envs draw, and
 the seed is stored with the episode, so the episode replays from it. An episode ends at the task's first success,
-or is dropped at env.max_episode_steps; the last `valid` share of the kept ones is the file's mask/valid.
+or is dropped at env.max_episode_steps; the last `valid` share of the kept ones is the file's mask/valid (a LeRobot
+dataset's `valid` split).
 """
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.demos.dataset import DemosError, Episode, held_out, write_demos
+from ebrl.demos.dataset import write_demos
+from ebrl.demos.episodes import DemosError, Episode, held_out
+from ebrl.demos.lerobot import write_lerobot
 from ebrl.envs.base import EnvAdapter, use_headless_gl
 from ebrl.envs.experts import WaypointExpert, expert_for, make_expert
 from ebrl.envs.worker import NOT_ADAPTER_ARGS, build_adapter
 from ebrl.telemetry.report import ProgressBar, console
 
 SEED_BASE = 30_000
+FORMATS = ("hdf5", "lerobot")
 
 
 def run_episode(adapter: EnvAdapter, expert: WaypointExpert, seed: int) -> Episode:
@@ -55,6 +59,8 @@ def record(cfg: DictConfig) -> Path:
                          "max_attempts >= episodes")
     if not 0 <= cfg.valid < 1:
         raise DemosError(f"valid={cfg.valid} must be in [0, 1) (the share of episodes held out)")
+    if cfg.format not in FORMATS:
+        raise DemosError(f"format={cfg.format}: give one of {', '.join(FORMATS)}")
     if env.get("cameras"):
         use_headless_gl()
     adapter = build_adapter(env, int(cfg.seed))
@@ -81,7 +87,11 @@ def record(cfg: DictConfig) -> Path:
                 "env_kwargs": {k: v for k, v in env.items() if k not in NOT_ADAPTER_ARGS}}
     info = {"expert": type(expert).__name__, "attempts": attempts, "build_seed": int(cfg.seed),
             "seed_base": SEED_BASE, "env": env}
-    path = write_demos(Path(cfg.out) / "demo.hdf5", kept, adapter.spec.instruction, env_args, valid, info)
+    if cfg.format == "lerobot":
+        path = write_lerobot(Path(cfg.out), kept, adapter.spec.instruction, int(cfg.fps), len(valid), info,
+                             env.get("robot"))
+    else:
+        path = write_demos(Path(cfg.out) / "demo.hdf5", kept, adapter.spec.instruction, env_args, valid, info)
     lengths = [len(e) for e in kept]
     console.print(f"recorded {len(kept)} episodes of the {type(expert).__name__} on env={env['name']} env.task="
                   f"{env['task']} ({len(kept)} of {attempts} attempts succeeded; {sum(lengths)} steps, "

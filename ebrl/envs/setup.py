@@ -8,7 +8,8 @@ run their simulator workers under a virtual environment of their own, at
 compare against (tests/policies/lerobot_reference.py runs under it). lerobot 0.4.4 pins torch<2.11 and
 transformers<5, and its pi0/pi05 need openpi's patched transformers (`transformers-openpi` 4.53.3 on
 PyPI: transformers 4.53 with openpi's transformers_replace applied), so its venv sees this interpreter's
-packages (our torch, numpy) and installs exact pins without their dependencies on top.
+packages (our torch, numpy) and installs exact pins without their dependencies on top. `lerobot-v21` is lerobot
+0.3.3 the same way: the writer of LeRobot's codebase v2.1 datasets tests/demos/test_lerobot.py reads.
 Idempotent: a marker file in the venv records the pins it was built with; a second run with the
 same pins does nothing. Prints one line per step; exits non-zero with one line on failure.
 """
@@ -63,6 +64,14 @@ REFERENCES: dict[str, list[str]] = {
         "typing-inspect==0.9.0", "datasets==4.0.0", "dill==0.3.8", "multiprocess==0.70.16", "pandas==2.2.3",
         "pytz==2025.2", "pyarrow==17.0.0", "diffusers==0.35.2", "pyserial==3.5", "deepdiff==8.6.1",
         "orderly-set==5.5.0", "cachebox==5.0.1", "av==15.1.0", "einops==0.8.1", "sentencepiece==0.2.1",
+    ],
+    # lerobot 0.3.3, the last release whose LeRobotDataset writes codebase v2.1 (0.4 writes v3.0): the v2.1 datasets
+    # tests/demos/test_lerobot.py reads are written by it. Its datasets module needs these (pyarrow and av come from
+    # requirements.txt); datasets 3.6.0 and fsspec 2025.3.0 are inside its ranges.
+    "lerobot-v21": [
+        "lerobot==0.3.3", "jsonlines==4.0.0", "datasets==3.6.0", "fsspec==2025.3.0", "huggingface-hub==0.35.3",
+        "pandas==2.2.3", "pytz==2025.2", "dill==0.3.8", "multiprocess==0.70.16", "torchvision==0.28.0",
+        "draccus==0.10.0", "mergedeep==1.3.4", "pyyaml-include==1.4.1", "toml==0.10.2",
     ],
 }
 

@@ -139,8 +139,8 @@ class SupervisedRun:
         spec = self._spec()
         cameras = sorted(k[len("image/"):] for k in spec.obs if k.startswith("image/"))
         d = cfg.demos
-        self.demos = read_demos(d.path, list(d.state_keys), dict(d.image_keys) if d.image_keys else None, cameras,
-                                float(d.valid))
+        self.demos = read_demos(d.path, list(d.state_keys) if d.state_keys is not None else None,
+                                dict(d.image_keys) if d.image_keys else None, cameras, float(d.valid))
         check_demos(self.demos, spec, cfg.env)
         if self.demos.instruction and self.demos.instruction != spec.instruction:
             console.print(f"note: the demos' instruction is {self.demos.instruction!r}; the policy is trained on the "
