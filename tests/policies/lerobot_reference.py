@@ -1,10 +1,10 @@
 """The reference side of the pi0 / pi0.5 parity tests: run under lerobot 0.4.4's own interpreter
 (`python -m ebrl.envs.setup lerobot`), never imported by ours.
 
-    python lerobot_reference.py <out folder> <pi0|pi05> <SentencePiece model file>
+    python lerobot_reference.py reference <out folder> <SentencePiece model file> pi0 pi05
 
-builds lerobot's PI0Policy / PI05Policy at a small size with random weights and random dataset statistics, and
-writes, with lerobot's and safetensors' own writers:
+`reference` builds lerobot's PI0Policy / PI05Policy at a small size with random weights and random dataset
+statistics, and writes to <out>/<variant>/, with lerobot's and safetensors' own writers:
 - <out>/lerobot/: `policy.save_pretrained` + the pre/post-processors' `save_pretrained` (lerobot 0.4's layout);
 - <out>/openpi/: what openpi's JAX-to-PyTorch converter leaves (examples/convert_jax_model_to_pytorch.py):
   `safetensors.torch.save_model(PI0Pytorch)` (lerobot's `policy.model` is openpi's PI0Pytorch, module for module),
@@ -41,7 +41,11 @@ TASKS = ["pick up the black bowl between the plate and the ramekin", "put_the cr
 
 
 def shrink(module) -> None:
-    """lerobot's modeling module with a Gemma size of our own and a small SigLIP."""
+    """lerobot's modeling module with a Gemma size of our own and a small SigLIP (once per module)."""
+    if getattr(module, "_shrunk", False):
+        return
+    module._shrunk = True
+
     def get_gemma_config(variant):  # (the config validates the names: the real ones, at our sizes)
         return module.GemmaConfig(**(VLM if variant == "gemma_2b" else EXPERT))
 
@@ -72,9 +76,8 @@ def local_tokenizer(model_file: str, folder: Path) -> str:
     return str(folder)
 
 
-def main(out: Path, variant: str, model_file: str) -> None:
-    from lerobot.configs.types import FeatureType, PolicyFeature
-
+def lerobot_variant(variant: str) -> tuple:
+    """lerobot's modeling module (shrunk), policy class, config class and processor factory of pi0 or pi0.5."""
     if variant == "pi0":
         from lerobot.policies.pi0 import modeling_pi0 as modeling
         from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
@@ -86,7 +89,22 @@ def main(out: Path, variant: str, model_file: str) -> None:
         from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as processors
         policy_cls = modeling.PI05Policy
     shrink(modeling)
-    local_tokenizer(model_file, out / "hf_tokenizer")
+    return modeling, policy_cls, Config, processors
+
+
+def env_batch(ref: dict[str, torch.Tensor], tasks: list[str]) -> dict:
+    """The raw batch lerobot's pre-processor takes: state, the images as float in [0, 1] (channels first), tasks."""
+    batch = {"observation.state": ref["state"], "task": list(tasks)}
+    for key, image in ref.items():
+        if key.startswith("image/"):
+            batch[f"observation.images.{key[len('image/'):]}"] = image.permute(0, 3, 1, 2).float() / 255.0
+    return batch
+
+
+def reference(out: Path, variant: str) -> None:
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    modeling, policy_cls, Config, processors = lerobot_variant(variant)
     torch.manual_seed(0)
     features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,))}
     for cam in CAMERAS:
@@ -128,9 +146,7 @@ def main(out: Path, variant: str, model_file: str) -> None:
     # a batch as an env gives it (uint8 images; lerobot takes them as float in [0, 1]) and what lerobot acts
     images = {cam: torch.randint(0, 256, (BATCH, 224, 224, 3), generator=g, dtype=torch.uint8) for cam in CAMERAS[:2]}
     state = torch.randn(BATCH, STATE_DIM, generator=g) * 1.5
-    batch = {"observation.state": state, "task": list(TASKS)}
-    for cam, image in images.items():
-        batch[f"observation.images.{cam}"] = image.permute(0, 3, 1, 2).float() / 255.0
+    batch = env_batch({"state": state, **{f"image/{cam}": image for cam, image in images.items()}}, TASKS)
     noise = torch.randn(BATCH, CHUNK, config.max_action_dim, generator=g)
     processed = pre(batch)
     with torch.no_grad():
@@ -152,4 +168,8 @@ def main(out: Path, variant: str, model_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "reference":
+        root, model_file = Path(sys.argv[2]), sys.argv[3]
+        local_tokenizer(model_file, root / "hf_tokenizer")
+        for name in sys.argv[4:]:
+            reference(root / name, name)

@@ -9,7 +9,6 @@ SentencePiece model trained here), its normalised state, and its deterministic c
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,6 @@ from safetensors.torch import load_file
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
-from ebrl.envs.setup import benchmark_python
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import resize_with_pad
 from ebrl.policies.tokenizer import PaligemmaTokenizer, train_gemma_like
@@ -36,15 +34,9 @@ def train_sentencepiece(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=["pi0", "pi05"])
-def reference(request, tmp_path_factory) -> tuple[str, Path]:
-    python = benchmark_python("lerobot")
-    if python is None:
-        pytest.skip("lerobot's interpreter is not set up: python -m ebrl.envs.setup lerobot")
-    out = tmp_path_factory.mktemp(f"lerobot_{request.param}")
-    model = train_sentencepiece(out / "paligemma_tokenizer.model")
-    subprocess.run([str(python), str(REFERENCE), str(out), request.param, str(model)], check=True,
-                   capture_output=True, timeout=300)
-    return request.param, out
+def reference(request, lerobot_references) -> tuple[str, Path]:
+    """(variant, its folder of tests/conftest.py's lerobot_references)."""
+    return request.param, lerobot_references[request.param]
 
 
 def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, dict, dict]:
