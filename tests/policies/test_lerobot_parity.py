@@ -71,10 +71,42 @@ def training_layouts(out: Path) -> None:
     torch.save({"global_step": 30000}, step / "metadata.pt")
 
 
+# transformers' PaliGemmaForConditionalGeneration._checkpoint_conversion_mapping (4.52 on), read backwards: the names
+# transformers < 4.52 gave PaliGemma's parts, as lerobot's first pi0 files have them
+FEB_2025_NAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                  ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+
+
+def first_lerobot_layout(out: Path) -> int:
+    """lerobot_feb2025/: the layout of the lerobot/pi0 files published in February 2025 (lerobot 0.1, transformers
+    < 4.52), derived from lerobot 0.4.4's save_pretrained file of the same weights by renaming PaliGemma's keys
+    (`FEB_2025_NAMES`, under model.paligemma_with_expert.paligemma.); the tied embed_tokens is absent, as save_model
+    left it. Its config.json and processors stay 0.4.4's. Returns how many keys were renamed."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(out / "lerobot", out / "lerobot_feb2025")
+    prefix = "model.paligemma_with_expert.paligemma."
+    state, renamed = {}, 0
+    for key, value in load_file(str(out / "lerobot" / "model.safetensors")).items():
+        for new, old in FEB_2025_NAMES:
+            if key.startswith(prefix + new):
+                key, renamed = prefix + old + key[len(prefix + new):], renamed + 1
+                break
+        state[key] = value
+    assert not any("embed_tokens" in k or ".model.language_model." in k for k in state)
+    save_file(state, str(out / "lerobot_feb2025" / "model.safetensors"))
+    return renamed
+
+
 def test_lerobot_and_openpi_layouts_act_as_lerobot(reference) -> None:
     variant, out = reference
     training_layouts(out)
-    layouts = [("lerobot", {})] + ([("lerobot_run/checkpoints/000100", {}),
+    if variant == "pi0":  # (pi0.5 came after that layout)
+        assert first_lerobot_layout(out) == len([k for k in build_ours(out, "lerobot")[0].state_dict()
+                                                 if k.startswith("paligemma_with_expert.paligemma.")])
+    layouts = [("lerobot", {})] + ([("lerobot_feb2025", {}), ("lerobot_run/checkpoints/000100", {}),
                                     # (openpi's trainer writes no config.json: the horizon is given too)
                                     ("openpi_run/30000", {"denoise_steps": 3, "chunk": 6, "prompt_style": "lerobot"})]
                                    if variant == "pi0" else [])
