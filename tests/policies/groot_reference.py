@@ -10,6 +10,9 @@ and writes to OUT_DIR:
   and model.safetensors.index.json, the layout of NVIDIA's GR00T-N1.5-3B release (transformers' save_pretrained);
 - lerobot/: lerobot's GrootPolicy built from nvidia/ (GR00TN15.from_pretrained, as lerobot builds a policy from a
   base model) and saved by GrootPolicy.save_pretrained (model.safetensors, keys under `_groot_model.`);
+- lerobot_tied/: that policy with Qwen3's lm_head tied to embed_tokens (transformers' tie_weights; N1.5's config
+  ties them, and GR00TN15 built from it has them tied, but from_pretrained leaves them apart), saved the same way:
+  safetensors' save_model keeps only lm_head of the shared tensor;
 - io.safetensors: the inputs (pixel values, input ids, state, backbone features) and lerobot's outputs: the
   backbone's features, and for the action head on given backbone features (head_*) and for the whole model
   (full_*) the chain's starting noise, the actions and timestep of every Euler step, the velocity there, and the
@@ -169,6 +172,12 @@ def main(spec_path: str, out_dir: str) -> None:
     reloaded_state = reloaded.state_dict()
     differ = [k for k, v in model.state_dict().items() if "lm_head" not in k and not torch.equal(v, reloaded_state[k])]
     assert not differ, f"lerobot's GrootPolicy did not reload the saved GR00TN15 weights: {differ[:3]}"
+    # lerobot_tied/: the same policy with Qwen3's lm_head tied to embed_tokens, as N1.5's config ties them (from_pretrained
+    # above left them apart), by transformers' own tie_weights; save_pretrained's save_model then keeps lm_head only
+    language_model = reloaded.backbone.eagle_model.language_model
+    language_model.tie_weights()
+    assert language_model.lm_head.weight is language_model.model.embed_tokens.weight
+    policy.save_pretrained(str(out / "lerobot_tied"))
 
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     patches = (d["image_size"] // d["patch_size"]) ** 2
