@@ -40,7 +40,7 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
-from ebrl.policies.normalize import Normalizer, find_norm_stats, read_norm_stats
+from ebrl.policies.normalize import Normalizer, find_norm_stats, norm_modes, read_norm_stats
 from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, clean, find_tokenizer
 from ebrl.policies.layers import (
     BYTE_VOCAB,
@@ -218,8 +218,7 @@ class OpenPIPolicy(FlowPolicy):
         self.normalizer = None
         if norm_stats:
             stats = read_norm_stats(norm_stats)
-            mode = norm_mode or stats.modes.get("action") or NORM_MODES[variant]
-            self.normalizer = Normalizer(stats, norm_mode or stats.modes.get("state") or NORM_MODES[variant], mode)
+            self.normalizer = Normalizer(stats, *norm_modes(stats, norm_mode, NORM_MODES[variant]))
         elif norm_mode:
             raise ConfigError(f"policy.norm_mode={norm_mode} needs statistics: give policy.norm_stats=<file> or a "
                               "checkpoint folder that has them")
@@ -512,7 +511,7 @@ class OpenPIPolicy(FlowPolicy):
                                            ("language_model.lm_head.", "lm_head.")))
 
     @classmethod
-    def openpi_names(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
         """A pi0/pi0.5 file's tensors under openpi's PyTorch names (this policy's): lerobot's "model." prefix removed
         and transformers < 4.52's PaliGemma names renamed; nothing dropped or added."""
         if state and all(k.startswith(cls.LEROBOT_PREFIX) for k in state):
@@ -525,10 +524,10 @@ class OpenPIPolicy(FlowPolicy):
 
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """A pi0/pi0.5 PyTorch checkpoint (openpi's names, lerobot's with a "model." prefix, or lerobot's first
-        layout with transformers < 4.52's PaliGemma names: `openpi_names`) as this policy's state dict; the text
+        layout with transformers < 4.52's PaliGemma names: `published_names`) as this policy's state dict; the text
         heads are dropped (tied or unused: pi0 never decodes text) and, for a state-only env, the vision tower too.
         The RL heads may be missing."""
-        state = self.openpi_names(state)
+        state = self.published_names(state)
         embed, head = self.TIED
         if embed not in state and head in state:
             state = {**state, embed: state[head]}
