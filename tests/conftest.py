@@ -1,6 +1,7 @@
 """Shared helpers: compose the real configs with Hydra's compose API; lerobot's pi0 / pi0.5 reference folders."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -42,6 +43,8 @@ def one_thread():
 
 
 LEROBOT_VARIANTS = ("pi0", "pi05")
+# a reference interpreter's environment: one OpenMP thread (a third faster here, where other processes load the cores)
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +61,7 @@ def lerobot_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     root = tmp_path_factory.mktemp("lerobot")
     model = train_sentencepiece(root / "paligemma_tokenizer.model")
     subprocess.run([str(python), str(REFERENCE), "reference", str(root), str(model), *LEROBOT_VARIANTS], check=True,
-                   capture_output=True, timeout=600)
+                   capture_output=True, timeout=600, env=ONE_THREAD)
     for variant in LEROBOT_VARIANTS:
         shutil.copy(model, root / variant / model.name)
     return {variant: root / variant for variant in LEROBOT_VARIANTS}

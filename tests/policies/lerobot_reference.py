@@ -2,6 +2,7 @@
 (`python -m ebrl.envs.setup lerobot`), never imported by ours.
 
     python lerobot_reference.py reference <out folder> <SentencePiece model file> pi0 pi05
+    python lerobot_reference.py act <job.json>
 
 `reference` builds lerobot's PI0Policy / PI05Policy at a small size with random weights and random dataset
 statistics, and writes to <out>/<variant>/, with lerobot's and safetensors' own writers:
@@ -12,6 +13,11 @@ statistics, and writes to <out>/<variant>/, with lerobot's and safetensors' own 
 - <out>/reference.safetensors: a batch of raw observations, the noise, and what lerobot makes of them: the tokens and
   mask its processor gives, the normalised state, the model's (normalised) chunk and the env actions after its
   post-processor, all from `predict_action_chunk(noise=...)`.
+`act` loads folders written by someone else (`python -m ebrl.export`) the way lerobot loads a policy folder
+(`from_pretrained`, `make_pre_post_processors(pretrained_path=...)`; an openpi-layout folder with the reference's
+lerobot config and its norm_stats.json as the dataset statistics) and acts on the reference's batch with its noise;
+the job is {"tokenizer": <SentencePiece model file>, "cases": [{"variant", "folder", "reference", "out"}, ...]}, and
+each case's chunk, actions and the names of the tensors lerobot holds otherwise than the file go to its "out".
 What is changed in lerobot, all before anything runs: its sizes (it hardcodes SigLIP So400m and Gemma 2B / 300M;
 here they shrink, by editing the config objects it builds its real modules from), where the PaliGemma tokenizer is
 read from (a local folder made from the given SentencePiece model instead of the hub), and the two torchvision op
@@ -167,9 +173,46 @@ def reference(out: Path, variant: str) -> None:
     print(f"reference written to {out}")
 
 
+def act(job: list[dict]) -> None:
+    """Each case's folder loaded as lerobot loads a policy, acting on its reference's batch with its noise."""
+    from safetensors.torch import load_file
+
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+
+    for case in job:
+        _, policy_cls, _, processors = lerobot_variant(case["variant"])
+        folder, ref_folder = Path(case["folder"]), Path(case["reference"])
+        if (folder / "config.json").is_file() and "type" in json.loads((folder / "config.json").read_text()):
+            policy = policy_cls.from_pretrained(folder)
+            pre, post = make_pre_post_processors(policy.config, pretrained_path=str(folder))
+        else:  # openpi's layout: the model file and assets/<asset_id>/norm_stats.json
+            config = PreTrainedConfig.from_pretrained(ref_folder / "lerobot")
+            policy = policy_cls.from_pretrained(folder, config=config)
+            table = json.loads(next((folder / "assets").glob("*/norm_stats.json")).read_text())["norm_stats"]
+            stats = {"observation.state": {k: torch.tensor(v) for k, v in table["state"].items()},
+                     "action": {k: torch.tensor(v) for k, v in table["actions"].items()}}
+            pre, post = processors(config, dataset_stats=stats)
+        # (lerobot 0.4.4's from_pretrained loads what fits and only prints what did not: the test checks the weights)
+        weights = load_file(str(folder / "model.safetensors"))
+        prefix = "" if next(iter(weights)).startswith("model.") else "model."
+        weights = {prefix + k: v for k, v in weights.items()}
+        differ = [k for k, v in policy.state_dict().items() if k not in weights or not torch.equal(weights[k], v)]
+        ref = load_file(str(ref_folder / "reference.safetensors"))
+        tasks = json.loads((ref_folder / "reference.json").read_text())["tasks"]
+        with torch.no_grad():
+            chunk = policy.predict_action_chunk(pre(env_batch(ref, tasks)), noise=ref["noise"])
+        save_file({"model_chunk": chunk.float().contiguous(), "actions": post(chunk).float().contiguous()},
+                  case["out"], metadata={"differ": json.dumps(differ),
+                                         "n_action_steps": str(policy.config.n_action_steps)})
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "reference":
         root, model_file = Path(sys.argv[2]), sys.argv[3]
         local_tokenizer(model_file, root / "hf_tokenizer")
         for name in sys.argv[4:]:
             reference(root / name, name)
+    else:
+        local_tokenizer(json.loads(Path(sys.argv[2]).read_text())["tokenizer"], Path(sys.argv[2]).parent / "hf_tok")
+        act(json.loads(Path(sys.argv[2]).read_text())["cases"])

@@ -45,6 +45,11 @@ def parity_policy(monkeypatch: pytest.MonkeyPatch, cameras: tuple[str, ...] = ("
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_reference(tmp_path_factory)
+
+
+def make_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """groot_reference.py's folders and io.safetensors (skipped without lerobot's interpreter)."""
     if not LEROBOT.is_file():
         pytest.skip(f"no lerobot venv at {LEROBOT}: run `python -m ebrl.envs.setup lerobot` for the GR00T parity "
                     "tests")

@@ -40,8 +40,16 @@ def reference(request, lerobot_references) -> tuple[str, Path]:
 
 
 def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, dict, dict]:
+    """Our policy from the reference's folder `layout`, with lerobot's sizes; and the reference's record and batch."""
+    cfg, spec = ours_config(out, layout, **overrides)
+    return build_policy(cfg, spec), json.loads((out / "reference.json").read_text()), load_file(
+        str(out / "reference.safetensors"))
+
+
+def ours_config(out: Path, layout: str, **overrides) -> tuple[dict, EnvSpec]:
+    """The resolved policy config of our policy from the reference's folder `layout` (at lerobot's sizes, its
+    cameras mapped to an env's agentview and wrist, the third masked), and that env's spec."""
     meta = json.loads((out / "reference.json").read_text())
-    ref = load_file(str(out / "reference.safetensors"))
     obs = {"state": ArraySpec((meta["state_dim"],), "float32"), "image/agentview": ArraySpec((224, 224, 3), "uint8"),
            "image/wrist": ArraySpec((224, 224, 3), "uint8")}
     spec = EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
@@ -55,7 +63,7 @@ def build_ours(out: Path, layout: str, **overrides) -> tuple[torch.nn.Module, di
            "checkpoint": str(out / layout), "tokenizer": str(out / "paligemma_tokenizer.model"), "dims": dims,
            "cameras": {"base_0_rgb": "agentview", "left_wrist_0_rgb": "wrist", "right_wrist_0_rgb": None},
            **overrides}
-    return build_policy(cfg, spec), meta, ref
+    return cfg, spec
 
 
 def training_layouts(out: Path) -> None:
