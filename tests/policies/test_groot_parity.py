@@ -175,7 +175,7 @@ def test_nvidia_and_lerobot_layouts_load(tmp_path: Path) -> None:
     assert load_weights(state_only, str(tmp_path / "nvidia")) == state_only.rl_heads()
 
 
-def test_a_lerobot_fine_tune_of_a_tied_model_loads(tmp_path: Path) -> None:
+def test_a_lerobot_fine_tune_of_a_tied_model_loads(tmp_path: Path, one_thread) -> None:
     """N1.5's config ties Qwen3's lm_head to embed_tokens; lerobot's save_pretrained writes through safetensors'
     save_model, which keeps one name of a shared tensor, the first in sorted order: lm_head. Here our small model
     with that tie (and without the RL heads a lerobot model lacks) is written by save_model under `_groot_model.`."""

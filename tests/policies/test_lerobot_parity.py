@@ -108,7 +108,7 @@ def first_lerobot_layout(out: Path) -> int:
     return renamed
 
 
-def test_lerobot_and_openpi_layouts_act_as_lerobot(reference) -> None:
+def test_lerobot_and_openpi_layouts_act_as_lerobot(reference, one_thread) -> None:
     variant, out = reference
     training_layouts(out)
     if variant == "pi0":  # (pi0.5 came after that layout)
