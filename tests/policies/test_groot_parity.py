@@ -152,7 +152,7 @@ def fresh(cameras: tuple[str, ...] = ("front",)) -> GR00TPolicy:
     return GR00TPolicy(make_spec(cameras))
 
 
-def test_nvidia_and_lerobot_layouts_load(tmp_path: Path) -> None:
+def test_nvidia_and_lerobot_layouts_load(tmp_path: Path, one_thread) -> None:
     source = fresh()
     with torch.no_grad():
         for p in source.parameters():
@@ -202,7 +202,7 @@ def test_a_lerobot_fine_tune_of_a_tied_model_loads(tmp_path: Path, one_thread) -
     assert torch.equal(target.state_dict()[embed], language_model.model.embed_tokens.weight)
 
 
-def test_a_wrong_file_is_one_line(tmp_path: Path) -> None:
+def test_a_wrong_file_is_one_line(tmp_path: Path, one_thread) -> None:
     from safetensors.torch import save_file
 
     policy = fresh()
