@@ -250,10 +250,11 @@ def write_lerobot_openpi(folder: Path, source: Source, run: RunShape, stats: Nor
     written as lerobot 0.4.4's make_pi0(5)_pre_post_processors save them."""
     variant, d = run.kwargs["variant"], run.dims
     processors = source.layout == "lerobot" and (source.folder / PRE).is_file() and (source.folder / POST).is_file()
-    base = source.config if processors else {}
-    features = base.get("input_features") or {}
+    base = source.config if processors else {}  # (an older lerobot's config has keys 0.4 refuses)
+    features = source.config.get("input_features") or {}
     state = [stats.state.dims()] if stats else features.get("observation.state", {}).get("shape")
-    action = [stats.action.dims()] if stats else base.get("output_features", {}).get("action", {}).get("shape")
+    action = [stats.action.dims()] if stats else (source.config.get("output_features") or {}).get(
+        "action", {}).get("shape")
     if state is None or action is None:
         raise ExportError(f"policy.checkpoint={source.folder} says neither the state's nor the actions' dims and the "
                           "run had no statistics that would: lerobot's config needs them")
@@ -340,7 +341,8 @@ def write_groot(folder: Path, source: Source, run: RunShape) -> None:
     embodiment = gr00t.run_embodiment(d, run.kwargs.get("embodiment_id"))
     tag = next((t for t, i in gr00t.EMBODIMENT_TAGS.items() if i == embodiment), None)
     if tag is None:
-        raise ExportError(f"policy.embodiment_id={embodiment} has no tag in lerobot's groot (it names "
+        raise ExportError(f"the run's embodiment slot {embodiment} (policy.embodiment_id) has no tag in lerobot's "
+                          "groot (it names "
                           f"{', '.join(f'{t}={i}' for t, i in gr00t.EMBODIMENT_TAGS.items())})")
     base = source.config if source.layout == "lerobot" else {
         "type": "groot", "n_obs_steps": 1,
@@ -358,7 +360,8 @@ def write_groot(folder: Path, source: Source, run: RunShape) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line; bad input is one line and exit 2."""
-    parser = argparse.ArgumentParser(prog="python -m ebrl.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ebrl.export", description="A run's trained policy written "
+                                     "so that the code its checkpoint came from loads it (docs/export.md).")
     parser.add_argument("run", help="a run folder (its checkpoints/last.pt) or a checkpoint file of ours")
     parser.add_argument("--to", choices=("lerobot", "openpi"), help="the layout (default: the policy.checkpoint's)")
     parser.add_argument("--out", help="the folder to write (default: <run>/export/<layout>); new or empty")

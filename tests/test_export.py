@@ -12,7 +12,9 @@ loader, given the exported folder, must act as the run did.
   openpi norm_stats.json: the export writes them for lerobot's formulas); written as lerobot's (its own layout, with
   --keep-heads) and as openpi's;
 - pi0.5 from openpi's converter layout, all weights trained; written as openpi's (its own) and as lerobot's (config
-  and processors made from nothing).
+  and processors made from nothing);
+- pi0 from lerobot's first layout (February 2025, test_lerobot_parity.first_lerobot_layout) as published, without
+  processors or statistics; written as lerobot 0.4's.
 """
 from __future__ import annotations
 
@@ -34,12 +36,14 @@ from ebrl.policies.gr00t import GR00TPolicy
 from ebrl.policies.openpi import OpenPIPolicy
 from ebrl.runtime.checkpoint import atomic_save, checkpoint_record
 from tests.conftest import ONE_THREAD, REPO
-from tests.policies.test_lerobot_parity import REFERENCE, ours_config
+from tests.policies.test_lerobot_parity import REFERENCE, first_lerobot_layout, ours_config
 
 TOLERANCE = 1e-4
-# case -> (run, --to, --keep-heads)
+# case -> (run, --to, --keep-heads); the lerobot cases act in lerobot in the default suite, the others slow
 EXPORTS = {"pi0_lerobot": ("pi0", None, True), "pi0_openpi": ("pi0", "openpi", False),
-           "pi05_openpi": ("pi05", None, False), "pi05_lerobot": ("pi05", "lerobot", False)}
+           "pi05_openpi": ("pi05", None, False), "pi05_lerobot": ("pi05", "lerobot", False),
+           "pi0feb_lerobot_slow": ("pi0feb", None, False)}
+LEROBOT_DEFAULT = ["pi0_lerobot", "pi05_lerobot"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,14 +102,18 @@ def make_run(folder: Path, run: Path, layout: str, **overrides) -> tuple[torch.T
 def exported(lerobot_references, tmp_path_factory) -> dict[str, dict]:
     """Each case of EXPORTS: the exported folder, what the run acts, its reference folder."""
     root = tmp_path_factory.mktemp("export")
-    runs = {"pi0": make_run(lerobot_references["pi0"], root / "pi0_run", "lerobot", train="lora", lora_rank=2,
-                            lora_alpha=4, execute=3,
-                            norm_stats=other_stats(lerobot_references["pi0"], root / "norm_stats.json")),
-            "pi05": make_run(lerobot_references["pi05"], root / "pi05_run", "openpi", denoise_steps=3,
-                             prompt_style="lerobot")}
-    return {case: {"variant": variant, "folder": export(root / f"{variant}_run", to, root / case, keep_heads),
-                   "run": runs[variant], "reference": lerobot_references[variant]}
-            for case, (variant, to, keep_heads) in EXPORTS.items()}
+    pi0, pi05 = lerobot_references["pi0"], lerobot_references["pi05"]
+    first_lerobot_layout(pi0, "lerobot_feb2025_base")
+    for f in (pi0 / "lerobot_feb2025_base").glob("policy_*"):  # (that layout has no processors: no statistics)
+        f.unlink()
+    runs = {"pi0": make_run(pi0, root / "pi0_run", "lerobot", train="lora", lora_rank=2, lora_alpha=4, execute=3,
+                            norm_stats=other_stats(pi0, root / "norm_stats.json")),
+            "pi05": make_run(pi05, root / "pi05_run", "openpi", denoise_steps=3, prompt_style="lerobot"),
+            "pi0feb": make_run(pi0, root / "pi0feb_run", "lerobot_feb2025_base")}
+    return {case: {"variant": "pi05" if run == "pi05" else "pi0", "run": runs[run],
+                   "folder": export(root / f"{run}_run", to, root / case, keep_heads),
+                   "reference": pi05 if run == "pi05" else pi0}
+            for case, (run, to, keep_heads) in EXPORTS.items()}
 
 
 def lerobot_acts(exported: dict[str, dict], cases: list[str]) -> dict[str, dict]:
@@ -130,7 +138,7 @@ def lerobot_acts(exported: dict[str, dict], cases: list[str]) -> dict[str, dict]
 
 @pytest.fixture(scope="module")
 def lerobot_layout(exported) -> dict[str, dict]:
-    return lerobot_acts(exported, [c for c in EXPORTS if c.endswith("lerobot")])
+    return lerobot_acts(exported, LEROBOT_DEFAULT)
 
 
 def assert_lerobot_acts_as_the_run(exported: dict[str, dict], theirs: dict[str, dict]) -> None:
@@ -148,8 +156,10 @@ def test_lerobot_acts_its_layout_as_the_run(exported, lerobot_layout) -> None:
 
 
 @pytest.mark.slow
-def test_lerobot_acts_openpis_layout_as_the_run(exported) -> None:
-    assert_lerobot_acts_as_the_run(exported, lerobot_acts(exported, [c for c in EXPORTS if c.endswith("openpi")]))
+def test_lerobot_acts_the_other_exports_as_the_run(exported) -> None:
+    """openpi's layout, and the first lerobot layout without statistics written as lerobot 0.4's (its config and
+    processors made from nothing, normalising nothing)."""
+    assert_lerobot_acts_as_the_run(exported, lerobot_acts(exported, [c for c in EXPORTS if c not in LEROBOT_DEFAULT]))
 
 
 @pytest.mark.parametrize("case", list(EXPORTS))

@@ -173,9 +173,10 @@ def read_norm_stats(path: str | Path) -> NormStats:
 
 
 def find_norm_stats(folder: Path) -> Path | None:
-    """A checkpoint folder's statistics file: lerobot's processor file, else openpi's one assets/*/norm_stats.json
-    (None when there is none; one line when there are several to choose from)."""
-    if (folder / "policy_preprocessor.json").is_file():
+    """A checkpoint folder's statistics file: lerobot's processor file (unless its normaliser holds none: a policy
+    trained without statistics), else openpi's one assets/*/norm_stats.json (None when there is none; one line when
+    there are several to choose from)."""
+    if (folder / "policy_preprocessor.json").is_file() and _has_statistics(folder / "policy_preprocessor.json"):
         return folder / "policy_preprocessor.json"
     if (folder / "norm_stats.json").is_file():
         return folder / "norm_stats.json"
@@ -184,6 +185,14 @@ def find_norm_stats(folder: Path) -> Path | None:
         raise ConfigError(f"{folder / 'assets'} holds statistics of {len(found)} datasets "
                           f"({', '.join(f.parent.name for f in found)}): choose one with policy.norm_stats=<file>")
     return found[0] if found else None
+
+
+def _has_statistics(processor: Path) -> bool:
+    try:
+        steps = json.loads(processor.read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        return True  # (read_lerobot says what is wrong with it)
+    return any(s.get("registry_name") == "normalizer_processor" and s.get("state_file") for s in steps)
 
 
 class Normalizer:

@@ -85,8 +85,8 @@ FEB_2025_NAMES = (("model.language_model.", "language_model.model."), ("model.vi
                   ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
 
 
-def first_lerobot_layout(out: Path) -> int:
-    """lerobot_feb2025/: the layout of the lerobot/pi0 files published in February 2025 (lerobot 0.1, transformers
+def first_lerobot_layout(out: Path, name: str = "lerobot_feb2025") -> int:
+    """<out>/<name>/: the layout of the lerobot/pi0 files published in February 2025 (lerobot 0.1, transformers
     < 4.52), derived from lerobot 0.4.4's save_pretrained file of the same weights by renaming PaliGemma's keys
     (`FEB_2025_NAMES`, under model.paligemma_with_expert.paligemma.); the tied embed_tokens is absent, as save_model
     left it. Its config.json and processors stay 0.4.4's. Returns how many keys were renamed."""
@@ -94,7 +94,7 @@ def first_lerobot_layout(out: Path) -> int:
 
     from safetensors.torch import save_file
 
-    shutil.copytree(out / "lerobot", out / "lerobot_feb2025")
+    shutil.copytree(out / "lerobot", out / name)
     prefix = "model.paligemma_with_expert.paligemma."
     state, renamed = {}, 0
     for key, value in load_file(str(out / "lerobot" / "model.safetensors")).items():
@@ -104,7 +104,7 @@ def first_lerobot_layout(out: Path) -> int:
                 break
         state[key] = value
     assert not any("embed_tokens" in k or ".model.language_model." in k for k in state)
-    save_file(state, str(out / "lerobot_feb2025" / "model.safetensors"))
+    save_file(state, str(out / name / "model.safetensors"))
     return renamed
 
 
