@@ -65,3 +65,12 @@ def lerobot_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     for variant in LEROBOT_VARIANTS:
         shutil.copy(model, root / variant / model.name)
     return {variant: root / variant for variant in LEROBOT_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def groot_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """lerobot 0.4.4's GR00T folders and what it acts (tests/policies/groot_reference.py), made once per session;
+    skipped without lerobot's interpreter."""
+    from tests.policies.test_groot_parity import make_reference
+
+    return make_reference(tmp_path_factory)

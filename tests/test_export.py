@@ -215,7 +215,7 @@ GROOT_EMBODIMENT = 2  # (lerobot's groot names slot 2 so100: the export writes i
 
 
 @pytest.fixture(scope="module")
-def groot(tmp_path_factory) -> dict[str, dict]:
+def groot(groot_reference, tmp_path_factory) -> dict[str, dict]:
     """Two GR00T runs from test_groot_parity's reference at its small size: from lerobot's save of a tied model with
     LoRA, and from NVIDIA's release layout with every weight trained (its export's config is made from nothing).
     Each: what the run's policy, lerobot's GrootPolicy.from_pretrained of the export and our loader of it act on the
@@ -224,10 +224,10 @@ def groot(tmp_path_factory) -> dict[str, dict]:
 
     from ebrl.policies.gr00t import PRESETS
     from tests.policies.test_families import make_spec
-    from tests.policies.test_groot_parity import LEROBOT, SLOTS, chain, make_reference
+    from tests.policies.test_groot_parity import LEROBOT, SLOTS, chain
     from tests.policies.test_groot_parity import REFERENCE as GROOT_REFERENCE
 
-    ref = make_reference(tmp_path_factory)
+    ref = groot_reference
     root = tmp_path_factory.mktemp("groot_export")
     io = load_file(str(ref / "io.safetensors"))
     with pytest.MonkeyPatch.context() as patch:

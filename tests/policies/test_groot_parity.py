@@ -44,8 +44,9 @@ def parity_policy(monkeypatch: pytest.MonkeyPatch, cameras: tuple[str, ...] = ("
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_reference(tmp_path_factory)
+def reference(groot_reference: Path) -> Path:
+    """tests/conftest.py's groot_reference."""
+    return groot_reference
 
 
 def make_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
