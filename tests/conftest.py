@@ -1,6 +1,9 @@
-"""Shared helpers: compose the real configs with Hydra's compose API."""
+"""Shared helpers: compose the real configs with Hydra's compose API; lerobot's pi0 / pi0.5 reference folders."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+LEROBOT_VARIANTS = ("pi0", "pi05")
+# a reference interpreter's environment: one OpenMP thread (a third faster here, where other processes load the cores)
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def lerobot_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """lerobot 0.4.4's pi0 and pi0.5 folders at a small size and what they act (tests/policies/lerobot_reference.py),
+    made once per session in one run of lerobot's interpreter: variant -> folder, each with the SentencePiece model
+    its prompts were tokenized with as paligemma_tokenizer.model. Skipped without that interpreter."""
+    from ebrl.envs.setup import benchmark_python
+    from tests.policies.test_lerobot_parity import REFERENCE, train_sentencepiece
+
+    python = benchmark_python("lerobot")
+    if python is None:
+        pytest.skip("lerobot's interpreter is not set up: python -m ebrl.envs.setup lerobot")
+    root = tmp_path_factory.mktemp("lerobot")
+    model = train_sentencepiece(root / "paligemma_tokenizer.model")
+    subprocess.run([str(python), str(REFERENCE), "reference", str(root), str(model), *LEROBOT_VARIANTS], check=True,
+                   capture_output=True, timeout=600, env=ONE_THREAD)
+    for variant in LEROBOT_VARIANTS:
+        shutil.copy(model, root / variant / model.name)
+    return {variant: root / variant for variant in LEROBOT_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def groot_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """lerobot 0.4.4's GR00T folders and what it acts (tests/policies/groot_reference.py), made once per session;
+    skipped without lerobot's interpreter."""
+    from tests.policies.test_groot_parity import make_reference
+
+    return make_reference(tmp_path_factory)

@@ -16,7 +16,7 @@ LAYERS = [
     {"ebrl.policies"},
     {"ebrl.rl", "ebrl.alloc"},
     {"ebrl.runtime", "ebrl.demos"},
-    {"ebrl.bench"},
+    {"ebrl.bench", "ebrl.export"},
 ]
 
 

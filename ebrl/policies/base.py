@@ -31,6 +31,21 @@ def masked_mean(error: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (error * m).sum() / m.sum().clamp_min(1.0)
 
 
+def preset_dims(presets: dict[str, Any], preset: str, dims: dict[str, int] | None = None) -> Any:
+    """The sizes of `policy.preset`, with `policy.dims` (a checkpoint at sizes of its own) replacing some; one line
+    for an unknown preset or size."""
+    if preset not in presets:
+        raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
+    d = presets[preset]
+    if dims:
+        known = [f.name for f in dataclasses.fields(d)]
+        unknown = [k for k in dims if k not in known]
+        if unknown:
+            raise ConfigError(f"policy.dims has no size {', '.join(unknown)}; accepted: {', '.join(known)}")
+        d = dataclasses.replace(d, **{k: int(v) for k, v in dims.items()})
+    return d
+
+
 @dataclass
 class PolicySample:
     """One sampled action chunk per batch row."""
@@ -97,6 +112,12 @@ class Policy(nn.Module):
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
 
+    @classmethod
+    def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint file's tensors (or anything keyed by their names) under the family's own names: its writers'
+        prefixes removed, older names renamed; nothing dropped or added (`import_state_dict` drops and ties)."""
+        return state
+
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """A local checkpoint's tensors under this policy's keys, and the key prefixes it may lack (the RL heads a
         published checkpoint does not have). Families whose public checkpoints name things differently map here."""
@@ -105,17 +126,9 @@ class Policy(nn.Module):
     def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec, dims: dict[str, int] | None = None,
              state_dims: list[int] | None = None) -> Any:
         """Take this env's spec (env_spec, action_dim, the sorted camera keys) and return the dims of
-        `policy.preset`, with `policy.dims` (a checkpoint at sizes of its own) replacing some; one line for an unknown
-        preset or size, or an env whose state (or actions) exceed the padded max_state_dim (max_action_dim)."""
-        if preset not in presets:
-            raise ConfigError(f"policy.preset={preset!r} is not available; accepted: {', '.join(presets)}")
-        d = presets[preset]
-        if dims:
-            known = [f.name for f in dataclasses.fields(d)]
-            unknown = [k for k in dims if k not in known]
-            if unknown:
-                raise ConfigError(f"policy.dims has no size {', '.join(unknown)}; accepted: {', '.join(known)}")
-            d = dataclasses.replace(d, **{k: int(v) for k, v in dims.items()})
+        `policy.preset` (`preset_dims`); one line for an env whose state (or actions) exceed the padded max_state_dim
+        (max_action_dim)."""
+        d = preset_dims(presets, preset, dims)
         state_dim = env_spec.obs["state"].shape[0]
         if state_dims is not None:  # the env state dims the policy reads (policy.state_dims)
             bad = [i for i in state_dims if not 0 <= i < state_dim]

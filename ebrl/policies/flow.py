@@ -98,7 +98,12 @@ class FlowPolicy(Policy):
         raise NotImplementedError
 
     def rl_heads(self) -> list[str]:
-        return ["value_head", "noise_std_head"] if self.logprob == "flow_noise" else ["value_head"]
+        return self.heads_of(self.logprob)
+
+    @staticmethod
+    def heads_of(logprob: str) -> list[str]:
+        """The RL heads a flow policy of this `policy.logprob` adds: the value head, and Flow-Noise's std head."""
+        return ["value_head", "noise_std_head"] if logprob == "flow_noise" else ["value_head"]
 
     # --- the chain ---------------------------------------------------------------------------
     def times(self, steps: int, device: torch.device) -> torch.Tensor:

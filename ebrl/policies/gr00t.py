@@ -28,12 +28,14 @@ Simplified: the byte-level tokenizer (no Qwen3 tokenizer file is fetched) and no
 the instruction); the backbone's attention masks padded instruction tokens (Eagle's, fed unpadded instructions, has
 none to mask); no dropout; no FLARE loss; one embodiment per policy (GR00T picks one per batch row). The SigLIP
 attention-pooling head, which N1.5 never runs, is not built, and Qwen3's lm_head is tied to embed_tokens (so
-neither adds parameters; a file's copies of them are dropped on load).
+neither adds parameters; a file's copies of them are dropped on load, and a file that kept only the tied lm_head
+gives embed_tokens from it).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -195,6 +197,19 @@ class EagleBackbone(nn.Module):
 # --- action head -------------------------------------------------------------------------------
 TIME_BUCKETS = 1000  # GR00T's num_timestep_buckets
 NEW_EMBODIMENT = 31  # GR00T's EMBODIMENT_TAG_MAPPING["new_embodiment"] (lerobot's groot processor: the same)
+
+
+# GR00T's EMBODIMENT_TAG_MAPPING as lerobot 0.4.4's groot processor names the embodiments (embodiment_tag)
+EMBODIMENT_TAGS = {"new_embodiment": NEW_EMBODIMENT, "oxe_droid": 17, "agibot_genie1": 26, "gr1": 24, "so100": 2,
+                   "unitree_g1": 3}
+
+
+def run_embodiment(d: "GR00TDims", embodiment_id: int | None) -> int:
+    """The embodiment slot a policy runs: `policy.embodiment_id`, or null for "new_embodiment", GR00T's last projector
+    slot, the one fine-tunes train (the last there is in a preset with fewer)."""
+    if embodiment_id is None:
+        return NEW_EMBODIMENT if d.embodiments > NEW_EMBODIMENT else d.embodiments - 1
+    return embodiment_id
 
 
 def time_buckets(t: torch.Tensor) -> torch.Tensor:
@@ -361,8 +376,7 @@ class GR00TPolicy(FlowPolicy):
         chunk = chunk or d.chunk
         if chunk > d.max_seq_len:
             raise ConfigError(f"policy.chunk={chunk} is more than the preset's {d.max_seq_len} action positions")
-        if embodiment_id is None:  # "new_embodiment": GR00T's last projector slot, the one fine-tunes train
-            embodiment_id = NEW_EMBODIMENT if d.embodiments > NEW_EMBODIMENT else d.embodiments - 1
+        embodiment_id = run_embodiment(d, embodiment_id)
         if not 0 <= embodiment_id < d.embodiments:
             raise ConfigError(f"policy.embodiment_id={embodiment_id} is not one of the preset's {d.embodiments} "
                               f"embodiment slots (0..{d.embodiments - 1}); null picks new_embodiment")
@@ -425,16 +439,30 @@ class GR00TPolicy(FlowPolicy):
     UNUSED = ("backbone.eagle_model.language_model.lm_head.",  # tied to embed_tokens; N1.5 reads hidden states
               "backbone.eagle_model.vision_model.vision_model.head.")  # SigLIP's pooling head, never run by N1.5
 
+    # Qwen3's lm_head is tied to embed_tokens in N1.5's config, and a lerobot fine-tune of a tied model, written by
+    # safetensors' save_model, keeps one name of the shared tensor, the first in sorted order: lm_head's
+    TIED = ("backbone.eagle_model.language_model.model.embed_tokens.weight",
+            "backbone.eagle_model.language_model.lm_head.weight")
+
+    @classmethod
+    def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
+        """A GR00T file's tensors under GR00TN15's own names (lerobot's `_groot_model.` prefix removed)."""
+        return {key.removeprefix(cls.LEROBOT_PREFIX): value for key, value in state.items()}
+
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """NVIDIA's release (GR00TN15's own names: backbone.eagle_model.*, action_head.*, as its save_pretrained
         shards them) and lerobot's fine-tunes (the same under `_groot_model.`) load as they are: our modules carry
-        GR00T's names, W/b layouts and velocity sign. Dropped: what N1.5 never runs (lm_head, SigLIP's pooling head)
-        and, in a state-only env (no vision tower built), the vision tower and mlp1. The RL heads may be missing."""
+        GR00T's names, W/b layouts and velocity sign; a file with only the tied lm_head gives embed_tokens from it.
+        Dropped: what N1.5 never runs (lm_head, SigLIP's pooling head) and, in a state-only env (no vision tower
+        built), the vision tower and mlp1. The RL heads may be missing."""
+        state = self.published_names(state)
+        embed, head = self.TIED
+        if embed not in state and head in state:
+            state = {**state, embed: state[head]}
         own = self.state_dict()
         vision = ("backbone.eagle_model.vision_model.", "backbone.eagle_model.mlp1.")
         out = {}
         for key, value in state.items():
-            key = key.removeprefix(self.LEROBOT_PREFIX)
             if key not in own and (key.startswith(self.UNUSED) or (not self.cameras and key.startswith(vision))):
                 continue
             out[key] = value

@@ -69,13 +69,61 @@ def read_openpi(path: Path) -> NormStats:
         table = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"policy.norm_stats={path} is not a readable JSON file ({type(e).__name__})") from None
+    return openpi_stats(table, str(path))
+
+
+def openpi_stats(table: dict, source: str) -> NormStats:
+    """The statistics of an openpi norm_stats.json's contents (a checkpoint of ours carries them so)."""
     table = table.get("norm_stats", table)
     missing = [k for k in ("state", "actions") if k not in table]
     if missing:
-        raise ConfigError(f"policy.norm_stats={path} has no {' or '.join(missing)} statistics (keys: "
+        raise ConfigError(f"policy.norm_stats={source} has no {' or '.join(missing)} statistics (keys: "
                           f"{', '.join(table) or 'none'}); openpi's norm_stats.json has 'state' and 'actions'")
-    return NormStats(_stats(table["state"], str(path), "state"), _stats(table["actions"], str(path), "actions"),
-                     "openpi", str(path))
+    return NormStats(_stats(table["state"], source, "state"), _stats(table["actions"], source, "actions"), "openpi",
+                     source)
+
+
+def openpi_table(stats: NormStats) -> dict:
+    """openpi's norm_stats.json contents of statistics in openpi's convention (`in_convention`)."""
+    assert stats.convention == "openpi"
+    return {"norm_stats": {name: {k: getattr(getattr(stats, key), k).tolist() for k in STAT_NAMES
+                                  if getattr(getattr(stats, key), k) is not None}
+                           for key, name in (("state", "state"), ("action", "actions"))}}
+
+
+def lerobot_tensors(stats: NormStats) -> dict[str, torch.Tensor]:
+    """The tensors of a lerobot normalizer step's state file (`observation.state.mean`, `action.q01`, ...) of
+    statistics in lerobot's convention (`in_convention`)."""
+    assert stats.convention == "lerobot"
+    return {f"{feature}.{k}": torch.tensor(getattr(getattr(stats, key), k), dtype=torch.float32)
+            for key, feature in (("state", "observation.state"), ("action", "action")) for k in STAT_NAMES
+            if getattr(getattr(stats, key), k) is not None}
+
+
+def in_convention(stats: NormStats, convention: str, eps: float = 1e-8) -> NormStats:
+    """The same normalisation written for another writer's formulas (module docstring): the std and q99 are shifted
+    so that the other convention divides by what this one divides by (openpi's 1e-6 against lerobot's eps), exactly
+    but for an eps where an un-normalisation multiplies (below 1e-6 of the stats' scale). `eps`: lerobot's."""
+    if convention == stats.convention and (convention == "openpi" or eps == stats.eps):
+        return stats
+    old = OPENPI_EPS if stats.convention == "openpi" else stats.eps
+    new = OPENPI_EPS if convention == "openpi" else eps
+    out = {}
+    for key in ("state", "action"):
+        f = getattr(stats, key)
+        q99 = f.q99
+        if f.q01 is not None and f.q99 is not None:  # the span each divides by: openpi's + 1e-6, lerobot's eps at 0
+            span = f.q99 - f.q01 + OPENPI_EPS if stats.convention == "openpi" else np.where(f.q99 == f.q01, old,
+                                                                                           f.q99 - f.q01)
+            q99 = f.q01 + span - (OPENPI_EPS if convention == "openpi" else 0.0)
+        out[key] = Stats(f.mean, None if f.std is None else f.std + old - new, f.q01, q99)
+    return NormStats(out["state"], out["action"], convention, stats.source, eps=eps, modes=dict(stats.modes))
+
+
+def norm_modes(stats: NormStats, norm_mode: str | None, default: str) -> tuple[str, str]:
+    """(state mode, action mode) a policy normalises with: `policy.norm_mode`, else the writer's own, else the
+    family's `default`."""
+    return tuple(norm_mode or stats.modes.get(key) or default for key in ("state", "action"))  # type: ignore
 
 
 LEROBOT_MODES = {"MEAN_STD": "mean_std", "QUANTILES": "quantiles"}
@@ -125,9 +173,10 @@ def read_norm_stats(path: str | Path) -> NormStats:
 
 
 def find_norm_stats(folder: Path) -> Path | None:
-    """A checkpoint folder's statistics file: lerobot's processor file, else openpi's one assets/*/norm_stats.json
-    (None when there is none; one line when there are several to choose from)."""
-    if (folder / "policy_preprocessor.json").is_file():
+    """A checkpoint folder's statistics file: lerobot's processor file (unless its normaliser holds none: a policy
+    trained without statistics), else openpi's one assets/*/norm_stats.json (None when there is none; one line when
+    there are several to choose from)."""
+    if (folder / "policy_preprocessor.json").is_file() and _has_statistics(folder / "policy_preprocessor.json"):
         return folder / "policy_preprocessor.json"
     if (folder / "norm_stats.json").is_file():
         return folder / "norm_stats.json"
@@ -136,6 +185,14 @@ def find_norm_stats(folder: Path) -> Path | None:
         raise ConfigError(f"{folder / 'assets'} holds statistics of {len(found)} datasets "
                           f"({', '.join(f.parent.name for f in found)}): choose one with policy.norm_stats=<file>")
     return found[0] if found else None
+
+
+def _has_statistics(processor: Path) -> bool:
+    try:
+        steps = json.loads(processor.read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        return True  # (read_lerobot says what is wrong with it)
+    return any(s.get("registry_name") == "normalizer_processor" and s.get("state_file") for s in steps)
 
 
 class Normalizer:

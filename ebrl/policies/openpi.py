@@ -40,7 +40,7 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
-from ebrl.policies.normalize import Normalizer, find_norm_stats, read_norm_stats
+from ebrl.policies.normalize import Normalizer, find_norm_stats, norm_modes, read_norm_stats
 from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, clean, find_tokenizer
 from ebrl.policies.layers import (
     BYTE_VOCAB,
@@ -219,8 +219,7 @@ class OpenPIPolicy(FlowPolicy):
         self.normalizer = None
         if norm_stats:
             stats = read_norm_stats(norm_stats)
-            mode = norm_mode or stats.modes.get("action") or NORM_MODES[variant]
-            self.normalizer = Normalizer(stats, norm_mode or stats.modes.get("state") or NORM_MODES[variant], mode)
+            self.normalizer = Normalizer(stats, *norm_modes(stats, norm_mode, NORM_MODES[variant]))
         elif norm_mode:
             raise ConfigError(f"policy.norm_mode={norm_mode} needs statistics: give policy.norm_stats=<file> or a "
                               "checkpoint folder that has them")
@@ -498,16 +497,40 @@ class OpenPIPolicy(FlowPolicy):
         return self.expert.final_norm(out, cond), temb
 
     # --- checkpoints and initialisation -------------------------------------------------------------
+    # lerobot's PI0Policy / PI05Policy keep openpi's PI0Pytorch as `model`
+    LEROBOT_PREFIX = "model."
+    # PaliGemma ties lm_head to embed_tokens, and safetensors' save_model (openpi's converter and trainer, lerobot's
+    # save_pretrained) keeps one name of a shared tensor, the first in sorted order: lm_head's
+    TIED = ("paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
+            "paligemma_with_expert.paligemma.lm_head.weight")
+    # transformers < 4.52 named PaliGemma's parts without the inner `model` (the lerobot/pi0 files of February 2025,
+    # lerobot <= 0.3 fine-tunes); transformers' PaliGemmaForConditionalGeneration._checkpoint_conversion_mapping
+    # renames them on load as these do, under openpi's `paligemma_with_expert.paligemma.`
+    OLD_PALIGEMMA = tuple((f"paligemma_with_expert.paligemma.{old}", f"paligemma_with_expert.paligemma.{new}")
+                          for old, new in (("language_model.model.", "model.language_model."),
+                                           ("vision_tower.", "model.vision_tower."),
+                                           ("multi_modal_projector.", "model.multi_modal_projector."),
+                                           ("language_model.lm_head.", "lm_head.")))
+
+    @classmethod
+    def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
+        """A pi0/pi0.5 file's tensors under openpi's PyTorch names (this policy's): lerobot's "model." prefix removed
+        and transformers < 4.52's PaliGemma names renamed; nothing dropped or added."""
+        if state and all(k.startswith(cls.LEROBOT_PREFIX) for k in state):
+            state = {k[len(cls.LEROBOT_PREFIX):]: v for k, v in state.items()}
+        out = {}
+        for key, value in state.items():
+            old = next((pair for pair in cls.OLD_PALIGEMMA if key.startswith(pair[0])), None)
+            out[key if old is None else old[1] + key[len(old[0]):]] = value
+        return out
+
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """A pi0/pi0.5 PyTorch checkpoint (openpi's names, or lerobot's with a "model." prefix) as this policy's
-        state dict; the text heads are dropped (tied or unused: pi0 never decodes text) and, for a state-only env,
-        the vision tower too. The RL heads may be missing."""
-        if state and all(k.startswith("model.") for k in state):
-            state = {k[len("model."):]: v for k, v in state.items()}
-        # PaliGemma ties lm_head to embed_tokens, and safetensors' save_model (openpi's converter and trainer, lerobot's
-        # save_pretrained) keeps one name of a shared tensor: lm_head's, dropping embed_tokens
-        embed, head = ("paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
-                       "paligemma_with_expert.paligemma.lm_head.weight")
+        """A pi0/pi0.5 PyTorch checkpoint (openpi's names, lerobot's with a "model." prefix, or lerobot's first
+        layout with transformers < 4.52's PaliGemma names: `published_names`) as this policy's state dict; the text
+        heads are dropped (tied or unused: pi0 never decodes text) and, for a state-only env, the vision tower too.
+        The RL heads may be missing."""
+        state = self.published_names(state)
+        embed, head = self.TIED
         if embed not in state and head in state:
             state = {**state, embed: state[head]}
         drop = ("paligemma_with_expert.paligemma.lm_head.", "paligemma_with_expert.gemma_expert.lm_head.")

@@ -2,6 +2,7 @@
 (`python -m ebrl.envs.setup lerobot`) by tests/policies/test_groot_parity.py; not imported by EBRL.
 
     python groot_reference.py SPEC.json OUT_DIR
+    python groot_reference.py act SPEC.json JOB.json
 
 SPEC.json holds the sizes (our preset's dims), the batch, the embodiment id and a seed. The script builds lerobot's
 GR00TN15 (small Eagle 2.5 VLM + FlowmatchingActionHead) from lerobot's own config objects, with random weights,
@@ -10,10 +11,15 @@ and writes to OUT_DIR:
   and model.safetensors.index.json, the layout of NVIDIA's GR00T-N1.5-3B release (transformers' save_pretrained);
 - lerobot/: lerobot's GrootPolicy built from nvidia/ (GR00TN15.from_pretrained, as lerobot builds a policy from a
   base model) and saved by GrootPolicy.save_pretrained (model.safetensors, keys under `_groot_model.`);
+- lerobot_tied/: that policy with Qwen3's lm_head tied to embed_tokens (transformers' tie_weights; N1.5's config
+  ties them, and GR00TN15 built from it has them tied, but from_pretrained leaves them apart), saved the same way:
+  safetensors' save_model keeps only lm_head of the shared tensor;
 - io.safetensors: the inputs (pixel values, input ids, state, backbone features) and lerobot's outputs: the
   backbone's features, and for the action head on given backbone features (head_*) and for the whole model
   (full_*) the chain's starting noise, the actions and timestep of every Euler step, the velocity there, and the
   denoised chunk.
+`act` loads folders someone else wrote (`python -m ebrl.export`) as lerobot loads a groot fine-tune and acts on
+io.safetensors' inputs (`act`'s docstring).
 Only lerobot's config objects are edited (sizes, SDPA attention), with one substitution: lerobot's Eagle forces
 flash_attention_2 onto its SigLIP and flash-attn is not installed, so SigLIP is built with SDPA (`sdpa_siglip`);
 its modules run unchanged otherwise, observed through forward hooks. No network: Eagle's config.json and the
@@ -126,11 +132,11 @@ class Recorder:
                 f"{prefix}_v": torch.stack(self.v, 1)}
 
 
-def main(spec_path: str, out_dir: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    d, batch, out = spec["dims"], spec["batch"], Path(out_dir)
+def offline_home(d: dict) -> None:
+    """A lerobot home of its own with Eagle's config.json at our sizes and placeholder tokenizer assets: nothing is
+    downloaded (before lerobot is imported: it reads HF_LEROBOT_HOME then)."""
     home = Path(tempfile.mkdtemp(prefix="lerobot-home-"))
-    os.environ["HF_LEROBOT_HOME"] = str(home)  # read when lerobot.utils.constants is imported
+    os.environ["HF_LEROBOT_HOME"] = str(home)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_MODULES_CACHE"] = str(home / "modules")  # where trust_remote_code copies Eagle's modules
     cache = home / ASSETS_REPO
@@ -138,6 +144,12 @@ def main(spec_path: str, out_dir: str) -> None:
     (cache / "config.json").write_text(json.dumps(eagle_config(d)))
     for name in PLACEHOLDER_ASSETS:
         (cache / name).write_text("{}")
+
+
+def main(spec_path: str, out_dir: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    d, batch, out = spec["dims"], spec["batch"], Path(out_dir)
+    offline_home(d)
 
     from safetensors.torch import save_file
     from transformers.feature_extraction_utils import BatchFeature
@@ -169,6 +181,12 @@ def main(spec_path: str, out_dir: str) -> None:
     reloaded_state = reloaded.state_dict()
     differ = [k for k, v in model.state_dict().items() if "lm_head" not in k and not torch.equal(v, reloaded_state[k])]
     assert not differ, f"lerobot's GrootPolicy did not reload the saved GR00TN15 weights: {differ[:3]}"
+    # lerobot_tied/: the same policy with Qwen3's lm_head tied to embed_tokens, as N1.5's config ties them (from_pretrained
+    # above left them apart), by transformers' own tie_weights; save_pretrained's save_model then keeps lm_head only
+    language_model = reloaded.backbone.eagle_model.language_model
+    language_model.tie_weights()
+    assert language_model.lm_head.weight is language_model.model.embed_tokens.weight
+    policy.save_pretrained(str(out / "lerobot_tied"))
 
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     patches = (d["image_size"] // d["patch_size"]) ** 2
@@ -208,5 +226,42 @@ def main(spec_path: str, out_dir: str) -> None:
                       "lerobot_files": sorted(p.name for p in (out / "lerobot").iterdir())}))
 
 
+def act(spec_path: str, job_path: str) -> None:
+    """Each job case's folder loaded by lerobot's GrootPolicy.from_pretrained (strict, as it loads a fine-tune), and
+    its GR00TN15.get_action on the reference's inputs (io.safetensors) for the case's embodiment, from the torch seed
+    given: the chain's actions at every step (full_x; full_x[:, 0] is its noise) and the chunk, with the names of the
+    tensors lerobot holds otherwise than the file."""
+    spec = json.loads(Path(spec_path).read_text())
+    offline_home(spec["dims"])
+
+    from safetensors.torch import load_file, save_file
+    from transformers.feature_extraction_utils import BatchFeature
+
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+
+    sdpa_siglip()
+    job = json.loads(Path(job_path).read_text())
+    io = load_file(job["io"])
+    for case in job["cases"]:
+        policy = GrootPolicy.from_pretrained(case["folder"]).eval()
+        weights = load_file(str(Path(case["folder"]) / "model.safetensors"))
+        differ = [k for k, v in policy.state_dict().items() if k not in weights or not torch.equal(weights[k], v)]
+        model = policy._groot_model
+        recorder = Recorder(model.action_head, spec["chunk"])
+        ids = io["input_ids"]
+        torch.manual_seed(case["seed"])
+        with torch.no_grad():
+            vl = BatchFeature({"eagle_input_ids": ids, "eagle_attention_mask": torch.ones_like(ids),
+                               "eagle_pixel_values": io["pixel_values"], "eagle_image_sizes": None})
+            embodiment = torch.full((ids.shape[0],), case["embodiment_id"], dtype=torch.long)
+            chunk = model.action_head.get_action(model.backbone(vl), BatchFeature(
+                {"state": io["state"][:, None], "embodiment_id": embodiment}))["action_pred"]
+        save_file({**recorder.tensors("full"), "full_chunk": chunk.contiguous()}, case["out"],
+                  metadata={"differ": json.dumps(differ), "n_action_steps": str(policy.config.n_action_steps)})
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] == "act":
+        act(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:3])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lerobot_reference import local_tokenizer, shrink  # (this folder: the same sizes and tokenizer as the folder's)
+from lerobot_reference import lerobot_variant, local_tokenizer  # (this folder: the folder's sizes and tokenizer)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # our robosuite adapter: the env both sides step (numpy and robosuite only)
@@ -30,13 +30,7 @@ sys.path.insert(0, str(REPO))  # our robosuite adapter: the env both sides step 
 def main(out: Path, variant: str, k: int, steps: int) -> None:
     from lerobot.policies.factory import make_pre_post_processors
 
-    if variant == "pi0":
-        from lerobot.policies.pi0 import modeling_pi0 as modeling
-        policy_cls = modeling.PI0Policy
-    else:
-        from lerobot.policies.pi05 import modeling_pi05 as modeling
-        policy_cls = modeling.PI05Policy
-    shrink(modeling)
+    _, policy_cls, _, _ = lerobot_variant(variant)
     local_tokenizer(str(out / "paligemma_tokenizer.model"), out / "hf_tokenizer")
     folder = out / "lerobot_queue"
     shutil.copytree(out / "lerobot", folder, dirs_exist_ok=True)

@@ -1,10 +1,11 @@
 """The reference side of the pi0 / pi0.5 parity tests: run under lerobot 0.4.4's own interpreter
 (`python -m ebrl.envs.setup lerobot`), never imported by ours.
 
-    python lerobot_reference.py <out folder> <pi0|pi05> <SentencePiece model file>
+    python lerobot_reference.py reference <out folder> <SentencePiece model file> pi0 pi05
+    python lerobot_reference.py act <job.json>
 
-builds lerobot's PI0Policy / PI05Policy at a small size with random weights and random dataset statistics, and
-writes, with lerobot's and safetensors' own writers:
+`reference` builds lerobot's PI0Policy / PI05Policy at a small size with random weights and random dataset
+statistics, and writes to <out>/<variant>/, with lerobot's and safetensors' own writers:
 - <out>/lerobot/: `policy.save_pretrained` + the pre/post-processors' `save_pretrained` (lerobot 0.4's layout);
 - <out>/openpi/: what openpi's JAX-to-PyTorch converter leaves (examples/convert_jax_model_to_pytorch.py):
   `safetensors.torch.save_model(PI0Pytorch)` (lerobot's `policy.model` is openpi's PI0Pytorch, module for module),
@@ -12,6 +13,11 @@ writes, with lerobot's and safetensors' own writers:
 - <out>/reference.safetensors: a batch of raw observations, the noise, and what lerobot makes of them: the tokens and
   mask its processor gives, the normalised state, the model's (normalised) chunk and the env actions after its
   post-processor, all from `predict_action_chunk(noise=...)`.
+`act` loads folders written by someone else (`python -m ebrl.export`) the way lerobot loads a policy folder
+(`from_pretrained`, `make_pre_post_processors(pretrained_path=...)`; an openpi-layout folder with the reference's
+lerobot config and its norm_stats.json as the dataset statistics) and acts on the reference's batch with its noise;
+the job is {"tokenizer": <SentencePiece model file>, "cases": [{"variant", "folder", "reference", "out"}, ...]}, and
+each case's chunk, actions and the names of the tensors lerobot holds otherwise than the file go to its "out".
 What is changed in lerobot, all before anything runs: its sizes (it hardcodes SigLIP So400m and Gemma 2B / 300M;
 here they shrink, by editing the config objects it builds its real modules from), where the PaliGemma tokenizer is
 read from (a local folder made from the given SentencePiece model instead of the hub), and the two torchvision op
@@ -41,7 +47,11 @@ TASKS = ["pick up the black bowl between the plate and the ramekin", "put_the cr
 
 
 def shrink(module) -> None:
-    """lerobot's modeling module with a Gemma size of our own and a small SigLIP."""
+    """lerobot's modeling module with a Gemma size of our own and a small SigLIP (once per module)."""
+    if getattr(module, "_shrunk", False):
+        return
+    module._shrunk = True
+
     def get_gemma_config(variant):  # (the config validates the names: the real ones, at our sizes)
         return module.GemmaConfig(**(VLM if variant == "gemma_2b" else EXPERT))
 
@@ -72,9 +82,8 @@ def local_tokenizer(model_file: str, folder: Path) -> str:
     return str(folder)
 
 
-def main(out: Path, variant: str, model_file: str) -> None:
-    from lerobot.configs.types import FeatureType, PolicyFeature
-
+def lerobot_variant(variant: str) -> tuple:
+    """lerobot's modeling module (shrunk), policy class, config class and processor factory of pi0 or pi0.5."""
     if variant == "pi0":
         from lerobot.policies.pi0 import modeling_pi0 as modeling
         from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
@@ -86,7 +95,22 @@ def main(out: Path, variant: str, model_file: str) -> None:
         from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as processors
         policy_cls = modeling.PI05Policy
     shrink(modeling)
-    local_tokenizer(model_file, out / "hf_tokenizer")
+    return modeling, policy_cls, Config, processors
+
+
+def env_batch(ref: dict[str, torch.Tensor], tasks: list[str]) -> dict:
+    """The raw batch lerobot's pre-processor takes: state, the images as float in [0, 1] (channels first), tasks."""
+    batch = {"observation.state": ref["state"], "task": list(tasks)}
+    for key, image in ref.items():
+        if key.startswith("image/"):
+            batch[f"observation.images.{key[len('image/'):]}"] = image.permute(0, 3, 1, 2).float() / 255.0
+    return batch
+
+
+def reference(out: Path, variant: str) -> None:
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    modeling, policy_cls, Config, processors = lerobot_variant(variant)
     torch.manual_seed(0)
     features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,))}
     for cam in CAMERAS:
@@ -128,9 +152,7 @@ def main(out: Path, variant: str, model_file: str) -> None:
     # a batch as an env gives it (uint8 images; lerobot takes them as float in [0, 1]) and what lerobot acts
     images = {cam: torch.randint(0, 256, (BATCH, 224, 224, 3), generator=g, dtype=torch.uint8) for cam in CAMERAS[:2]}
     state = torch.randn(BATCH, STATE_DIM, generator=g) * 1.5
-    batch = {"observation.state": state, "task": list(TASKS)}
-    for cam, image in images.items():
-        batch[f"observation.images.{cam}"] = image.permute(0, 3, 1, 2).float() / 255.0
+    batch = env_batch({"state": state, **{f"image/{cam}": image for cam, image in images.items()}}, TASKS)
     noise = torch.randn(BATCH, CHUNK, config.max_action_dim, generator=g)
     processed = pre(batch)
     with torch.no_grad():
@@ -151,5 +173,46 @@ def main(out: Path, variant: str, model_file: str) -> None:
     print(f"reference written to {out}")
 
 
+def act(job: list[dict]) -> None:
+    """Each case's folder loaded as lerobot loads a policy, acting on its reference's batch with its noise."""
+    from safetensors.torch import load_file
+
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+
+    for case in job:
+        _, policy_cls, _, processors = lerobot_variant(case["variant"])
+        folder, ref_folder = Path(case["folder"]), Path(case["reference"])
+        if (folder / "config.json").is_file() and "type" in json.loads((folder / "config.json").read_text()):
+            policy = policy_cls.from_pretrained(folder)
+            pre, post = make_pre_post_processors(policy.config, pretrained_path=str(folder))
+        else:  # openpi's layout: the model file and assets/<asset_id>/norm_stats.json
+            config = PreTrainedConfig.from_pretrained(ref_folder / "lerobot")
+            policy = policy_cls.from_pretrained(folder, config=config)
+            table = json.loads(next((folder / "assets").glob("*/norm_stats.json")).read_text())["norm_stats"]
+            stats = {"observation.state": {k: torch.tensor(v) for k, v in table["state"].items()},
+                     "action": {k: torch.tensor(v) for k, v in table["actions"].items()}}
+            pre, post = processors(config, dataset_stats=stats)
+        # (lerobot 0.4.4's from_pretrained loads what fits and only prints what did not: the test checks the weights)
+        weights = load_file(str(folder / "model.safetensors"))
+        prefix = "" if next(iter(weights)).startswith("model.") else "model."
+        weights = {prefix + k: v for k, v in weights.items()}
+        differ = [k for k, v in policy.state_dict().items() if k not in weights or not torch.equal(weights[k], v)]
+        ref = load_file(str(ref_folder / "reference.safetensors"))
+        tasks = json.loads((ref_folder / "reference.json").read_text())["tasks"]
+        with torch.no_grad():
+            chunk = policy.predict_action_chunk(pre(env_batch(ref, tasks)), noise=ref["noise"])
+        save_file({"model_chunk": chunk.float().contiguous(), "actions": post(chunk).float().contiguous()},
+                  case["out"], metadata={"differ": json.dumps(differ),
+                                         "n_action_steps": str(policy.config.n_action_steps)})
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "reference":
+        root, model_file = Path(sys.argv[2]), sys.argv[3]
+        local_tokenizer(model_file, root / "hf_tokenizer")
+        for name in sys.argv[4:]:
+            reference(root / name, name)
+    else:
+        local_tokenizer(json.loads(Path(sys.argv[2]).read_text())["tokenizer"], Path(sys.argv[2]).parent / "hf_tok")
+        act(json.loads(Path(sys.argv[2]).read_text())["cases"])

@@ -125,3 +125,23 @@ def test_a_full_run_without_a_tokenizer_says_so(tmp_path) -> None:
     model = train_gemma_like(tmp_path / "tokenizer.model", ["lift the cube"], vocab_size=280)
     given = build_policy(openpi_cfg(tokenizer=str(model)), spec())
     assert tokenizer_warning({"name": "openpi", "preset": "full"}, given) is None
+
+
+@pytest.mark.parametrize("mode", ["mean_std", "quantiles"])
+def test_statistics_written_for_the_other_convention_normalise_alike(tmp_path, mode) -> None:
+    """What export writes: openpi's statistics for lerobot's formulas and back, a constant dim (std 0) included, give
+    the normalised values ours gives, and the un-normalised ones within an eps of the stats' scale. (A span q99 - q01
+    of 1e-6, openpi's for a constant dim, is a float32 difference of two numbers of the data's scale in lerobot's
+    file: it cannot be kept to 1e-5.)"""
+    from ebrl.policies.normalize import in_convention, openpi_stats, openpi_table
+
+    openpi = read_norm_stats(write_stats(tmp_path / "norm_stats.json", ACTIONS))
+    openpi.state.std[0] = 0.0
+    lerobot = in_convention(openpi, "lerobot", eps=1e-8)
+    back = openpi_stats(openpi_table(in_convention(lerobot, "openpi")), "back")
+    x, z = torch.randn(5, STATE) * 2, torch.randn(5, STATE)  # (z: what a model outputs, of the order of 1)
+    ours = Normalizer(openpi, mode, mode)
+    for other in (lerobot, back):
+        theirs = Normalizer(other, mode, mode)
+        assert torch.allclose(theirs.normalize("state", x), ours.normalize("state", x), rtol=1e-5), other.convention
+        assert torch.allclose(theirs.unnormalize("state", z), ours.unnormalize("state", z), atol=1e-6)

@@ -44,7 +44,13 @@ def parity_policy(monkeypatch: pytest.MonkeyPatch, cameras: tuple[str, ...] = ("
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(groot_reference: Path) -> Path:
+    """tests/conftest.py's groot_reference."""
+    return groot_reference
+
+
+def make_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """groot_reference.py's folders and io.safetensors (skipped without lerobot's interpreter)."""
     if not LEROBOT.is_file():
         pytest.skip(f"no lerobot venv at {LEROBOT}: run `python -m ebrl.envs.setup lerobot` for the GR00T parity "
                     "tests")
@@ -79,8 +85,13 @@ def chain(policy: GR00TPolicy, cond: dict, x: torch.Tensor, t: torch.Tensor) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["nvidia", "lerobot"])
+@pytest.mark.parametrize("layout", ["nvidia", "lerobot", "lerobot_tied"])
 def test_action_head_matches_lerobot(reference: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if layout == "lerobot_tied":  # (lerobot's own save of a tied model: lm_head is all the file has of the two)
+        from safetensors import safe_open
+
+        names = set(safe_open(str(reference / layout / "model.safetensors"), "pt").keys())
+        assert {f"_groot_model.{k}" for k in GR00TPolicy.TIED} & names == {f"_groot_model.{GR00TPolicy.TIED[1]}"}
     policy = parity_policy(monkeypatch)
     assert load_weights(policy, str(reference / layout)) == policy.rl_heads()  # the file has all but the RL heads
     ref = io(reference)
@@ -94,9 +105,10 @@ def test_action_head_matches_lerobot(reference: Path, layout: str, monkeypatch: 
 
 
 @pytest.mark.slow
-def test_backbone_and_whole_model_match_lerobot(reference: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["nvidia", "lerobot_tied"])  # (the tied file's embed_tokens is its lm_head)
+def test_backbone_and_whole_model_match_lerobot(reference: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     policy = parity_policy(monkeypatch)
-    load_weights(policy, str(reference / "nvidia"))
+    load_weights(policy, str(reference / layout))
     ref = io(reference)
     patches = (policy.dims.image_size // policy.dims.patch_size) ** 2
     tokens = ref["input_ids"][:, patches:]
@@ -141,7 +153,7 @@ def fresh(cameras: tuple[str, ...] = ("front",)) -> GR00TPolicy:
     return GR00TPolicy(make_spec(cameras))
 
 
-def test_nvidia_and_lerobot_layouts_load(tmp_path: Path) -> None:
+def test_nvidia_and_lerobot_layouts_load(tmp_path: Path, one_thread) -> None:
     source = fresh()
     with torch.no_grad():
         for p in source.parameters():
@@ -164,7 +176,34 @@ def test_nvidia_and_lerobot_layouts_load(tmp_path: Path) -> None:
     assert load_weights(state_only, str(tmp_path / "nvidia")) == state_only.rl_heads()
 
 
-def test_a_wrong_file_is_one_line(tmp_path: Path) -> None:
+def test_a_lerobot_fine_tune_of_a_tied_model_loads(tmp_path: Path, one_thread) -> None:
+    """N1.5's config ties Qwen3's lm_head to embed_tokens; lerobot's save_pretrained writes through safetensors'
+    save_model, which keeps one name of a shared tensor, the first in sorted order: lm_head. Here our small model
+    with that tie (and without the RL heads a lerobot model lacks) is written by save_model under `_groot_model.`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+
+    source = fresh()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))
+    language_model = source.backbone.eagle_model.language_model
+    language_model.lm_head = torch.nn.Linear(source.dims.width, source.dims.vocab, bias=False)
+    language_model.lm_head.weight = language_model.model.embed_tokens.weight
+    for head in source.rl_heads():
+        delattr(source, head)
+    lerobot = torch.nn.Module()
+    lerobot._groot_model = source
+    save_model(lerobot, str(tmp_path / "model.safetensors"))
+    embed, head = GR00TPolicy.TIED
+    assert {f"_groot_model.{head}"} == {k for k in safe_open(str(tmp_path / "model.safetensors"), "pt").keys()
+                                        if k.endswith((embed, head))}
+    target = fresh()
+    assert load_weights(target, str(tmp_path)) == target.rl_heads()
+    assert torch.equal(target.state_dict()[embed], language_model.model.embed_tokens.weight)
+
+
+def test_a_wrong_file_is_one_line(tmp_path: Path, one_thread) -> None:
     from safetensors.torch import save_file
 
     policy = fresh()

@@ -23,6 +23,7 @@ from ebrl.envs.setup import benchmark_python
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import resize_with_pad
 from ebrl.policies.tokenizer import PaligemmaTokenizer, train_gemma_like
+from tests.conftest import ONE_THREAD
 
 REFERENCE = Path(__file__).with_name("lerobot_reference.py")
 CORPUS = ["pick up the black bowl between the plate and the ramekin and place it on the plate",
@@ -36,20 +37,22 @@ def train_sentencepiece(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=["pi0", "pi05"])
-def reference(request, tmp_path_factory) -> tuple[str, Path]:
-    python = benchmark_python("lerobot")
-    if python is None:
-        pytest.skip("lerobot's interpreter is not set up: python -m ebrl.envs.setup lerobot")
-    out = tmp_path_factory.mktemp(f"lerobot_{request.param}")
-    model = train_sentencepiece(out / "paligemma_tokenizer.model")
-    subprocess.run([str(python), str(REFERENCE), str(out), request.param, str(model)], check=True,
-                   capture_output=True, timeout=300)
-    return request.param, out
+def reference(request, lerobot_references) -> tuple[str, Path]:
+    """(variant, its folder of tests/conftest.py's lerobot_references)."""
+    return request.param, lerobot_references[request.param]
 
 
 def build_ours(out: Path, layout: str, spec: EnvSpec | None = None, **overrides) -> tuple[torch.nn.Module, dict, dict]:
+    """Our policy from the reference's folder `layout`, with lerobot's sizes; and the reference's record and batch."""
+    cfg, spec = ours_config(out, layout, spec, **overrides)
+    return build_policy(cfg, spec), json.loads((out / "reference.json").read_text()), load_file(
+        str(out / "reference.safetensors"))
+
+
+def ours_config(out: Path, layout: str, spec: EnvSpec | None = None, **overrides) -> tuple[dict, EnvSpec]:
+    """The resolved policy config of our policy from the reference's folder `layout` (at lerobot's sizes, its
+    cameras mapped to an env's agentview and wrist, the third masked), and that env's spec (or `spec`)."""
     meta = json.loads((out / "reference.json").read_text())
-    ref = load_file(str(out / "reference.safetensors"))
     obs = {"state": ArraySpec((meta["state_dim"],), "float32"), "image/agentview": ArraySpec((224, 224, 3), "uint8"),
            "image/wrist": ArraySpec((224, 224, 3), "uint8")}
     spec = spec or EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
@@ -63,7 +66,7 @@ def build_ours(out: Path, layout: str, spec: EnvSpec | None = None, **overrides)
            "checkpoint": str(out / layout), "tokenizer": str(out / "paligemma_tokenizer.model"), "dims": dims,
            "cameras": {"base_0_rgb": "agentview", "left_wrist_0_rgb": "wrist", "right_wrist_0_rgb": None},
            **overrides}
-    return build_policy(cfg, spec), meta, ref
+    return cfg, spec
 
 
 def training_layouts(out: Path) -> None:
@@ -79,10 +82,42 @@ def training_layouts(out: Path) -> None:
     torch.save({"global_step": 30000}, step / "metadata.pt")
 
 
-def test_lerobot_and_openpi_layouts_act_as_lerobot(reference) -> None:
+# transformers' PaliGemmaForConditionalGeneration._checkpoint_conversion_mapping (4.52 on), read backwards: the names
+# transformers < 4.52 gave PaliGemma's parts, as lerobot's first pi0 files have them
+FEB_2025_NAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                  ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+
+
+def first_lerobot_layout(out: Path, name: str = "lerobot_feb2025") -> int:
+    """<out>/<name>/: the layout of the lerobot/pi0 files published in February 2025 (lerobot 0.1, transformers
+    < 4.52), derived from lerobot 0.4.4's save_pretrained file of the same weights by renaming PaliGemma's keys
+    (`FEB_2025_NAMES`, under model.paligemma_with_expert.paligemma.); the tied embed_tokens is absent, as save_model
+    left it. Its config.json and processors stay 0.4.4's. Returns how many keys were renamed."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(out / "lerobot", out / name)
+    prefix = "model.paligemma_with_expert.paligemma."
+    state, renamed = {}, 0
+    for key, value in load_file(str(out / "lerobot" / "model.safetensors")).items():
+        for new, old in FEB_2025_NAMES:
+            if key.startswith(prefix + new):
+                key, renamed = prefix + old + key[len(prefix + new):], renamed + 1
+                break
+        state[key] = value
+    assert not any("embed_tokens" in k or ".model.language_model." in k for k in state)
+    save_file(state, str(out / name / "model.safetensors"))
+    return renamed
+
+
+def test_lerobot_and_openpi_layouts_act_as_lerobot(reference, one_thread) -> None:
     variant, out = reference
     training_layouts(out)
-    layouts = [("lerobot", {})] + ([("lerobot_run/checkpoints/000100", {}),
+    if variant == "pi0":  # (pi0.5 came after that layout)
+        assert first_lerobot_layout(out) == len([k for k in build_ours(out, "lerobot")[0].state_dict()
+                                                 if k.startswith("paligemma_with_expert.paligemma.")])
+    layouts = [("lerobot", {})] + ([("lerobot_feb2025", {}), ("lerobot_run/checkpoints/000100", {}),
                                     # (openpi's trainer writes no config.json: the horizon is given too)
                                     ("openpi_run/30000", {"denoise_steps": 3, "chunk": 6, "prompt_style": "lerobot"})]
                                    if variant == "pi0" else [])
@@ -154,7 +189,7 @@ def test_executing_k_of_each_chunk_acts_as_lerobots_select_action_queue(referenc
     variant, out = reference
     k, steps = 4, 20
     subprocess.run([str(benchmark_python("lerobot")), str(QUEUE), str(out), variant, str(k), str(steps)], check=True,
-                   capture_output=True, timeout=300)
+                   capture_output=True, timeout=300, env=ONE_THREAD)
     ref = load_file(str(out / "queue.safetensors"))
     cfg = compose_config(f"policy.checkpoint={out / 'lerobot_queue'}")
     settle_execute(cfg)
