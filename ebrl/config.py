@@ -163,15 +163,17 @@ class OpenPIPolicyConfig(FlowPolicyConfig):
     norm_stats: Optional[str] = None  # openpi norm_stats.json | lerobot policy_preprocessor.json | a folder with one
     norm_mode: Optional[str] = None  # mean_std | quantiles; null: the checkpoint's (pi0 mean_std, pi05 quantiles)
     # checkpoint camera slot -> env camera (null masks the slot), in the checkpoint's order, e.g.
-    # {base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, right_wrist_0_rgb: null}; null: the env's cameras
-    cameras: Optional[Dict[str, Optional[str]]] = None
+    # {base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, right_wrist_0_rgb: null}; null: the env's cameras.
+    # (Mappings are typed Any and checked in `validate`: OmegaConf cannot merge a command line's dict into a null
+    # Optional[Dict] node, nor add keys to an empty one under Hydra's struct flag)
+    cameras: Any = None
     action_dims: Optional[List[int]] = None  # the checkpoint action dim behind each env action dim; null: 0..A-1
     state_dims: Optional[List[int]] = None  # the env state dims the checkpoint reads, in its order; null: all
     action_scale: Optional[List[float]] = None  # a factor per env action dim (e.g. -1 flips a gripper's sign)
     # whose processors made the prompts it was trained on: openpi | lerobot; null: lerobot for a lerobot policy
     # folder, else openpi (ebrl/policies/tokenizer.py)
     prompt_style: Optional[str] = None
-    dims: Optional[Dict[str, int]] = None  # sizes that replace the preset's (a checkpoint at sizes of its own)
+    dims: Any = None  # {size: int}: sizes that replace the preset's (a checkpoint at sizes of its own)
 
 
 @dataclass
@@ -382,8 +384,9 @@ class DemosConfig:
     path: Optional[str] = None
     # obs datasets (HDF5) or features (LeRobot) concatenated into the state; null: [state], LeRobot [observation.state]
     state_keys: Optional[List[str]] = None
-    # env camera -> its obs dataset or feature; null: <camera>_image, LeRobot observation.images.<camera>
-    image_keys: Optional[Dict[str, str]] = None
+    # env camera -> its obs dataset or feature; null: <camera>_image, LeRobot observation.images.<camera> (Any:
+    # see policy.cameras)
+    image_keys: Any = None
     valid: float = 0.2  # share of a file's episodes held out for the validation loss, where it has no mask/valid
 
 
@@ -607,6 +610,7 @@ def validate(cfg: DictConfig) -> None:
     """Reject values that compose but cannot work, with one line; checks what this machine can satisfy."""
     complete_user_classes(cfg)
     complete_benchmark_tasks(cfg)
+    _check_mappings(cfg)
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
                 "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
         _positive(cfg, key)
@@ -754,6 +758,27 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key, value, ok, want in checks:
         if not ok:
             raise ConfigError(f"{key}={value} must be {want}")
+
+
+# the keys that hold a mapping (typed Any, see PolicyConfig.cameras): key, its values' type, null values allowed, e.g.
+MAPPINGS = (("policy.cameras", str, True, "{base_0_rgb: agentview, right_wrist_0_rgb: null}"),
+            ("policy.dims", int, False, "{width: 1024, depth: 18}"),
+            ("demos.image_keys", str, False, "{agentview: agentview_image}"))
+
+
+def _check_mappings(cfg: DictConfig) -> None:
+    """The mapping keys: null, or a mapping of names to values of their type."""
+    for key, kind, nullable, example in MAPPINGS:
+        value = cfg_get(cfg, key, None)
+        if value is None:
+            continue
+        fits = isinstance(value, DictConfig) and all(
+            isinstance(k, str) and ((isinstance(v, kind) and not isinstance(v, bool)) or (nullable and v is None))
+            for k, v in value.items())
+        if not fits:
+            shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+            raise ConfigError(f"{key}={shown} must be a mapping of names to {kind.__name__}s"
+                              f"{' or null' if nullable else ''}, e.g. \"{key}={example}\", or null")
 
 
 def _check_precision(cfg: DictConfig) -> None:

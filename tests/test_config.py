@@ -1,10 +1,12 @@
 """Every config composes; typos fail in Hydra; values that cannot work fail with one line."""
 import itertools
+import re
 
 import pytest
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
 from ebrl.config import ConfigError, _check_allocator, validate
 from tests.conftest import CONF, compose_config, group_options
@@ -93,3 +95,18 @@ def test_green_contexts_are_refused_for_a_run_of_two_processes():
     for scheduler in ("ebrl", "colocated"):
         with pytest.raises(ConfigError, match="hw.sm_partition=green splits SMs between the streams of one process"):
             _check_allocator(compose_config(f"scheduler={scheduler}", "hw=h200x1", "hw.sm_partition=green"), cores=2)
+
+
+def test_mapping_keys_take_a_dict_from_the_command_line_and_check_it():
+    # the README's forms: OmegaConf could not merge them into a null Optional[Dict] node (a 40-line traceback)
+    cfg = compose_config("policy.cameras={base_0_rgb: agentview, left_wrist_0_rgb: null}",
+                         "policy.dims={width: 64, depth: 2}", "demos.image_keys={agentview: agentview_image}")
+    assert OmegaConf.to_container(cfg.policy.cameras) == {"base_0_rgb": "agentview", "left_wrist_0_rgb": None}
+    assert OmegaConf.to_container(cfg.policy.dims) == {"width": 64, "depth": 2}
+    assert OmegaConf.to_container(cfg.demos.image_keys) == {"agentview": "agentview_image"}
+    for override, line in [("policy.dims={width: abc}", "policy.dims={'width': 'abc'} must be a mapping of names to "
+                                                          "ints"),
+                           ("policy.cameras=[agentview]", "policy.cameras=['agentview'] must be a mapping of names to "
+                                                          "strs or null")]:
+        with pytest.raises(ConfigError, match=re.escape(line)):
+            validate(compose_config(override))

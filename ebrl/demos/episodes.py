@@ -84,8 +84,11 @@ def moments(x: np.ndarray, quantiles: Sequence[float] = (0.01, 0.99)) -> dict[st
     return out
 
 
-def statistics(demos: Demos, episodes: Sequence[int]) -> dict[str, Any]:
-    """The state's and actions' statistics over `episodes`, in openpi's norm_stats.json layout."""
+def statistics(demos: Demos, episodes: Sequence[int], state_dims: Sequence[int] | None = None) -> dict[str, Any]:
+    """The state's (the `state_dims` a policy reads, where it picks some) and actions' statistics over `episodes`, in
+    openpi's norm_stats.json layout."""
     state = np.concatenate([demos.episodes[i].obs["state"] for i in episodes])
+    if state_dims is not None:
+        state = state[:, list(state_dims)]
     actions = np.concatenate([demos.episodes[i].actions for i in episodes])
     return {"norm_stats": {"state": moments(state), "actions": moments(actions)}}

@@ -297,7 +297,7 @@ class OpenPIPolicy(FlowPolicy):
         """The camera slots in the checkpoint's order and the env image each reads (None: masked). Without a
         mapping, every env camera in sorted order. One line for a slot mapped to a camera the env lacks."""
         env_cameras = self.cameras  # (bind: the env's image keys, sorted)
-        if cameras is None:
+        if not cameras:
             self.camera_slots, self.camera_sources = [c[len("image/"):] for c in env_cameras], list(env_cameras)
             return
         have = [c[len("image/"):] for c in env_cameras]
@@ -410,11 +410,11 @@ class OpenPIPolicy(FlowPolicy):
         out["dims"] = dims or None
         features = config.get("input_features") or {}
         slots = [k[len("observation.images."):] for k in features if k.startswith("observation.images.")]
-        if slots and out.get("cameras") is None:
+        if slots and not out.get("cameras"):
             raise ConfigError(f"policy.checkpoint={folder} was trained on cameras {', '.join(slots)}: map them to env "
                               f"cameras, e.g. policy.cameras='{{{slots[0]}: agentview}}' (a slot mapped to null, or "
                               "left out, is masked)")
-        if slots and out.get("cameras") is not None:
+        if slots and out.get("cameras"):
             unknown = [s for s in out["cameras"] if s not in slots]
             if unknown:
                 raise ConfigError(f"policy.cameras names {', '.join(unknown)}, which the checkpoint has no slot for "

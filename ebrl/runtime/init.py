@@ -2,7 +2,9 @@
 
 - a run folder (its checkpoints/last.pt) or a .pt file: an earlier run's weights, typically an `algo=sft` run's;
   training starts from them with a fresh optimizer at iteration 0. The policy must be built alike (family, preset,
-  variant, chunk, denoising steps, exploration head); what is trained (policy.train) may differ;
+  variant, chunk, denoising steps, exploration head); what is trained (policy.train) may differ. With
+  policy.checkpoint too only where that run was made from the same checkpoint: its folder describes the model
+  (config, tokenizer, cameras), the run gives the weights and statistics;
 - `auto` (the default): the SFT checkpoint this repository ships for this policy and env, where there is one
   (`SHIPPED`), so that the default run fine-tunes a policy that already succeeds sometimes; otherwise as null;
 - null: the family's own initialisation, or `policy.checkpoint`'s published weights.
@@ -33,14 +35,28 @@ def init_file(cfg: Any) -> Path | None:
         return None
     if init == "auto":
         return shipped_for(cfg)
-    if cfg.policy.get("checkpoint"):
-        raise ConfigError(f"init={init} and policy.checkpoint={cfg.policy.checkpoint} both give the first weights; "
-                          "keep one (init: a run of ours, policy.checkpoint: a published checkpoint)")
     path = checkpoint_file(init)
+    checkpoint = cfg.policy.get("checkpoint")
+    if checkpoint and (not path.is_file() or made_from(path) != str(checkpoint)):
+        raise ConfigError(f"init={init} and policy.checkpoint={checkpoint} both give the first weights; keep one (init: "
+                          "a run of ours, policy.checkpoint: a published checkpoint), or both where the init run was "
+                          "made from that checkpoint (the folder then describes the model, init gives the weights)")
     if not path.is_file():
         raise ConfigError(f"init={init} is neither a run folder with checkpoints/last.pt nor a checkpoint file; give "
                           "one (e.g. an algo=sft run's folder), init=auto or init=null")
     return path
+
+
+def made_from(path: Path) -> str | None:
+    """The policy.checkpoint the run that wrote checkpoint `path` was built from, as its run folder's config.yaml
+    says (read without loading the weights); None where it had none or the folder says nothing."""
+    from omegaconf import OmegaConf
+
+    config = path.parent.parent / "config.yaml"
+    try:
+        return OmegaConf.load(config).policy.get("checkpoint") if config.is_file() else None
+    except Exception:  # noqa: BLE001  (a config.yaml that does not parse says nothing)
+        return None
 
 
 def shipped_for(cfg: Any) -> Path | None:

@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -64,15 +64,23 @@ def demo_samples(demos: Demos, episodes: list[int], horizon: int, tokens: torch.
     return DemoBatch(batch, torch.from_numpy(np.concatenate(actions)), torch.from_numpy(np.concatenate(mask)))
 
 
-def check_demos(demos: Demos, spec: EnvSpec, env: Any) -> None:
-    """The demonstrations against the env the policy is built for: one line where their state or actions differ."""
+def check_demos(demos: Demos, spec: EnvSpec, env: Any, state_dims: Sequence[int] | None = None) -> None:
+    """The demonstrations against the env the policy is built for: one line where their state or actions differ. A
+    state of the `state_dims` the policy reads (policy.state_dims; a LeRobot LIBERO dataset's 8 dims beside our
+    adapter's 8 + the objects') is laid into the env's state at those dims, the rest 0, as the policy picks them."""
     state = demos.episodes[0].obs["state"].shape[1]
     want = spec.obs["state"].shape[0]
     where = f"env={env.name} env.task={env.task}"
-    if state != want:
-        raise DemosError(f"demos.path={demos.files[0]}: its state has {state} dims and {where}'s {want}; record "
-                         "them on this env (python -m ebrl.demos record), or name the obs that make its state in "
-                         "demos.state_keys")
+    if state != want and state_dims is not None and state == len(state_dims):
+        for episode in demos.episodes:
+            full = np.zeros((len(episode), want), np.float32)
+            full[:, list(state_dims)] = episode.obs["state"]
+            episode.obs["state"] = full
+    elif state != want:
+        picked = f" or the {len(state_dims)} policy.state_dims picks" if state_dims is not None else ""
+        raise DemosError(f"demos.path={demos.files[0]}: its state has {state} dims and {where}'s {want}{picked}; "
+                         "record them on this env (python -m ebrl.demos record), or name the obs that make its state "
+                         "in demos.state_keys")
     actions = demos.episodes[0].actions.shape[1]
     if actions != spec.action_dim:
         raise DemosError(f"demos.path={demos.files[0]}: its actions have {actions} dims and {where}'s "
@@ -141,7 +149,8 @@ class SupervisedRun:
         d = cfg.demos
         self.demos = read_demos(d.path, list(d.state_keys) if d.state_keys is not None else None,
                                 dict(d.image_keys) if d.image_keys else None, cameras, float(d.valid))
-        check_demos(self.demos, spec, cfg.env)
+        state_dims = conf["policy"].get("state_dims")
+        check_demos(self.demos, spec, cfg.env, state_dims)
         if self.demos.instruction and self.demos.instruction != spec.instruction:
             console.print(f"note: the demos' instruction is {self.demos.instruction!r}; the policy is trained on the "
                           f"env's, {spec.instruction!r}, which RL gives it too", soft_wrap=True)
@@ -156,7 +165,7 @@ class SupervisedRun:
         if "norm_stats" in conf["policy"] and not conf["policy"]["norm_stats"]:
             # the state and actions normalised as openpi and lerobot normalise theirs: with the data's statistics
             path = self.run_dir / NORM_STATS
-            path.write_text(json.dumps(statistics(self.demos, self.demos.train)))
+            path.write_text(json.dumps(statistics(self.demos, self.demos.train, state_dims)))
             conf["policy"]["norm_stats"] = str(path)
         self.policy: Policy = build_policy(conf["policy"], spec, self.device, train=True,
                                            weights="given" if ckpt or record else "init")

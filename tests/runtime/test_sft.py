@@ -83,3 +83,48 @@ def test_init_auto_takes_the_shipped_checkpoint_only_for_the_policy_and_env_it_w
     if shipped:
         assert str(found).endswith(SHIPPED["openpi", "tiny", "pi0", "robosuite", "Lift"])
         assert load_checkpoint(found)["config"]["algo"]["name"] == "sft"
+
+
+def test_demos_of_the_state_dims_a_policy_reads_train_the_env_it_runs():
+    """A LeRobot LIBERO dataset's state is openpi's 8 dims; our adapter's is those and the objects'. With
+    policy.state_dims naming them, the demos' state is laid into the env's at those dims, and the statistics are of
+    the dims the policy reads."""
+    import numpy as np
+
+    from ebrl.demos.episodes import Demos, Episode, statistics
+    from ebrl.envs.base import ArraySpec, EnvSpec
+    from ebrl.runtime.sft import check_demos
+    from omegaconf import OmegaConf
+
+    rng = np.random.default_rng(0)
+    episodes = [Episode({"state": rng.normal(size=(5, 3)).astype(np.float32)}, np.zeros((5, 7), np.float32),
+                        np.zeros(5, np.float32)) for _ in range(2)]
+    demos = Demos(episodes, train=[0, 1], valid=[], files=["d"])
+    own = [e.obs["state"].copy() for e in episodes]
+    spec = EnvSpec(obs={"state": ArraySpec((6,), "float32")}, action_dim=7, instruction="x", max_episode_steps=5)
+    env = OmegaConf.create({"name": "libero", "task": "0"})
+    with pytest.raises(Exception, match=r"its state has 3 dims and env=libero env.task=0's 6; record"):
+        check_demos(Demos([Episode({"state": own[0]}, episodes[0].actions, episodes[0].rewards)], [0], [], ["d"]),
+                    spec, env)
+    check_demos(demos, spec, env, state_dims=[4, 0, 2])
+    assert demos.episodes[0].obs["state"].shape == (5, 6)
+    assert np.array_equal(demos.episodes[0].obs["state"][:, [4, 0, 2]], own[0])
+    assert not demos.episodes[0].obs["state"][:, [1, 3, 5]].any()
+    mean = statistics(demos, [0, 1], [4, 0, 2])["norm_stats"]["state"]["mean"]
+    assert np.allclose(mean, np.concatenate(own).mean(0))
+
+
+def test_init_beside_the_checkpoint_its_run_was_made_from(tmp_path):
+    """RL from an SFT run of a published checkpoint names both: the folder describes the model, the run gives the
+    weights; a run made from another checkpoint (or none) still competes with it."""
+    from ebrl.config import ConfigError
+    from ebrl.runtime.init import init_file
+
+    run = tmp_path / "sft"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.pt").write_bytes(b"")
+    (run / "config.yaml").write_text(f"policy:\n  checkpoint: {tmp_path / 'pi0'}\n")
+    cfg = compose_config(f"init={run}", f"policy.checkpoint={tmp_path / 'pi0'}")
+    assert init_file(cfg) == run / "checkpoints" / "last.pt"
+    with pytest.raises(ConfigError, match="both give the first weights"):
+        init_file(compose_config(f"init={run}", f"policy.checkpoint={tmp_path / 'other'}"))
