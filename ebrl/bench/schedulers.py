@@ -280,8 +280,9 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]], de
 
     device = torch.device("cpu") if device is None else torch.device(device)
     cuda = device.type == "cuda"
-    n, H = len(next(iter(seen[0].values()))), policy.chunk_len
+    n, H = len(next(iter(seen[0].values()))), policy.execute  # (the env steps of a chunk)
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * n))
+    executed = (torch.arange(policy.chunk_len, device=device) < H).expand(n, -1)
     batches = [{k: v.to(device) for k, v in policy_batch(obs, tokens, mask).items()} for obs in seen]
     env_steps = len(seen) * n * H
 
@@ -308,8 +309,7 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]], de
         steps = [ChunkStep(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
                            reward=torch.randn(n, generator=gen).to(device),
                            done=torch.zeros(n, dtype=torch.bool, device=device),
-                           mask=torch.ones(n, H, dtype=torch.bool, device=device),
-                           cutoff_value=torch.zeros(n, device=device))
+                           mask=executed, cutoff_value=torch.zeros(n, device=device))
                  for b, o in zip(batches, outs)]
         batch = stack_steps(steps, policy.value(batches[-1]))
         # warm-up on as few chunk steps as the minibatches allow: Adam's state and autograd's first-call costs
@@ -341,15 +341,16 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.policies.build import build_policy
+    from ebrl.policies.build import build_policy, settle_execute
     from ebrl.runtime.experiment import run_device
 
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as Experiment settles them)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     device = run_device(cfg)  # generation and training are measured where the run puts them
     with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed) as pool:
         policy = build_policy(conf["policy"], pool.spec, device, train=True)
-        pool.attach(policy.chunk_len)
+        pool.attach(policy.execute)
         pool.reset_all()
         n = cfg.env.num_envs
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in pool.workers]))
@@ -357,7 +358,7 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
         def act(obs: dict[str, np.ndarray]) -> np.ndarray:
             with torch.inference_mode():
                 batch = {k: v.to(device) for k, v in policy_batch(obs, tokens, mask).items()}
-                return policy.sample(batch).chunk.float().cpu().numpy()
+                return policy.sample(batch).chunk[:, : policy.execute].float().cpu().numpy()
 
         rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations, act)
     costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo, device), seen, device)}
@@ -378,8 +379,9 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
-    from ebrl.policies.build import build_policy
+    from ebrl.policies.build import build_policy, settle_execute
 
+    settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
     fns = [partial(make_adapter_env, conf["env"], cfg.seed * 1000 + i) for i in range(n)]  # SimWorkerPool's seeds
@@ -394,7 +396,8 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
         policy = build_policy(conf["policy"], spec, train=True)
         trainer = PPOTrainer(policy, cfg.algo)
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
-        H = policy.chunk_len
+        H = policy.execute  # (the env runs these of each chunk)
+        executed = (torch.arange(policy.chunk_len) < H).expand(n, -1)
         steps_n, rollout_s, total_s = 0, 0.0, 0.0
         for it in range(max(iterations, 2)):
             t0 = time.perf_counter()
@@ -411,7 +414,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
                     done |= term | trunc
                 steps.append(ChunkStep(obs=batch, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob,
                                        value=out.value, reward=torch.from_numpy(reward), done=torch.from_numpy(done),
-                                       mask=torch.ones(n, H, dtype=torch.bool), cutoff_value=torch.zeros(n)))
+                                       mask=executed, cutoff_value=torch.zeros(n)))
             rollout = stack_steps(steps, policy.value(policy_batch(obs, tokens, mask)))
             t1 = time.perf_counter()
             trainer.update(rollout)
