@@ -52,8 +52,8 @@ BENCHMARKS: dict[str, list[str]] = {
 
 
 # Venvs on top of this interpreter's packages (--system-site-packages, pip --no-deps): the torch we have is reused,
-# not replaced by the gigabytes of another one. lerobot 0.4.4 is the newest lerobot release on PyPI (0.6 is not);
-# these are the packages `import lerobot.policies.{pi0,pi05,groot}` and their processors need, at versions inside
+# not replaced by the gigabytes of another one. lerobot 0.4.4 is the newest lerobot release for Python 3.11 (0.6.1
+# is a 3.12 wheel); these are the packages `import lerobot.policies.{pi0,pi05,groot}` and their processors need, at versions inside
 # lerobot's and transformers-openpi's ranges. torchvision 0.28.0 is the release built for torch 2.13.0; PyPI's wheel
 # links CUDA, so its C ops do not load on a CPU torch (the reference script defines the two op schemas its Python
 # modules register against; none of the policies under test calls torchvision).

@@ -1,5 +1,5 @@
-"""Our pi0 / pi0.5 against lerobot 0.4.4's PI0Policy / PI05Policy (the reference users have; lerobot 0.6 is not on
-PyPI), on the same weights, observations, statistics and noise.
+"""Our pi0 / pi0.5 against lerobot 0.4.4's PI0Policy / PI05Policy (the reference users have; lerobot 0.6 is a Python
+3.12 wheel, not set up here), on the same weights, observations, statistics and noise.
 
 lerobot_reference.py runs under lerobot's own interpreter (`python -m ebrl.envs.setup lerobot`) and writes, with
 lerobot's and safetensors' writers, its save_pretrained folder and openpi's converter layout of the same weights,
