@@ -1,0 +1,158 @@
+"""How far is a simulator's control step from the physics inside it? `python -m ebrl.bench.sim_speed`.
+
+For each task: our adapter's control step (`step`, the stock simulator's code), the same number of raw physics steps
+on the same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's
+`px.step` x ManiSkill's sim steps per control step), their ratio, and a reset. Each benchmark runs under its own
+interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy and the simulator only.
+
+    python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--steps 200] [--resets 5]
+
+Actions are uniform in half the action range from a seeded generator (the arm moves as a policy's would; zeros keep
+it still and cost the physics less); an episode that ends is reset outside the timing. Times are the median over
+`--repeats` passes of `--steps` control steps, one process per task, one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# (benchmark, task, extra env keys): the issue's tasks
+TASKS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "robosuite": [(t, {}) for t in ("Lift", "Stack", "NutAssemblySquare", "Door", "PickPlaceCan")],
+    "libero": [("0", {"suite": "libero_spatial"}), ("5", {"suite": "libero_spatial"}), ("0", {"suite": "libero_10"})],
+    "maniskill": [(t, {}) for t in ("PushCube-v1", "PickCube-v1")],
+}
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+# --- the measuring half: this benchmark's interpreter, numpy and the simulator only ---------------------------------
+def raw_physics(name: str, adapter: Any) -> tuple[Callable[[], None], int]:
+    """One raw physics step of the adapter's simulator on its own model and data, and how many make a control step."""
+    if name == "maniskill":
+        env = adapter.env.unwrapped
+        return env.scene.px.step, int(env._sim_steps_per_control)
+    env = adapter.env.env if name == "libero" else adapter.env  # (LIBERO's ControlEnv wraps robosuite's env)
+    import mujoco
+
+    model, data = env.sim.model._model, env.sim.data._data
+    return (lambda: mujoco.mj_step(model, data)), int(round(env.control_timestep / env.model_timestep))
+
+
+def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets: int, seed: int = 0) -> dict:
+    """The control step, the raw physics of one and a reset of `env_cfg`'s adapter, in ms (medians over repeats)."""
+    from ebrl.envs.worker import build_adapter
+
+    adapter = build_adapter(env_cfg, seed)
+    spec = adapter.spec
+    rng = np.random.default_rng(seed)
+    span = (spec.action_high - spec.action_low) / 2
+    actions = (rng.uniform(-0.5, 0.5, (steps, spec.action_dim)) * 2 * span).astype(np.float32)
+    step_ms, physics_ms, reset_ms = [], [], []
+    episode = 0
+    for _ in range(repeats):
+        adapter.begin_episode(seed * 1000 + episode)
+        episode += 1
+        elapsed = 0.0
+        for action in actions:
+            t0 = time.perf_counter()
+            _, _, terminated, truncated, _ = adapter.step(action)
+            elapsed += time.perf_counter() - t0
+            if terminated or truncated:
+                adapter.begin_episode(seed * 1000 + episode)
+                episode += 1
+        step_ms.append(1e3 * elapsed / steps)
+        physics, substeps = raw_physics(name, adapter)
+        t0 = time.perf_counter()
+        for _ in range(steps * substeps):
+            physics()
+        physics_ms.append(1e3 * (time.perf_counter() - t0) / steps)
+    for k in range(resets):
+        t0 = time.perf_counter()
+        adapter.reset(seed * 1000 + 500 + k)
+        reset_ms.append(1e3 * (time.perf_counter() - t0))
+    adapter.close()
+    return {"step_ms": statistics.median(step_ms), "physics_ms": statistics.median(physics_ms),
+            "substeps": substeps, "reset_ms": statistics.median(reset_ms)}
+
+
+# --- the driver: composes each benchmark's config and runs the measuring half under its interpreter ----------------
+def env_config(benchmark: str, task: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The resolved env config `python run.py env=<benchmark> env.task=<task>` composes, state observations."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ebrl.config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose("config", overrides=[f"env={benchmark}", f"env.task={task}", "env.cameras=[]",
+                                           *(f"env.{k}={v}" for k, v in extra.items())])
+    return OmegaConf.to_container(cfg.env, resolve=True)
+
+
+def run_task(benchmark: str, env_cfg: dict[str, Any], args: argparse.Namespace) -> dict:
+    """`measure` in a process of the benchmark's interpreter, one thread; its figures."""
+    from ebrl.envs.setup import worker_python
+    from ebrl.envs.worker import REPO_ROOT
+
+    job = json.dumps({"name": benchmark, "env": env_cfg, "steps": args.steps, "repeats": args.repeats,
+                      "resets": args.resets})
+    env = {**os.environ, **ONE_THREAD,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([worker_python(benchmark, env_cfg.get("python")), "-m", "ebrl.bench.sim_speed", "--job",
+                           job], capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RuntimeError(f"{benchmark} {env_cfg['task']}: {lines[-1] if lines else proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def label(benchmark: str, env_cfg: dict[str, Any]) -> str:
+    return f"{env_cfg['suite']} {env_cfg['task']}" if benchmark == "libero" else env_cfg["task"]
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--benchmarks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--steps", type=int, default=200, help="control steps per pass")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per task (the median is reported)")
+    parser.add_argument("--resets", type=int, default=5)
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # the measuring half, under the benchmark's interpreter
+    args = parser.parse_args(argv)
+    if args.job:
+        job = json.loads(args.job)
+        print(json.dumps(measure(job["name"], job["env"], job["steps"], job["repeats"], job["resets"])))
+        return []
+    from ebrl.runtime.errors import exit_cleanly
+
+    rows = []
+    print(f"{args.steps} control steps x {args.repeats} passes per task, one thread, state observations "
+          "(ms; the median pass)")
+    print("| benchmark | task | control step | raw physics (substeps) | step / physics | reset |")
+    print("|---|---|---|---|---|---|")
+    with exit_cleanly():
+        for benchmark in args.benchmarks:
+            for task, extra in TASKS[benchmark]:
+                cfg = env_config(benchmark, task, extra)
+                try:
+                    r = run_task(benchmark, cfg, args)
+                except RuntimeError as e:  # (a benchmark not set up: its line, and the others go on)
+                    print(f"| {benchmark} | {label(benchmark, cfg)} | not measured: {e} | | | |", flush=True)
+                    continue
+                rows.append({"benchmark": benchmark, "task": label(benchmark, cfg), **r})
+                print(f"| {benchmark} | {label(benchmark, cfg)} | {r['step_ms']:.2f} | {r['physics_ms']:.2f} "
+                      f"({r['substeps']}) | {r['step_ms'] / r['physics_ms']:.1f}x | {r['reset_ms']:.1f} |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
