@@ -73,6 +73,11 @@ class Workload:
     def straggler_envs(self) -> int:
         return round(self.stragglers * self.num_envs)
 
+    def straggler_units(self, group_size: int = 1) -> int:
+        """The straggling envs, or under GRPO the straggling groups of `group_size`: a group's envs are built from one
+        seed, alike (SimWorkerPool), so a straggler is a whole group; `StragglerEnv` counts them by seed."""
+        return round(self.stragglers * self.num_envs / group_size)
+
 
 @dataclass
 class Round:
@@ -120,11 +125,16 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         cfg.env.inner_target = cfg.env._target_
         cfg.env._target_ = "ebrl.bench.stragglers.StragglerEnv"
-        cfg.env.straggler_envs = workload.straggler_envs
+        cfg.env.straggler_envs = workload.straggler_units(group_size(cfg))
         cfg.env.straggler_task = workload.straggler_task
         cfg.env.straggler_slowdown = workload.straggler_slowdown
         cfg.env.straggler_after_steps = workload.straggler_after_steps
     return cfg
+
+
+def group_size(cfg: Any) -> int:
+    """The envs built from one seed: a GRPO group's, else 1 (SimWorkerPool's group_size, as Experiment gives it)."""
+    return int(cfg.algo.group_size) if cfg.algo.name == "grpo" else 1
 
 
 def split_mode(spec: str) -> tuple[str, list[str]]:
@@ -348,7 +358,9 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     device = run_device(cfg)  # generation and training are measured where the run puts them
-    with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed) as pool:
+    # (a run's seeds: GRPO's groups are built alike, so the stragglers are the run's)
+    with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed,
+                       group_size=group_size(cfg)) as pool:
         policy = build_policy(conf["policy"], pool.spec, device, train=True)
         pool.attach(policy.execute)
         pool.reset_all()
@@ -375,7 +387,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from omegaconf import OmegaConf
 
     from ebrl.bench.vector_env import make_adapter_env
-    from ebrl.envs.worker import worker_environment
+    from ebrl.envs.worker import env_seed, worker_environment
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
@@ -384,7 +396,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
-    fns = [partial(make_adapter_env, conf["env"], cfg.seed * 1000 + i) for i in range(n)]  # SimWorkerPool's seeds
+    fns = [partial(make_adapter_env, conf["env"], env_seed(cfg.seed, i, group_size(cfg))) for i in range(n)]
     with environment(worker_environment()):  # the spawned children inherit one thread each, as SimWorkers do
         venv = gymnasium.vector.AsyncVectorEnv(fns, context="spawn",
                                                autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
@@ -477,8 +489,9 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int, gpu: bool =
 
 def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str]) -> None:
     w = workload
-    stragglers = (f" ({w.straggler_envs} stragglers: {w.straggler_task or w.task} at {w.straggler_slowdown}x the "
-                  "substeps)" if w.straggler_envs else "")
+    size = group_size(compose(w))
+    stragglers = (f" ({w.straggler_units(size) * size} stragglers{' (whole GRPO groups)' if size > 1 else ''}: "
+                  f"{w.straggler_task or w.task} at {w.straggler_slowdown}x the substeps)" if w.straggler_envs else "")
     tasks = next((o.split("=", 1)[1] for o in w.overrides if o.startswith("env.tasks=")), None)
     what = f"envs over the tasks {tasks}" if tasks else f"x {w.task}"
     print(f"\nworkload: {w.num_envs} {what}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "

@@ -1,7 +1,8 @@
 """The benchmark's straggler knob: some envs of a pool step slower, so step-time variance rises.
 
-`StragglerEnv` wraps the configured adapter (`inner_target`). Env i of a pool (seed = pool seed * 1000 + i, as
-SimWorkerPool and the gymnasium reference give them) is a straggler when i % 1000 < `straggler_envs`: it runs
+`StragglerEnv` wraps the configured adapter (`inner_target`). Env i of a pool (seed = pool seed * 1000 + i // G, as
+SimWorkerPool and the gymnasium reference give them; G is a GRPO group's size, else 1) is a straggler when
+seed % 1000 < `straggler_envs`, so under GRPO `straggler_envs` counts whole groups (the benchmark sets it so): it runs
 `straggler_task` (default: the same task) with `control_freq // straggler_slowdown`, i.e. that many times the
 physics substeps (and controller updates) per action. robosuite's tasks differ little in step cost (measured on
 2 CPU cores: Lift 8.6, Stack 9.2, Door 7.4, NutAssemblySquare 9.0, PickPlaceCan 10.0 ms/step), so a task

@@ -715,6 +715,11 @@ class SimWorker:
         return f"sim worker {self.index} (pid {self.pid}) {what}; exit code {code}"
 
 
+def env_seed(seed: int, env: int, group_size: int = 1) -> int:
+    """The seed env `env` of a pool is built from: the envs of a group (GRPO's) share one, so they are alike."""
+    return seed * 1000 + env // group_size
+
+
 class SimWorkerPool:
     """N simulator processes started together, one environment each; env i gets seed
     `seed * 1000 + i // group_size`.
@@ -745,7 +750,7 @@ class SimWorkerPool:
                for i in range(num_envs)]
         self.workers = [
             SimWorker(task_config(own[i], self.tasks[i]) if self.tasks else own[i],
-                      seed * 1000 + i // group_size, chunk_len, index=i, cpus=cpus[i] if cpus else None,
+                      env_seed(seed, i, group_size), chunk_len, index=i, cpus=cpus[i] if cpus else None,
                       process_env=process_env, serial=serial)
             for i in range(num_envs)
         ]

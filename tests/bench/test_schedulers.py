@@ -82,3 +82,24 @@ def test_a_straggler_may_slow_down_mid_run_at_its_next_reset():
         assert env.slow and env.env.env.control_freq == 20 // 3 and env.spec == spec
     finally:
         env.close()
+
+
+def test_under_grpo_a_straggler_is_a_whole_group_in_the_run_and_its_references():
+    """A GRPO group's envs are built from one seed (alike); the straggler knob counts by seed, so it must count groups:
+    12 envs in groups of 4 with a quarter straggling were 12 stragglers in the run and 3 in the references' pools,
+    whose limit was then the wrong workload's (every schedule 'at 0.32-0.40 of its limit')."""
+    from omegaconf import OmegaConf
+
+    from ebrl.bench.schedulers import Workload, compose, group_size
+    from ebrl.envs.worker import build_adapter, env_seed
+
+    workload = Workload(num_envs=4, stragglers=0.5, straggler_slowdown=2, overrides=["algo=grpo", "algo.group_size=2"])
+    cfg = compose(workload)
+    assert group_size(cfg) == 2 and cfg.env.straggler_envs == 1  # one group of two
+    flags = []
+    for i in range(4):  # the adapter a worker of the run's pool, or of the references', builds for env i
+        adapter = build_adapter(OmegaConf.to_container(cfg.env), env_seed(cfg.seed, i, group_size(cfg)))
+        flags.append(adapter.straggler)
+        adapter.close()
+    assert flags == [True, True, False, False]
+    assert compose(Workload(num_envs=4, stragglers=0.5)).env.straggler_envs == 2  # PPO: envs
