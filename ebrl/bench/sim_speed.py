@@ -5,7 +5,8 @@ on the same model and data (MuJoCo's `mj_step` x the substeps of a control step 
 `px.step` x ManiSkill's sim steps per control step), their ratio, and a reset. Each benchmark runs under its own
 interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy and the simulator only.
 
-    python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--steps 200] [--resets 5]
+    python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--tasks Lift ...] [--steps 200]
+                                   [--repeats 3] [--resets 5]
 
 Actions are uniform in half the action range from a seeded generator (the arm moves as a policy's would; zeros keep
 it still and cost the physics less); an episode that ends is reset outside the timing. Times are the median over
@@ -123,6 +124,7 @@ def label(benchmark: str, env_cfg: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--benchmarks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks (names or LIBERO indices)")
     parser.add_argument("--steps", type=int, default=200, help="control steps per pass")
     parser.add_argument("--repeats", type=int, default=3, help="passes per task (the median is reported)")
     parser.add_argument("--resets", type=int, default=5)
@@ -142,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     with exit_cleanly():
         for benchmark in args.benchmarks:
             for task, extra in TASKS[benchmark]:
+                if args.tasks and task not in args.tasks:
+                    continue
                 cfg = env_config(benchmark, task, extra)
                 try:
                     r = run_task(benchmark, cfg, args)
