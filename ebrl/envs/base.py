@@ -126,6 +126,9 @@ class EnvAdapter:
     # it (and implement `render_now`); the others render at every step as before.
     render_this_step: bool = True
     render_every_step: bool = False
+    # Where successive episodes' seeds start and how far apart they are (`next_seed`): an evaluation gives env i of n
+    # (first + i, n), so that its episode j starts from seed first + j whatever n; None: from the env's own seed
+    episode_seeds: tuple[int, int] | None = None
     # Whether reset compiles the model anew (RoboCasa samples a new kitchen): then MuJoCo's compile cache is kept
     # after the build (worker.release_build_memory), since every reset reads it.
     recompiles_on_reset: bool = False
@@ -166,7 +169,11 @@ class EnvAdapter:
     # --- shared by all adapters ----------------------------------------------------------
     def next_seed(self) -> int:
         """Seeds for successive episodes of this env: distinct across envs and episodes."""
-        seed = self._seed * 100_003 + self._episodes
+        if self.episode_seeds is not None:
+            first, stride = self.episode_seeds
+            seed = first + stride * self._episodes
+        else:
+            seed = self._seed * 100_003 + self._episodes
         self._episodes += 1
         return seed
 

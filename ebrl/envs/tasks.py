@@ -35,11 +35,12 @@ def task_label(entry: Any) -> str:
 
 def task_config(env_cfg: dict[str, Any], task: str) -> dict[str, Any]:
     """The env config of an env that runs `task` (a label) in a multi-task run: the run's with env.task set, or the
-    config of the other benchmark's entry (the run's env.tasks and its env's fault, for tests, kept)."""
+    config of the other benchmark's entry (the run's env.tasks, its env's fault, for tests, and its episode seeds
+    kept)."""
     for entry in env_cfg["tasks"] if isinstance(env_cfg.get("tasks"), Sequence) else ():
         if isinstance(entry, Mapping) and task_label(entry) == task:
-            fault = {"fault": env_cfg["fault"]} if "fault" in env_cfg else {}
-            return {**entry, **fault, "tasks": env_cfg["tasks"]}
+            kept = {k: env_cfg[k] for k in ("fault", "episode_seeds") if k in env_cfg}
+            return {**entry, **kept, "tasks": env_cfg["tasks"]}
     return {**env_cfg, "task": task}
 
 

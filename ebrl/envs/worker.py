@@ -53,7 +53,8 @@ from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step", "tasks", "task_weights")
+NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step", "tasks", "task_weights",
+                    "episode_seeds")
 RESEED = 100_003  # a replacement process of env i builds from seed + RESEED x (its replacements so far)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
@@ -229,7 +230,7 @@ def load_adapter_class(target: str) -> type[EnvAdapter]:
 
 def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
     """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS that the constructor takes,
-    plus seed; env.render_every_step is the adapter's `render_every_step`."""
+    plus seed; env.render_every_step is the adapter's `render_every_step`, a pool's episode_seeds its `episode_seeds`."""
     cls = load_adapter_class(env_cfg["_target_"])
     adapter = cls(**constructor_kwargs(cls, env_cfg, NOT_ADAPTER_ARGS), seed=seed)
     if not hasattr(adapter, "_episodes"):
@@ -239,6 +240,8 @@ def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
         raise EnvSetupError(f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
                             f"its constructor: an adapter implements {ADAPTER_CONTRACT}")
     adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
+    if env_cfg.get("episode_seeds") is not None:
+        adapter.episode_seeds = tuple(env_cfg["episode_seeds"])
     release_build_memory(keep_compile_cache=adapter.recompiles_on_reset)
     return adapter
 
@@ -732,7 +735,10 @@ class SimWorkerPool:
     def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
                  cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
                  chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
-                 process_env: Mapping[str, str] | None = None, serial: bool = False) -> None:
+                 process_env: Mapping[str, str] | None = None, serial: bool = False,
+                 episode_seeds: int | None = None) -> None:
+        """episode_seeds: env i's k-th episode starts from seed episode_seeds + i + k x num_envs (an evaluation's
+        episode j from seed episode_seeds + j, however many envs share them); None: from each env's own seed."""
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
@@ -748,6 +754,9 @@ class SimWorkerPool:
         self.tasks = assign_tasks(env_cfg, num_envs, group_size)  # env.tasks: env i's task; None: env.task for all
         own = [{k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
                for i in range(num_envs)]
+        if episode_seeds is not None:
+            for i, cfg_i in enumerate(own):
+                cfg_i["episode_seeds"] = [episode_seeds + i, num_envs]
         self.workers = [
             SimWorker(task_config(own[i], self.tasks[i]) if self.tasks else own[i],
                       env_seed(seed, i, group_size), chunk_len, index=i, cpus=cpus[i] if cpus else None,

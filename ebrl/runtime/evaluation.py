@@ -137,7 +137,8 @@ class Evaluation:
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed,
-                                  process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial)
+                                  process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial,
+                                  episode_seeds=episode_seed(cfg.seed, 0))
         try:
             self.pool.start()
             self.policy = build_policy(conf["policy"], self.pool.spec, self.device,
@@ -149,7 +150,7 @@ class Evaluation:
             if line:
                 console.print(line, soft_wrap=True, markup=False)
             self.pool.attach(self.policy.execute)
-            self.pool.reset_all([episode_seed(cfg.seed, i) for i in range(num_envs)])
+            self.pool.reset_all()  # (env i's episodes from episode i's seed on: episode_seeds)
         except BaseException:
             self.close()
             raise
@@ -222,7 +223,6 @@ class Evaluation:
                         workers[i].actions[: steps[i]] = chunk_of[i][p : p + steps[i]]
                     pool.submit_all(steps)
                     reports = pool.wait_all()
-                    again = []  # envs whose next episode starts from its own seed
                     for i in list(pos):
                         r = reports[i]
                         pos[i] += r.executed
@@ -234,17 +234,14 @@ class Evaluation:
                             if i in frames:
                                 videos += self._write_video(index, r.episode["success"], frames.pop(i))
                             finished[i] += 1
-                            if finished[i] < quota[i]:
-                                again.append(i)
+                            if recorded(i):  # (the simulator reset itself, from its next episode's seed)
+                                frames[i] = [frame(workers[i].obs)]
                             done = sum(finished)
                             rate = sum(e.get("success", 0.0) for e in results) / done
                             bar.advance(f"success {rate:.0%} of {done}")
                             del pos[i]
                         elif pos[i] == k:
                             del pos[i]
-                    if again:  # (the simulator reset itself already; episode j's reset is from episode j's seed)
-                        pool.reset(again, [episode_seed(cfg.seed, i + finished[i] * n) for i in again])
-                        frames.update({i: [frame(workers[i].obs)] for i in again if recorded(i)})
         finally:
             bar.close()
         return results, videos

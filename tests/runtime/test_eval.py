@@ -126,3 +126,22 @@ def test_a_multi_task_run_logs_and_evaluates_each_task(tmp_path):
         t = result["per_task"][task]
         assert t["episodes"] == 2 and t["success_ci95"][0] <= t["success_rate"] <= t["success_ci95"][1]
     assert "Stack (2 episodes)" in proc.stdout
+
+
+def test_an_evaluations_envs_start_each_episode_from_its_index_seed():
+    """env i of n with episode_seeds first takes first + i, first + i + n, ...: the resets an evaluation's simulators
+    do themselves start episode j from seed first + j, as an explicit reset from that seed would."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from ebrl.envs.worker import build_adapter
+
+    env = OmegaConf.to_container(compose_config("env.task=Lift").env, resolve=True)
+    scheduled = build_adapter({**env, "episode_seeds": [5, 3]}, seed=0)  # env 0 of 3 from seed 5 on
+    explicit = build_adapter(env, seed=0)
+    try:
+        for seed in (5, 8, 11):
+            assert np.array_equal(scheduled.begin_episode()["state"], explicit.begin_episode(seed)["state"])
+    finally:
+        scheduled.close()
+        explicit.close()
