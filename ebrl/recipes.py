@@ -14,7 +14,7 @@ a Huber loss and the critic loss at weight 1, the entropy bonus, epochs per roll
 optimizer step and per forward pass, the log-prob a ratio is taken over (a chunk's executed actions), the actions of
 each chunk executed before the next is sampled, the critic reading detached features, the critic's warm-up, and the
 flow families' exploration: the chain's noise, where it enters and which steps enter the log-prob, and the denoising
-steps in RL. The README lists every key of those files with ours beside it, or why there is none.
+steps in RL. docs/recipes.md lists every key of those files with ours beside it, or why there is none.
 """
 from __future__ import annotations
 

@@ -12,11 +12,12 @@ Where the noise enters and what the log-prob of an action is (`policy.chain_logp
 - mean: every step; the mean of those K and x_0's standard normal density (RLinf's joint_logprob);
 - one_step: one step, drawn per sampled batch, is stochastic and the others are plain Euler steps; the log-prob is
   that step's density (RLinf's Flow-SDE without joint_logprob), so the trainer runs the velocity once per row.
-evaluate recomputes the log-prob from the stored chain, all the steps it needs in one batched pass. The chain, its means, stds and densities are float32 whatever the
-policy's dtype (a bfloat16 policy's velocity is cast up): a ratio is a product of K x action-dims Gaussian factors.
-Only the env's action dims are stochastic. The padded dims (the model's flow_dim is wider) follow flow matching's
-straight path from their starting noise to 0, t x_0, as training on zero-padded actions shaped them: no noise is
-injected there and their values do not depend on the weights, so leaving them out of the density biases nothing.
+evaluate recomputes the log-prob from the stored chain, all the steps it needs in one batched pass. The chain, its
+means, stds and densities are float32 whatever the policy's dtype (a bfloat16 policy's velocity is cast up): a ratio
+is a product of K x action-dims Gaussian factors. Only the env's action dims are stochastic. The padded dims (the
+model's flow_dim is wider) follow flow matching's straight path from their starting noise to 0, t x_0, as training on
+zero-padded actions shaped them (under one_step: plain Euler steps, as every dim takes at the other steps): no noise
+is injected there, so leaving them out of the density biases nothing.
 """
 from __future__ import annotations
 

@@ -64,9 +64,9 @@ def demo_samples(demos: Demos, episodes: list[int], horizon: int, tokens: torch.
     return DemoBatch(batch, torch.from_numpy(np.concatenate(actions)), torch.from_numpy(np.concatenate(mask)))
 
 
-def check_demos(demos: Demos, spec: EnvSpec, env: Any, state_dims: Sequence[int] | None = None) -> None:
-    """The demonstrations against the env the policy is built for: one line where their state or actions differ. A
-    state of the `state_dims` the policy reads (policy.state_dims; a LeRobot LIBERO dataset's 8 dims beside our
+def fit_demos(demos: Demos, spec: EnvSpec, env: Any, state_dims: Sequence[int] | None = None) -> None:
+    """The demonstrations fitted to the env the policy is built for (in place), or one line where their state or
+    actions differ. A state of the `state_dims` the policy reads (policy.state_dims; a LeRobot LIBERO dataset's 8 dims beside our
     adapter's 8 + the objects') is laid into the env's state at those dims, the rest 0, as the policy picks them."""
     state = demos.episodes[0].obs["state"].shape[1]
     want = spec.obs["state"].shape[0]
@@ -150,7 +150,7 @@ class SupervisedRun:
         self.demos = read_demos(d.path, list(d.state_keys) if d.state_keys is not None else None,
                                 dict(d.image_keys) if d.image_keys else None, cameras, float(d.valid))
         state_dims = conf["policy"].get("state_dims")
-        check_demos(self.demos, spec, cfg.env, state_dims)
+        fit_demos(self.demos, spec, cfg.env, state_dims)
         if self.demos.instruction and self.demos.instruction != spec.instruction:
             console.print(f"note: the demos' instruction is {self.demos.instruction!r}; the policy is trained on the "
                           f"env's, {spec.instruction!r}, which RL gives it too", soft_wrap=True)

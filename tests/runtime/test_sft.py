@@ -93,7 +93,7 @@ def test_demos_of_the_state_dims_a_policy_reads_train_the_env_it_runs():
 
     from ebrl.demos.episodes import Demos, Episode, statistics
     from ebrl.envs.base import ArraySpec, EnvSpec
-    from ebrl.runtime.sft import check_demos
+    from ebrl.runtime.sft import fit_demos
     from omegaconf import OmegaConf
 
     rng = np.random.default_rng(0)
@@ -104,9 +104,9 @@ def test_demos_of_the_state_dims_a_policy_reads_train_the_env_it_runs():
     spec = EnvSpec(obs={"state": ArraySpec((6,), "float32")}, action_dim=7, instruction="x", max_episode_steps=5)
     env = OmegaConf.create({"name": "libero", "task": "0"})
     with pytest.raises(Exception, match=r"its state has 3 dims and env=libero env.task=0's 6; record"):
-        check_demos(Demos([Episode({"state": own[0]}, episodes[0].actions, episodes[0].rewards)], [0], [], ["d"]),
+        fit_demos(Demos([Episode({"state": own[0]}, episodes[0].actions, episodes[0].rewards)], [0], [], ["d"]),
                     spec, env)
-    check_demos(demos, spec, env, state_dims=[4, 0, 2])
+    fit_demos(demos, spec, env, state_dims=[4, 0, 2])
     assert demos.episodes[0].obs["state"].shape == (5, 6)
     assert np.array_equal(demos.episodes[0].obs["state"][:, [4, 0, 2]], own[0])
     assert not demos.episodes[0].obs["state"][:, [1, 3, 5]].any()
