@@ -225,8 +225,8 @@ class SchedulerConfig:
     groups: int = 1  # env groups; generation serves whichever is ready while others simulate
     core_rebinding: bool = False  # an env runs only while it holds a sim core, handed out by core_order
     # which ready env a freed sim core goes to: longest (the longest estimated step of any group) | readiness (the
-    # group closest to its chunk boundary first, then the longest step within it; measured a tie: README, "Measured
-    # choices")
+    # group closest to its chunk boundary first, then the longest step within it; measured a tie: docs/schedules.md,
+    # "Measured choices")
     core_order: str = "longest"
     # where the trainer runs: process (its own; a new MPS share is a successor process) | local (the supervisor, on
     # the policy generation samples with, between two rollouts: colocated)

@@ -59,9 +59,9 @@ class Recipe:
     critic_warmup: int = 0  # critic_warmup_steps
 
 
-# tiny and small: this repository's tuning on CPU (the README's learning figures); 3e-4 gave approx KL > 1 per update
+# tiny and small: this repository's tuning on CPU (the learning figures of docs/results.md); 3e-4 gave approx KL > 1 per update
 # on tiny, 1e-4 learns
-OWN = Recipe(source="ebrl's tuning of the tiny preset (README, Results)", lr=1e-4, critic_lr=1e-4, epochs=4,
+OWN = Recipe(source="ebrl's tuning of the tiny preset (docs/results.md)", lr=1e-4, critic_lr=1e-4, epochs=4,
              value_clip=None, huber_delta=None, adam_betas=(0.9, 0.999), adam_eps=1e-5, weight_decay=0.0,
              logprob="flow_noise", noise_std_min=0.1, noise_std_max=0.5, chain_logprob="sum", denoise_steps=None,
              execute=None, logprob_level="action", detach_critic_input=False, value_coef=0.5, dual_clip=None,

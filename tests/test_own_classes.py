@@ -1,4 +1,4 @@
-"""A user's own env, policy and node, from a folder outside the package: the README's example as written there, and
+"""A user's own env, policy and node, from a folder outside the package: docs/own-classes.md's example as written there, and
 one line for a class that breaks its contract or a field its constructor does not take."""
 import re
 import subprocess
@@ -54,11 +54,9 @@ class NoEvaluate(MLPPolicy):
 
 @pytest.fixture(scope="module")
 def my_robot(tmp_path_factory) -> Path:
-    """The README's example files, written where a user would keep them, and a module of broken variants."""
+    """docs/own-classes.md's example files, written where a user would keep them, and a module of broken variants."""
     root = tmp_path_factory.mktemp("user")
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Your own env, policy and node"):]
-    section = section[:section.index("\n## ", 5)]
+    section = (REPO / "docs" / "own-classes.md").read_text()
     blocks = BLOCK.findall(section)
     assert {name for name, _ in blocks} >= {"my_robot/reacher_env.py", "my_robot/mlp_policy.py",
                                            "my_robot/conf/env/reacher.yaml", "my_robot/conf/policy/mlp.yaml",
@@ -73,7 +71,7 @@ def my_robot(tmp_path_factory) -> Path:
     return root / "my_robot"
 
 
-def test_the_readme_example_trains_under_ebrl_from_its_own_folder(my_robot):
+def test_the_documented_example_trains_under_ebrl_from_its_own_folder(my_robot):
     args = (my_robot.parent / "command").read_text().split()
     out = subprocess.run([sys.executable, str(REPO / "run.py"), *args, "iterations=3", "progress=false"],
                          cwd=my_robot, capture_output=True, text=True, timeout=300)

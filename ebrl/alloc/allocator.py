@@ -26,7 +26,7 @@ from ebrl.config import ConfigError, rank_cores
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
-# first-call allocations; README, "Measured choices")
+# first-call allocations; docs/schedules.md, "Measured choices")
 CALIBRATE_AT = 2
 
 
@@ -92,7 +92,7 @@ def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
     """Core sets per stage from the amounts. Simulate: the first ceil(x_sim) cores. On CPU, train the last
     ceil(x_train) cores and generate the ceil(x_gen) before them: the two are on every env's critical path and
     must not queue behind each other on one core, while the simulators, niced, yield any core they share with
-    them (README, "Measured choices"). On
+    them (docs/schedules.md, "Measured choices"). On
     a GPU node generate and train run on the GPU and need cores for their CPU side: train gets the last
     gpu_stage_cores cores, generate the others simulate leaves, its own and the supervisor's (whose process
     generates, unless generation has one of its own); with too few left the two share them."""

@@ -1,7 +1,7 @@
 """Does RL raise an SFT checkpoint's success, and how fast under each schedule? `python -m ebrl.bench.learning`.
 
 The start is an SFT checkpoint: by default the one the repository ships for the run's policy and env (made by the
-README's record and `algo=sft` commands from 5 demos); `--demos N` makes one from nothing first (the recorder's N
+docs/demos.md's record and `algo=sft` commands from 5 demos); `--demos N` makes one from nothing first (the recorder's N
 episodes, then `--sft-iterations` of algo=sft), `--init <run folder>` takes yours. From it, every algorithm
 (`--algos`), seed (`--seeds`) and mode (`--modes`, any `scheduler=` option; ABBA over the seeds, so a drift of the
 machine favours none) runs `--iterations` of RL with the same seeds, so each mode sees the same env steps. Extra
@@ -74,7 +74,7 @@ class Run:
 
 
 def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequence[str]) -> Path:
-    """Record `demos` episodes of the expert and run algo=sft on them: the README's commands, in this process, with
+    """Record `demos` episodes of the expert and run algo=sft on them: docs/demos.md's commands, in this process, with
     the env overrides among `overrides` (all of them for SFT)."""
     from hydra import compose, initialize_config_dir
 

@@ -39,7 +39,7 @@ def describe(value: Any) -> str:
 
 
 # Offscreen OpenGL for MuJoCo on headless machines: EGL and OSMesa tie on CPU, and EGL also drives the NVIDIA
-# driver on GPU machines, so it is the default (README, "Measured choices").
+# driver on GPU machines, so it is the default (docs/schedules.md, "Measured choices").
 HEADLESS_GL = "egl"
 
 

@@ -252,7 +252,7 @@ KEEP_BUILD_MEMORY = "EBRL_KEEP_BUILD_MEMORY"  # the benchmark's control: set, a 
 def release_build_memory(keep_compile_cache: bool = False) -> None:
     """Give back what building a simulator left behind: MuJoCo's compile cache (decoded meshes and textures, kept for
     a later compile of the same files) unless the adapter recompiles at each reset, and the heap pages glibc's malloc
-    holds free. About 200-260 MiB per process (README, `python -m ebrl.bench.sim_memory`, whose control sets
+    holds free. About 200-260 MiB per process (docs/environments.md, `python -m ebrl.bench.sim_memory`, whose control sets
     KEEP_BUILD_MEMORY to keep them)."""
     if os.environ.get(KEEP_BUILD_MEMORY):
         return

@@ -163,7 +163,7 @@ class Experiment:
             console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
                           f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
-        # (README, "Measured choices")
+        # (docs/schedules.md, "Measured choices")
         torch.set_flush_denormal(True)
         # the simulators render on this rank's GPU: read before an MPS client's environment replaces this process's
         sim_env = simulator_gpu_environment(cfg.hw.gpus)

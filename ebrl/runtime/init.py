@@ -20,7 +20,7 @@ from ebrl.config import REPO, ConfigError, cfg_get
 from ebrl.runtime.checkpoint import checkpoint_file, load_checkpoint, policy_identity
 
 # (policy.name, policy.preset, policy.variant, env.name, env.task) -> the SFT checkpoint the repository ships, made by
-# the README's commands ("Learning from demonstrations": record, then algo=sft)
+# docs/demos.md's commands ("Learning from demonstrations": record, then algo=sft)
 SHIPPED: dict[tuple[str, str, str | None, str, str], str] = {
     ("openpi", "tiny", "pi0", "robosuite", "Lift"): "ebrl/assets/openpi-tiny_robosuite-Lift_sft.pt",
 }

@@ -118,7 +118,7 @@ class Placement:
         """Torch threads of a stage's process. The supervisor (generation; a local trainer's training too): every
         core where it runs alone (a local trainer takes turns with the rollout) or on a GPU; beside the simulators on
         CPU one, since OpenMP threads of a stage that shares its cores wait for each other (spinning) whenever one is
-        preempted (README, "Measured choices"). A trainer process: its cores where it trains alone (its own share,
+        preempted (docs/schedules.md, "Measured choices"). A trainer process: its cores where it trains alone (its own share,
         on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads and
         train_threads say otherwise."""
         s, cuda = self.cfg.scheduler, self.device.type == "cuda"
@@ -216,7 +216,7 @@ class Placement:
         for worker in runtime.pool.workers:
             worker.bind(self.cpus("simulate") + self.spare())
             # generation and training are on the critical path of every env: when they want a shared core they get
-            # it first, and the simulators fill what is left (README, "Measured choices")
+            # it first, and the simulators fill what is left (docs/schedules.md, "Measured choices")
             worker.renice(self.cfg.scheduler.sim_nice)
         if self.pool is not None:
             for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):

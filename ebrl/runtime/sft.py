@@ -182,7 +182,7 @@ class SupervisedRun:
         self.valid_set = demo_samples(self.demos, self.demos.valid, self.policy.chunk_len, tokens, mask) \
             if self.demos.valid else None
         self.generator = torch.Generator().manual_seed(int(cfg.seed) + self.iteration)
-        torch.set_flush_denormal(True)  # (README, "Measured choices"; after h5py and numpy have read their float info)
+        torch.set_flush_denormal(True)  # (docs/schedules.md, "Measured choices"; after h5py and numpy have read their float info)
 
     def train(self) -> SFTSummary:
         """Run the remaining iterations; checkpoints every `checkpoint_every` and at the end."""
