@@ -56,6 +56,9 @@ class EnvConfig:
     render_every_step: bool = False
     reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
     terminate_on_success: bool = True
+    # robosuite family: a control step's substeps without robosuite's Python around the physics, bit for bit the
+    # stock trajectories (ebrl/envs/fast_step.py); false: the stock step (the control)
+    fast_step: bool = True
     python: Optional[str] = None  # interpreter the simulator workers run under; null: this one
     # many tasks of this benchmark in one run: a list ([Lift,Stack]) or all (a LIBERO suite's); null: env.task alone.
     # Envs (GRPO: groups) go to tasks round-robin, or in proportion to task_weights (ebrl/envs/tasks.py)

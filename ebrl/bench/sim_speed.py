@@ -1,7 +1,8 @@
 """How far is a simulator's control step from the physics inside it? `python -m ebrl.bench.sim_speed`.
 
-For each task: our adapter's control step (`step`, the stock simulator's code), the same number of raw physics steps
-on the same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's
+For each task: our adapter's control step with the stock simulator's code and with the fast step (`env.fast_step`,
+ebrl/envs/fast_step.py; where it does not cover the task, the reason), the same number of raw physics steps on the
+same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's
 `px.step` x ManiSkill's sim steps per control step), their ratio, and a reset. Each benchmark runs under its own
 interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy and the simulator only.
 
@@ -49,40 +50,45 @@ def raw_physics(name: str, adapter: Any) -> tuple[Callable[[], None], int]:
 
 
 def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets: int, seed: int = 0) -> dict:
-    """The control step, the raw physics of one and a reset of `env_cfg`'s adapter, in ms (medians over repeats)."""
+    """The control step of `env_cfg`'s adapter with the stock code and with the fast step (env.fast_step), the raw
+    physics of one, and a reset, in ms (medians over repeats; the two steps' passes alternate)."""
     from ebrl.envs.worker import build_adapter
 
-    adapter = build_adapter(env_cfg, seed)
-    spec = adapter.spec
+    adapters = {way: build_adapter({**env_cfg, "fast_step": way == "fast"}, seed) for way in ("stock", "fast")}
+    spec = adapters["stock"].spec
     rng = np.random.default_rng(seed)
     span = (spec.action_high - spec.action_low) / 2
     actions = (rng.uniform(-0.5, 0.5, (steps, spec.action_dim)) * 2 * span).astype(np.float32)
-    step_ms, physics_ms, reset_ms = [], [], []
-    episode = 0
-    for _ in range(repeats):
-        adapter.begin_episode(seed * 1000 + episode)
-        episode += 1
-        elapsed = 0.0
-        for action in actions:
-            t0 = time.perf_counter()
-            _, _, terminated, truncated, _ = adapter.step(action)
-            elapsed += time.perf_counter() - t0
-            if terminated or truncated:
-                adapter.begin_episode(seed * 1000 + episode)
-                episode += 1
-        step_ms.append(1e3 * elapsed / steps)
-        physics, substeps = raw_physics(name, adapter)
+    step_ms: dict[str, list[float]] = {"stock": [], "fast": []}
+    physics_ms, reset_ms = [], []
+    for r in range(repeats):
+        for way, adapter in adapters.items():  # (the same episodes and actions for both)
+            episode = 0
+            adapter.begin_episode(seed * 1000 + 100 * r)
+            elapsed = 0.0
+            for action in actions:
+                t0 = time.perf_counter()
+                _, _, terminated, truncated, _ = adapter.step(action)
+                elapsed += time.perf_counter() - t0
+                if terminated or truncated:
+                    episode += 1
+                    adapter.begin_episode(seed * 1000 + 100 * r + episode)
+            step_ms[way].append(1e3 * elapsed / steps)
+        physics, substeps = raw_physics(name, adapters["stock"])
         t0 = time.perf_counter()
         for _ in range(steps * substeps):
             physics()
         physics_ms.append(1e3 * (time.perf_counter() - t0) / steps)
     for k in range(resets):
         t0 = time.perf_counter()
-        adapter.reset(seed * 1000 + 500 + k)
+        adapters["stock"].reset(seed * 1000 + 500 + k)
         reset_ms.append(1e3 * (time.perf_counter() - t0))
-    adapter.close()
-    return {"step_ms": statistics.median(step_ms), "physics_ms": statistics.median(physics_ms),
-            "substeps": substeps, "reset_ms": statistics.median(reset_ms)}
+    fast_off = getattr(adapters["fast"], "fast_step_off", "the adapter has no fast step")
+    for adapter in adapters.values():
+        adapter.close()
+    return {"step_ms": statistics.median(step_ms["stock"]), "fast_ms": statistics.median(step_ms["fast"]),
+            "fast_off": fast_off, "physics_ms": statistics.median(physics_ms), "substeps": substeps,
+            "reset_ms": statistics.median(reset_ms)}
 
 
 # --- the driver: composes each benchmark's config and runs the measuring half under its interpreter ----------------
@@ -139,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     print(f"{args.steps} control steps x {args.repeats} passes per task, one thread, state observations "
           "(ms; the median pass)")
-    print("| benchmark | task | control step | raw physics (substeps) | step / physics | reset |")
-    print("|---|---|---|---|---|---|")
+    print("| benchmark | task | stock step | fast step | raw physics (substeps) | stock / physics | fast / physics "
+          "| speed-up | reset |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with exit_cleanly():
         for benchmark in args.benchmarks:
             for task, extra in TASKS[benchmark]:
@@ -150,11 +157,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 try:
                     r = run_task(benchmark, cfg, args)
                 except RuntimeError as e:  # (a benchmark not set up: its line, and the others go on)
-                    print(f"| {benchmark} | {label(benchmark, cfg)} | not measured: {e} | | | |", flush=True)
+                    print(f"| {benchmark} | {label(benchmark, cfg)} | not measured: {e} | | | | | | |", flush=True)
                     continue
                 rows.append({"benchmark": benchmark, "task": label(benchmark, cfg), **r})
-                print(f"| {benchmark} | {label(benchmark, cfg)} | {r['step_ms']:.2f} | {r['physics_ms']:.2f} "
-                      f"({r['substeps']}) | {r['step_ms'] / r['physics_ms']:.1f}x | {r['reset_ms']:.1f} |", flush=True)
+                fast = f"{r['fast_ms']:.2f}" + (f" (stock: {r['fast_off']})" if r["fast_off"] else "")
+                print(f"| {benchmark} | {label(benchmark, cfg)} | {r['step_ms']:.2f} | {fast} | {r['physics_ms']:.2f} "
+                      f"({r['substeps']}) | {r['step_ms'] / r['physics_ms']:.1f}x | {r['fast_ms'] / r['physics_ms']:.1f}x "
+                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {r['reset_ms']:.1f} |", flush=True)
     return rows
 
 

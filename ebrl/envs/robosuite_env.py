@@ -67,7 +67,8 @@ def _import_robosuite() -> Any:
 
 
 class RobosuiteEnv(EnvAdapter):
-    """A single-arm robosuite task. Obs: "state" = robot proprio + object state; "image/<camera>" when asked."""
+    """A single-arm robosuite task. Obs: "state" = robot proprio + object state; "image/<camera>" when asked.
+    fast_step: the control step of ebrl/envs/fast_step.py where it covers the env (`fast_step_off` says why not)."""
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class RobosuiteEnv(EnvAdapter):
         terminate_on_success: bool = True,
         robot: str = "Panda",
         control_freq: int = 20,
+        fast_step: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -88,6 +90,8 @@ class RobosuiteEnv(EnvAdapter):
             use_headless_gl()
         robosuite = _import_robosuite()
         from robosuite.controllers import load_composite_controller_config
+
+        from ebrl.envs.fast_step import fast_or_stock
         from robosuite.environments.base import REGISTERED_ENVS
 
         single_arm = sorted(name for name in REGISTERED_ENVS if not name.startswith("TwoArm"))
@@ -129,6 +133,7 @@ class RobosuiteEnv(EnvAdapter):
 
         self.gate = CameraGate(self, cameras)
         self.gate.install(self.env)
+        self._step, self.fast_step_off = fast_or_stock(self.env, fast_step)
         obs = self.env.reset()
         state = self._state(obs)
         spec_obs = {"state": ArraySpec(state.shape, "float32")}
@@ -167,7 +172,7 @@ class RobosuiteEnv(EnvAdapter):
         return self._obs(self.env.reset())
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
-        raw, reward, _, _ = self.env.step(np.asarray(action, np.float64))
+        raw, reward, _, _ = self._step(np.asarray(action, np.float64))
         success = bool(self.env._check_success())
         if self.reward_mode == "sparse":
             reward = 1.0 if success else 0.0

@@ -1,0 +1,340 @@
+"""A robosuite-family control step without the Python around its physics, giving the same trajectories.
+
+A stock control step runs 25 physics substeps (20 Hz control, 500 Hz physics), and at every substep robosuite's
+composite controller, its OSC arm controller and its gripper controller run in full: name lookups, property calls
+that build the action limits three times, the same base pose read twice, a fresh Jacobian per quantity, and every
+observable's timer. Only the first substep takes the policy's action (`policy_step`); the other substeps recompute
+torques from the same goal. `FastStep` runs the first substep with the stock code and the others with the stock
+arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order, and robosuite's own numba
+kernels (`opspace_matrices`, `nullspace_torques`, `orientation_error`), with site ids, index arrays, actuator bounds
+and the gripper's command, constant within a control step, looked up once. The observables' timers advance with
+robosuite's own float operations and the sensors run at the substep where the stock code samples them.
+
+So a trajectory is bit for bit the stock one: qpos, qvel, observations, rewards and success at every control step
+(tests/envs/test_fast_step.py runs both in one process). An env it does not cover (another controller type, an
+interpolator, a viewer, a task that overrides the step) gets `None` from `fast_step_for` with the reason, and runs
+the stock code. `env.fast_step=false` runs the stock code everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mujoco import mj_forward, mj_fullM, mj_jacSite, mj_step, mj_step1, mj_step2
+
+
+def _method_owner(obj: Any, name: str) -> str:
+    """`module.Class` that defines `name` for obj's class (to tell an override from the stock method)."""
+    for cls in type(obj).__mro__:
+        if name in vars(cls):
+            return f"{cls.__module__}.{cls.__qualname__}"
+    return ""
+
+
+class _Osc:
+    """A robosuite 1.5 OperationalSpaceController's `run_controller` between policy steps, ids looked up once."""
+
+    def __init__(self, ctrl: Any, sim: Any) -> None:
+        from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
+
+        self.c = ctrl
+        model = sim.model._model
+        self.model, self.data = model, sim.data._data
+        self.ref_id = int(model.site(ctrl.ref_name).id)
+        self.base_id = int(model.site(f"{ctrl.naming_prefix}{ctrl.part_name}_center").id)
+        self.qpos_index, self.qvel_index = ctrl.qpos_index, ctrl.qvel_index
+        self.nv = int(model.nv)
+        self.full_mass = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
+        self.jac = [np.zeros((3, self.nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
+        self.opspace, self.nullspace, self.ori_error = opspace_matrices, nullspace_torques, orientation_error
+
+    def begin(self) -> None:
+        """The goal's constants for this control step (set_goal ran in the policy substep)."""
+        c = self.c
+        self.kp_pos, self.kp_ori = np.array(c.kp[0:3]), np.array(c.kp[3:6])
+        self.kd_pos, self.kd_ori = c.kd[0:3], c.kd[3:6]
+
+    def torques(self, keep: bool) -> np.ndarray:
+        """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic, in the stock
+        numpy calls on arrays of the stock memory layout (numba compiles, and rounds, per layout); with `keep`, the
+        state the controller would hold afterwards, for `sync`."""
+        c, m, d, qi = self.c, self.model, self.data, self.qvel_index
+        qvel, take = d.qvel, np.take
+        jacp, jacr, base_jacp, base_jacr = self.jac
+        mj_jacSite(m, d, jacp, jacr, self.ref_id)
+        mj_jacSite(m, d, base_jacp, base_jacr, self.base_id)
+        origin_pos, origin_ori = d.site_xpos[self.base_id], d.site_xmat[self.base_id].reshape([3, 3])
+        ref_pos, ref_ori_mat = d.site_xpos[self.ref_id], d.site_xmat[self.ref_id].reshape([3, 3])
+        ref_pos_vel, ref_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
+        J_pos, J_ori = take(jacp, qi, axis=1), take(jacr, qi, axis=1)  # (C order, as the stock J_pos)
+        J_full = np.concatenate((J_pos, J_ori))
+        joint_pos, joint_vel = d.qpos[self.qpos_index], qvel[qi]
+        mj_fullM(m, self.full_mass, d.qM)
+        mass_matrix = self.full_mass[qi, :][:, qi]  # (F order, as the stock one)
+        if c.input_ref_frame == "base":
+            desired_world_pos = origin_pos + np.dot(origin_ori, c.goal_pos)
+            desired_world_ori = np.dot(origin_ori, c.goal_ori)
+        else:
+            desired_world_pos, desired_world_ori = c.goal_pos, c.goal_ori
+        ori_error = self.ori_error(desired_world_ori, ref_ori_mat)
+        desired_force = (desired_world_pos - ref_pos) * self.kp_pos + (
+            -(ref_pos_vel - np.dot(base_jacp, qvel))) * self.kd_pos
+        desired_torque = ori_error * self.kp_ori + (-(ref_ori_vel - np.dot(base_jacr, qvel))) * self.kd_ori
+        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = self.opspace(mass_matrix, J_full, J_pos, J_ori)
+        if c.uncoupling:
+            decoupled_wrench = np.concatenate((np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)))
+        else:
+            decoupled_wrench = np.dot(lambda_full, np.concatenate((desired_force, desired_torque)))
+        torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
+        torques += self.nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        if keep:
+            self.state = (np.array(ref_pos), np.array(ref_ori_mat), ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full,
+                          joint_pos, joint_vel, mass_matrix, np.array(origin_pos), np.array(origin_ori), torques)
+        return torques
+
+    def sync(self) -> None:
+        """Leave the controller as the stock code leaves it (arrays it updates in place stay the same objects)."""
+        c = self.c
+        (ref_pos, ref_ori_mat, ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full, c.joint_pos, c.joint_vel,
+         c.mass_matrix, c.origin_pos, c.origin_ori, c.torques) = self.state
+        c.ref_pos[:] = ref_pos
+        c.ref_ori_mat[:, :] = ref_ori_mat
+        c.ref_pos_vel[:] = ref_pos_vel
+        c.ref_ori_vel[:] = ref_ori_vel
+        c.J_pos[:, :] = J_pos
+        c.J_ori[:, :] = J_ori
+        c.J_full[:, :] = J_full
+        c.new_update = True
+
+
+class _Grip:
+    """A SimpleGripController between policy steps: its command is constant within a control step."""
+
+    def __init__(self, ctrl: Any, sim: Any) -> None:
+        self.c, self.data = ctrl, sim.data._data
+
+    def begin(self) -> None:
+        """`run_controller()`'s output for the goal the policy step set (the same arithmetic, once per step)."""
+        c = self.c
+        vels = np.array(c.goal_qvel)
+        if c.use_action_scaling:
+            ctrl_range = np.stack([c.actuator_min, c.actuator_max], axis=-1)
+            bias = 0.5 * (ctrl_range[:, 1] + ctrl_range[:, 0])
+            weight = 0.5 * (ctrl_range[:, 1] - ctrl_range[:, 0])
+            vels = bias + weight * vels
+        self.vels = vels
+
+    def torques(self, keep: bool) -> np.ndarray:
+        if keep:
+            d, c = self.data, self.c
+            self.state = (d.qpos[c.qpos_index], d.qvel[c.qvel_index])
+        return self.vels
+
+    def sync(self) -> None:
+        c = self.c
+        c.joint_pos, c.joint_vel = self.state
+        c.vels = self.vels
+        c.new_update = True
+
+
+class _Timers:
+    """The env's observables' timers advanced as `Observable.update` does; the sensors run where it samples.
+
+    Observables in the same timer state with no delay draw stay in lockstep, so one timer (robosuite's own float
+    operations) stands for each group. Where a group samples or wraps, its members' own `update` runs, in the env's
+    order (a sensor may read an earlier one's value). Whether a substep is one of those does not depend on the
+    physics, so `due` tells it before the substep runs."""
+
+    def __init__(self, env: Any) -> None:
+        from robosuite.utils.observables import NO_DELAY
+
+        self.env, self.no_delay = env, NO_DELAY
+
+    def begin(self) -> None:
+        groups: dict[tuple, list] = {}
+        for i, obs in enumerate(self.env._observables.values()):
+            if not obs._enabled:
+                continue
+            key = (obs._time_since_last_sample, obs._sampled, obs._sampling_timestep, obs._current_delay)
+            if obs._delayer is not self.no_delay:
+                key = key + (id(obs),)  # a delay drawn at each sample: its own timer
+            groups.setdefault(key, []).append((i, obs))
+        self.groups = [[*key[:4], members] for key, members in groups.items()]
+
+    def due(self, dt: float) -> list:
+        """The groups that sample or wrap at the next substep."""
+        due = []
+        for group in self.groups:
+            t, sampled, period, delay, _ = group
+            t = t + dt
+            if (not sampled and period - delay >= t) or t >= period:
+                due.append(group)
+        return due
+
+    def advance(self, dt: float, due: list) -> None:
+        """One substep: the others' timers advance; the due groups' members update (the stock code)."""
+        for group in self.groups:
+            if group not in due:
+                group[0] = group[0] + dt
+        if not due:
+            return
+        members = sorted((i, obs, group) for group in due for i, obs in group[4])
+        cache = self.env._obs_cache
+        for _, obs, group in members:
+            obs._time_since_last_sample, obs._sampled, obs._current_delay = group[0], group[1], group[3]
+            obs.update(timestep=dt, obs_cache=cache)
+        for group in due:
+            obs = group[4][0][1]
+            group[0], group[1], group[3] = obs._time_since_last_sample, obs._sampled, obs._current_delay
+
+    def end(self) -> None:
+        for t, sampled, _, delay, members in self.groups:
+            for _, obs in members:
+                obs._time_since_last_sample, obs._sampled, obs._current_delay = t, sampled, delay
+
+
+class FastStep:
+    """robosuite 1.5's `MujocoEnv.step` for a fixed-base robot under the BASIC composite controller (OSC arms,
+    simple grippers): substep 0 is the stock code, the others the stock arithmetic (see the module docstring)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.built_for: tuple = ()
+        self.timers = _Timers(env)
+
+    @staticmethod
+    def _identity(env: Any) -> tuple:
+        """What a reset may rebuild: the sim (a hard reset), the robot's controllers (each reset in robosuite 1.5)."""
+        robot = env.robots[0]
+        return (id(env.sim), id(robot), id(robot.composite_controller),
+                *map(id, robot.composite_controller.part_controllers.values()))
+
+    def _build(self) -> None:
+        """Look up the ids, indices and bounds of the env's current sim and controllers."""
+        from robosuite.controllers.parts.arm.osc import OperationalSpaceController
+        from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
+
+        env = self.env
+        sim = env.sim
+        self.model, self.data = sim.model._model, sim.data._data
+        robot = env.robots[0]
+        self.robot, self.composite = robot, robot.composite_controller
+        self.parts: list[tuple[Any, Any, np.ndarray, np.ndarray]] = []
+        for part, ctrl in self.composite.part_controllers.items():
+            if not robot._enabled_parts.get(part, False):
+                continue
+            index = robot._ref_actuators_indexes_dict[part]
+            low = sim.model.actuator_ctrlrange[index, 0]
+            high = sim.model.actuator_ctrlrange[index, 1]
+            if type(ctrl) is OperationalSpaceController:
+                worker: Any = _Osc(ctrl, sim)
+            elif type(ctrl) is SimpleGripController:
+                worker = _Grip(ctrl, sim)
+            else:  # (checked by fast_step_for)
+                raise TypeError(type(ctrl).__name__)
+            if np.array_equal(index, np.arange(index[0], index[-1] + 1)):
+                index = slice(int(index[0]), int(index[-1]) + 1)  # (the same elements, without a fancy index)
+            self.parts.append((worker, index, low, high))
+        self.workers = [worker for worker, *_ in self.parts]
+        self.substeps = int(env.control_timestep / env.model_timestep)
+        self.built_for = self._identity(env)
+
+    def step(self, action: np.ndarray) -> tuple[dict, float, bool, dict]:
+        """`env.step(action)`, the stock contract and results."""
+        if self._identity(self.env) != self.built_for:
+            self._build()
+        env, sim, m, d, timers, clip = self.env, self.env.sim, self.model, self.data, self.timers, np.clip
+        if env.done:
+            raise ValueError("executing action in terminated episode")
+        env.timestep += 1
+        timers.begin()
+        dt, lite, last = env.model_timestep, env.lite_physics, self.substeps - 1
+        # substep 0: the policy step, the stock code (set_goal, the controllers, the robot's proprio buffers)
+        sim.step1() if lite else sim.forward()
+        env._pre_action(action, policy_step=True)
+        sim.step2() if lite else sim.step()
+        timers.advance(dt, timers.due(dt))
+        for worker in self.workers:
+            worker.begin()
+        for k in range(1, self.substeps):
+            mj_step1(m, d) if lite else mj_forward(m, d)
+            due = timers.due(dt)
+            keep = bool(due) or k == last  # (the controllers' state is read where a sensor runs, and at the end)
+            # robot.control(policy_step=False): each enabled part's run_controller, clipped into the ctrl range
+            for worker, index, low, high in self.parts:
+                d.ctrl[index] = clip(worker.torques(keep), low, high)
+            mj_step2(m, d) if lite else mj_step(m, d)
+            if due:
+                for worker in self.workers:
+                    worker.sync()
+                timers.advance(dt, due)
+            else:
+                timers.advance(dt, due)
+        for worker in self.workers:
+            worker.sync()
+        timers.end()
+        env.cur_time += env.control_timestep
+        reward, done, info = env._post_action(action)
+        return env._get_observations(), reward, done, info
+
+
+def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
+    """The env's fast control step and "", or None and why the stock step runs instead."""
+    try:
+        import robosuite
+    except ImportError:
+        return None, "robosuite is not importable"
+    version = tuple(int(p) for p in robosuite.__version__.split(".")[:2])
+    if version != (1, 5):
+        return None, f"robosuite {robosuite.__version__} (the fast step covers 1.5)"
+    checks = [
+        (_method_owner(env, "step") == "robosuite.environments.base.MujocoEnv", "the task overrides step()"),
+        (_method_owner(env, "_pre_action") == "robosuite.environments.robot_env.RobotEnv",
+         "the task overrides _pre_action()"),
+        (_method_owner(env, "_update_observables") == "robosuite.environments.base.MujocoEnv",
+         "the task overrides _update_observables()"),
+        (env.viewer is None and not env.has_renderer, "an on-screen viewer"),
+        (len(env.robots) == 1, f"{len(env.robots)} robots"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return None, why
+    robot = env.robots[0]
+    composite = robot.composite_controller
+    from robosuite.controllers.composite.composite_controller import CompositeController
+    from robosuite.controllers.parts.arm.osc import OperationalSpaceController
+    from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
+
+    checks = [
+        (_method_owner(robot, "control") == "robosuite.robots.fixed_base_robot.FixedBaseRobot",
+         f"robot {type(robot).__name__} is not a fixed-base robot"),
+        (type(composite) is CompositeController, f"composite controller {type(composite).__name__}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return None, why
+    for part, ctrl in composite.part_controllers.items():
+        if not robot._enabled_parts.get(part, False):
+            continue
+        if type(ctrl) is OperationalSpaceController:
+            if ctrl.interpolator_pos is not None or ctrl.interpolator_ori is not None:
+                return None, f"{part}: an OSC interpolator"
+            if ctrl.num_ref_sites != 1 or not ctrl.lite_physics or ctrl.input_ref_frame not in ("base", "world"):
+                return None, f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
+        elif type(ctrl) is SimpleGripController:
+            if ctrl.interpolator is not None:
+                return None, f"{part}: a gripper interpolator"
+        else:
+            return None, f"{part}: controller {type(ctrl).__name__}"
+    if any(arm not in composite.part_controllers or not robot._enabled_parts.get(arm, False)
+           for arm in composite.arms):
+        return None, "an arm without its controller enabled"
+    return FastStep(env).step, ""
+
+
+def fast_or_stock(env: Any, enabled: bool) -> tuple[Callable[[np.ndarray], tuple], str]:
+    """The step an adapter calls: the fast one when `enabled` (env.fast_step) and it covers the env; and why not."""
+    if not enabled:
+        return env.step, "env.fast_step=false"
+    fast, why = fast_step_for(env)
+    return (fast, "") if fast is not None else (env.step, why)
