@@ -2,8 +2,8 @@
 
 For each task: our adapter's control step with the stock simulator's code and with the fast step (`env.fast_step`,
 ebrl/envs/fast_step.py; where it does not cover the task, the reason), the same number of raw physics steps on the
-same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's
-`px.step` x ManiSkill's sim steps per control step), their ratio, and a reset. Each benchmark runs under its own
+same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's `px.step`
+x ManiSkill's sim steps per control step), their ratios, and a reset each way. Each benchmark runs under its own
 interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy and the simulator only.
 
     python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--tasks Lift ...] [--steps 200]
@@ -60,7 +60,8 @@ def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets
     span = (spec.action_high - spec.action_low) / 2
     actions = (rng.uniform(-0.5, 0.5, (steps, spec.action_dim)) * 2 * span).astype(np.float32)
     step_ms: dict[str, list[float]] = {"stock": [], "fast": []}
-    physics_ms, reset_ms = [], []
+    physics_ms: list[float] = []
+    reset_ms: dict[str, list[float]] = {"stock": [], "fast": []}
     for r in range(repeats):
         for way, adapter in adapters.items():  # (the same episodes and actions for both)
             episode = 0
@@ -80,15 +81,16 @@ def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets
             physics()
         physics_ms.append(1e3 * (time.perf_counter() - t0) / steps)
     for k in range(resets):
-        t0 = time.perf_counter()
-        adapters["stock"].reset(seed * 1000 + 500 + k)
-        reset_ms.append(1e3 * (time.perf_counter() - t0))
+        for way, adapter in adapters.items():
+            t0 = time.perf_counter()
+            adapter.reset(seed * 1000 + 500 + k)
+            reset_ms[way].append(1e3 * (time.perf_counter() - t0))
     fast_off = getattr(adapters["fast"], "fast_step_off", "the adapter has no fast step")
     for adapter in adapters.values():
         adapter.close()
     return {"step_ms": statistics.median(step_ms["stock"]), "fast_ms": statistics.median(step_ms["fast"]),
             "fast_off": fast_off, "physics_ms": statistics.median(physics_ms), "substeps": substeps,
-            "reset_ms": statistics.median(reset_ms)}
+            "reset_ms": statistics.median(reset_ms["stock"]), "fast_reset_ms": statistics.median(reset_ms["fast"])}
 
 
 # --- the driver: composes each benchmark's config and runs the measuring half under its interpreter ----------------
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print(f"{args.steps} control steps x {args.repeats} passes per task, one thread, state observations "
           "(ms; the median pass)")
     print("| benchmark | task | stock step | fast step | raw physics (substeps) | stock / physics | fast / physics "
-          "| speed-up | reset |")
+          "| speed-up | reset stock / fast |")
     print("|---|---|---|---|---|---|---|---|---|")
     with exit_cleanly():
         for benchmark in args.benchmarks:
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 fast = f"{r['fast_ms']:.2f}" + (f" (stock: {r['fast_off']})" if r["fast_off"] else "")
                 print(f"| {benchmark} | {label(benchmark, cfg)} | {r['step_ms']:.2f} | {fast} | {r['physics_ms']:.2f} "
                       f"({r['substeps']}) | {r['step_ms'] / r['physics_ms']:.1f}x | {r['fast_ms'] / r['physics_ms']:.1f}x "
-                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {r['reset_ms']:.1f} |", flush=True)
+                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {r['reset_ms']:.1f} / {r['fast_reset_ms']:.1f} |", flush=True)
     return rows
 
 

@@ -20,7 +20,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-from mujoco import mj_forward, mj_fullM, mj_jacSite, mj_step, mj_step1, mj_step2
+import mujoco
+from mujoco import mj_jacSite, mj_step1, mj_step2
+
+if hasattr(mujoco.MjData, "qM"):  # the dense mass matrix: MuJoCo < 3.4 reads qM, later ones the data
+    def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
+        mujoco.mj_fullM(m, out, d.qM)
+else:  # (as LIBERO-PRO's robosuite 1.4 bridge calls it under MuJoCo >= 3.4)
+    def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
+        mujoco.mj_fullM(m, d, out)
 
 
 def _method_owner(obj: Any, name: str) -> str:
@@ -48,7 +56,7 @@ class _Osc:
         self.jac = [np.zeros((3, self.nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
         self.opspace, self.nullspace, self.ori_error = opspace_matrices, nullspace_torques, orientation_error
 
-    def begin(self) -> None:
+    def begin(self, action: np.ndarray) -> None:
         """The goal's constants for this control step (set_goal ran in the policy substep)."""
         c = self.c
         self.kp_pos, self.kp_ori = np.array(c.kp[0:3]), np.array(c.kp[3:6])
@@ -69,7 +77,7 @@ class _Osc:
         J_pos, J_ori = take(jacp, qi, axis=1), take(jacr, qi, axis=1)  # (C order, as the stock J_pos)
         J_full = np.concatenate((J_pos, J_ori))
         joint_pos, joint_vel = d.qpos[self.qpos_index], qvel[qi]
-        mj_fullM(m, self.full_mass, d.qM)
+        full_mass(m, d, self.full_mass)
         mass_matrix = self.full_mass[qi, :][:, qi]  # (F order, as the stock one)
         if c.input_ref_frame == "base":
             desired_world_pos = origin_pos + np.dot(origin_ori, c.goal_pos)
@@ -113,7 +121,7 @@ class _Grip:
     def __init__(self, ctrl: Any, sim: Any) -> None:
         self.c, self.data = ctrl, sim.data._data
 
-    def begin(self) -> None:
+    def begin(self, action: np.ndarray) -> None:
         """`run_controller()`'s output for the goal the policy step set (the same arithmetic, once per step)."""
         c = self.c
         vels = np.array(c.goal_qvel)
@@ -135,6 +143,90 @@ class _Grip:
         c.joint_pos, c.joint_vel = self.state
         c.vels = self.vels
         c.new_update = True
+
+
+class _Osc14:
+    """robosuite 1.4's (LIBERO's) OSC controller between policy steps, with the robot's torque clip. Its `update()`
+    runs `sim.forward()` again on the state the env's forward just computed: the substep's `mj_step1` computes the
+    same positions, velocities, Jacobians and mass matrix once (what the forwards add, actuation and the constraint
+    forces of the old ctrl, `mj_step2` recomputes with the new one)."""
+
+    def __init__(self, robot: Any, sim: Any) -> None:
+        from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
+
+        self.robot, self.c = robot, robot.controller
+        model = sim.model._model
+        self.model, self.data = model, sim.data._data
+        self.eef_id = int(model.site(self.c.eef_name).id)
+        self.qpos_index, self.qvel_index = self.c.qpos_index, self.c.qvel_index
+        self.nv = int(model.nv)
+        self.jac = [np.zeros((3, self.nv)) for _ in range(2)]
+        self.opspace, self.nullspace, self.ori_error = opspace_matrices, nullspace_torques, orientation_error
+
+    def begin(self, action: np.ndarray) -> None:
+        c = self.c
+        self.kp_pos, self.kp_ori = np.array(c.kp[0:3]), np.array(c.kp[3:6])
+        self.kd_pos, self.kd_ori = c.kd[0:3], c.kd[3:6]
+        self.desired_pos, self.desired_ori = np.array(c.goal_pos), np.array(c.goal_ori)
+
+    def torques(self, keep: bool) -> np.ndarray:
+        """The stock `update()` after the forward and `run_controller()`, the same numpy calls on arrays of the
+        stock memory layout."""
+        c, m, d, qi = self.c, self.model, self.data, self.qvel_index
+        qvel = d.qvel
+        jacp, jacr = self.jac
+        mj_jacSite(m, d, jacp, jacr, self.eef_id)
+        ee_pos, ee_ori_mat = d.site_xpos[self.eef_id], d.site_xmat[self.eef_id].reshape([3, 3])
+        ee_pos_vel, ee_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
+        joint_pos, joint_vel = d.qpos[self.qpos_index], qvel[qi]
+        J_pos, J_ori = np.array(jacp[:, qi]), np.array(jacr[:, qi])
+        J_full = np.array(np.vstack([J_pos, J_ori]))
+        mass_matrix = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
+        full_mass(m, d, mass_matrix)
+        mass_matrix = mass_matrix[qi, :][:, qi]
+        ori_error = self.ori_error(self.desired_ori, ee_ori_mat)
+        desired_force = (self.desired_pos - ee_pos) * self.kp_pos + (-ee_pos_vel) * self.kd_pos
+        desired_torque = ori_error * self.kp_ori + (-ee_ori_vel) * self.kd_ori
+        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = self.opspace(mass_matrix, J_full, J_pos, J_ori)
+        if c.uncoupling:
+            decoupled_wrench = np.concatenate([np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)])
+        else:
+            decoupled_wrench = np.dot(lambda_full, np.concatenate([desired_force, desired_torque]))
+        torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
+        torques += self.nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        if keep:
+            self.state = (np.array(ee_pos), np.array(ee_ori_mat), ee_pos_vel, ee_ori_vel, joint_pos, joint_vel,
+                          J_pos, J_ori, J_full, mass_matrix, torques)
+        return torques
+
+    def sync(self) -> None:
+        c = self.c
+        (c.ee_pos, c.ee_ori_mat, c.ee_pos_vel, c.ee_ori_vel, c.joint_pos, c.joint_vel, c.J_pos, c.J_ori, c.J_full,
+         c.mass_matrix, c.torques) = self.state
+        self.robot.torques = self.applied
+        c.new_update = True
+
+
+class _Grip14:
+    """robosuite 1.4's `grip_action`: the gripper's own `format_action` at each substep (Panda's ramps its command
+    by a speed per call), scaled into the actuators' range."""
+
+    def __init__(self, robot: Any, sim: Any) -> None:
+        self.robot, self.gripper = robot, robot.gripper
+        ids = [sim.model.actuator_name2id(actuator) for actuator in self.gripper.actuators]
+        ctrl_range = sim.model.actuator_ctrlrange[ids]
+        self.bias = 0.5 * (ctrl_range[:, 1] + ctrl_range[:, 0])
+        self.weight = 0.5 * (ctrl_range[:, 1] - ctrl_range[:, 0])
+        self.index = ids
+
+    def begin(self, action: np.ndarray) -> None:
+        self.action = action[self.robot.controller.control_dim:]
+
+    def torques(self, keep: bool) -> np.ndarray:
+        return self.bias + self.weight * self.gripper.format_action(self.action)
+
+    def sync(self) -> None:
+        pass
 
 
 class _Timers:
@@ -194,88 +286,107 @@ class _Timers:
 
 
 class FastStep:
-    """robosuite 1.5's `MujocoEnv.step` for a fixed-base robot under the BASIC composite controller (OSC arms,
-    simple grippers): substep 0 is the stock code, the others the stock arithmetic (see the module docstring)."""
+    """robosuite's `MujocoEnv.step` for one fixed-base arm under OSC with a gripper (1.5: the BASIC composite
+    controller, OSC arms and simple grippers; 1.4: a SingleArm's OSC controller): substep 0 is the stock code, the
+    others the stock arithmetic (see the module docstring). `libero` adds LIBERO's own step around it."""
 
-    def __init__(self, env: Any) -> None:
-        self.env = env
+    def __init__(self, env: Any, version: tuple[int, int], libero: bool = False) -> None:
+        self.env, self.version, self.libero = env, version, libero
         self.built_for: tuple = ()
         self.timers = _Timers(env)
 
-    @staticmethod
-    def _identity(env: Any) -> tuple:
+    def _identity(self) -> tuple:
         """What a reset may rebuild: the sim (a hard reset), the robot's controllers (each reset in robosuite 1.5)."""
-        robot = env.robots[0]
-        return (id(env.sim), id(robot), id(robot.composite_controller),
-                *map(id, robot.composite_controller.part_controllers.values()))
+        env, robot = self.env, self.env.robots[0]
+        if self.version >= (1, 5):
+            return (id(env.sim), id(robot), id(robot.composite_controller),
+                    *map(id, robot.composite_controller.part_controllers.values()))
+        return id(env.sim), id(robot), id(robot.controller), id(robot.gripper)
 
     def _build(self) -> None:
         """Look up the ids, indices and bounds of the env's current sim and controllers."""
-        from robosuite.controllers.parts.arm.osc import OperationalSpaceController
-        from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
-
         env = self.env
-        sim = env.sim
+        sim, robot = env.sim, env.robots[0]
         self.model, self.data = sim.model._model, sim.data._data
-        robot = env.robots[0]
-        self.robot, self.composite = robot, robot.composite_controller
-        self.parts: list[tuple[Any, Any, np.ndarray, np.ndarray]] = []
-        for part, ctrl in self.composite.part_controllers.items():
-            if not robot._enabled_parts.get(part, False):
-                continue
-            index = robot._ref_actuators_indexes_dict[part]
-            low = sim.model.actuator_ctrlrange[index, 0]
-            high = sim.model.actuator_ctrlrange[index, 1]
-            if type(ctrl) is OperationalSpaceController:
-                worker: Any = _Osc(ctrl, sim)
-            elif type(ctrl) is SimpleGripController:
-                worker = _Grip(ctrl, sim)
-            else:  # (checked by fast_step_for)
-                raise TypeError(type(ctrl).__name__)
-            if np.array_equal(index, np.arange(index[0], index[-1] + 1)):
-                index = slice(int(index[0]), int(index[-1]) + 1)  # (the same elements, without a fancy index)
-            self.parts.append((worker, index, low, high))
+        self.parts: list[tuple[Any, Any, Any, Any]] = []
+        if self.version >= (1, 5):
+            from robosuite.controllers.parts.arm.osc import OperationalSpaceController
+
+            for part, ctrl in robot.composite_controller.part_controllers.items():
+                if not robot._enabled_parts.get(part, False):
+                    continue
+                index = robot._ref_actuators_indexes_dict[part]
+                worker = _Osc(ctrl, sim) if type(ctrl) is OperationalSpaceController else _Grip(ctrl, sim)
+                self.parts.append((worker, index, sim.model.actuator_ctrlrange[index, 0],
+                                   sim.model.actuator_ctrlrange[index, 1]))
+        else:  # the arm's torques clipped to the robot's torque limits; the gripper's command as it is
+            low, high = robot.torque_limits
+            grip = _Grip14(robot, sim)
+            self.parts += [(_Osc14(robot, sim), robot._ref_joint_actuator_indexes, low, high),
+                           (grip, grip.index, None, None)]
+        self.parts = [(worker, _as_slice(index), low, high) for worker, index, low, high in self.parts]
         self.workers = [worker for worker, *_ in self.parts]
         self.substeps = int(env.control_timestep / env.model_timestep)
-        self.built_for = self._identity(env)
+        self.built_for = self._identity()
 
     def step(self, action: np.ndarray) -> tuple[dict, float, bool, dict]:
         """`env.step(action)`, the stock contract and results."""
-        if self._identity(self.env) != self.built_for:
+        if self._identity() != self.built_for:
             self._build()
         env, sim, m, d, timers, clip = self.env, self.env.sim, self.model, self.data, self.timers, np.clip
+        if self.libero and env.action_dim == 4 and len(action) > 4:  # LIBERO's step: an OSC_POSITION action
+            action = np.array(action)
+            action = np.concatenate((action[:3], action[-1:]), axis=-1)
         if env.done:
             raise ValueError("executing action in terminated episode")
         env.timestep += 1
         timers.begin()
-        dt, lite, last = env.model_timestep, env.lite_physics, self.substeps - 1
+        dt, lite, last = env.model_timestep, getattr(env, "lite_physics", False), self.substeps - 1
         # substep 0: the policy step, the stock code (set_goal, the controllers, the robot's proprio buffers)
         sim.step1() if lite else sim.forward()
         env._pre_action(action, policy_step=True)
         sim.step2() if lite else sim.step()
         timers.advance(dt, timers.due(dt))
         for worker in self.workers:
-            worker.begin()
+            worker.begin(action)
         for k in range(1, self.substeps):
-            mj_step1(m, d) if lite else mj_forward(m, d)
+            # mj_step1 + mj_step2 is the stock forward (or forwards) + mj_step: each stage once, from the same state
+            mj_step1(m, d)
             due = timers.due(dt)
             keep = bool(due) or k == last  # (the controllers' state is read where a sensor runs, and at the end)
-            # robot.control(policy_step=False): each enabled part's run_controller, clipped into the ctrl range
+            # robot.control(policy_step=False): each enabled part's run_controller, clipped into its range
             for worker, index, low, high in self.parts:
-                d.ctrl[index] = clip(worker.torques(keep), low, high)
-            mj_step2(m, d) if lite else mj_step(m, d)
+                applied = worker.torques(keep)
+                if low is not None:
+                    applied = clip(applied, low, high)
+                d.ctrl[index] = worker.applied = applied
+            mj_step2(m, d)
             if due:
                 for worker in self.workers:
                     worker.sync()
-                timers.advance(dt, due)
-            else:
-                timers.advance(dt, due)
+            timers.advance(dt, due)
         for worker in self.workers:
             worker.sync()
         timers.end()
         env.cur_time += env.control_timestep
         reward, done, info = env._post_action(action)
-        return env._get_observations(), reward, done, info
+        obs = env._get_observations()
+        if self.libero:
+            done = env._check_success()
+        return obs, reward, done, info
+
+
+def _as_slice(index: Any) -> Any:
+    """A contiguous index array as a slice: the same elements without a fancy index."""
+    index = np.asarray(index)
+    if index.ndim == 1 and len(index) and np.array_equal(index, np.arange(index[0], index[-1] + 1)):
+        return slice(int(index[0]), int(index[-1]) + 1)
+    return index
+
+
+STOCK_STEP = {"robosuite.environments.base.MujocoEnv": False,
+              "libero.libero.envs.bddl_base_domain.BDDLBaseDomain": True}  # the step's owner: LIBERO's around it
+STOCK_PRE_ACTION = ("robosuite.environments.robot_env.RobotEnv", "libero.libero.envs.bddl_base_domain.BDDLBaseDomain")
 
 
 def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
@@ -285,12 +396,11 @@ def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
     except ImportError:
         return None, "robosuite is not importable"
     version = tuple(int(p) for p in robosuite.__version__.split(".")[:2])
-    if version != (1, 5):
-        return None, f"robosuite {robosuite.__version__} (the fast step covers 1.5)"
+    if version not in ((1, 4), (1, 5)):
+        return None, f"robosuite {robosuite.__version__} (the fast step covers 1.4 and 1.5)"
     checks = [
-        (_method_owner(env, "step") == "robosuite.environments.base.MujocoEnv", "the task overrides step()"),
-        (_method_owner(env, "_pre_action") == "robosuite.environments.robot_env.RobotEnv",
-         "the task overrides _pre_action()"),
+        (_method_owner(env, "step") in STOCK_STEP, "the task overrides step()"),
+        (_method_owner(env, "_pre_action") in STOCK_PRE_ACTION, "the task overrides _pre_action()"),
         (_method_owner(env, "_update_observables") == "robosuite.environments.base.MujocoEnv",
          "the task overrides _update_observables()"),
         (env.viewer is None and not env.has_renderer, "an on-screen viewer"),
@@ -299,37 +409,55 @@ def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
     for ok, why in checks:
         if not ok:
             return None, why
-    robot = env.robots[0]
-    composite = robot.composite_controller
+    why = _controllers_15(env.robots[0]) if version >= (1, 5) else _controllers_14(env.robots[0])
+    if why:
+        return None, why
+    return FastStep(env, version, libero=STOCK_STEP[_method_owner(env, "step")]).step, ""
+
+
+def _controllers_15(robot: Any) -> str:
+    """Why robosuite 1.5's robot is not covered ("" if it is)."""
     from robosuite.controllers.composite.composite_controller import CompositeController
     from robosuite.controllers.parts.arm.osc import OperationalSpaceController
     from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
 
-    checks = [
-        (_method_owner(robot, "control") == "robosuite.robots.fixed_base_robot.FixedBaseRobot",
-         f"robot {type(robot).__name__} is not a fixed-base robot"),
-        (type(composite) is CompositeController, f"composite controller {type(composite).__name__}"),
-    ]
-    for ok, why in checks:
-        if not ok:
-            return None, why
+    composite = robot.composite_controller
+    if _method_owner(robot, "control") != "robosuite.robots.fixed_base_robot.FixedBaseRobot":
+        return f"robot {type(robot).__name__} is not a fixed-base robot"
+    if type(composite) is not CompositeController:
+        return f"composite controller {type(composite).__name__}"
     for part, ctrl in composite.part_controllers.items():
         if not robot._enabled_parts.get(part, False):
             continue
         if type(ctrl) is OperationalSpaceController:
             if ctrl.interpolator_pos is not None or ctrl.interpolator_ori is not None:
-                return None, f"{part}: an OSC interpolator"
+                return f"{part}: an OSC interpolator"
             if ctrl.num_ref_sites != 1 or not ctrl.lite_physics or ctrl.input_ref_frame not in ("base", "world"):
-                return None, f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
+                return f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
         elif type(ctrl) is SimpleGripController:
             if ctrl.interpolator is not None:
-                return None, f"{part}: a gripper interpolator"
+                return f"{part}: a gripper interpolator"
         else:
-            return None, f"{part}: controller {type(ctrl).__name__}"
+            return f"{part}: controller {type(ctrl).__name__}"
     if any(arm not in composite.part_controllers or not robot._enabled_parts.get(arm, False)
            for arm in composite.arms):
-        return None, "an arm without its controller enabled"
-    return FastStep(env).step, ""
+        return "an arm without its controller enabled"
+    return ""
+
+
+def _controllers_14(robot: Any) -> str:
+    """Why robosuite 1.4's robot is not covered ("" if it is)."""
+    from robosuite.controllers.osc import OperationalSpaceController
+
+    if _method_owner(robot, "control") != "robosuite.robots.single_arm.SingleArm":
+        return f"robot {type(robot).__name__} is not a single arm"
+    if type(robot.controller) is not OperationalSpaceController:
+        return f"controller {type(robot.controller).__name__}"
+    if robot.controller.interpolator_pos is not None or robot.controller.interpolator_ori is not None:
+        return "an OSC interpolator"
+    if not robot.has_gripper or _method_owner(robot, "grip_action") != "robosuite.robots.manipulator.Manipulator":
+        return "no gripper, or its own grip_action()"
+    return ""
 
 
 def fast_or_stock(env: Any, enabled: bool) -> tuple[Callable[[np.ndarray], tuple], str]:

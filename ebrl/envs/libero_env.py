@@ -86,7 +86,8 @@ def _quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
 
 class LiberoEnv(EnvAdapter):
     """One task of a LIBERO suite. Obs: "state" = eef pos, eef axis-angle, gripper qpos, object state;
-    "image/<camera>" when asked. Reset with seed s loads the suite's init state s mod their count."""
+    "image/<camera>" when asked. Reset with seed s loads the suite's init state s mod their count. fast_step: the
+    control step of ebrl/envs/fast_step.py (`fast_step_off` says why not), for the settling steps of a reset too."""
 
     def __init__(
         self,
@@ -97,6 +98,7 @@ class LiberoEnv(EnvAdapter):
         image_size: int = 128,
         reward: str = "dense",
         terminate_on_success: bool = True,
+        fast_step: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -142,6 +144,9 @@ class LiberoEnv(EnvAdapter):
                                 "frontview, birdview, sideview") from e
         self.gate = CameraGate(self, cameras)
         self.gate.install(self.env.env)
+        from ebrl.envs.fast_step import fast_or_stock
+
+        self._step, self.fast_step_off = fast_or_stock(self.env.env, fast_step)
         obs = self.reset(seed)
         spec_obs = {"state": ArraySpec(obs["state"].shape, "float32")}
         for cam in cameras:
@@ -189,13 +194,13 @@ class LiberoEnv(EnvAdapter):
             raw = self.env.set_init_state(self.init_states[seed % len(self.init_states)])
             for i in range(SETTLE_STEPS):
                 self.render_this_step = asked and (self.render_every_step or i == SETTLE_STEPS - 1)
-                raw, _, _, _ = self.env.step(NOOP)
+                raw, _, _, _ = self._step(NOOP)
         finally:
             self.render_this_step = asked
         return self._obs(raw)
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
-        raw, _, _, _ = self.env.step(np.asarray(action, np.float64))
+        raw, _, _, _ = self._step(np.asarray(action, np.float64))
         success = bool(self.env.check_success())
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(success), terminated, False, {"success": success}

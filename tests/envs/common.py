@@ -60,3 +60,32 @@ def assert_same(a, b) -> None:
                 assert np.array_equal(x[key], y[key]), key
         else:
             assert np.array_equal(x, y)
+
+
+# --- the fast control step against the stock one (test_fast_step, in each benchmark's interpreter) ---
+def trajectory(env, sim, steps: int, seeds=(5, 6)) -> list:
+    """What a run reads at every control step over two episodes (the second from a reset), and the sim's state."""
+    out = []
+    for seed in seeds:
+        out.append(env.begin_episode(seed))
+        actions = np.random.default_rng(seed).uniform(-1, 1, (steps, env.spec.action_dim))
+        for action in actions:
+            obs, reward, terminated, truncated, info = env.step(action)
+            out.append((obs, reward, terminated, truncated, info["success"],
+                        np.array(sim.data.qpos), np.array(sim.data.qvel), np.array(sim.data.ctrl)))
+    return out
+
+
+def assert_identical(fast: list, stock: list) -> None:
+    """Bit for bit, step by step (observation dicts key by key)."""
+    assert len(fast) == len(stock)
+    for step, (a, b) in enumerate(zip(fast, stock)):
+        if isinstance(a, dict):
+            a, b = (a,), (b,)
+        for x, y in zip(a, b):
+            if isinstance(x, dict):
+                assert x.keys() == y.keys()
+                for key in x:
+                    assert np.array_equal(x[key], y[key]), (step, key, np.abs(x[key] - y[key]).max())
+            else:
+                assert np.array_equal(x, y), (step, x, y)

@@ -1,38 +1,11 @@
 """The fast control step against the stock simulator, in one process: bit for bit at every control step."""
-import numpy as np
 import pytest
 
 from ebrl.envs.robosuite_env import RobosuiteEnv
+from ebrl.envs.setup import SETUP_COMMAND, benchmark_python
+from tests.envs.common import assert_identical, run_in_interpreter, trajectory
 
 ROBOSUITE_TASKS = ("Lift", "Stack", "NutAssemblySquare", "Door", "PickPlaceCan")
-
-
-def trajectory(env, steps: int, seeds=(5, 6)) -> list:
-    """What a run reads at every control step over two episodes (the second from a reset), and the sim's state."""
-    sim = env.env.sim
-    out = []
-    for seed in seeds:
-        out.append(env.begin_episode(seed))
-        actions = np.random.default_rng(seed).uniform(-1, 1, (steps, env.spec.action_dim))
-        for action in actions:
-            obs, reward, terminated, truncated, info = env.step(action)
-            out.append((obs, reward, terminated, truncated, info["success"],
-                        np.array(sim.data.qpos), np.array(sim.data.qvel), np.array(sim.data.ctrl)))
-    return out
-
-
-def assert_identical(fast: list, stock: list) -> None:
-    assert len(fast) == len(stock)
-    for step, (a, b) in enumerate(zip(fast, stock)):
-        if isinstance(a, dict):
-            a, b = (a,), (b,)
-        for x, y in zip(a, b):
-            if isinstance(x, dict):
-                assert x.keys() == y.keys()
-                for key in x:
-                    assert np.array_equal(x[key], y[key]), (step, key, np.abs(x[key] - y[key]).max())
-            else:
-                assert np.array_equal(x, y), (step, x, y)
 
 
 @pytest.mark.parametrize("task", ROBOSUITE_TASKS)
@@ -40,7 +13,7 @@ def test_robosuite_fast_step_is_the_stock_step_bit_for_bit(task):
     fast = RobosuiteEnv(task, max_episode_steps=1000, seed=0)
     stock = RobosuiteEnv(task, max_episode_steps=1000, fast_step=False, seed=0)
     assert fast.fast_step_off == "" and stock.fast_step_off == "env.fast_step=false"
-    assert_identical(trajectory(fast, 40), trajectory(stock, 40))
+    assert_identical(trajectory(fast, fast.env.sim, 40), trajectory(stock, stock.env.sim, 40))
     raw = stock.env._observables  # the observables' own clocks end where the stock code leaves them
     for name, obs in fast.env._observables.items():
         assert (obs._time_since_last_sample, obs._sampled) == (raw[name]._time_since_last_sample, raw[name]._sampled)
@@ -50,7 +23,7 @@ def test_cameras_sample_where_the_stock_step_samples_them():
     make = lambda fast: RobosuiteEnv("Lift", cameras=["agentview"], image_size=32, fast_step=fast, seed=0)
     fast, stock = make(True), make(False)
     fast.render_every_step = stock.render_every_step = True
-    assert_identical(trajectory(fast, 8, seeds=(2,)), trajectory(stock, 8, seeds=(2,)))
+    assert_identical(trajectory(fast, fast.env.sim, 8, seeds=(2,)), trajectory(stock, stock.env.sim, 8, seeds=(2,)))
     assert fast.gate.frames == stock.gate.frames > 0
 
 
@@ -69,3 +42,23 @@ def test_what_it_does_not_cover_runs_the_stock_step_and_says_why():
     step, why = fast_step_for(interpolated)
     assert step is None and why == "right: an OSC interpolator"
     assert env.fast_step_off == ""
+
+
+LIBERO = benchmark_python("libero")
+
+
+@pytest.mark.skipif(LIBERO is None, reason=f"no LIBERO venv: run `{SETUP_COMMAND.format(name='libero')}`")
+def test_libero_fast_step_is_the_stock_step_bit_for_bit():
+    """Two tasks of two suites under robosuite 1.4, in LIBERO's interpreter: each reset's settling steps too."""
+    out = run_in_interpreter(LIBERO, """
+import json
+from ebrl.envs.libero_env import LiberoEnv
+from tests.envs.common import assert_identical, trajectory
+offs = []
+for suite, task in (("libero_spatial", "0"), ("libero_10", "3")):
+    fast, stock = (LiberoEnv(task=task, suite=suite, fast_step=way, seed=0) for way in (True, False))
+    offs.append(fast.fast_step_off)
+    assert_identical(trajectory(fast, fast.env.env.sim, 25), trajectory(stock, stock.env.env.sim, 25))
+print(json.dumps({"offs": offs}))
+""")
+    assert out["offs"] == ["", ""]  # the fast step ran (and equalled the stock one: the code asserts it)
