@@ -115,17 +115,19 @@ class _Osc:
         c.new_update = True
 
 
-class _Grip:
-    """A SimpleGripController between policy steps: its command is constant within a control step."""
+class _Velocity:
+    """A SimpleGripController or a mobile base's JointVelocityController between policy steps: the command they
+    compute from the goal is constant within a control step; their joint state is read as their `update()` does."""
 
     def __init__(self, ctrl: Any, sim: Any) -> None:
         self.c, self.data = ctrl, sim.data._data
+        self.scaled = getattr(ctrl, "use_action_scaling", True)  # (the mobile base always scales)
 
     def begin(self, action: np.ndarray) -> None:
         """`run_controller()`'s output for the goal the policy step set (the same arithmetic, once per step)."""
         c = self.c
         vels = np.array(c.goal_qvel)
-        if c.use_action_scaling:
+        if self.scaled:
             ctrl_range = np.stack([c.actuator_min, c.actuator_max], axis=-1)
             bias = 0.5 * (ctrl_range[:, 1] + ctrl_range[:, 0])
             weight = 0.5 * (ctrl_range[:, 1] - ctrl_range[:, 0])
@@ -142,6 +144,40 @@ class _Grip:
         c = self.c
         c.joint_pos, c.joint_vel = self.state
         c.vels = self.vels
+        c.new_update = True
+
+
+class _JointPosition:
+    """A JointPositionController (RoboCasa's torso) between policy steps: its `update()` (no reference site) and
+    `run_controller()`'s arithmetic."""
+
+    def __init__(self, ctrl: Any, sim: Any) -> None:
+        self.c = ctrl
+        self.model, self.data = sim.model._model, sim.data._data
+        self.nv = int(self.model.nv)
+        self.full_mass = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
+
+    def begin(self, action: np.ndarray) -> None:
+        c = self.c
+        self.desired_qpos, self.kp = np.array(c.goal_qpos), np.array(c.kp)
+
+    def torques(self, keep: bool) -> np.ndarray:
+        c, d, qi = self.c, self.data, self.c.qvel_index
+        joint_pos, joint_vel = d.qpos[c.qpos_index], d.qvel[qi]
+        full_mass(self.model, d, self.full_mass)
+        mass_matrix = self.full_mass[qi, :][:, qi]
+        desired_torque = (self.desired_qpos - joint_pos) * self.kp + (-joint_vel) * c.kd
+        if c.use_torque_compensation:
+            torques = np.dot(mass_matrix, desired_torque) + d.qfrc_bias[qi]
+        else:
+            torques = desired_torque
+        if keep:
+            self.state = (joint_pos, joint_vel, mass_matrix, torques)
+        return torques
+
+    def sync(self) -> None:
+        c = self.c
+        c.joint_pos, c.joint_vel, c.mass_matrix, c.torques = self.state
         c.new_update = True
 
 
@@ -286,9 +322,10 @@ class _Timers:
 
 
 class FastStep:
-    """robosuite's `MujocoEnv.step` for one fixed-base arm under OSC with a gripper (1.5: the BASIC composite
-    controller, OSC arms and simple grippers; 1.4: a SingleArm's OSC controller): substep 0 is the stock code, the
-    others the stock arithmetic (see the module docstring). `libero` adds LIBERO's own step around it."""
+    """robosuite's `MujocoEnv.step` for one robot (1.5: a fixed-base or wheeled robot under the BASIC or the hybrid
+    mobile-base composite controller with OSC arms, simple grippers, a joint-velocity mobile base and a joint-position
+    torso, as RoboCasa's PandaOmron; 1.4: a SingleArm's OSC controller and its gripper): substep 0 is the stock code,
+    the others the stock arithmetic (see the module docstring). `libero` adds LIBERO's own step around it."""
 
     def __init__(self, env: Any, version: tuple[int, int], libero: bool = False) -> None:
         self.env, self.version, self.libero = env, version, libero
@@ -310,13 +347,12 @@ class FastStep:
         self.model, self.data = sim.model._model, sim.data._data
         self.parts: list[tuple[Any, Any, Any, Any]] = []
         if self.version >= (1, 5):
-            from robosuite.controllers.parts.arm.osc import OperationalSpaceController
-
+            workers = _workers_15()
             for part, ctrl in robot.composite_controller.part_controllers.items():
                 if not robot._enabled_parts.get(part, False):
                     continue
                 index = robot._ref_actuators_indexes_dict[part]
-                worker = _Osc(ctrl, sim) if type(ctrl) is OperationalSpaceController else _Grip(ctrl, sim)
+                worker = workers[type(ctrl)](ctrl, sim)
                 self.parts.append((worker, index, sim.model.actuator_ctrlrange[index, 0],
                                    sim.model.actuator_ctrlrange[index, 1]))
         else:  # the arm's torques clipped to the robot's torque limits; the gripper's command as it is
@@ -415,30 +451,45 @@ def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
     return FastStep(env, version, libero=STOCK_STEP[_method_owner(env, "step")]).step, ""
 
 
+def _workers_15() -> dict[type, type]:
+    """robosuite 1.5's part controllers the fast step covers, and what runs each."""
+    from robosuite.controllers.parts.arm.osc import OperationalSpaceController
+    from robosuite.controllers.parts.generic.joint_pos import JointPositionController
+    from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
+    from robosuite.controllers.parts.mobile_base.joint_vel import MobileBaseJointVelocityController
+
+    return {OperationalSpaceController: _Osc, SimpleGripController: _Velocity,
+            MobileBaseJointVelocityController: _Velocity, JointPositionController: _JointPosition}
+
+
+ROBOTS_15 = ("robosuite.robots.fixed_base_robot.FixedBaseRobot", "robosuite.robots.wheeled_robot.WheeledRobot")
+
+
 def _controllers_15(robot: Any) -> str:
     """Why robosuite 1.5's robot is not covered ("" if it is)."""
-    from robosuite.controllers.composite.composite_controller import CompositeController
-    from robosuite.controllers.parts.arm.osc import OperationalSpaceController
-    from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
+    from robosuite.controllers.composite.composite_controller import CompositeController, HybridMobileBase
 
     composite = robot.composite_controller
-    if _method_owner(robot, "control") != "robosuite.robots.fixed_base_robot.FixedBaseRobot":
-        return f"robot {type(robot).__name__} is not a fixed-base robot"
-    if type(composite) is not CompositeController:
+    if _method_owner(robot, "control") not in ROBOTS_15:
+        return f"robot {type(robot).__name__}'s control()"
+    if type(composite) not in (CompositeController, HybridMobileBase) or any(
+            _method_owner(composite, name) != "robosuite.controllers.composite.composite_controller.CompositeController"
+            for name in ("run_controller", "update_state", "get_controller_base_pose")):
         return f"composite controller {type(composite).__name__}"
+    workers = _workers_15()
     for part, ctrl in composite.part_controllers.items():
         if not robot._enabled_parts.get(part, False):
             continue
-        if type(ctrl) is OperationalSpaceController:
-            if ctrl.interpolator_pos is not None or ctrl.interpolator_ori is not None:
-                return f"{part}: an OSC interpolator"
-            if ctrl.num_ref_sites != 1 or not ctrl.lite_physics or ctrl.input_ref_frame not in ("base", "world"):
-                return f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
-        elif type(ctrl) is SimpleGripController:
-            if ctrl.interpolator is not None:
-                return f"{part}: a gripper interpolator"
-        else:
+        if type(ctrl) not in workers:
             return f"{part}: controller {type(ctrl).__name__}"
+        if any(getattr(ctrl, name, None) is not None for name in ("interpolator", "interpolator_pos",
+                                                                   "interpolator_ori")):
+            return f"{part}: an interpolator"
+        if workers[type(ctrl)] is _Osc and (ctrl.num_ref_sites != 1 or not ctrl.lite_physics
+                                            or ctrl.input_ref_frame not in ("base", "world")):
+            return f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
+        if workers[type(ctrl)] is _JointPosition and (ctrl.ref_name is not None or not ctrl.lite_physics):
+            return f"{part}: joint positions with a reference site"
     if any(arm not in composite.part_controllers or not robot._enabled_parts.get(arm, False)
            for arm in composite.arms):
         return "an arm without its controller enabled"

@@ -130,6 +130,7 @@ class RoboCasaEnv(EnvAdapter):
         terminate_on_success: bool = True,
         seed: int = 0,
         robot: str = "PandaOmron",
+        fast_step: bool = True,
     ) -> None:
         super().__init__(seed)
         cameras = list(cameras)
@@ -180,6 +181,10 @@ class RoboCasaEnv(EnvAdapter):
                                 "robot0_agentview_right, robot0_eye_in_hand") from e
         self.instruction = ""
         self.gate = CameraGate(self, cameras)
+        from ebrl.envs.fast_step import fast_or_stock
+
+        # (its FastStep looks the sim and the controllers up again after each hard reset's new kitchen)
+        self._step, self.fast_step_off = fast_or_stock(self.env, fast_step)
         obs = self.reset(seed)
         spec_obs = {"state": ArraySpec(obs["state"].shape, "float32")}
         for cam in cameras:
@@ -222,7 +227,7 @@ class RoboCasaEnv(EnvAdapter):
         return self._obs(raw)
 
     def step(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
-        raw, _, _, _ = self.env.step(self._np.asarray(action, self._np.float64))
+        raw, _, _, _ = self._step(self._np.asarray(action, self._np.float64))
         success = bool(self.env._check_success())  # the task's own predicate, what env.reward returns too
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(success), terminated, False, {"success": success}
