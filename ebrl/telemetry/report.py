@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +16,19 @@ console = Console(stderr=True)
 
 
 class ProgressBar:
-    """Iterations (or, labelled "eval", episodes) done, with the latest figures beside the bar."""
+    """Iterations (or, labelled "eval", episodes) done, with the latest figures beside the bar. The bar animates
+    where the console is a terminal; where stdout is not (a job log under SLURM, `nohup`, `> log`, `| tee`), each
+    iteration also prints one plain line there, and a line every `heartbeat_s` while an iteration runs longer."""
 
-    def __init__(self, total: int, done: int = 0, enabled: bool = True, label: str = "train") -> None:
+    def __init__(self, total: int, done: int = 0, enabled: bool = True, label: str = "train",
+                 heartbeat_s: float = 60.0, stream: Any = None) -> None:
         self._progress = None
+        self._log: BatchLog | None = None
         if not enabled:
             return
+        stream = sys.stdout if stream is None else stream
+        if not _is_terminal(stream):
+            self._log = BatchLog(label, total, done, heartbeat_s, stream)
         self._progress = Progress(
             TextColumn(f"[bold]{label}"),
             BarColumn(),
@@ -36,17 +46,77 @@ class ProgressBar:
         info = f"{metrics['perf/env_steps_per_s']:.0f} steps/s"
         if "env/return" in metrics:
             info += f"  return {metrics['env/return']:.2f}  success {metrics['env/success_rate']:.0%}"
-        self.advance(info)
+        if self._log is not None:
+            line = f"env steps {int(metrics.get('env_steps', 0)):,}  {metrics['perf/env_steps_per_s']:.1f} env steps/s"
+            if "env/return" in metrics:
+                line += f"  return {metrics['env/return']:.3f}  success {metrics['env/success_rate']:.1%}"
+            self._log.done_one(line)
+        self.advance(info, log=False)
 
-    def advance(self, info: str) -> None:
-        """One more done, with `info` beside the bar."""
+    def advance(self, info: str, log: bool = True) -> None:
+        """One more done, with `info` beside the bar (and on the batch log's line)."""
+        if log and self._log is not None:
+            self._log.done_one(info)
         if self._progress is not None:
             self._progress.update(self._task, advance=1, info=info)
 
     def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # (a closed or a file-like stream without a terminal)
+        return False
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class BatchLog:
+    """Plain progress lines for a log that is not a terminal: one per iteration done (`label k/total`, the
+    figures, elapsed and ETA), and one every `heartbeat_s` while the next runs longer than that."""
+
+    def __init__(self, label: str, total: int, done: int, heartbeat_s: float, stream: Any) -> None:
+        self.label, self.total, self.done, self.first = label, total, done, done
+        self.stream, self.heartbeat_s = stream, heartbeat_s
+        self.start = self.last = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="ebrl-batch-log", daemon=True)
+        self._thread.start()
+
+    def _print(self, text: str) -> None:
+        with self._lock:
+            print(text, file=self.stream, flush=True)
+            self.last = time.monotonic()
+
+    def done_one(self, figures: str) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        made = self.done - self.first
+        eta = elapsed / made * (self.total - self.done) if made else float("nan")
+        self._print(f"{self.label} {self.done}/{self.total}  {figures}  elapsed {_clock(elapsed)}  "
+                    f"ETA {_clock(eta) if eta == eta else '?'}")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(self.heartbeat_s, 5.0)):
+            now = time.monotonic()
+            if now - self.last >= self.heartbeat_s and self.done < self.total:
+                self._print(f"{self.label} {self.done}/{self.total}  the next still running "
+                            f"({_clock(now - self.last)} since the last line)  elapsed {_clock(now - self.start)}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
 
 
 def _fmt(x: float, spec: str) -> str:

@@ -46,9 +46,13 @@ EXECUTE = "policy.execute=6"  # of tiny's 8 actions: the 24-step episodes end at
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    proc = run_py(*SMALL, EXECUTE, "iterations=3", f"hydra.run.dir={run_dir}")
+    # (progress on: stdout is a pipe here, as a batch job's log, so each iteration prints a plain line)
+    proc = run_py(*(o for o in SMALL if o != "progress=false"), EXECUTE, "iterations=3", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL run summary" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("train ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], proc.stdout
+    assert lines[0].startswith("train 1/3  env steps 48  ") and "env steps/s" in lines[0] and "ETA" in lines[0]
     assert "policy.execute=6: 6 of each chunk's 8 actions run before the next chunk is sampled" in proc.stderr
     return run_dir
 
