@@ -177,4 +177,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(main, "checkpoint")

@@ -95,4 +95,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(main, "elastic")

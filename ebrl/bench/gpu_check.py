@@ -615,4 +615,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(lambda: sys.exit(main()), "gpu_check")

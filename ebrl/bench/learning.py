@@ -253,4 +253,6 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
 
 
 if __name__ == "__main__":
-    main()
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(main, "learning")

@@ -269,4 +269,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(main, "memory")

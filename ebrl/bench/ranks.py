@@ -108,4 +108,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    from ebrl.runtime.errors import benchmark_main
+
+    benchmark_main(main, "ranks")

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print("| benchmark | task | stock step | fast step | raw physics (substeps) | stock / physics | fast / physics "
           "| speed-up | reset stock / fast |")
     print("|---|---|---|---|---|---|---|---|---|")
-    with exit_cleanly():
+    with exit_cleanly("the benchmark sim_speed"):
         for benchmark in args.benchmarks:
             for task, extra in TASKS[benchmark]:
                 if args.tasks and task not in args.tasks:

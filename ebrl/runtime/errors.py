@@ -6,10 +6,11 @@ from __future__ import annotations
 import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ebrl.envs.base import one_line
 from ebrl.errors import BadInput, StageFailed
@@ -53,9 +54,10 @@ class StopLine:
 
 
 @contextmanager
-def exit_cleanly() -> Iterator[StopLine]:
-    """Around a run: bad input (`BadInput`) exits 2 with its line, a failed stage (`StageFailed`) or any other error
-    exits 1 with one line and the resume hint, Ctrl-C or SIGTERM exits 130."""
+def exit_cleanly(process: str = "the supervisor process (generation, scheduling)") -> Iterator[StopLine]:
+    """Around a run (or a benchmark, naming itself as `process`): bad input (`BadInput`) exits 2 with its line, a
+    failed stage (`StageFailed`) or any other error exits 1 with one line and the resume hint, Ctrl-C or SIGTERM
+    exits 130."""
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
     stop = StopLine()
     try:
@@ -71,7 +73,7 @@ def exit_cleanly() -> Iterator[StopLine]:
         print(f"error: {_then(str(e), stop)}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except Exception as e:  # a failure in this process (generation, the schedule): one line, the traceback kept
-        print(f"error: {_then(_report(e), stop)}", file=sys.stderr)
+        print(f"error: {_then(_report(e, process), stop)}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
     except KeyboardInterrupt as e:
         # Experiment.train wrote a checkpoint on its way out and the workers are stopped
@@ -88,14 +90,26 @@ def _then(line: str, stop: StopLine) -> str:
     return f"{line}; {hint}" if hint else line
 
 
-def _report(e: BaseException) -> str:
-    """One line naming the process and its error; the whole traceback goes to the run folder's error.txt."""
-    line = f"the supervisor process (generation, scheduling) failed: {one_line(e)}"
+def _report(e: BaseException, process: str) -> str:
+    """One line naming the process and its error; the whole traceback goes to the run folder's error.txt (outside a
+    run, to a file of the temp folder)."""
+    line = f"{process} failed: {one_line(e)}"
     run_dir = _hydra_output_dir()
+    text = "".join(traceback.format_exception(e))
     if run_dir is not None and run_dir.is_dir():
-        (run_dir / "error.txt").write_text("".join(traceback.format_exception(e)))
-        line += f" (traceback in {run_dir / 'error.txt'})"
-    return line
+        path = run_dir / "error.txt"
+        path.write_text(text)
+    else:
+        with tempfile.NamedTemporaryFile("w", prefix="ebrl-error-", suffix=".txt", delete=False) as f:
+            f.write(text)
+            path = Path(f.name)
+    return f"{line} (traceback in {path})"
+
+
+def benchmark_main(main: Callable[[], object], name: str) -> None:
+    """`python -m ebrl.bench.<name>`: main() under the run's one-line errors (a bad workload exits 2 with its line)."""
+    with exit_cleanly(f"the benchmark {name}"):
+        main()
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -103,3 +103,29 @@ def test_under_grpo_a_straggler_is_a_whole_group_in_the_run_and_its_references()
         adapter.close()
     assert flags == [True, True, False, False]
     assert compose(Workload(num_envs=4, stragglers=0.5)).env.straggler_envs == 2  # PPO: envs
+
+
+def test_a_workload_the_config_refuses_is_one_line_from_the_command_line():
+    """`python -m ebrl.bench.*` stops as run.py does: the config's line, exit 2 (before any simulator starts)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ebrl.bench.schedulers", "--num-envs", "15", "--iterations", "2",
+                           "--repeats", "1", "--modes", "colocated", "--no-gym"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: algo.minibatches=4 does not divide the rollout batch env.num_envs x algo.rollout_chunks = 150"]
+
+
+def test_a_benchmark_that_fails_says_so_in_one_line_and_keeps_the_traceback():
+    import subprocess
+    import sys
+
+    code = "from ebrl.runtime.errors import benchmark_main\nbenchmark_main(lambda: 1 / 0, 'sim_speed')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: the benchmark sim_speed failed: ZeroDivisionError: division by zero (traceback in ")
+    traceback_file = line.split("(traceback in ")[1].rstrip(")")
+    assert "ZeroDivisionError" in open(traceback_file).read() and "in benchmark_main" in open(traceback_file).read()
