@@ -18,3 +18,27 @@ class BadInput(Exception):
 
 class StageFailed(RuntimeError):
     """A stage of a running run failed; the message is one line naming it."""
+
+
+class DiskFull(StageFailed):
+    """A write of the run found its disk full; the message says where, what was needed, what is free and what is
+    intact."""
+
+
+def megabytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or what caused it, is a full disk: ENOSPC / EDQUOT, or torch's serializer giving up on a
+    short write (`unexpected pos ...`, `file write failed`)."""
+    import errno
+
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(error, RuntimeError) and any(sign in str(error) for sign in ("unexpected pos",
+                                                                                     "file write failed")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ebrl.errors import DiskFull, is_disk_full, megabytes
 
 from ebrl.policies.base import Policy
 from ebrl.policies.training import load_state, lora_scaling, merge_lora, split_lora
@@ -23,10 +26,44 @@ def previous_of(path: Path) -> Path:
                                                                                                 + path.suffix)
 
 
+def state_nbytes(obj: Any) -> int:
+    """The bytes of the tensors and arrays in `obj` (nested): about what torch.save writes of it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return int(getattr(obj, "nbytes", 0) or 0)
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def intact(path: Path) -> str:
+    """The newest intact checkpoint beside a write of `path` that failed (the write never replaces it until whole)."""
+    kept = [p for p in (path, previous_of(path)) if p.exists()]
+    if not kept:
+        return "no checkpoint was written before"
+    try:
+        iteration = torch.load(kept[0], map_location="cpu", weights_only=False, mmap=True).get("iteration")
+    except Exception:  # (not ours, or unreadable: name the files only)
+        iteration = None
+    at = f" (iteration {iteration})" if iteration is not None else ""
+    return " and ".join(f"{p}{at if p == kept[0] else ''}" for p in kept) + (" are" if len(kept) > 1 else " is") + \
+        " intact"
+
+
 def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     """Write `obj` with torch.save so that `path` is either the old file or the complete new one; with keep_previous
-    the old one moves to `previous_of(path)` first (a checkpoint that turns out unreadable has one to fall back to)."""
+    the old one moves to `previous_of(path)` first (a checkpoint that turns out unreadable has one to fall back to).
+    A disk without room for it raises `DiskFull` (before writing when the free space is short already)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    need, free = state_nbytes(obj), free_bytes(path.parent)
+    if need > free:
+        raise DiskFull(f"the disk is full at {path.parent}: the checkpoint needs {megabytes(need)} and "
+                       f"{megabytes(free)} is free; {intact(path)}")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -36,9 +73,13 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         if keep_previous and path.exists():
             os.replace(path, previous_of(path))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, Exception) and is_disk_full(e):
+            raise DiskFull(f"the disk filled up at {path.parent} while the checkpoint was written (about "
+                           f"{megabytes(need)}; {megabytes(free_bytes(path.parent))} free after the partial file was "
+                           f"removed); {intact(path)}") from e
         raise
 
 
@@ -62,10 +103,21 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._warned = False
 
     def save(self, obj: Any, path: Path, keep_previous: bool = True) -> None:
-        """Write `obj` (whose tensors nothing changes any more: a copy) to `path` in the background."""
+        """Write `obj` (whose tensors nothing changes any more: a copy) to `path` in the background; once, a warning
+        when the disk has less room than two such checkpoints."""
         self.wait()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        need, free = state_nbytes(obj), free_bytes(path.parent)
+        if free < 2 * need and not self._warned:
+            from ebrl.telemetry.report import console
+
+            self._warned = True
+            console.print(f"warning: {megabytes(free)} free at {path.parent}, less than two checkpoints "
+                          f"({megabytes(need)} each): when the disk fills the run stops, keeping the last intact one",
+                          soft_wrap=True)
         self._thread = threading.Thread(target=self._write, args=(obj, path, keep_previous), name="ebrl-checkpoint")
         self._thread.start()
 

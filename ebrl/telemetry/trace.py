@@ -111,6 +111,7 @@ class Trace:
         self.timeline = Timeline()
         self.lanes: dict[str, int] = {}  # lane -> tid
         self.file: IO[str] | None = None
+        self.gave_up = False  # the streamed file could not be written: no trace this run
         self.lock = threading.Lock()  # (the pipelined schedule adds from its dispatcher thread too)
 
     def add(self, lane: str, name: str, start: float, end: float, **args: Any) -> None:
@@ -119,7 +120,10 @@ class Trace:
             self.spans.append(span)
             self.timeline.add(span.stage, start, end)
             if self.file is not None:
-                self._stream(span)
+                try:
+                    self._stream(span)
+                except OSError as e:
+                    self._give_up(e)
 
     def mark(self) -> int:
         """Where the spans added from now on begin. A span is added once it ended, so every span that ends
@@ -184,9 +188,14 @@ class Trace:
         with self.lock:
             if self.file is not None:
                 names = [json.dumps(_name_event(lane, self.lanes[lane])) for lane in sorted(self.lanes, key=_lane_order)]
-                self.file.write(",\n".join(names) + "\n]\n")  # (every span's line ended with a comma)
-                self.file.close()
+                try:
+                    self.file.write(",\n".join(names) + "\n]\n")  # (every span's line ended with a comma)
+                    self.file.close()
+                except OSError as e:
+                    self._give_up(e)
                 self.file = None
+                return
+            if self.gave_up:
                 return
         if origin is None:
             origin = min((s.start for s in self.spans), default=0.0)
@@ -195,6 +204,19 @@ class Trace:
         events = [_name_event(lane, tid[lane]) for lane in lanes]
         events += [_span_event(s, tid[s.lane], origin) for s in self.spans]
         path.write_text(json.dumps(events))
+
+    def _give_up(self, error: OSError) -> None:
+        """A streamed trace that cannot be written (a full disk): one line, and the run goes on without it."""
+        from ebrl.telemetry.report import console
+
+        name = getattr(self.file, "name", "trace.json")
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        self.file, self.gave_up = None, True
+        console.print(f"warning: {name} could not be written ({error.strerror or error}); the run goes on without "
+                      "its trace (the metrics and checkpoints are apart)", soft_wrap=True)
 
     def _stream(self, span: Span) -> None:
         tid = self.lanes.setdefault(span.lane, len(self.lanes))
