@@ -17,6 +17,7 @@ the stock code. `env.fast_step=false` runs the stock code everywhere.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -31,6 +32,14 @@ else:  # (as LIBERO-PRO's robosuite 1.4 bridge calls it under MuJoCo >= 3.4)
         mujoco.mj_fullM(m, d, out)
 
 
+@functools.cache
+def _kernels() -> tuple[Callable, Callable, Callable]:
+    """robosuite's own numba kernels: opspace_matrices, nullspace_torques, orientation_error."""
+    from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
+
+    return opspace_matrices, nullspace_torques, orientation_error
+
+
 def _method_owner(obj: Any, name: str) -> str:
     """`module.Class` that defines `name` for obj's class (to tell an override from the stock method)."""
     for cls in type(obj).__mro__:
@@ -43,40 +52,38 @@ class _Osc:
     """A robosuite 1.5 OperationalSpaceController's `run_controller` between policy steps, ids looked up once."""
 
     def __init__(self, ctrl: Any, sim: Any) -> None:
-        from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
-
         self.c = ctrl
         model = sim.model._model
         self.model, self.data = model, sim.data._data
-        self.ref_id = int(model.site(ctrl.ref_name).id)
-        self.base_id = int(model.site(f"{ctrl.naming_prefix}{ctrl.part_name}_center").id)
-        self.qpos_index, self.qvel_index = ctrl.qpos_index, ctrl.qvel_index
-        self.nv = int(model.nv)
-        self.full_mass = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
-        self.jac = [np.zeros((3, self.nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
-        self.opspace, self.nullspace, self.ori_error = opspace_matrices, nullspace_torques, orientation_error
+        self.sites = (int(model.site(ctrl.ref_name).id),
+                      int(model.site(f"{ctrl.naming_prefix}{ctrl.part_name}_center").id))  # reference, base
+        nv = int(model.nv)
+        self.full_mass = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
+        self.jac = [np.zeros((3, nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
+        self.kernels = _kernels()
 
     def begin(self, action: np.ndarray) -> None:
-        """The goal's constants for this control step (set_goal ran in the policy substep)."""
+        """The goal's constants for this control step (set_goal ran in the policy substep): kp, kd (pos, ori)."""
         c = self.c
-        self.kp_pos, self.kp_ori = np.array(c.kp[0:3]), np.array(c.kp[3:6])
-        self.kd_pos, self.kd_ori = c.kd[0:3], c.kd[3:6]
+        self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
 
     def torques(self, keep: bool) -> np.ndarray:
         """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic, in the stock
         numpy calls on arrays of the stock memory layout (numba compiles, and rounds, per layout); with `keep`, the
         state the controller would hold afterwards, for `sync`."""
-        c, m, d, qi = self.c, self.model, self.data, self.qvel_index
+        c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
         qvel, take = d.qvel, np.take
         jacp, jacr, base_jacp, base_jacr = self.jac
-        mj_jacSite(m, d, jacp, jacr, self.ref_id)
-        mj_jacSite(m, d, base_jacp, base_jacr, self.base_id)
-        origin_pos, origin_ori = d.site_xpos[self.base_id], d.site_xmat[self.base_id].reshape([3, 3])
-        ref_pos, ref_ori_mat = d.site_xpos[self.ref_id], d.site_xmat[self.ref_id].reshape([3, 3])
+        (ref_id, base_id), (opspace, nullspace, orientation_error) = self.sites, self.kernels
+        kp_pos, kp_ori, kd_pos, kd_ori = self.gains
+        mj_jacSite(m, d, jacp, jacr, ref_id)
+        mj_jacSite(m, d, base_jacp, base_jacr, base_id)
+        origin_pos, origin_ori = d.site_xpos[base_id], d.site_xmat[base_id].reshape([3, 3])
+        ref_pos, ref_ori_mat = d.site_xpos[ref_id], d.site_xmat[ref_id].reshape([3, 3])
         ref_pos_vel, ref_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
         J_pos, J_ori = take(jacp, qi, axis=1), take(jacr, qi, axis=1)  # (C order, as the stock J_pos)
         J_full = np.concatenate((J_pos, J_ori))
-        joint_pos, joint_vel = d.qpos[self.qpos_index], qvel[qi]
+        joint_pos, joint_vel = d.qpos[c.qpos_index], qvel[qi]
         full_mass(m, d, self.full_mass)
         mass_matrix = self.full_mass[qi, :][:, qi]  # (F order, as the stock one)
         if c.input_ref_frame == "base":
@@ -84,17 +91,16 @@ class _Osc:
             desired_world_ori = np.dot(origin_ori, c.goal_ori)
         else:
             desired_world_pos, desired_world_ori = c.goal_pos, c.goal_ori
-        ori_error = self.ori_error(desired_world_ori, ref_ori_mat)
-        desired_force = (desired_world_pos - ref_pos) * self.kp_pos + (
-            -(ref_pos_vel - np.dot(base_jacp, qvel))) * self.kd_pos
-        desired_torque = ori_error * self.kp_ori + (-(ref_ori_vel - np.dot(base_jacr, qvel))) * self.kd_ori
-        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = self.opspace(mass_matrix, J_full, J_pos, J_ori)
+        ori_error = orientation_error(desired_world_ori, ref_ori_mat)
+        desired_force = (desired_world_pos - ref_pos) * kp_pos + (-(ref_pos_vel - np.dot(base_jacp, qvel))) * kd_pos
+        desired_torque = ori_error * kp_ori + (-(ref_ori_vel - np.dot(base_jacr, qvel))) * kd_ori
+        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = opspace(mass_matrix, J_full, J_pos, J_ori)
         if c.uncoupling:
             decoupled_wrench = np.concatenate((np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)))
         else:
             decoupled_wrench = np.dot(lambda_full, np.concatenate((desired_force, desired_torque)))
         torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
-        torques += self.nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        torques += nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
         if keep:
             self.state = (np.array(ref_pos), np.array(ref_ori_mat), ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full,
                           joint_pos, joint_vel, mass_matrix, np.array(origin_pos), np.array(origin_ori), torques)
@@ -154,8 +160,8 @@ class _JointPosition:
     def __init__(self, ctrl: Any, sim: Any) -> None:
         self.c = ctrl
         self.model, self.data = sim.model._model, sim.data._data
-        self.nv = int(self.model.nv)
-        self.full_mass = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
+        nv = int(self.model.nv)
+        self.full_mass = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
 
     def begin(self, action: np.ndarray) -> None:
         c = self.c
@@ -188,48 +194,46 @@ class _Osc14:
     forces of the old ctrl, `mj_step2` recomputes with the new one)."""
 
     def __init__(self, robot: Any, sim: Any) -> None:
-        from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
-
         self.robot, self.c = robot, robot.controller
         model = sim.model._model
         self.model, self.data = model, sim.data._data
         self.eef_id = int(model.site(self.c.eef_name).id)
-        self.qpos_index, self.qvel_index = self.c.qpos_index, self.c.qvel_index
-        self.nv = int(model.nv)
-        self.jac = [np.zeros((3, self.nv)) for _ in range(2)]
-        self.opspace, self.nullspace, self.ori_error = opspace_matrices, nullspace_torques, orientation_error
+        self.jac = [np.zeros((3, int(model.nv))) for _ in range(2)]
+        self.kernels = _kernels()
 
     def begin(self, action: np.ndarray) -> None:
+        """The goal's constants for this control step: the goal pose, kp, kd (pos, ori)."""
         c = self.c
-        self.kp_pos, self.kp_ori = np.array(c.kp[0:3]), np.array(c.kp[3:6])
-        self.kd_pos, self.kd_ori = c.kd[0:3], c.kd[3:6]
-        self.desired_pos, self.desired_ori = np.array(c.goal_pos), np.array(c.goal_ori)
+        self.goal = (np.array(c.goal_pos), np.array(c.goal_ori))
+        self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
 
     def torques(self, keep: bool) -> np.ndarray:
         """The stock `update()` after the forward and `run_controller()`, the same numpy calls on arrays of the
         stock memory layout."""
-        c, m, d, qi = self.c, self.model, self.data, self.qvel_index
-        qvel = d.qvel
+        c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
+        qvel, nv = d.qvel, int(m.nv)
         jacp, jacr = self.jac
+        (desired_pos, desired_ori), (opspace, nullspace, orientation_error) = self.goal, self.kernels
+        kp_pos, kp_ori, kd_pos, kd_ori = self.gains
         mj_jacSite(m, d, jacp, jacr, self.eef_id)
         ee_pos, ee_ori_mat = d.site_xpos[self.eef_id], d.site_xmat[self.eef_id].reshape([3, 3])
         ee_pos_vel, ee_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
-        joint_pos, joint_vel = d.qpos[self.qpos_index], qvel[qi]
+        joint_pos, joint_vel = d.qpos[c.qpos_index], qvel[qi]
         J_pos, J_ori = np.array(jacp[:, qi]), np.array(jacr[:, qi])
         J_full = np.array(np.vstack([J_pos, J_ori]))
-        mass_matrix = np.ndarray(shape=(self.nv, self.nv), dtype=np.float64, order="C")
+        mass_matrix = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
         full_mass(m, d, mass_matrix)
         mass_matrix = mass_matrix[qi, :][:, qi]
-        ori_error = self.ori_error(self.desired_ori, ee_ori_mat)
-        desired_force = (self.desired_pos - ee_pos) * self.kp_pos + (-ee_pos_vel) * self.kd_pos
-        desired_torque = ori_error * self.kp_ori + (-ee_ori_vel) * self.kd_ori
-        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = self.opspace(mass_matrix, J_full, J_pos, J_ori)
+        ori_error = orientation_error(desired_ori, ee_ori_mat)
+        desired_force = (desired_pos - ee_pos) * kp_pos + (-ee_pos_vel) * kd_pos
+        desired_torque = ori_error * kp_ori + (-ee_ori_vel) * kd_ori
+        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = opspace(mass_matrix, J_full, J_pos, J_ori)
         if c.uncoupling:
             decoupled_wrench = np.concatenate([np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)])
         else:
             decoupled_wrench = np.dot(lambda_full, np.concatenate([desired_force, desired_torque]))
         torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
-        torques += self.nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        torques += nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
         if keep:
             self.state = (np.array(ee_pos), np.array(ee_ori_mat), ee_pos_vel, ee_ori_vel, joint_pos, joint_vel,
                           J_pos, J_ori, J_full, mass_matrix, torques)

@@ -44,7 +44,8 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
     # (fenced: a work-conserving run lends the simulators the other core from the start, and this checks the move)
     cfg = compose_config(*SMALL, "allocator=elastic", "allocator.window=2", "allocator.cooldown=0", "iterations=6",
                          "hw.cpu_cores=2", f"allocator.profiles_dir={tmp_path / 'profiles'}",
-                         "scheduler.work_conserving=false")
+                         "scheduler.work_conserving=false", "env.fast_step=false")
+    # (the stock simulator step: simulation must outweigh generation and training by far for the move to pay)
     # a profile that thinks simulation costs 5 ms of CPU per env step (it costs ~15 here; generation ~1, training
     # ~2.5, as profiled): it plans 1 core for the simulators and the other for generation and training
     wrong = linear_profile({"simulate": 0.005, "generate": 0.001, "train": 0.0025}, [2], CPU, profile_key(cfg),
