@@ -537,7 +537,7 @@ def complete_user_classes(cfg: DictConfig) -> None:
     from ebrl.classes import ContractError, base_named, complete, load_class, missing_methods
 
     if OmegaConf.get_type(cfg, "env") is dict:
-        from ebrl.envs.worker import NOT_ADAPTER_ARGS, load_adapter_class
+        from ebrl.envs.process import NOT_ADAPTER_ARGS, load_adapter_class
 
         target = cfg_get(cfg, "env._target_", None)
         if not target:

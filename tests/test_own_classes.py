@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 
 from ebrl.config import ConfigError, register_configs, validate
 from ebrl.envs.base import AdapterContractError, EnvSetupError
-from ebrl.envs.worker import SimWorker, build_adapter
+from ebrl.envs.process import build_adapter
+from ebrl.envs.worker import SimWorker
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"```(?:python|yaml)\n# (my_robot/[^\n]+)\n(.*?)```", re.S)

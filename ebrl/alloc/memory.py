@@ -155,7 +155,7 @@ class MemoryModel:
         """Build the trainer's copy of `policy_cfg` on the meta device and trace one evaluate (a few seconds at
         full size; without `trace`, no activations: the parameters' and slots' figures only); `device`: where the
         run computes (it decides policy.dtype's default)."""
-        from ebrl.envs.worker import SlotLayout
+        from ebrl.envs.slots import SlotLayout
 
         dtype = policy_dtype(policy_cfg, device)
         policy = build_policy({**policy_cfg, "dtype": str(dtype).removeprefix("torch.")}, spec, "meta", train=True,

@@ -387,7 +387,8 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from omegaconf import OmegaConf
 
     from ebrl.bench.vector_env import make_adapter_env
-    from ebrl.envs.worker import env_seed, worker_environment
+    from ebrl.envs.process import worker_environment
+    from ebrl.envs.worker import env_seed
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps

@@ -4,7 +4,7 @@
 Each row starts real simulator workers (`SimWorker`, under the benchmark's own interpreter where it has one), resets
 them and runs three chunks of 8 zero actions, then reads the worker's unique set size (private pages, MiB) from
 `/proc/<pid>/smaps_rollup`. The control keeps the build's leftovers (EBRL_KEEP_BUILD_MEMORY=1: MuJoCo's compile cache
-and the heap's free pages, see `ebrl.envs.worker.release_build_memory`); both run side by side in one invocation.
+and the heap's free pages, see `ebrl.envs.process.release_build_memory`); both run side by side in one invocation.
 The model's own sizes (its buffer, textures, mesh vertices, shadow map) say what the rest is.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.worker import KEEP_BUILD_MEMORY, SimWorker
+from ebrl.envs.process import KEEP_BUILD_MEMORY
+from ebrl.envs.worker import SimWorker
 
 CAMERAS = {"robosuite": ("agentview", "robot0_eye_in_hand"), "libero": ("agentview", "robot0_eye_in_hand")}
 
@@ -70,7 +71,7 @@ def model_sizes(env_cfg: dict[str, Any]) -> str:
 
 
 def print_sizes(env_cfg: dict[str, Any]) -> None:
-    from ebrl.envs.worker import build_adapter
+    from ebrl.envs.process import build_adapter
 
     env = build_adapter(env_cfg, 0).env
     m = (env.sim if hasattr(env, "sim") else env.env.sim).model._model  # LIBERO wraps robosuite's env

@@ -20,9 +20,7 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -52,7 +50,7 @@ def raw_physics(name: str, adapter: Any) -> tuple[Callable[[], None], int]:
 def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets: int, seed: int = 0) -> dict:
     """The control step of `env_cfg`'s adapter with the stock code and with the fast step (env.fast_step), the raw
     physics of one, and a reset, in ms (medians over repeats; the two steps' passes alternate)."""
-    from ebrl.envs.worker import build_adapter
+    from ebrl.envs.process import build_adapter
 
     adapters = {way: build_adapter({**env_cfg, "fast_step": way == "fast"}, seed) for way in ("stock", "fast")}
     spec = adapters["stock"].spec

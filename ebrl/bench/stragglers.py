@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.envs.base import EnvAdapter, EnvSetupError
-from ebrl.envs.worker import load_adapter_class
+from ebrl.envs.process import load_adapter_class
 
 
 class StragglerEnv(EnvAdapter):

@@ -12,7 +12,7 @@ import gymnasium
 import numpy as np
 
 from ebrl.envs.base import EnvAdapter, use_headless_gl
-from ebrl.envs.worker import build_adapter, worker_environment
+from ebrl.envs.process import build_adapter, worker_environment
 
 
 class AdapterEnv(gymnasium.Env):

@@ -22,7 +22,7 @@ from ebrl.demos.episodes import DemosError, Episode, held_out
 from ebrl.demos.lerobot import write_lerobot
 from ebrl.envs.base import EnvAdapter, use_headless_gl
 from ebrl.envs.experts import WaypointExpert, expert_for, make_expert
-from ebrl.envs.worker import NOT_ADAPTER_ARGS, build_adapter
+from ebrl.envs.process import NOT_ADAPTER_ARGS, build_adapter
 from ebrl.telemetry.report import ProgressBar, console
 
 SEED_BASE = 30_000

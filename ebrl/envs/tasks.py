@@ -7,7 +7,7 @@ proportion to `env.task_weights` (largest remainders, then interleaved so that e
 
 Tasks of one benchmark may observe different state sizes (robosuite's object state) and act with different action
 sizes; `joint_spec` is the widest of each, and a worker pads its state with zeros and reads its own action dims
-(`ebrl/envs/worker.py`). Each env keeps its own instruction.
+(`ebrl/envs/process.py`). Each env keeps its own instruction.
 
 A task may be of another benchmark: an entry `{env: libero, task: "3"}` that the config completes into that
 benchmark's whole env config (ebrl/config.py, `complete_benchmark_tasks`). Its envs run its adapter under its own

@@ -1,17 +1,5 @@
-"""Simulator worker processes (docs/design.md, "Processes and what crosses between them"): one process per environment.
-
-Observations, actions and per-step results live in one shared-memory block per environment; the
-pipe carries only small notices ("reset", "chunk", "ok", "error"). The child side imports numpy,
-the standard library and the adapter's module only, never torch: a worker may run under a
-benchmark's own interpreter.
-
-Protocol, parent -> child after the child sent ("spec", EnvSpec):
-    ("attach", shm_name, chunk_len) -> ("ok", None)
-    ("reset", seed | None)          -> obs written to shm; ("ok", None)
-    ("chunk", n_steps)              -> actions[:n] read from shm, results written; ("ok", {"episode": ...})
-    ("close",)                      -> the child closes its env and exits
-A chunk of 0 steps (an env left as it is) never reaches the child: its handle reports 0 executed.
-Any failure answers ("error", one line); a failure to build the env also ends the child.
+"""Simulator worker processes, the supervisor's side (docs/design.md, "Processes and what crosses between them"): one
+process per environment (ebrl/envs/process.py, its protocol), its shared-memory slot (ebrl/envs/slots.py).
 
 A simulator that dies, hangs past its chunk timeout or fails inside a chunk is replaced
 (`SimWorkerPool.wait_chunk`): the process is killed, a fresh one with a new seed takes its slot and
@@ -19,7 +7,7 @@ starts a new episode, and the chunk reports `failed`, so the scheduler discards 
 episode. More than `max_failures` replacements within `failure_window_s` stop the run
 (`SimulatorsFailing`). `env.fault` injects such failures for tests.
 
-A worker is a plain `python -m ebrl.envs.worker FD` subprocess joined to its handle by a socket
+A worker is a plain `python -m ebrl.envs.process FD` subprocess joined to its handle by a socket
 pair, not a multiprocessing child: it may run under a benchmark's own interpreter (`env.python`),
 where multiprocessing's spawn would re-import the parent's main script (run.py, which needs
 hydra) before the worker could start. With scheduler.serial no process starts: the supervisor answers the same
@@ -27,10 +15,8 @@ notices in a thread of its own (ebrl/envs/serial.py) with the same code (`Simula
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing.connection
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -43,98 +29,17 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ebrl.classes import ContractError, constructor_kwargs, load_class, missing_methods, parameters
-from ebrl.envs.base import (ADAPTER_CONTRACT, AdapterContractError, EnvAdapter, EnvSetupError, EnvSpec, one_line,
-                             use_headless_gl)
+from ebrl.envs.base import AdapterContractError, EnvSetupError, EnvSpec, one_line
+from ebrl.envs.process import Simulator, send_quietly, worker_environment
 from ebrl.envs.serial import InProcess
 from ebrl.envs.setup import worker_python
+from ebrl.envs.slots import Slot, SlotLayout
 from ebrl.envs.tasks import assign_tasks, joint_spec, task_config
 from ebrl.errors import StageFailed
 from ebrl.node import set_process_affinity, set_process_nice
 
-# Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step", "tasks", "task_weights",
-                    "episode_seeds")
 RESEED = 100_003  # a replacement process of env i builds from seed + RESEED x (its replacements so far)
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
-HEADER = ("executed", "terminated", "truncated", "has_final")
 REPO_ROOT = Path(__file__).resolve().parents[2]  # put on the worker's PYTHONPATH, whatever its interpreter
-_ALIGN = 64
-
-
-# --- shared memory layout ---------------------------------------------------------------
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where each array of one environment's slot lies in its shared-memory block.
-
-    Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
-    actions (H, action_dim) float32, rewards (H,) float32, step_times (H,) float64,
-    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
-    float64: time.perf_counter() when the chunk's first step began and its last ended (CLOCK_MONOTONIC,
-    one clock for every process of the node, so a trace can set envs side by side).
-    """
-
-    fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
-    size: int
-
-    @classmethod
-    def build(cls, spec: EnvSpec, chunk_len: int) -> "SlotLayout":
-        arrays: list[tuple[str, tuple[int, ...], str]] = [("header", (len(HEADER),), "int32")]
-        arrays += [(f"obs/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
-        arrays += [(f"final/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
-        arrays += [
-            ("actions", (chunk_len, spec.action_dim), "float32"),
-            ("rewards", (chunk_len,), "float32"),
-            ("step_times", (chunk_len,), "float64"),
-            ("successes", (chunk_len,), "bool"),
-            ("clock", (2,), "float64"),
-        ]
-        fields, offset = [], 0
-        for name, shape, dtype in arrays:
-            fields.append((name, shape, dtype, offset))
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        return cls(tuple(fields), max(offset, _ALIGN))
-
-    def views(self, buffer: memoryview) -> dict[str, np.ndarray]:
-        """numpy arrays over `buffer`, one per field; both processes build the same ones."""
-        return {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
-                for name, shape, dtype, offset in self.fields}
-
-
-def attach_shared_memory(name: str) -> SharedMemory:
-    """Map a block the parent created and owns. Python < 3.13 registers attached blocks with this
-    process's resource tracker, which would unlink the parent's block when this worker exits."""
-    shm = SharedMemory(name=name)
-    if sys.version_info < (3, 13):
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (the name it registered)
-    return shm
-
-
-def _split(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {name[len(prefix):]: view for name, view in views.items() if name.startswith(prefix)}
-
-
-@dataclass(frozen=True)
-class Slot:
-    """The parent's views of one env's shared-memory block (see `SlotLayout`)."""
-
-    obs: dict[str, np.ndarray]  # the next decision's observation
-    final: dict[str, np.ndarray]  # the obs an episode ended on (before the auto-reset)
-    actions: np.ndarray  # (H, action_dim) float32: the chunk to run
-    rewards: np.ndarray
-    step_times: np.ndarray
-    successes: np.ndarray
-    header: np.ndarray  # executed, terminated, truncated, has_final
-    clock: np.ndarray  # the chunk's first step began, its last ended (perf_counter)
-
-    @classmethod
-    def of(cls, views: dict[str, np.ndarray]) -> "Slot":
-        return cls(_split(views, "obs/"), _split(views, "final/"), views["actions"], views["rewards"],
-                   views["step_times"], views["successes"], views["header"], views["clock"])
 
 
 @dataclass(frozen=True)
@@ -158,12 +63,8 @@ class InFlight:
     lost: str | None = None
 
 
-# --- the child process --------------------------------------------------------------------
-def worker_environment() -> dict[str, str]:
-    """Environment variables a simulator process needs before numpy or a simulator loads."""
-    return {name: "1" for name in THREAD_VARS}  # one core per simulator: no thread pools inside
 
-
+# --- the launch environment ---------------------------------------------------------------
 def egl_environment(visible: str | None, gpus: int, uuids: Sequence[str] = ()) -> dict[str, str]:
     """The variables that make a simulator render on its supervisor's first visible GPU (a rank's own under torchrun),
     given the supervisor's CUDA_VISIBLE_DEVICES (None: unset), the hw's GPU count and NVML's GPU UUIDs; none on a
@@ -197,191 +98,6 @@ def simulator_gpu_environment(gpus: int) -> dict[str, str]:
 
         uuids = gpu_uuids() or ()
     return egl_environment(visible, gpus, uuids)
-
-
-def _prepare_process(env_cfg: dict[str, Any], cpus: Sequence[int] | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers; Ctrl-C prints nothing here
-    for name, value in worker_environment().items():
-        os.environ.setdefault(name, value)
-    if env_cfg.get("cameras"):
-        use_headless_gl()
-    if cpus:
-        os.sched_setaffinity(0, set(cpus))
-
-
-def load_adapter_class(target: str) -> type[EnvAdapter]:
-    """The adapter class named by a config's `_target_` ("package.module.Class"), ours or a user's: one line if it
-    cannot be imported, is no EnvAdapter, or leaves a method of the contract unimplemented."""
-    try:
-        cls = load_class(target, "env._target_")
-    except ContractError as e:
-        raise EnvSetupError(str(e)) from None
-    if not issubclass(cls, EnvAdapter):
-        raise EnvSetupError(f"env._target_={target!r} is not an ebrl.envs.base.EnvAdapter subclass")
-    for method in missing_methods(cls, EnvAdapter, ("reset", "step")):
-        raise EnvSetupError(f"env._target_={target!r} does not implement {method}: an adapter implements "
-                            f"{ADAPTER_CONTRACT}")
-    params, var_kw = parameters(cls)
-    if "seed" not in params and not var_kw:
-        raise EnvSetupError(f"env._target_={target!r}: its constructor takes no seed: an adapter implements "
-                            f"{ADAPTER_CONTRACT}")
-    return cls
-
-
-def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
-    """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS that the constructor takes,
-    plus seed; env.render_every_step is the adapter's `render_every_step`, a pool's episode_seeds its `episode_seeds`."""
-    cls = load_adapter_class(env_cfg["_target_"])
-    adapter = cls(**constructor_kwargs(cls, env_cfg, NOT_ADAPTER_ARGS), seed=seed)
-    if not hasattr(adapter, "_episodes"):
-        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r}: its constructor did not call "
-                            f"EnvAdapter.__init__(self, seed): an adapter implements {ADAPTER_CONTRACT}")
-    if not isinstance(getattr(adapter, "spec", None), EnvSpec):
-        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
-                            f"its constructor: an adapter implements {ADAPTER_CONTRACT}")
-    adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
-    if env_cfg.get("episode_seeds") is not None:
-        adapter.episode_seeds = tuple(env_cfg["episode_seeds"])
-    release_build_memory(keep_compile_cache=adapter.recompiles_on_reset)
-    return adapter
-
-
-KEEP_BUILD_MEMORY = "EBRL_KEEP_BUILD_MEMORY"  # the benchmark's control: set, a build's leftovers are kept
-
-
-def release_build_memory(keep_compile_cache: bool = False) -> None:
-    """Give back what building a simulator left behind: MuJoCo's compile cache (decoded meshes and textures, kept for
-    a later compile of the same files) unless the adapter recompiles at each reset, and the heap pages glibc's malloc
-    holds free. About 200-260 MiB per process (docs/environments.md, `python -m ebrl.bench.sim_memory`, whose control sets
-    KEEP_BUILD_MEMORY to keep them)."""
-    if os.environ.get(KEEP_BUILD_MEMORY):
-        return
-    mujoco = sys.modules.get("mujoco")
-    if mujoco is not None and not keep_compile_cache and hasattr(mujoco, "mj_clearCache"):
-        mujoco.mj_clearCache(mujoco.mj_getCache())
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
-def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int,
-                cpus: Sequence[int] | None = None) -> None:
-    """Body of a simulator process: build the env, send its spec, then serve notices until "close"."""
-    _prepare_process(env_cfg, cpus)
-    try:
-        simulator = Simulator(env_cfg, seed)
-        conn.send(("spec", simulator.adapter.spec))
-    except BaseException as e:  # noqa: BLE001  (a failed import can raise SystemExit, too)
-        _send_quietly(conn, ("error", one_line(e)))
-        return
-    try:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                break
-            if message[0] == "close":
-                break
-            _send_quietly(conn, simulator.serve(message))
-    finally:
-        simulator.close()
-
-
-class Simulator:
-    """One env and its shared slot, answering the parent's notices (the protocol above): what a simulator process
-    runs, and what scheduler.serial runs in the supervisor itself (ebrl/envs/serial.py)."""
-
-    def __init__(self, env_cfg: dict[str, Any], seed: int) -> None:
-        self.adapter = build_adapter(env_cfg, seed)
-        self.shm: SharedMemory | None = None
-        self.views: dict[str, np.ndarray] = {}
-        self.fault, self.chunks = env_cfg.get("fault") or {}, 0
-
-    def serve(self, message: tuple) -> tuple[str, Any]:
-        """The answer to one notice: ("ok", reply), ("broken", why) for a broken adapter contract (no replacement
-        would do better: the parent stops the run), or ("error", why) (the parent decides)."""
-        command = message[0]
-        try:
-            if command == "attach":  # (a multi-task run's slot is laid out by the pool's joint spec)
-                _, shm_name, chunk_len, slot_spec = message
-                self.shm = attach_shared_memory(shm_name)
-                self.views = SlotLayout.build(slot_spec or self.adapter.spec, chunk_len).views(self.shm.buf)
-                return "ok", None
-            if command == "reset":
-                _write_obs(_split(self.views, "obs/"), self.adapter.begin_episode(message[1]))
-                self.views["header"][:] = 0
-                return "ok", None
-            if command == "chunk":
-                self.chunks += 1
-                if self.fault.get("kind") and self.chunks == self.fault["chunk"]:
-                    _inject(self.fault)
-                return "ok", _run_chunk(self.adapter, self.views, int(message[1]))
-            raise ValueError(f"unknown command {command!r}")
-        except AdapterContractError as e:
-            return "broken", one_line(e)
-        except Exception as e:  # noqa: BLE001
-            return "error", one_line(e)
-
-    def close(self) -> None:
-        self.views.clear()
-        try:
-            self.adapter.close()
-        except Exception:  # noqa: BLE001  (closing at exit: nothing left to tell)
-            pass
-        if self.shm is not None:
-            try:
-                self.shm.close()
-            except BufferError:  # a view still referenced: the mapping goes with the process
-                pass
-            self.shm = None
-
-
-def _inject(fault: dict[str, Any]) -> None:
-    """env.fault, for tests: this process hangs (sleeps far past any chunk timeout), fails inside its chunk, or
-    dies without a word."""
-    if fault["kind"] == "hang":
-        time.sleep(3600)
-    elif fault["kind"] == "error":
-        raise RuntimeError(f"injected fault at chunk {fault['chunk']}")
-    elif fault["kind"] == "exit":
-        os._exit(9)
-
-
-def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
-    chunk_len = len(views["actions"])
-    if not 1 <= n_steps <= chunk_len:
-        raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
-    started = time.perf_counter()
-    obs, result = adapter.run_chunk(views["actions"][:n_steps, :adapter.spec.action_dim].copy())  # its own dims
-    views["clock"][:] = (started, time.perf_counter())
-    k = result.executed
-    views["rewards"][:k] = result.rewards
-    views["step_times"][:k] = result.step_times
-    views["successes"][:k] = result.successes
-    if result.final_obs is not None:
-        _write_obs(_split(views, "final/"), result.final_obs)
-    _write_obs(_split(views, "obs/"), obs)
-    views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
-    return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0))}
-
-
-def _write_obs(slots: dict[str, np.ndarray], obs: dict[str, np.ndarray]) -> None:
-    """The obs into the slot; a state narrower than the slot's (a task of a multi-task run) padded with zeros."""
-    for key, slot in slots.items():
-        value = obs[key]
-        if slot.shape == np.shape(value):
-            slot[...] = value
-        else:
-            n = np.shape(value)[0]
-            slot[:n], slot[n:] = value, 0
-
-
-def _send_quietly(conn: multiprocessing.connection.Connection, message: Any) -> None:
-    try:
-        conn.send(message)
-    except (OSError, EOFError):
-        pass
 
 
 # --- the parent side ----------------------------------------------------------------------
@@ -437,7 +153,7 @@ class _Resources:
 
     def release(self, timeout: float = 5.0) -> None:
         if self.conn is not None:
-            _send_quietly(self.conn, ("close",))
+            send_quietly(self.conn, ("close",))
         if self.process is not None:
             try:
                 self.process.wait(timeout)
@@ -507,7 +223,7 @@ class SimWorker:
         env = {**os.environ, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
-            process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.worker", str(theirs.fileno())],
+            process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.process", str(theirs.fileno())],
                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         except OSError as e:
             ours.close()
@@ -894,22 +610,6 @@ class SimWorkerPool:
         """Stop every process: ask all to close first, so they exit concurrently, then reap each."""
         for worker in self.workers:
             if worker._res.conn is not None:
-                _send_quietly(worker._res.conn, ("close",))
+                send_quietly(worker._res.conn, ("close",))
         for worker in self.workers:
             worker.close()
-
-
-def main(argv: list[str]) -> None:
-    """`python -m ebrl.envs.worker FD`: serve the env the parent sends on the socket FD."""
-    conn = multiprocessing.connection.Connection(int(argv[0]))
-    try:
-        command, env_cfg, seed, cpus = conn.recv()
-    except (EOFError, OSError):  # the parent went away before it said what to build
-        return
-    if command != "init":
-        raise SystemExit(f"sim worker: expected 'init', got {command!r}")
-    worker_main(conn, env_cfg, seed, cpus)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from ebrl.alloc.allocator import Measured
 from ebrl.config import ConfigError, rank_cores, validate
 from ebrl.envs.base import one_line
-from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
+from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment
 from ebrl.node import Ranks
 from ebrl.policies.build import build_policy, executed_line, settle_execute, tokenizer_warning
 from ebrl.recipes import recipe_line

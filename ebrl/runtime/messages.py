@@ -1,7 +1,7 @@
 """What crosses between the supervisor and the processes it starts for training and generation: one small
 dataclass per message, sent over a `PipedProcess`'s pipes (torch tensors inside travel as shared-memory handles).
 
-The simulator workers speak their own protocol of plain tuples (ebrl/envs/worker.py): they may run under a
+The simulator workers speak their own protocol of plain tuples (ebrl/envs/process.py): they may run under a
 benchmark's own interpreter, which has neither torch nor this module's imports.
 """
 from __future__ import annotations

@@ -91,7 +91,8 @@ def test_under_grpo_a_straggler_is_a_whole_group_in_the_run_and_its_references()
     from omegaconf import OmegaConf
 
     from ebrl.bench.schedulers import Workload, compose, group_size
-    from ebrl.envs.worker import build_adapter, env_seed
+    from ebrl.envs.process import build_adapter
+    from ebrl.envs.worker import env_seed
 
     workload = Workload(num_envs=4, stragglers=0.5, straggler_slowdown=2, overrides=["algo=grpo", "algo.group_size=2"])
     cfg = compose(workload)

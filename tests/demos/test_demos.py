@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from ebrl.demos.dataset import DemosError, read_demos
 from ebrl.demos.record import record
-from ebrl.envs.worker import build_adapter
+from ebrl.envs.process import build_adapter
 from tests.conftest import CONF, REPO
 
 TASKS = [

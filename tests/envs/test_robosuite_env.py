@@ -4,7 +4,7 @@ import pytest
 
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.robosuite_env import RobosuiteEnv
-from ebrl.envs.worker import build_adapter, release_build_memory
+from ebrl.envs.process import build_adapter, release_build_memory
 from tests.envs.common import assert_matches_spec, random_chunk
 
 TASKS = ["Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"]

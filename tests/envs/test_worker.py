@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.worker import (SimFailure, SimulatorsFailing, SimWorker, SimWorkerPool, SlotLayout, egl_environment,
-                               simulator_gpu_environment)
+from ebrl.envs.slots import SlotLayout
+from ebrl.envs.worker import SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment, simulator_gpu_environment
 
 LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
             max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
@@ -202,7 +202,7 @@ def test_slot_layout_is_aligned_and_disjoint():
 
 
 def test_importing_the_worker_does_not_import_torch():
-    code = "import sys, ebrl.envs.worker; print('torch' in sys.modules)"
+    code = "import sys, ebrl.envs.process, ebrl.envs.worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "False"
@@ -218,7 +218,7 @@ def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
         worker.start()
         with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert argv[0].decode() == python and argv[1:3] == [b"-m", b"ebrl.envs.worker"]
+        assert argv[0].decode() == python and argv[1:3] == [b"-m", b"ebrl.envs.process"]
         worker.reset(seed=0)
         worker.actions[:] = 0.0
         worker.submit(4)

@@ -134,7 +134,7 @@ def test_an_evaluations_envs_start_each_episode_from_its_index_seed():
     import numpy as np
     from omegaconf import OmegaConf
 
-    from ebrl.envs.worker import build_adapter
+    from ebrl.envs.process import build_adapter
 
     env = OmegaConf.to_container(compose_config("env.task=Lift").env, resolve=True)
     scheduled = build_adapter({**env, "episode_seeds": [5, 3]}, seed=0)  # env 0 of 3 from seed 5 on

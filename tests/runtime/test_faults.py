@@ -38,7 +38,7 @@ def wait_for_iterations(run_dir: Path, n: int, proc: subprocess.Popen, timeout: 
 
 
 def simulators(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "ebrl.envs.worker" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "ebrl.envs.process" in " ".join(p.cmdline())]
 
 
 def total(rows: list[dict], key: str) -> float:

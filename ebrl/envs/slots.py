@@ -1,0 +1,90 @@
+"""The shared-memory slot of one simulator (docs/design.md, "Processes and what crosses between them"): its
+observation, the chunk's actions and each step's results in one block, laid out alike by the supervisor and the
+simulator process. This module imports numpy and the standard library only (it runs under a benchmark's interpreter).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from ebrl.envs.base import EnvSpec
+
+HEADER = ("executed", "terminated", "truncated", "has_final")
+_ALIGN = 64
+
+
+# --- shared memory layout ---------------------------------------------------------------
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each array of one environment's slot lies in its shared-memory block.
+
+    Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
+    actions (H, action_dim) float32, rewards (H,) float32, step_times (H,) float64,
+    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
+    float64: time.perf_counter() when the chunk's first step began and its last ended (CLOCK_MONOTONIC,
+    one clock for every process of the node, so a trace can set envs side by side).
+    """
+
+    fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
+    size: int
+
+    @classmethod
+    def build(cls, spec: EnvSpec, chunk_len: int) -> "SlotLayout":
+        arrays: list[tuple[str, tuple[int, ...], str]] = [("header", (len(HEADER),), "int32")]
+        arrays += [(f"obs/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
+        arrays += [(f"final/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
+        arrays += [
+            ("actions", (chunk_len, spec.action_dim), "float32"),
+            ("rewards", (chunk_len,), "float32"),
+            ("step_times", (chunk_len,), "float64"),
+            ("successes", (chunk_len,), "bool"),
+            ("clock", (2,), "float64"),
+        ]
+        fields, offset = [], 0
+        for name, shape, dtype in arrays:
+            fields.append((name, shape, dtype, offset))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return cls(tuple(fields), max(offset, _ALIGN))
+
+    def views(self, buffer: memoryview) -> dict[str, np.ndarray]:
+        """numpy arrays over `buffer`, one per field; both processes build the same ones."""
+        return {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+                for name, shape, dtype, offset in self.fields}
+
+
+def attach_shared_memory(name: str) -> SharedMemory:
+    """Map a block the parent created and owns. Python < 3.13 registers attached blocks with this
+    process's resource tracker, which would unlink the parent's block when this worker exits."""
+    shm = SharedMemory(name=name)
+    if sys.version_info < (3, 13):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (the name it registered)
+    return shm
+
+
+def split_views(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {name[len(prefix):]: view for name, view in views.items() if name.startswith(prefix)}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The parent's views of one env's shared-memory block (see `SlotLayout`)."""
+
+    obs: dict[str, np.ndarray]  # the next decision's observation
+    final: dict[str, np.ndarray]  # the obs an episode ended on (before the auto-reset)
+    actions: np.ndarray  # (H, action_dim) float32: the chunk to run
+    rewards: np.ndarray
+    step_times: np.ndarray
+    successes: np.ndarray
+    header: np.ndarray  # executed, terminated, truncated, has_final
+    clock: np.ndarray  # the chunk's first step began, its last ended (perf_counter)
+
+    @classmethod
+    def of(cls, views: dict[str, np.ndarray]) -> "Slot":
+        return cls(split_views(views, "obs/"), split_views(views, "final/"), views["actions"], views["rewards"],
+                   views["step_times"], views["successes"], views["header"], views["clock"])
