@@ -6,7 +6,7 @@ node is merged onto a schema made from the shared dataclass (EnvConfig, PolicyCo
 the class's constructor, so a misspelled key or a wrong type fails with one line, and the defaults are the
 constructor's. A shared key the constructor does not take is not passed to it (`constructor_kwargs`); set to anything
 but its default, it is an error, since it would have no effect. The contract (the methods the runtime calls) is
-checked by the callers: `ebrl/config.py` and `ebrl/envs/process.py`. Only `complete` imports omegaconf: simulator
+checked by the callers: `ebrl/checks.py` and `ebrl/envs/process.py`. Only `complete` imports omegaconf: simulator
 workers, which may run under a benchmark's own interpreter, use the rest.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ebrl.classes import constructor_kwargs, load_class
-from ebrl.config import POLICY_RUNTIME_KEYS
+from ebrl.checks import POLICY_RUNTIME_KEYS
 from ebrl.errors import BadInput
 from ebrl.policies import gr00t, openpi
 from ebrl.policies.base import Policy, preset_dims

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from ebrl.config import ConfigError, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError
 from ebrl.node import cuda_device_count
 from ebrl.runtime.evaluation import check_mode
 from tests.conftest import compose_config

@@ -8,7 +8,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from ebrl.config import ConfigError, _check_allocator, validate
+from ebrl.checks import _check_allocator, validate
+from ebrl.config import ConfigError
 from tests.conftest import CONF, compose_config, group_options
 
 POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_options("hw")

@@ -12,7 +12,7 @@ LAYERS = [
     {"ebrl.errors", "ebrl.classes", "ebrl.telemetry", "ebrl.recipes", "ebrl.install"},
     {"ebrl.node"},
     {"ebrl.envs"},
-    {"ebrl.config"},
+    {"ebrl.config", "ebrl.checks"},
     {"ebrl.policies"},
     {"ebrl.rl", "ebrl.alloc"},
     {"ebrl.runtime", "ebrl.demos"},

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ebrl.config import ConfigError, register_configs, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError, register_configs
 from ebrl.envs.base import AdapterContractError, EnvSetupError
 from ebrl.envs.process import build_adapter
 from ebrl.envs.worker import SimWorker

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from ebrl.alloc.planner import (CYCLE, GPU_STAGE_CORES, Decision, ElasticController, Plan, PlanError, StaticController,
                                 Totals, evaluate, groups_text)
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
-from ebrl.config import ConfigError, rank_cores
+from ebrl.checks import rank_cores
+from ebrl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,

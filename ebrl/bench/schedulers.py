@@ -114,7 +114,7 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
     if workload.rollout_chunks:
         overrides.append(f"algo.rollout_chunks={workload.rollout_chunks}")
     cfg = compose_overrides(overrides + list(workload.overrides), mode)
-    from ebrl.config import complete_benchmark_tasks
+    from ebrl.checks import complete_benchmark_tasks
 
     complete_benchmark_tasks(cfg)  # (the references build simulators from it, as a run does after validating)
     if workload.straggler_envs:
@@ -164,7 +164,7 @@ def run_device_type(cfg: Any) -> str:
 
 
 def bench_cores(cfg: Any) -> int:
-    from ebrl.config import available_cpu_cores
+    from ebrl.checks import available_cpu_cores
 
     return cfg.hw.cpu_cores or available_cpu_cores()
 
@@ -565,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. algo.epochs=2")
     args = parser.parse_args(argv)
-    from ebrl.config import SCHEDULERS
+    from ebrl.checks import SCHEDULERS
 
     for spec in args.modes:
         mode, _ = split_mode(spec)

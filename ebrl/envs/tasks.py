@@ -10,7 +10,7 @@ sizes; `joint_spec` is the widest of each, and a worker pads its state with zero
 (`ebrl/envs/process.py`). Each env keeps its own instruction.
 
 A task may be of another benchmark: an entry `{env: libero, task: "3"}` that the config completes into that
-benchmark's whole env config (ebrl/config.py, `complete_benchmark_tasks`). Its envs run its adapter under its own
+benchmark's whole env config (ebrl/checks.py, `complete_benchmark_tasks`). Its envs run its adapter under its own
 interpreter beside the run's; its name in metrics is "libero:3" (`task_label`), and `task_config` is an env's config.
 """
 from __future__ import annotations

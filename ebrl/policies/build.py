@@ -15,7 +15,8 @@ from typing import Any, Iterator
 import torch
 
 from ebrl.classes import ContractError, constructor_kwargs, load_class
-from ebrl.config import POLICY_CONTRACT, POLICY_RUNTIME_KEYS, ConfigError
+from ebrl.checks import POLICY_CONTRACT, POLICY_RUNTIME_KEYS
+from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
 from ebrl.policies.layers import Block

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.config import ConfigError, rank_cores, validate
+from ebrl.checks import rank_cores, validate
+from ebrl.config import ConfigError
 from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
 from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs

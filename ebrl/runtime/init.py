@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ebrl.config import REPO, ConfigError, cfg_get
+from ebrl.checks import cfg_get
+from ebrl.config import ConfigError, REPO
 from ebrl.runtime.checkpoint import checkpoint_file, load_checkpoint, policy_identity
 
 # (policy.name, policy.preset, policy.variant, env.name, env.task) -> the SFT checkpoint the repository ships, made by

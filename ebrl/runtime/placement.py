@@ -30,7 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from ebrl.alloc.allocator import Allocator, Measured, describe
 from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
 from ebrl.alloc.profile import STAGES
-from ebrl.config import ConfigError, cuda_device_count, generation_place, sm_partition, train_core_count
+from ebrl.checks import generation_place, sm_partition, train_core_count
+from ebrl.config import ConfigError
+from ebrl.node import cuda_device_count
 from ebrl.envs.base import EnvSpec
 from ebrl.node import Ranks, set_process_affinity
 from ebrl.rl.ppo import minibatch_rows

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.config import ConfigError, rank_cores, validate
+from ebrl.checks import rank_cores, validate
+from ebrl.config import ConfigError
 from ebrl.demos.dataset import Demos, DemosError, read_demos, statistics
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import SimWorkerPool

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from ebrl.config import ConfigError, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSetupError, EnvSpec
 from ebrl.envs.setup import benchmark_python
 from ebrl.envs.tasks import assign_tasks, joint_spec, task_config, task_list

@@ -6,7 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ebrl.config import ALGOS, ConfigError, validate
+from ebrl.checks import ALGOS, validate
+from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_seeds
 from ebrl.rl.rollout import ChunkStep, stack_steps

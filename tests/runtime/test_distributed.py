@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ebrl.config import ConfigError, rank_cores, validate
+from ebrl.checks import rank_cores, validate
+from ebrl.config import ConfigError
 from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.node import Ranks, share_of_node
 from ebrl.runtime.distributed import DistributedError, combine, weights_sum

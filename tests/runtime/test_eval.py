@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ebrl.config import ConfigError, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError
 from ebrl.runtime.evaluation import check_mode
 from ebrl.telemetry.metrics import Z95, wilson_interval
 from tests.conftest import compose_config

@@ -7,7 +7,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from ebrl.config import ConfigError, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError
 from ebrl.node import cuda_device_count, visible_gpu_count
 from ebrl.telemetry.monitor import gpu_uuids, open_nvml
 from tests.conftest import compose_config

@@ -11,7 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from ebrl.config import ConfigError, _check_schedule, validate
+from ebrl.checks import _check_schedule, validate
+from ebrl.config import ConfigError
 from ebrl.rl.rollout import RolloutBatch, concat_envs, drop_stale
 from ebrl.runtime.experiment import Experiment
 from ebrl.runtime.dispatcher import CorePool

@@ -10,7 +10,8 @@ import threading
 import psutil
 import pytest
 
-from ebrl.config import ConfigError, validate
+from ebrl.checks import validate
+from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.robosuite_env import RobosuiteEnv
 from ebrl.envs.worker import SimWorkerPool
