@@ -72,7 +72,7 @@ class _Osc:
         numpy calls on arrays of the stock memory layout (numba compiles, and rounds, per layout); with `keep`, the
         state the controller would hold afterwards, for `sync`."""
         c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
-        qvel, take = d.qvel, np.take
+        qvel = d.qvel
         jacp, jacr, base_jacp, base_jacr = self.jac
         (ref_id, base_id), (opspace, nullspace, orientation_error) = self.sites, self.kernels
         kp_pos, kp_ori, kd_pos, kd_ori = self.gains
@@ -81,7 +81,7 @@ class _Osc:
         origin_pos, origin_ori = d.site_xpos[base_id], d.site_xmat[base_id].reshape([3, 3])
         ref_pos, ref_ori_mat = d.site_xpos[ref_id], d.site_xmat[ref_id].reshape([3, 3])
         ref_pos_vel, ref_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
-        J_pos, J_ori = take(jacp, qi, axis=1), take(jacr, qi, axis=1)  # (C order, as the stock J_pos)
+        J_pos, J_ori = jacp.take(qi, axis=1), jacr.take(qi, axis=1)  # (C order, as the stock J_pos)
         J_full = np.concatenate((J_pos, J_ori))
         joint_pos, joint_vel = d.qpos[c.qpos_index], qvel[qi]
         full_mass(m, d, self.full_mass)
