@@ -1,27 +1,32 @@
 """A robosuite-family control step without the Python around its physics, giving the same trajectories.
 
 A stock control step runs 25 physics substeps (20 Hz control, 500 Hz physics), and at every substep robosuite's
-composite controller, its OSC arm controller and its gripper controller run in full: name lookups, property calls
-that build the action limits three times, the same base pose read twice, a fresh Jacobian per quantity, and every
-observable's timer. Only the first substep takes the policy's action (`policy_step`); the other substeps recompute
+controllers run in full: name lookups, property calls that build the action limits three times, the same base pose
+read twice, a fresh Jacobian per quantity, every observable's timer, and in robosuite 1.4 (LIBERO) two `mj_forward`
+calls besides `mj_step`. Only the first substep takes the policy's action (`policy_step`); the others recompute
 torques from the same goal. `FastStep` runs the first substep with the stock code and the others with the stock
-arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order, and robosuite's own numba
-kernels (`opspace_matrices`, `nullspace_torques`, `orientation_error`), with site ids, index arrays, actuator bounds
-and the gripper's command, constant within a control step, looked up once. The observables' timers advance with
-robosuite's own float operations and the sensors run at the substep where the stock code samples them.
+arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order on arrays of the same memory
+layout, and robosuite's own numba kernels (`opspace_matrices`, `nullspace_torques`, `orientation_error`), with site
+ids, index arrays, actuator bounds and the commands that are constant within a control step looked up once;
+`mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The observables'
+timers advance with robosuite's own float operations and the sensors run at the substep where the stock code samples
+them, after the controllers' state is written back as the stock code leaves it.
 
-So a trajectory is bit for bit the stock one: qpos, qvel, observations, rewards and success at every control step
-(tests/envs/test_fast_step.py runs both in one process). An env it does not cover (another controller type, an
-interpolator, a viewer, a task that overrides the step) gets `None` from `fast_step_for` with the reason, and runs
-the stock code. `env.fast_step=false` runs the stock code everywhere.
+Covered: robosuite 1.5's fixed-base arms under the BASIC controller (OSC arm, simple gripper) and wheeled robots
+under the hybrid mobile-base one (RoboCasa's PandaOmron: joint-velocity base, joint-position torso); robosuite 1.4's
+single arm under OSC with its gripper, and LIBERO's step around it. A trajectory is bit for bit the stock one: qpos,
+qvel, ctrl, observations, rewards and success at every control step (tests/envs/test_fast_step.py runs both in one
+process, in each benchmark's interpreter). An env it does not cover (another controller type, an interpolator, a
+viewer, a task that overrides the step) gets `None` from `fast_step_for` with the reason, and runs the stock code.
+`env.fast_step=false` runs the stock code everywhere.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
-import numpy as np
 import mujoco
+import numpy as np
 from mujoco import mj_jacSite, mj_step1, mj_step2
 
 if hasattr(mujoco.MjData, "qM"):  # the dense mass matrix: MuJoCo < 3.4 reads qM, later ones the data
