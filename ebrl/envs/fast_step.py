@@ -410,8 +410,9 @@ class FastStep:
                 for worker in self.workers:
                     worker.sync()
             timers.advance(dt, due)
-        for worker in self.workers:
-            worker.sync()
+        if self.substeps > 1:  # (one substep: the stock code left the controllers as they are)
+            for worker in self.workers:
+                worker.sync()
         timers.end()
         env.cur_time += env.control_timestep
         reward, done, info = env._post_action(action)
