@@ -29,6 +29,13 @@ def megabytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def free_bytes(folder: object) -> int:
+    """The bytes free on the filesystem that holds `folder`."""
+    import shutil
+
+    return shutil.disk_usage(folder).free
+
+
 def is_disk_full(error: BaseException) -> bool:
     """Whether `error`, or what caused it, is a full disk: ENOSPC / EDQUOT, or torch's serializer giving up on a
     short write (`unexpected pos ...`, `file write failed`)."""

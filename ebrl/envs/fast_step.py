@@ -45,6 +45,22 @@ def _kernels() -> tuple[Callable, Callable, Callable]:
     return opspace_matrices, nullspace_torques, orientation_error
 
 
+def _osc_torques(c: Any, kernels: tuple, bias: np.ndarray, mass_matrix: np.ndarray, J_full: np.ndarray,
+                 J_pos: np.ndarray, J_ori: np.ndarray, desired_force: np.ndarray, desired_torque: np.ndarray,
+                 joint_pos: np.ndarray, joint_vel: np.ndarray) -> np.ndarray:
+    """The end of an OSC controller's `run_controller` (robosuite 1.4 and 1.5 alike): the operational-space
+    matrices, the (un)coupled wrench, J^T wrench plus gravity compensation (`bias`), plus the nullspace torques."""
+    opspace, nullspace, _ = kernels
+    lambda_full, lambda_pos, lambda_ori, nullspace_matrix = opspace(mass_matrix, J_full, J_pos, J_ori)
+    if c.uncoupling:
+        decoupled_wrench = np.concatenate([np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)])
+    else:
+        decoupled_wrench = np.dot(lambda_full, np.concatenate([desired_force, desired_torque]))
+    torques = np.dot(J_full.T, decoupled_wrench) + bias
+    torques += nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+    return torques
+
+
 def _method_owner(obj: Any, name: str) -> str:
     """`module.Class` that defines `name` for obj's class (to tell an override from the stock method)."""
     for cls in type(obj).__mro__:
@@ -79,7 +95,7 @@ class _Osc:
         c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
         qvel = d.qvel
         jacp, jacr, base_jacp, base_jacr = self.jac
-        (ref_id, base_id), (opspace, nullspace, orientation_error) = self.sites, self.kernels
+        (ref_id, base_id), orientation_error = self.sites, self.kernels[2]
         kp_pos, kp_ori, kd_pos, kd_ori = self.gains
         mj_jacSite(m, d, jacp, jacr, ref_id)
         mj_jacSite(m, d, base_jacp, base_jacr, base_id)
@@ -99,13 +115,8 @@ class _Osc:
         ori_error = orientation_error(desired_world_ori, ref_ori_mat)
         desired_force = (desired_world_pos - ref_pos) * kp_pos + (-(ref_pos_vel - np.dot(base_jacp, qvel))) * kd_pos
         desired_torque = ori_error * kp_ori + (-(ref_ori_vel - np.dot(base_jacr, qvel))) * kd_ori
-        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = opspace(mass_matrix, J_full, J_pos, J_ori)
-        if c.uncoupling:
-            decoupled_wrench = np.concatenate((np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)))
-        else:
-            decoupled_wrench = np.dot(lambda_full, np.concatenate((desired_force, desired_torque)))
-        torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
-        torques += nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        torques = _osc_torques(c, self.kernels, d.qfrc_bias[qi], mass_matrix, J_full, J_pos, J_ori, desired_force,
+                               desired_torque, joint_pos, joint_vel)
         if keep:
             self.state = (np.array(ref_pos), np.array(ref_ori_mat), ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full,
                           joint_pos, joint_vel, mass_matrix, np.array(origin_pos), np.array(origin_ori), torques)
@@ -218,7 +229,7 @@ class _Osc14:
         c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
         qvel, nv = d.qvel, int(m.nv)
         jacp, jacr = self.jac
-        (desired_pos, desired_ori), (opspace, nullspace, orientation_error) = self.goal, self.kernels
+        (desired_pos, desired_ori), orientation_error = self.goal, self.kernels[2]
         kp_pos, kp_ori, kd_pos, kd_ori = self.gains
         mj_jacSite(m, d, jacp, jacr, self.eef_id)
         ee_pos, ee_ori_mat = d.site_xpos[self.eef_id], d.site_xmat[self.eef_id].reshape([3, 3])
@@ -232,13 +243,8 @@ class _Osc14:
         ori_error = orientation_error(desired_ori, ee_ori_mat)
         desired_force = (desired_pos - ee_pos) * kp_pos + (-ee_pos_vel) * kd_pos
         desired_torque = ori_error * kp_ori + (-ee_ori_vel) * kd_ori
-        lambda_full, lambda_pos, lambda_ori, nullspace_matrix = opspace(mass_matrix, J_full, J_pos, J_ori)
-        if c.uncoupling:
-            decoupled_wrench = np.concatenate([np.dot(lambda_pos, desired_force), np.dot(lambda_ori, desired_torque)])
-        else:
-            decoupled_wrench = np.dot(lambda_full, np.concatenate([desired_force, desired_torque]))
-        torques = np.dot(J_full.T, decoupled_wrench) + d.qfrc_bias[qi]
-        torques += nullspace(mass_matrix, nullspace_matrix, c.initial_joint, joint_pos, joint_vel)
+        torques = _osc_torques(c, self.kernels, d.qfrc_bias[qi], mass_matrix, J_full, J_pos, J_ori, desired_force,
+                               desired_torque, joint_pos, joint_vel)
         if keep:
             self.state = (np.array(ee_pos), np.array(ee_ori_mat), ee_pos_vel, ee_ori_vel, joint_pos, joint_vel,
                           J_pos, J_ori, J_full, mass_matrix, torques)
@@ -310,11 +316,13 @@ class _Timers:
 
     def advance(self, dt: float, due: list) -> None:
         """One substep: the others' timers advance; the due groups' members update (the stock code)."""
-        for group in self.groups:
-            if group not in due:
-                group[0] = group[0] + dt
         if not due:
+            for group in self.groups:
+                group[0] = group[0] + dt
             return
+        for group in self.groups:
+            if not any(group is g for g in due):
+                group[0] = group[0] + dt
         members = sorted((i, obs, group) for group in due for i, obs in group[4])
         cache = self.env._obs_cache
         for _, obs, group in members:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -11,8 +10,7 @@ from typing import Any
 
 import torch
 
-from ebrl.errors import DiskFull, is_disk_full, megabytes
-
+from ebrl.errors import DiskFull, free_bytes, is_disk_full, megabytes
 from ebrl.policies.base import Policy
 from ebrl.policies.training import load_state, lora_scaling, merge_lora, split_lora
 from ebrl.policies.weights import CheckpointError, check_state_dict
@@ -35,10 +33,6 @@ def state_nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(state_nbytes(v) for v in obj)
     return int(getattr(obj, "nbytes", 0) or 0)
-
-
-def free_bytes(folder: Path) -> int:
-    return shutil.disk_usage(folder).free
 
 
 def intact(path: Path) -> str:

@@ -71,15 +71,13 @@ class MetricsLog:
         try:
             self._file.write(line)
         except OSError as e:  # (a full disk: the run stops saying so; its checkpoint is on disk)
-            import shutil
-
-            from ebrl.errors import DiskFull, is_disk_full, megabytes
+            from ebrl.errors import DiskFull, free_bytes, is_disk_full, megabytes
 
             if not is_disk_full(e):
                 raise
-            free = shutil.disk_usage(self.path.parent).free
             raise DiskFull(f"the disk is full at {self.path.parent}: {self.path.name} could not take iteration "
-                           f"{metrics.get('iteration', '?')}'s line ({len(line)} bytes; {megabytes(free)} free)") from e
+                           f"{metrics.get('iteration', '?')}'s line ({len(line)} bytes; "
+                           f"{megabytes(free_bytes(self.path.parent))} free)") from e
         if self._wandb is not None:
             self._wandb.log(metrics)
 
