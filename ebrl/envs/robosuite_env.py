@@ -90,9 +90,9 @@ class RobosuiteEnv(EnvAdapter):
             use_headless_gl()
         robosuite = _import_robosuite()
         from robosuite.controllers import load_composite_controller_config
+        from robosuite.environments.base import REGISTERED_ENVS
 
         from ebrl.envs.fast_step import fast_or_stock
-        from robosuite.environments.base import REGISTERED_ENVS
 
         single_arm = sorted(name for name in REGISTERED_ENVS if not name.startswith("TwoArm"))
         if task not in single_arm:

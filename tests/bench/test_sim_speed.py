@@ -1,5 +1,5 @@
-"""The simulation-speed benchmark on one task: the stock and the fast control step, the raw physics inside it and a reset, measured in
-the benchmark's own process (no timings asserted)."""
+"""The simulation-speed benchmark on one task: the stock and the fast control step, the raw physics inside it and a
+reset, measured in the benchmark's own process (no timings asserted)."""
 from __future__ import annotations
 
 from ebrl.bench.sim_speed import main

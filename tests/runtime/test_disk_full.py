@@ -80,12 +80,13 @@ def test_metrics_on_a_full_disk_stop_the_run_saying_so_and_the_trace_gives_up_wi
     trace = Trace()
     trace.stream_to(small_disk / "trace.json")
     fill(small_disk)
-    with pytest.raises(DiskFull, match=rf"^the disk is full at {small_disk}: metrics.jsonl could not take iteration 7's "
-                                       r"line \(\d+ bytes; 0.0 MiB free\)$"):
+    with pytest.raises(DiskFull, match=rf"^the disk is full at {small_disk}: metrics.jsonl could not take "
+                                       r"iteration 7's line \(\d+ bytes; 0.0 MiB free\)$"):
         log.log({"iteration": 7, "blob": "x" * 8192})
     for k in range(2000):  # (its buffer fills, and the write fails)
         trace.add("simulate/env0", "chunk", k, k + 0.5, steps=8)
     trace.write(small_disk / "trace.json")
     assert trace.gave_up and trace.file is None
     err = capsys.readouterr().err
-    assert f"warning: {small_disk / 'trace.json'} could not be written (No space left on device); the run goes on" in err
+    trace_file = small_disk / "trace.json"
+    assert f"warning: {trace_file} could not be written (No space left on device); the run goes on" in err
