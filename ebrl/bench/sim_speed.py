@@ -1,9 +1,11 @@
 """How far is a simulator's control step from the physics inside it? `python -m ebrl.bench.sim_speed`.
 
 For each task: our adapter's control step with the stock simulator's code and with the fast step (`env.fast_step`,
-ebrl/envs/fast_step.py; where it does not cover the task, the reason), the same number of raw physics steps on the
-same model and data (MuJoCo's `mj_step` x the substeps of a control step for the robosuite family; SAPIEN's `px.step`
-x ManiSkill's sim steps per control step), their ratios, and a reset each way. Each benchmark runs under its own
+ebrl/envs/fast_step.py and maniskill_fast.py; where it does not cover the task, the reason), the physics of a control
+step, their ratios, and a reset each way. The physics: for the robosuite family the same number of raw `mj_step` calls
+on the same model and data (x the substeps of a control step); for ManiSkill SAPIEN's `px.step` calls timed inside the
+stock control steps, since PhysX puts bodies at rest to sleep (a raw loop after an episode costs 4 us a step, a moving
+scene 40-50 us). Each benchmark runs under its own
 interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy and the simulator only.
 
     python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--tasks Lift ...] [--steps 200]
@@ -36,10 +38,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 # --- the measuring half: this benchmark's interpreter, numpy and the simulator only ---------------------------------
 def raw_physics(name: str, adapter: Any) -> tuple[Callable[[], None], int]:
-    """One raw physics step of the adapter's simulator on its own model and data, and how many make a control step."""
-    if name == "maniskill":
-        env = adapter.env.unwrapped
-        return env.scene.px.step, int(env._sim_steps_per_control)
+    """One raw physics step of a robosuite-family adapter's MuJoCo model and data, and how many make a control step."""
     env = adapter.env.env if name == "libero" else adapter.env  # (LIBERO's ControlEnv wraps robosuite's env)
     import mujoco
 
@@ -48,8 +47,9 @@ def raw_physics(name: str, adapter: Any) -> tuple[Callable[[], None], int]:
 
 
 def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets: int, seed: int = 0) -> dict:
-    """The control step of `env_cfg`'s adapter with the stock code and with the fast step (env.fast_step), the raw
-    physics of one, and a reset, in ms (medians over repeats; the two steps' passes alternate)."""
+    """The control step of `env_cfg`'s adapter with the stock code and with the fast step (env.fast_step), the
+    physics of one (`raw_physics`; ManiSkill's timed inside the stock steps), and a reset, in ms (medians over repeats;
+    the two steps' passes alternate)."""
     from ebrl.envs.process import build_adapter
 
     adapters = {way: build_adapter({**env_cfg, "fast_step": way == "fast"}, seed) for way in ("stock", "fast")}
@@ -60,6 +60,7 @@ def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets
     step_ms: dict[str, list[float]] = {"stock": [], "fast": []}
     physics_ms: list[float] = []
     reset_ms: dict[str, list[float]] = {"stock": [], "fast": []}
+    inside = _time_physics_inside(adapters["stock"]) if name == "maniskill" else None
     for r in range(repeats):
         for way, adapter in adapters.items():  # (the same episodes and actions for both)
             episode = 0
@@ -73,6 +74,11 @@ def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets
                     episode += 1
                     adapter.begin_episode(seed * 1000 + 100 * r + episode)
             step_ms[way].append(1e3 * elapsed / steps)
+        if inside is not None:
+            substeps = int(adapters["stock"].env.unwrapped._sim_steps_per_control)  # noqa: SLF001
+            physics_ms.append(1e3 * inside[0] / steps)
+            inside[0] = 0.0
+            continue
         physics, substeps = raw_physics(name, adapters["stock"])
         t0 = time.perf_counter()
         for _ in range(steps * substeps):
@@ -89,6 +95,21 @@ def measure(name: str, env_cfg: dict[str, Any], steps: int, repeats: int, resets
     return {"step_ms": statistics.median(step_ms["stock"]), "fast_ms": statistics.median(step_ms["fast"]),
             "fast_off": fast_off, "physics_ms": statistics.median(physics_ms), "substeps": substeps,
             "reset_ms": statistics.median(reset_ms["stock"]), "fast_reset_ms": statistics.median(reset_ms["fast"])}
+
+
+def _time_physics_inside(adapter: Any) -> list[float]:
+    """Time ManiSkill's `px.step` calls inside the adapter's control steps (its scene's `step`, wrapped): the list
+    holds the seconds spent since it was last cleared."""
+    scene = adapter.env.unwrapped.scene
+    px, spent = scene.px, [0.0]
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        px.step()
+        spent[0] += time.perf_counter() - t0
+
+    scene.step = step
+    return spent
 
 
 # --- the driver: composes each benchmark's config and runs the measuring half under its interpreter ----------------
@@ -145,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     print(f"{args.steps} control steps x {args.repeats} passes per task, one thread, state observations "
           "(ms; the median pass)")
-    print("| benchmark | task | stock step | fast step | raw physics (substeps) | stock / physics | fast / physics "
+    print("| benchmark | task | stock step | fast step | physics (substeps) | stock / physics | fast / physics "
           "| speed-up | reset stock / fast |")
     print("|---|---|---|---|---|---|---|---|---|")
     with exit_cleanly("the benchmark sim_speed"):

@@ -56,7 +56,9 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 
 class ManiSkillEnv(EnvAdapter):
-    """A ManiSkill 3 task. Obs: "state" = agent proprio + task extras (object poses, goal); "image/<camera>" when asked."""
+    """A ManiSkill 3 task. Obs: "state" = agent proprio + task extras (object poses, goal); "image/<camera>" when asked.
+    fast_step: the agent's action set by ebrl/envs/maniskill_fast.py where it covers the controllers (`fast_step_off`
+    says why not)."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class ManiSkillEnv(EnvAdapter):
         terminate_on_success: bool = True,
         control_mode: str = "pd_ee_delta_pose",
         sim_backend: str = "cpu",
+        fast_step: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -122,7 +125,11 @@ class ManiSkillEnv(EnvAdapter):
         self.frames = 0  # sensor renders made
         if cameras:
             self._gate_sensors()
+        self.fast_step = fast_step
+        self.fast_step_off = "env.fast_step=false"
+        self._fast: Any = None
         obs, _ = self.env.reset(seed=int(seed))
+        self._set_fast_action()
         obs = self._obs(obs)
         spec_obs = {key: ArraySpec(value.shape, value.dtype.name) for key, value in obs.items()}
         space = self.env.unwrapped.single_action_space
@@ -169,7 +176,19 @@ class ManiSkillEnv(EnvAdapter):
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         obs, _ = self.env.reset(seed=seed)
+        self._set_fast_action()
         return self._obs(obs)
+
+    def _set_fast_action(self) -> None:
+        """Put the fast `set_action` on the env's agent (again after a reset that rebuilt the agent)."""
+        env = self.env.unwrapped
+        if not self.fast_step or (self._fast is not None and self._fast.agent is env.agent):
+            return
+        from ebrl.envs.maniskill_fast import fast_action_for
+
+        self._fast, self.fast_step_off = fast_action_for(env)
+        if self._fast is not None:
+            env.agent.set_action = self._fast
 
     def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
         obs, reward, _, _, info = self.env.step(np.asarray(action, np.float32)[None])

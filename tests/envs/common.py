@@ -63,16 +63,17 @@ def assert_same(a, b) -> None:
 
 
 # --- the fast control step against the stock one (test_fast_step, in each benchmark's interpreter) ---
-def trajectory(env, sim, steps: int, seeds=(5, 6)) -> list:
-    """What a run reads at every control step over two episodes (the second from a reset), and the sim's state."""
+def trajectory(env, sim, steps: int, seeds=(5, 6), scale: float = 1.0) -> list:
+    """What a run reads at every control step over two episodes (the second from a reset), and the sim's state:
+    MuJoCo's qpos, qvel and ctrl, or `sim()`'s arrays. Actions uniform in +-scale."""
+    state = sim if callable(sim) else lambda: (sim.data.qpos, sim.data.qvel, sim.data.ctrl)
     out = []
     for seed in seeds:
         out.append(env.begin_episode(seed))
-        actions = np.random.default_rng(seed).uniform(-1, 1, (steps, env.spec.action_dim))
+        actions = np.random.default_rng(seed).uniform(-scale, scale, (steps, env.spec.action_dim))
         for action in actions:
             obs, reward, terminated, truncated, info = env.step(action)
-            out.append((obs, reward, terminated, truncated, info["success"],
-                        np.array(sim.data.qpos), np.array(sim.data.qvel), np.array(sim.data.ctrl)))
+            out.append((obs, reward, terminated, truncated, info["success"], *(np.array(x) for x in state())))
     return out
 
 

@@ -99,3 +99,33 @@ assert_identical(run(fast, step), run(stock, stock.step))
 print(json.dumps({"why": why, "parts": sorted(fast.robots[0].composite_controller.part_controllers)}))
 """)
     assert out == {"why": "", "parts": ["base", "right", "right_gripper", "torso"]}
+
+
+@pytest.mark.parametrize("task", ["PushCube-v1", "PickCube-v1"])
+def test_maniskill_fast_action_is_the_stock_step_bit_for_bit(task):
+    """pd_ee_delta_pose on the CPU backend. Actions in +-1.6 go past the clip and past a rotation of norm 1 (the
+    controller's two branches); every articulation's and actor's pose, velocity and drive targets are compared."""
+    from ebrl.envs.maniskill_env import ManiSkillEnv
+
+    def state(env):
+        px = env.env.unwrapped.scene.px
+        def arrays():
+            bodies = px.get_articulation_link_components() + px.get_rigid_dynamic_components()
+            robots = {id(link.articulation): link.articulation for link in px.get_articulation_link_components()}
+            out = [x for b in bodies for x in (b.entity_pose.p, b.entity_pose.q, b.linear_velocity, b.angular_velocity)]
+            for robot in robots.values():
+                out += [robot.qpos, robot.qvel, *(joint.drive_target for joint in robot.active_joints)]
+            return out
+        return arrays
+
+    fast, stock = (ManiSkillEnv(task, max_episode_steps=1000, fast_step=way, seed=0) for way in (True, False))
+    assert fast.fast_step_off == "" and stock.fast_step_off == "env.fast_step=false"
+    assert_identical(trajectory(fast, state(fast), 40, scale=1.6), trajectory(stock, state(stock), 40, scale=1.6))
+
+
+def test_maniskill_controllers_it_does_not_cover_run_the_stock_action_and_say_why():
+    from ebrl.envs.maniskill_env import ManiSkillEnv
+
+    env = ManiSkillEnv("PushCube-v1", control_mode="pd_joint_delta_pos", seed=0)
+    assert env.fast_step_off == "arm controller PDJointPosController with this configuration"
+    assert "set_action" not in vars(env.env.unwrapped.agent)  # the agent's own method runs
