@@ -4,9 +4,10 @@ Of a stock PushCube-v1 control step (2.1 ms here, of which PhysX 0.25 ms), 1.3 m
 `set_action`: on one env, ManiSkill's batched pose code runs about 400 small torch operations (eleven quaternion
 products, each two `unbind`s, 28 arithmetic ops and a `stack`; the end effector's pose in the base frame computed twice,
 once for an argument the CPU solver does not read), for 80 us of pinocchio IK. `FastAction` replaces the agent's
-`set_action` and computes the same float32 values with numpy: each elementwise operation in the stock order on float32
-operands (IEEE rounds each one alike in torch and numpy), torch kept where its kernels could round otherwise (the
-Euler-to-matrix product and cosines, the rotation's norm), the same pinocchio call with the same arguments, and the
+`set_action` and computes the same float32 values with numpy: each +, -, * and / in the stock order on float32
+operands (IEEE rounds each one alike in torch and numpy), torch kept for everything else (the Euler angles' matrix:
+cosines, sines, matmul; the rotation's norm; the square roots, where torch and numpy differ in the last bit), the
+same pinocchio call with the same arguments, and the
 same drive targets set on the same PhysX joints. The controllers' attributes (`_start_qpos`, `_target_pose`,
 `_target_qpos`, `_step`) are left as the stock `set_action` leaves them. Task code (evaluation, reward, observation)
 and the physics run stock.
@@ -49,11 +50,13 @@ def _apply(q: tuple, p: Any) -> tuple:
     return _mul(_mul(q, (F32(0.0), p[0], p[1], p[2])), inverse)[1:]
 
 
-def _quaternion(m: np.ndarray) -> tuple:
-    """`matrix_to_quaternion` of one 3x3 float32 matrix, the best-conditioned candidate as the stock picks it."""
+def _quaternion(m: np.ndarray, sqrt_positive: Callable) -> tuple:
+    """`matrix_to_quaternion` of one 3x3 float32 matrix, the best-conditioned candidate as the stock picks it; the
+    square roots by ManiSkill's `_sqrt_positive_part` (torch's float32 sqrt is not numpy's: 1.9995124 against
+    1.9995126 for 3.9980502, a case a run met)."""
     m00, m01, m02, m10, m11, m12, m20, m21, m22 = m.reshape(9)
     squares = np.array([ONE + m00 + m11 + m22, ONE + m00 - m11 - m22, ONE - m00 + m11 - m22, ONE - m00 - m11 + m22])
-    q_abs = np.where(squares > 0, np.sqrt(np.maximum(squares, 0)), F32(0.0)).astype(F32)
+    q_abs = sqrt_positive(torch.from_numpy(squares)).numpy()
     best = int(np.argmax(q_abs))
     row = ((q_abs[0] * q_abs[0], m21 - m12, m02 - m20, m10 - m01),
            (m21 - m12, q_abs[1] * q_abs[1], m10 + m01, m02 + m20),
@@ -72,10 +75,10 @@ class FastAction:
     """`agent.set_action` for the covered controllers: the stock float32 values with numpy's small-array speed."""
 
     def __init__(self, env: Any) -> None:
-        from mani_skill.utils.geometry.rotation_conversions import euler_angles_to_matrix
+        from mani_skill.utils.geometry.rotation_conversions import _sqrt_positive_part, euler_angles_to_matrix
         from mani_skill.utils.structs import Pose
 
-        self._euler = euler_angles_to_matrix
+        self._euler, self._sqrt = euler_angles_to_matrix, _sqrt_positive_part
         self._pose = Pose
         self.agent = env.agent
         controller = self.agent.controller
@@ -132,7 +135,7 @@ class FastAction:
         base_p = np.array(inverse_p, F32) + np.array(_apply(inverse_q, ee.p.astype(F32)), F32)
 
         matrix = self._euler(torch.from_numpy(rotation)[None], "XYZ").numpy()[0]  # (torch's cos, sin, matmul)
-        target_q = np.array(_standard(_mul(_quaternion(matrix), base_q)), F32)
+        target_q = np.array(_standard(_mul(_quaternion(matrix, self._sqrt), base_q)), F32)
         target_p = base_p + position
         target = np.concatenate([target_p, target_q])
 
