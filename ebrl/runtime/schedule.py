@@ -35,7 +35,7 @@ import math
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -128,6 +128,20 @@ def _rows_of(obs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tenso
     return {k: v[rows] for k, v in obs.items()}
 
 
+def real_stages(conf: dict[str, Any], pool: SimWorkerPool, policy: Policy, placement: Placement,
+                cores: CorePool | None, resume: str | None, init: str | None, seed: int) -> tuple[Any, Any, Dispatcher]:
+    """The trainer, generation and the dispatcher thread of a run: processes, threads and the simulators' pipes."""
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    trainer = make_trainer_stage(conf, pool.spec, policy, placement, lambda m: events.put(TrainerSaid(m)), resume,
+                                 init)
+    try:
+        generation = make_generation(conf, pool.spec, policy, placement, trainer.weights, seed + 2)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer, generation, Dispatcher(pool, cores, events, trainer.process)
+
+
 class Scheduler:
     """The driver of every schedule: it takes the dispatcher's events, feeds them to the loop (`RolloutLoop`), and
     carries out the loop's answers: values and samples through generation, actions into the shared slots, envs to the
@@ -135,10 +149,13 @@ class Scheduler:
 
     def __init__(self, pool: SimWorkerPool, policy: Policy, conf: dict[str, Any], placement: Placement,
                  base_version: int = 0, resume: str | None = None, seed: int = 0, critic_warmup: int = 0,
-                 init: str | None = None) -> None:
+                 init: str | None = None, stages: Callable[..., tuple[Any, Any, Any]] = real_stages,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         """critic_warmup: the run's first updates that train the value head alone (a run from `init`); init: the
-        checkpoint file the policy's first weights came from (a trainer process reads them from it too)."""
-        self.pool, self.policy, self.placement, self.seed = pool, policy, placement, seed
+        checkpoint file the policy's first weights came from (a trainer process reads them from it too). `stages`
+        builds the trainer, generation and dispatcher (`real_stages`' arguments), `clock` stamps the trace: a run's
+        are real; the at-scale benchmark's (ebrl/runtime/virtual.py) are modelled, in virtual time."""
+        self.pool, self.policy, self.placement, self.seed, self.clock = pool, policy, placement, seed, clock
         self.critic_warmup = critic_warmup
         self.schedule = s = Schedule.from_config(conf["scheduler"])
         algo = conf["algo"]
@@ -154,17 +171,10 @@ class Scheduler:
         # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
         # it then, together), so a checkpoint holds exactly the weights of its iteration
         self.checkpoint_every = int(conf["checkpoint_every"])
-        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.trainer = make_trainer_stage(conf, pool.spec, policy, placement, lambda m: events.put(TrainerSaid(m)),
-                                          resume, init)
-        try:
-            self.generation = make_generation(conf, pool.spec, policy, placement, self.trainer.weights, seed + 2)
-        except BaseException:
-            self.trainer.close()
-            raise
         cores = (CorePool(placement.cpus("simulate"), order=s.core_order, spare=placement.spare())
                  if s.core_rebinding else None)
-        self.dispatcher = Dispatcher(pool, cores, events, self.trainer.process)
+        self.trainer, self.generation, self.dispatcher = stages(conf, pool, policy, placement, cores, resume, init,
+                                                                seed)
 
     # --- the caller's view ----------------------------------------------------------------------
     @property
@@ -275,7 +285,7 @@ class Scheduler:
         if episodic:  # whole episodes: nothing to bootstrap
             shipped += [self.loop.finish_segment(g, torch.zeros(len(g.envs))) for g in serving.ending]
             self._reset(serving.beginning)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with torch.no_grad():  # (not inference mode: a trainer in this process trains on what this samples)
             cut = serving.cut
             if cut:  # values of the obs episodes were cut off on, by the weights that acted
@@ -294,7 +304,7 @@ class Scheduler:
             if starting:
                 shipped += self._sample(starting, [] if episodic else serving.ending)
             self.loop.served(serving)
-        self.trace.add("generate", "sample", t0, time.perf_counter(), groups=[g.index for g in serving.groups],
+        self.trace.add("generate", "sample", t0, self.clock(), groups=[g.index for g in serving.groups],
                        version=self.generation.version, pid=self.generation.pid)
         return [s for s in shipped if s is not None]
 
@@ -329,10 +339,10 @@ class Scheduler:
             of_segment = group_seeds(self.seed, self.base_version + g.segment, len(self.pool.workers),
                                      self.loop.rules.unit)
             seeds.update({i: of_segment[i] for i in g.envs})
-        t0 = time.perf_counter()
+        t0 = self.clock()
         before = len(self.pool.failures)
         self.pool.reset(envs, [seeds[i] for i in envs])
-        t1 = time.perf_counter()
+        t1 = self.clock()
         for _, env, _ in self.pool.failures[before:]:
             self.loop.group_of[env].stats.failures += 1
         for i in envs:

@@ -1,0 +1,327 @@
+"""A run's throughput predicted in virtual time, and checked against the real run here. `python -m ebrl.bench.at_scale`.
+
+The real `Scheduler`, `RolloutLoop`, `CorePool` and `Placement` run with modelled stages (ebrl/runtime/virtual.py):
+every figure it prints is simulated, from the costs it names. The costs come from this machine
+(`measure_costs`): each env's control steps alone on a core (a placed wave of envs, the policy's actions), the
+policy's sampling and valuing at three batch sizes and one update at the rollout's size, on one thread and on every
+core (the parallel efficiency), and a reset.
+
+    python -m ebrl.bench.at_scale [overrides ...] [--modes colocated ebrl async] [--envs N] [--iterations K]
+                                  [--validate] [--costs FILE] [--save-costs FILE]
+
+`--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config) and prints the
+prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's `NOT_MODELLED`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ebrl.bench.schedulers import (bench_cores, compose_overrides, group_size, policy_batch, process_cpu_s,
+                                   torch_threads)
+
+LABEL = "simulated"
+EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): enough episodes end to draw lengths from
+
+
+@dataclass
+class MeasuredCosts:
+    """Costs measured on this machine (seconds of one thread; see the module docstring). `steps[i]`: env i's control
+    steps, drawn from with replacement; generation and valuing as intercept + slope x batch; training per decision (a
+    chunk step of one env, masked or not); `efficiencies[stage][threads]`: the speed-up on that many threads over their number."""
+
+    steps: list[list[float]]
+    generate_fit: tuple[float, float]
+    value_fit: tuple[float, float]
+    train_per_row: float
+    efficiencies: dict[str, dict[str, float]]
+    reset_s: float
+    max_episode_steps: int
+    execute: int
+    chunk_len: int
+    action_dim: int
+    source: str = "measured here"
+    lengths: list[int] = field(default_factory=list)  # episode lengths seen (empty: every episode hits the limit)
+    init: str | None = None  # the checkpoint whose policy acted while the costs were measured
+    timeslice: float = 0.0  # CPU a simulator loses while it shares its core, over its own (lockstep over placed - 1)
+
+    def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        own = self.steps[env % len(self.steps)]
+        return np.asarray(own)[rng.integers(0, len(own), n)]
+
+    def episode_length(self, env: int, rng: np.random.Generator) -> int:
+        return int(rng.choice(self.lengths)) if self.lengths else self.max_episode_steps
+
+    def generate(self, batch: int) -> float:
+        return max(0.0, self.generate_fit[0] + self.generate_fit[1] * batch)
+
+    def value(self, batch: int) -> float:
+        return max(0.0, self.value_fit[0] + self.value_fit[1] * batch)
+
+    def train(self, rows: int) -> float:
+        return self.train_per_row * rows
+
+    def efficiency(self, stage: str, threads: int) -> float:
+        if threads <= 1:
+            return 1.0
+        known = {int(k): v for k, v in self.efficiencies.get(stage, {}).items()}
+        return known.get(threads, min(known.values(), default=1.0))
+
+    def reset(self) -> float:
+        return self.reset_s
+
+
+# --- measuring here --------------------------------------------------------------------------
+def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
+    """The workload's costs on this machine (see the module docstring)."""
+    import os
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from ebrl.envs.worker import SimWorkerPool
+    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.rl.ppo import PPOTrainer
+    from ebrl.rl.rollout import ChunkStep, stack_steps
+    from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
+    from ebrl.runtime.init import init_file
+
+    settle_execute(cfg)
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    torch.manual_seed(cfg.seed)
+    n, chunks = cfg.env.num_envs, chunks or int(cfg.algo.rollout_chunks)
+    cores = sorted(os.sched_getaffinity(0))[: bench_cores(cfg)]
+    init = init_file(cfg)  # the run's first weights act here too: its actions set the physics' cost and episodes
+    with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp, \
+            SimWorkerPool(env_cfg=conf["env"], num_envs=n, seed=cfg.seed, group_size=group_size(cfg)) as pool:
+        if init is not None:
+            adopt_norm_stats(load_checkpoint(init), conf, Path(tmp))
+        policy = build_policy(conf["policy"], pool.spec, torch.device("cpu"), train=True,
+                              weights="given" if init is not None else "init")
+        if init is not None:
+            restore_weights(policy, load_policy_checkpoint(init, conf["policy"], "init", resume=False), "init")
+        pool.attach(policy.execute)
+        pool.reset_all()
+        H, workers = policy.execute, pool.workers
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
+        steps: list[list[float]] = [[] for _ in range(n)]
+        lengths: list[int] = []
+        seen = []
+        for i, worker in enumerate(workers):
+            worker.bind([cores[i % len(cores)]])
+        for c in range(EPISODE_CHUNKS * chunks):  # (the first `chunks` warm up; every episode's end is kept)
+            obs = pool.stacked_obs()
+            seen.append(obs)
+            with torch.inference_mode():
+                actions = policy.sample(policy_batch(obs, tokens, mask)).chunk[:, :H].float().numpy()
+            for start in range(0, n, len(cores)):  # waves: one env per core, none time-sliced
+                wave = range(start, min(start + len(cores), n))
+                for i in wave:
+                    workers[i].actions[:H] = actions[i]
+                    workers[i].submit(H)
+                for i in wave:
+                    report = workers[i].wait()
+                    if c >= chunks:
+                        steps[i] += report.step_times.tolist()
+                    if report.episode is not None:
+                        lengths.append(int(report.episode["length"]))
+        # time-slicing: the same chunks with every env runnable at once on every core, as a lockstep rollout runs
+        # them, against one env per core (CPU seconds of the workers per env step; the step costs above are the latter)
+        pids = [w.pid for w in workers]
+        cpu = {}
+        for placed in (True, False):
+            for i, worker in enumerate(workers):
+                worker.bind([cores[i % len(cores)]] if placed else cores)
+            c0, executed = process_cpu_s(pids), 0
+            for c in range(chunks):
+                waves = [range(a, min(a + len(cores), n)) for a in range(0, n, len(cores))] if placed else [range(n)]
+                for wave in waves:
+                    for i in wave:
+                        workers[i].submit(H)
+                    executed += sum(workers[i].wait().executed for i in wave)
+            cpu[placed] = (process_cpu_s(pids) - c0) / executed
+        timeslice = max(0.0, cpu[False] / cpu[True] - 1)
+        t0 = time.perf_counter()
+        pool.reset(list(range(n)), list(range(n)))
+        reset_s = (time.perf_counter() - t0) / n * min(n, len(cores))  # (the reset runs in parallel over the cores)
+        for worker in workers:
+            worker.bind(cores)
+        spec = pool.spec
+
+    def timed(work: Any, reps: int = 5) -> float:
+        """The median of `reps` timings: a prediction wants the typical cost (the limit takes the least)."""
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    flush = torch.set_flush_denormal(True)
+    trainer = PPOTrainer(policy, cfg.algo)
+    sizes = sorted({1, max(1, n // 2), n})
+    batches = {b: policy_batch({k: v[:b] for k, v in seen[-1].items()}, tokens[:b], mask[:b]) for b in sizes}
+    out = {}
+    with torch.no_grad():
+        for threads in (1, len(cores)):
+            with torch_threads(threads):
+                for b in sizes:
+                    policy.sample(batches[b])
+                    out[("sample", threads, b)] = timed(lambda: policy.sample(batches[b]))
+                    out[("value", threads, b)] = timed(lambda: policy.value(batches[b]))
+    gen = torch.Generator().manual_seed(0)
+    executed = (torch.arange(policy.chunk_len) < H).expand(n, -1)
+    full = policy_batch(seen[-1], tokens, mask)
+    with torch.no_grad():
+        sampled = policy.sample(full)
+    rollout = stack_steps([ChunkStep(obs=full, chunk=sampled.chunk, extras=sampled.extras, log_prob=sampled.log_prob,
+                                     value=sampled.value, reward=torch.randn(n, generator=gen),
+                                     done=torch.zeros(n, dtype=torch.bool), mask=executed,
+                                     cutoff_value=torch.zeros(n)) for _ in range(chunks)], sampled.value)
+    train = {}
+    for threads in (1, len(cores)):
+        with torch_threads(threads):
+            trainer.update(rollout)  # (warm-up)
+            train[threads] = timed(lambda: trainer.update(rollout), reps=3)
+    if flush:
+        torch.set_flush_denormal(False)
+    fit = lambda kind: tuple(np.polyfit(sizes, [out[(kind, 1, b)] for b in sizes], 1)[::-1].tolist())  # noqa: E731
+    k = len(cores)
+    efficiency = {"generate": {str(k): out[("sample", 1, n)] / (k * out[("sample", k, n)])},
+                  "train": {str(k): train[1] / (k * train[k])}}
+    return MeasuredCosts(steps=steps, generate_fit=fit("sample"), value_fit=fit("value"),
+                         train_per_row=train[1] / (n * chunks), efficiencies=efficiency, reset_s=reset_s,
+                         max_episode_steps=int(spec.max_episode_steps), execute=H, chunk_len=int(policy.chunk_len),
+                         action_dim=int(spec.action_dim), lengths=lengths, init=str(init) if init else None,
+                         timeslice=timeslice,
+                         source=f"measured here {time.strftime('%Y-%m-%d')}, {k} cores")
+
+
+# --- predicting ------------------------------------------------------------------------------
+def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
+            cores: int | None = None) -> dict[str, Any]:
+    """Run `cfg`'s schedule in virtual time on `costs` (virtual.py's `Costs`, with MeasuredCosts' action_dim,
+    max_episode_steps, execute, chunk_len and timeslice): env steps/s after the first iteration, each stage's busy
+    share and CPU share."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ebrl.envs.base import ArraySpec, EnvSpec
+    from ebrl.node import Ranks
+    from ebrl.runtime.placement import Placement
+    from ebrl.runtime.schedule import Scheduler
+    from ebrl.runtime.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher, VirtualPool,
+                                      World)
+
+    n = envs or cfg.env.num_envs
+    k = cores or bench_cores(cfg)
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    conf["env"]["num_envs"] = n
+    spec = EnvSpec(obs={"state": ArraySpec((1,), "float32")}, action_dim=costs.action_dim, instruction="",
+                   max_episode_steps=costs.max_episode_steps)
+    world = World(k, timeslice=costs.timeslice)
+    with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp:
+        placement = Placement(cfg, list(range(k)), torch.device("cpu"), tmp, Ranks())
+        s = cfg.scheduler
+        pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
+                           placement.cpus("simulate") + placement.spare(), s.sim_nice)
+        policy = ModelPolicy(spec, costs.execute, costs.chunk_len)
+
+        def stages(conf: dict, pool: Any, policy: Any, placement: Any, cores: Any, *_: Any) -> tuple:
+            trainer = ModelTrainer(world, costs, placement)
+            return (trainer, ModelGeneration(world, costs, policy, trainer, placement),
+                    VirtualDispatcher(world, pool, cores))
+
+        scheduler = Scheduler(pool, policy, conf, placement, seed=cfg.seed, stages=stages, clock=world.clock)
+        placement.runtime = scheduler
+        if placement.allocator is not None and placement.allocator.current is not None:
+            scheduler.regroup(placement.allocator.current.groups)
+        rates, spent_before, t_start, steps, busy = [], dict(world.cpu.spent), None, 0, []
+        sim_cores = len(placement.cpus("simulate"))
+        for it in range(iterations):
+            mark, t0 = scheduler.trace.mark(), world.now
+            stats, _ = scheduler.next_iteration()
+            wall = world.now - t0
+            rates.append(stats.env_steps / wall)
+            if it == 0:
+                t_start, spent_before = world.now, dict(world.cpu.spent)
+            else:
+                steps += stats.env_steps
+                busy.append(scheduler.trace.busy(t0, world.now, sim_cores, since=mark))
+        elapsed = world.now - t_start
+        spent = {stage: (world.cpu.spent.get(stage, 0.0) - spent_before.get(stage, 0.0)) / (k * elapsed)
+                 for stage in ("simulate", "generate", "train")}
+        scheduler.close()
+    return {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
+            "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
+            "virtual_seconds": world.now, "envs": n, "cores": k}
+
+
+# --- the command -----------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py")
+    parser.add_argument("--modes", nargs="+", default=["colocated", "ebrl", "async"])
+    parser.add_argument("--envs", type=int, default=None, help="envs to predict for (default: env.num_envs)")
+    parser.add_argument("--iterations", type=int, default=4, help="iterations per prediction (the first warms up)")
+    parser.add_argument("--validate", action="store_true", help="run each mode for real too, beside its prediction")
+    parser.add_argument("--costs", help="a costs file from --save-costs (default: measure them now)")
+    parser.add_argument("--save-costs", help="write the measured costs here")
+    args = parser.parse_args(argv)
+    from ebrl.runtime.errors import exit_cleanly
+
+    with exit_cleanly("the benchmark at_scale"):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ebrl.bench.schedulers import run_mode
+
+    base = [*args.overrides, "logger=none", "progress=false", "checkpoint_every=1000000",
+            f"iterations={args.iterations}"]
+    cfg = compose_overrides(base)
+    if args.costs:
+        costs = MeasuredCosts(**json.loads(Path(args.costs).read_text()))
+    else:
+        t0 = time.perf_counter()
+        costs = measure_costs(cfg)
+        print(f"costs {costs.source} in {time.perf_counter() - t0:.0f} s: sim step mean "
+              f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
+              f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
+              f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
+              f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision, "
+              f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, reset {1e3 * costs.reset_s:.1f} ms")
+    if args.save_costs:
+        Path(args.save_costs).write_text(json.dumps(asdict(costs)))
+    rows = []
+    print(f"| mode | envs | {LABEL} env steps/s | " + ("measured | predicted / measured | " if args.validate else "")
+          + "busy sim / gen / train | CPU share sim / gen / train |")
+    print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|")
+    for mode in args.modes:
+        mode_cfg = compose_overrides(base, mode)
+        predicted = predict(mode_cfg, costs, args.iterations, args.envs)
+        row = {"mode": mode, LABEL: predicted}
+        measured, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())
+        if args.validate:
+            real, _, real_busy = run_mode(mode_cfg)
+            row["measured"], row["measured_busy"] = real, real_busy
+            measured = f"{real:.1f} | {predicted['env_steps_per_s'] / real:.2f} | "
+            busy += " (measured " + " / ".join(f"{real_busy.get(f'busy_{s}', math.nan):.0%}"
+                                               for s in ("simulate", "generate", "train")) + ")"
+        share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
+        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {measured}{busy} | {share} |",
+              flush=True)
+        rows.append(row)
+    return {"costs": costs.source, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()

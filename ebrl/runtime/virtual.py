@@ -1,0 +1,449 @@
+"""The runtime in virtual time: the real `Scheduler`, `RolloutLoop` and `CorePool` driven by modelled stages, with no
+process, thread or policy (docs/design.md, "At scale, in virtual time"; `python -m ebrl.bench.at_scale`).
+
+`Scheduler` takes its trainer, generation and dispatcher from a factory and stamps its trace with a clock
+(ebrl/runtime/schedule.py); here those are modelled and the clock is a `World`'s:
+
+- `Cpu`: a node's cores as a fluid model. A task is CPU work (seconds of one thread), its threads, its nice and the
+  cores it may run on. Threads are spread over their allowed cores, pinned ones first, each onto the allowed core with
+  the least weight (as Linux's load balancing tends to); a core's time goes to its threads in proportion to their
+  weight (nice 0 = 1024, each nice step 1.25x less, as CFS), less the measured cost of sharing a core (switches,
+  cold caches); one-thread tasks that may run on the same cores at the same nice get the mean of their shares (the
+  OS migrates them). A task of several threads moves at its slowest thread's pace times their number (OpenMP threads
+  wait for each other at every barrier) times its parallel efficiency.
+- `World`: the clock and the CPU, advanced from one completion to the next. What the supervisor does synchronously
+  (generation in the supervisor, a local trainer's update, resets) runs the world until its task is done; what
+  happens meanwhile (chunks ending) is queued, as the dispatcher thread would have queued it.
+- `VirtualPool` / `VirtualDispatcher`: each env's chunk is a one-thread task of the env's drawn step costs; episodes
+  end at their drawn length. With core rebinding the real `CorePool` hands out the cores.
+- `ModelGeneration`, `ModelTrainer`: a batch's CPU work from the cost model, on the cores and threads the
+  `Placement` gives the stage.
+
+What is not modelled yet is listed in `NOT_MODELLED`; a figure from this module is a prediction, labelled simulated.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ebrl.envs.base import EnvSpec
+from ebrl.envs.worker import ChunkReport
+from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
+from ebrl.runtime.messages import Sampled, State, Trained
+from ebrl.runtime.trainer import Trainer
+
+NOT_MODELLED = ("GPU stages (SM shares, MPS)", "the trainer lent every core while the rollout idles",
+                "a regroup's barrier cost", "memory", "failures and timeouts", "the allocator's re-plans")
+NICE_0 = 1024.0
+
+
+def weight(nice: int) -> float:
+    """CFS's weight of a nice value: 1024 at 0, 1.25x less per step."""
+    return NICE_0 / 1.25 ** nice
+
+
+@dataclass(eq=False)
+class Task:
+    """CPU work: `work` seconds of one thread, run by `threads` threads on `cores` at `nice`; `efficiency`: its
+    speed-up on that many threads over their number (1: perfectly parallel). `done` runs at the completion."""
+
+    name: str
+    work: float
+    threads: int
+    cores: tuple[int, ...]
+    nice: int = 0
+    efficiency: float = 1.0
+    done: Callable[[], None] | None = None
+    started: float = 0.0
+    rate: float = 0.0  # one-thread seconds of work per second, as last allotted
+
+
+class Cpu:
+    """See the module docstring: the tasks on a node's cores and the rate each moves at."""
+
+    def __init__(self, cores: int, timeslice: float = 0.0) -> None:
+        """timeslice: the CPU a thread loses to switches and cold caches while it shares its core with others, as a
+        fraction of its work (measured: a lockstep rollout's CPU per env step over one env per core's, minus 1)."""
+        self.cores, self.timeslice = cores, timeslice
+        self.tasks: list[Task] = []
+        self.spent: dict[str, float] = {}  # CPU seconds used, per stage
+
+    def allot(self) -> None:
+        """Each task's rate from where its threads go and how the cores' time divides."""
+        load = [0.0] * self.cores
+        placed: list[tuple[Task, int]] = []
+        for task in sorted(self.tasks, key=lambda t: len(t.cores)):  # (pinned first)
+            w = weight(task.nice)
+            for _ in range(task.threads):
+                core = min(task.cores, key=lambda c: (load[c], c))
+                load[core] += w
+                placed.append((task, core))
+        threads_on = [0] * self.cores
+        for _, core in placed:
+            threads_on[core] += 1
+        shares = [weight(task.nice) / load[core] / (1 + self.timeslice if threads_on[core] > 1 else 1)
+                  for task, core in placed]
+        # one-thread tasks free to move between the same cores at the same nice even out over time (the OS migrates
+        # them); the threads of one multi-threaded task do not: each barrier waits for the one that shares its core
+        alike: dict[tuple, list[int]] = {}
+        for j, (task, _) in enumerate(placed):
+            if len(task.cores) > 1 and task.threads == 1:
+                alike.setdefault((task.cores, task.nice), []).append(j)
+        for members in alike.values():
+            mean = sum(shares[j] for j in members) / len(members)
+            for j in members:
+                shares[j] = mean
+        slowest: dict[int, float] = {}
+        for (task, _), share in zip(placed, shares):
+            slowest[id(task)] = min(slowest.get(id(task), math.inf), share)
+        for task in self.tasks:
+            task.rate = task.threads * slowest[id(task)] * task.efficiency
+
+    def advance(self, dt: float) -> None:
+        """Move every task on by `dt` seconds; the CPU each used counts for its stage (the part of its name before
+        "/"), waiting threads of a multi-threaded task included (they spin)."""
+        for task in self.tasks:
+            task.work -= task.rate * dt
+            stage = task.name.split("/", 1)[0]
+            self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate / task.efficiency
+
+    def next_done(self) -> tuple[float, Task] | None:
+        """Seconds until the next task completes, and that task."""
+        best = None
+        for task in self.tasks:
+            if task.rate > 0:
+                dt = max(task.work, 0.0) / task.rate
+                if best is None or dt < best[0]:
+                    best = (dt, task)
+        return best
+
+
+class World:
+    """The virtual clock and the node's CPU; timers for what takes time without a core (a GPU's work, a latency)."""
+
+    def __init__(self, cores: int, timeslice: float = 0.0) -> None:
+        self.now = 0.0
+        self.cpu = Cpu(cores, timeslice)
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.events = VirtualEvents(self)
+
+    def clock(self) -> float:
+        return self.now
+
+    def start(self, task: Task) -> Task:
+        task.started = self.now
+        self.cpu.tasks.append(task)
+        self.cpu.allot()
+        return task
+
+    def after(self, seconds: float, then: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (self.now + seconds, next(self._seq), then))
+
+    def step(self) -> bool:
+        """Advance to the next completion (a task's or a timer's) and run what it triggers; False: nothing pending."""
+        task_next = self.cpu.next_done()
+        timer_at = self._timers[0][0] if self._timers else math.inf
+        task_at = self.now + task_next[0] if task_next else math.inf
+        if task_at == math.inf and timer_at == math.inf:
+            return False
+        at = min(task_at, timer_at)
+        self.cpu.advance(at - self.now)
+        self.now = at
+        if task_next is not None and task_at <= timer_at:
+            task = task_next[1]
+            self.cpu.tasks.remove(task)
+            self.cpu.allot()
+            if task.done is not None:
+                task.done()
+        else:
+            _, _, then = heapq.heappop(self._timers)
+            then()
+        return True
+
+    def run(self, task: Task) -> float:
+        """Run `task` to its end (the caller waits for it, as the supervisor for its own work); its duration."""
+        finished = []
+        inner = task.done
+        task.done = lambda: (finished.append(True), inner and inner())
+        start = self.now
+        self.start(task)
+        while not finished:
+            if not self.step():
+                raise RuntimeError(f"virtual time: {task.name} cannot finish")
+        return self.now - start
+
+
+class VirtualEvents:
+    """The dispatcher's event queue in virtual time: `get` advances the world until something is queued."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.queued: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def put(self, event: Event) -> None:
+        self.queued.put(event)
+
+    def empty(self) -> bool:
+        return self.queued.empty()
+
+    def get_nowait(self) -> Event:
+        return self.queued.get_nowait()
+
+    def get(self, timeout: float | None = None) -> Event:
+        while self.queued.empty():
+            if not self.world.step():
+                raise RuntimeError("virtual time: the loop waits for an event nothing will send (a deadlock)")
+        return self.queued.get_nowait()
+
+
+# --- costs -------------------------------------------------------------------------------------
+class Costs(Protocol):
+    """The cost model: CPU seconds of one thread (see ebrl/bench/at_scale.py for the measured and published ones)."""
+
+    def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray: ...
+    def episode_length(self, env: int, rng: np.random.Generator) -> int: ...
+    def generate(self, batch: int) -> float: ...
+    def value(self, batch: int) -> float: ...
+    def train(self, rows: int) -> float: ...  # rows: decisions, chunk steps x envs
+    def efficiency(self, stage: str, threads: int) -> float: ...
+    def reset(self) -> float: ...
+
+
+# --- the simulators ----------------------------------------------------------------------------
+@dataclass
+class VirtualWorker:
+    """One env: its observation (a placeholder of the spec's shapes), its action slot, its episode so far."""
+
+    index: int
+    spec: EnvSpec
+    chunk_len: int
+    obs: dict[str, np.ndarray] = field(default_factory=dict)
+    actions: np.ndarray | None = None
+    step: int = 0  # of its episode
+    length: int = 0  # its episode's drawn length
+    cpus: tuple[int, ...] = ()
+
+    def bind(self, cpus: Sequence[int]) -> None:
+        self.cpus = tuple(cpus)
+
+    def renice(self, nice: int) -> None:
+        pass
+
+
+class VirtualPool:
+    """`SimWorkerPool`'s face to the Scheduler, the envs' chunks modelled (`VirtualDispatcher` runs them)."""
+
+    def __init__(self, world: World, costs: Costs, spec: EnvSpec, num_envs: int, chunk_len: int, seed: int,
+                 sim_cores: Sequence[int], sim_nice: int) -> None:
+        self.world, self.costs, self.spec, self.chunk_len = world, costs, spec, chunk_len
+        self.rng = np.random.default_rng(seed)
+        self.sim_nice = sim_nice
+        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in spec.obs.items()}
+        self.workers = [VirtualWorker(i, spec, chunk_len, obs=zeros, cpus=tuple(sim_cores),
+                                      actions=np.zeros((chunk_len, spec.action_dim), np.float32))
+                        for i in range(num_envs)]
+        for w in self.workers:
+            w.length = costs.episode_length(w.index, self.rng)
+        self.failures: list = []
+        self.tasks = None
+        self.chunk_timeout_s = None
+
+    def reset(self, envs: Sequence[int], seeds: Sequence[int] | None = None) -> None:
+        """The envs reset (GRPO's segments): one after the other in the supervisor's wait, each a reset's CPU."""
+        for i in envs:
+            self.world.run(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice))
+            self.workers[i].step = 0
+            self.workers[i].length = self.costs.episode_length(i, self.rng)
+
+    def chunk(self, env: int, cores: tuple[int, ...], done: Callable[[ChunkReport], None]) -> Task:
+        """Env `env`'s next chunk as a task; `done` gets its report."""
+        w = self.workers[env]
+        n = min(self.chunk_len, w.length - w.step)
+        costs = self.costs.sim_steps(env, n, self.rng)
+        started = self.world.now
+
+        def finished() -> None:
+            end = self.world.now
+            w.step += n
+            ended = w.step >= w.length
+            truncated = ended and w.length >= self.spec.max_episode_steps
+            episode = None
+            if ended:
+                episode = {"return": 0.0, "length": float(w.length), "success": float(not truncated)}
+                w.step, w.length = 0, self.costs.episode_length(env, self.rng)
+            report = ChunkReport(
+                executed=n, rewards=np.zeros(n, np.float32), successes=np.zeros(n, bool),
+                step_times=costs * ((end - started) / max(costs.sum(), 1e-12)), terminated=ended and not truncated,
+                truncated=truncated, episode=episode, final_obs=dict(w.obs) if truncated else None,
+                started=started, ended=end, cpus=cores)
+            done(report)
+
+        return Task(f"simulate/env{env}", float(costs.sum()), 1, cores, self.sim_nice, done=finished)
+
+
+class VirtualDispatcher:
+    """`Dispatcher` in virtual time: ready envs run their chunks at once (no core rebinding: on every simulation
+    core, as the OS would place them) or as the real `CorePool` hands out cores."""
+
+    def __init__(self, world: World, pool: VirtualPool, cores: CorePool | None) -> None:
+        self.world, self.pool, self.cores, self.events = world, pool, cores, world.events
+        self.running: dict[int, Task] = {}
+        self.alive = True
+
+    def ready(self, envs: Sequence[int]) -> None:
+        if self.cores is None:
+            for env in envs:
+                self._start(env, self.pool.workers[env].cpus)
+            return
+        for env in envs:
+            self.cores.push(env, envs[0])
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for env, core in self.cores.dispatch():
+            self._start(env, (core,))
+        for env, core in self.cores.promote():  # (running: its task moves to the new core)
+            self.running[env].cores = (core,)
+            self.world.cpu.allot()
+
+    def _start(self, env: int, cores: tuple[int, ...]) -> None:
+        task = self.pool.chunk(env, cores, lambda report, env=env: self._ended(env, report))
+        self.running[env] = self.world.start(task)
+
+    def _ended(self, env: int, report: ChunkReport) -> None:
+        del self.running[env]
+        if self.cores is not None:
+            self.cores.release(env)
+            if report.executed:
+                self.cores.observe(env, float(report.step_times.mean()))
+        self.events.put(ChunkEnded(env, report))
+        if self.cores is not None:
+            self._dispatch()
+
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
+        if self.cores is not None:
+            self.cores.resize(cores, spare)
+            self._dispatch()
+
+    def swap_trainer(self, trainer: Any) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.alive = False
+
+
+# --- the policy's stages -----------------------------------------------------------------------
+class ModelPolicy:
+    """What the Scheduler asks of a policy besides its forward passes: tokens and the chunk's shape."""
+
+    def __init__(self, spec: EnvSpec, execute: int, chunk_len: int) -> None:
+        self.env_spec, self.execute, self.chunk_len = spec, execute, chunk_len
+
+    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((len(texts), 1), np.int64), np.ones((len(texts), 1), bool)
+
+
+def _rows(obs: dict[str, torch.Tensor]) -> int:
+    return len(next(iter(obs.values())))
+
+
+class ModelGeneration:
+    """Generation's batches as CPU work on the placement's generation cores and threads (the supervisor's, nice 0);
+    the weights' version is the trainer's count of published updates."""
+
+    def __init__(self, world: World, costs: Costs, policy: ModelPolicy, trainer: "ModelTrainer",
+                 placement: Any) -> None:
+        self.world, self.costs, self.policy, self.trainer, self.placement = world, costs, policy, trainer, placement
+        self.pid = 0
+        self.version = 0
+
+    def _run(self, name: str, work: float) -> None:
+        threads = self.placement.threads("generate")
+        self.world.run(Task(name, work, threads, tuple(self.placement.cpus("generate")),
+                            efficiency=self.costs.efficiency("generate", threads)))
+
+    def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
+        n = _rows(obs)
+        self.version = self.trainer.published
+        self._run("generate/sample", self.costs.generate(n))
+        p = self.policy
+        return Sampled(torch.zeros(n, p.chunk_len, p.env_spec.action_dim), {}, torch.zeros(n, p.chunk_len),
+                       torch.zeros(n), self.version)
+
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        n = _rows(obs)
+        self._run("generate/value", self.costs.value(n))
+        return torch.zeros(n)
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ModelTrainer(Trainer):
+    """An update as CPU work: `local` in the supervisor (the rollout waits: colocated), else a process of its own
+    whose `Trained` arrives when its task ends."""
+
+    def __init__(self, world: World, costs: Costs, placement: Any) -> None:
+        super().__init__()
+        self.world, self.costs, self.placement = world, costs, placement
+        self.local = placement.local
+        self.weights = None
+        self.published = 0
+        self.queued: list[Task] = []  # updates sent while one runs: a trainer process takes them in turn
+        self.running: Task | None = None
+
+    @property
+    def threads(self) -> int:  # type: ignore[override]
+        """A local trainer trains with the supervisor's threads, a process with its own (Placement.threads)."""
+        return self.placement.threads("generate" if self.local else "train")
+
+    @property
+    def pid(self) -> int:
+        return 0
+
+    def train(self, iteration: int, batch: Any, decoupled: bool, is_clip: float, gather: bool = False,
+              critic_only: bool = False) -> None:
+        rows = int(batch.reward.numel())  # decisions (chunk steps x envs): an update computes masked ones too
+
+        def trained() -> None:
+            self.published += 1
+            self.world.events.put(TrainerSaid(Trained(iteration, {}, self.published, task.started, self.world.now,
+                                                      self.world.now)))
+            if gather:
+                self.world.events.put(TrainerSaid(State({}, {}, iteration)))
+            self.running = None
+            if self.queued:
+                self._start(self.queued.pop(0))
+
+        task = Task("train", self.costs.train(rows), 1, (), done=trained)
+        if self.local:
+            self._place(task)
+            self.world.run(task)
+        elif self.running is None:
+            self._start(task)
+        else:
+            self.queued.append(task)
+
+    def _place(self, task: Task) -> None:
+        """The threads and cores of the moment (a new plan may have moved them since the update was sent)."""
+        task.threads = self.threads
+        task.cores = tuple(self.placement.cpus("train"))
+        task.efficiency = self.costs.efficiency("train", task.threads)
+
+    def _start(self, task: Task) -> None:
+        self._place(task)
+        self.running = self.world.start(task)
+
+    def request_state(self) -> None:
+        self.world.events.put(TrainerSaid(State({}, {})))

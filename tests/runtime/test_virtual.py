@@ -1,0 +1,101 @@
+"""The runtime in virtual time: the CPU model's shares, and the real Scheduler driven through every schedule on
+costs whose answer is known."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ebrl.bench.at_scale import predict
+from ebrl.bench.schedulers import compose_overrides
+from ebrl.runtime.virtual import Cpu, Task, weight
+
+
+def rates(cpu: Cpu, *tasks: Task) -> list[float]:
+    cpu.tasks = list(tasks)
+    cpu.allot()
+    return [t.rate for t in tasks]
+
+
+def test_cores_divide_by_weight_pinned_threads_first_and_free_ones_even_out():
+    one = lambda name, cores, nice=0: Task(name, 1.0, 1, cores, nice)  # noqa: E731
+    assert rates(Cpu(1), one("a", (0,)), one("b", (0,))) == [0.5, 0.5]
+    niced = rates(Cpu(1), one("a", (0,)), one("b", (0,), nice=5))
+    assert niced == pytest.approx([1024 / (1024 + weight(5)), weight(5) / (1024 + weight(5))])
+    # three free threads on two cores: each 2/3 of a core over time; a pinned one keeps its core
+    assert rates(Cpu(2), *(one(n, (0, 1)) for n in "abc")) == pytest.approx([2 / 3] * 3)
+    assert rates(Cpu(2), one("pinned", (0,)), one("free", (0, 1))) == [1.0, 1.0]
+    # sharing a core costs the measured time-slicing overhead; a core of one's own does not
+    assert rates(Cpu(2, timeslice=0.1), one("a", (0,)), one("b", (0,)), one("c", (1,))) == pytest.approx(
+        [0.5 / 1.1, 0.5 / 1.1, 1.0])
+
+
+def test_a_multithreaded_task_moves_at_its_slowest_threads_pace():
+    train = Task("train", 1.0, 2, (0, 1), efficiency=0.8)
+    sim = Task("simulate/env0", 1.0, 1, (0,))
+    assert rates(Cpu(2), train, sim) == pytest.approx([2 * 0.5 * 0.8, 0.5])  # (its thread on core 1 waits)
+
+
+class Flat:
+    """Every step `step` s, a sample `gen` s, a value `val` s, training `row` s per decision (one thread); episodes
+    longer than the run."""
+
+    action_dim, max_episode_steps, execute, chunk_len, timeslice = 7, 10**9, 4, 4, 0.0
+
+    def __init__(self, step=1e-3, gen=2e-3, val=1e-3, row=1e-4):
+        self.step, self.gen, self.val, self.row = step, gen, val, row
+
+    def sim_steps(self, env, n, rng):
+        return np.full(n, self.step)
+
+    def episode_length(self, env, rng):
+        return self.max_episode_steps
+
+    def generate(self, batch):
+        return self.gen
+
+    def value(self, batch):
+        return self.val
+
+    def train(self, rows):
+        return self.row * rows
+
+    def efficiency(self, stage, threads):
+        return 1.0
+
+    def reset(self):
+        return 0.0
+
+
+def config(mode: str, envs: int = 4, chunks: int = 3):
+    return compose_overrides([f"env.num_envs={envs}", f"algo.rollout_chunks={chunks}", "algo.minibatches=1",
+                              "logger=none", "progress=false", "iterations=4"], mode)
+
+
+def test_colocated_in_virtual_time_gives_the_known_answer():
+    """Colocated on 2 cores, 4 envs: each chunk step all envs share the cores (N H step / C), then one sample on
+    every core (gen / C); each iteration ends with the bootstrap value and the update, both on every core."""
+    costs, n, c, chunks, cores = Flat(), 4, 4, 3, 2
+    out = predict(config("colocated", n, chunks), costs, iterations=4, cores=cores)
+    per_iteration = chunks * (n * c * costs.step + costs.gen) / cores + (costs.val + costs.row * n * chunks) / cores
+    assert out["env_steps_per_s"] == pytest.approx(n * chunks * c / per_iteration, rel=1e-9)
+    assert out["cpu_share"]["simulate"] + out["cpu_share"]["generate"] + out["cpu_share"]["train"] == \
+        pytest.approx(1.0)  # (work-conserving: while anything runs, both cores do)
+
+
+class Serial(Flat):
+    """Training twice simulation's work and no faster on two threads than on one: colocated trains on both cores
+    while the rollout waits, the overlapping schedules train on one beside it (at most 48 env steps per 96 ms)."""
+
+    def efficiency(self, stage, threads):
+        return 1.0 / threads
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "hybrid", "async", "ebrl"])
+def test_every_schedule_runs_in_virtual_time_and_overlap_hides_training(mode):
+    costs = Serial(row=8e-3)
+    out = predict(config(mode), costs, iterations=4, cores=2)
+    assert len(out["per_iteration"]) == 4 and out["virtual_seconds"] > 0
+    colocated = predict(config("colocated"), costs, iterations=4, cores=2)["env_steps_per_s"]
+    assert colocated == pytest.approx(48 / (0.024 + 0.006 + 0.001 + 0.096))  # (as the test above, serial stages)
+    if mode in ("async", "ebrl"):
+        assert 1.2 * colocated < out["env_steps_per_s"] <= 48 / 0.096 + 1e-6
