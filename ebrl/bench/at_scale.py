@@ -8,9 +8,10 @@ core (the parallel efficiency), and a reset.
 
     python -m ebrl.bench.at_scale [overrides ...] [--modes colocated ebrl async] [--envs N] [--iterations K]
                                   [--validate] [--costs FILE] [--save-costs FILE]
+                                  [--task T --num-envs N --policy-preset P --stragglers F --straggler-slowdown S]
 
-`--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config) and prints the
-prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's `NOT_MODELLED`.
+`--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` times in
+ABBA order, the median) and prints the prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's `NOT_MODELLED`.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.bench.schedulers import (bench_cores, compose_overrides, group_size, policy_batch, process_cpu_s,
+from ebrl.bench.schedulers import (bench_cores, group_size, policy_batch, process_cpu_s,
                                    torch_threads)
 
 LABEL = "simulated"
@@ -53,8 +54,10 @@ class MeasuredCosts:
     init: str | None = None  # the checkpoint whose policy acted while the costs were measured
     timeslice: float = 0.0  # CPU a simulator loses while it shares its core, over its own (lockstep over placed - 1)
 
+    envs: int = 0  # the envs of the run being predicted (set by `predict`): env i steps as measured env i x M / N
+
     def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        own = self.steps[env % len(self.steps)]
+        own = self.steps[env * len(self.steps) // max(self.envs, len(self.steps))]
         return np.asarray(own)[rng.integers(0, len(own), n)]
 
     def episode_length(self, env: int, rng: np.random.Generator) -> int:
@@ -218,18 +221,20 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     from ebrl.node import Ranks
     from ebrl.runtime.placement import Placement
     from ebrl.runtime.schedule import Scheduler
-    from ebrl.runtime.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher, VirtualPool,
-                                      World)
+    from ebrl.runtime.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher,
+                                      VirtualPlacement, VirtualPool, World)
 
     n = envs or cfg.env.num_envs
     k = cores or bench_cores(cfg)
+    costs.envs = n
     conf = OmegaConf.to_container(cfg, resolve=True)
     conf["env"]["num_envs"] = n
     spec = EnvSpec(obs={"state": ArraySpec((1,), "float32")}, action_dim=costs.action_dim, instruction="",
                    max_episode_steps=costs.max_episode_steps)
     world = World(k, timeslice=costs.timeslice)
     with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp:
-        placement = Placement(cfg, list(range(k)), torch.device("cpu"), tmp, Ranks())
+        placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), torch.device("cpu"),
+                                                                          tmp, Ranks())
         s = cfg.scheduler
         pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
                            placement.cpus("simulate") + placement.spare(), s.sim_nice)
@@ -246,23 +251,32 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
             scheduler.regroup(placement.allocator.current.groups)
         rates, spent_before, t_start, steps, busy = [], dict(world.cpu.spent), None, 0, []
         sim_cores = len(placement.cpus("simulate"))
+        decisions = []
         for it in range(iterations):
-            mark, t0 = scheduler.trace.mark(), world.now
+            mark, t0, spent0 = scheduler.trace.mark(), world.now, dict(world.cpu.spent)
             stats, _ = scheduler.next_iteration()
             wall = world.now - t0
             rates.append(stats.env_steps / wall)
+            it_busy = scheduler.trace.busy(t0, world.now, sim_cores, since=mark)
             if it == 0:
                 t_start, spent_before = world.now, dict(world.cpu.spent)
             else:
                 steps += stats.env_steps
-                busy.append(scheduler.trace.busy(t0, world.now, sim_cores, since=mark))
+                busy.append(it_busy)
+            if placement.allocator is not None:  # (the Replan hook: the allocator reads the iteration, may re-plan)
+                used = {stage: (world.cpu.spent.get(stage, 0.0) - spent0.get(stage, 0.0)) / (k * wall)
+                        for stage in ("simulate", "generate", "train")}
+                shares = {"simulate": used["simulate"], "main": used["generate"], "trainer": used["train"]}
+                line, _ = placement.observe(placement.measured(rates[-1], shares, it_busy))
+                if line is not None:
+                    decisions.append(f"iteration {it + 1}: {line}")
         elapsed = world.now - t_start
         spent = {stage: (world.cpu.spent.get(stage, 0.0) - spent_before.get(stage, 0.0)) / (k * elapsed)
                  for stage in ("simulate", "generate", "train")}
         scheduler.close()
     return {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
             "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
-            "virtual_seconds": world.now, "envs": n, "cores": k}
+            "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions}
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -270,9 +284,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py")
     parser.add_argument("--modes", nargs="+", default=["colocated", "ebrl", "async"])
-    parser.add_argument("--envs", type=int, default=None, help="envs to predict for (default: env.num_envs)")
+    # the scheduler benchmark's workload (python -m ebrl.bench.schedulers): what --validate measures
+    parser.add_argument("--task", default="Lift")
+    parser.add_argument("--num-envs", type=int, default=8, help="envs measured (and run, with --validate)")
+    parser.add_argument("--policy-preset", default="tiny")
+    parser.add_argument("--stragglers", type=float, default=0.0, help="fraction of the envs that step slower")
+    parser.add_argument("--straggler-task", default=None)
+    parser.add_argument("--straggler-slowdown", type=int, default=3)
+    parser.add_argument("--envs", type=int, default=None, help="envs to predict for (default: --num-envs)")
     parser.add_argument("--iterations", type=int, default=4, help="iterations per prediction (the first warms up)")
     parser.add_argument("--validate", action="store_true", help="run each mode for real too, beside its prediction")
+    parser.add_argument("--repeats", type=int, default=2, help="real runs per mode with --validate (the median; "
+                        "modes in ABBA order)")
     parser.add_argument("--costs", help="a costs file from --save-costs (default: measure them now)")
     parser.add_argument("--save-costs", help="write the measured costs here")
     args = parser.parse_args(argv)
@@ -283,11 +306,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ebrl.bench.schedulers import run_mode
+    from ebrl.bench.schedulers import Workload, compose, round_order, run_mode
 
-    base = [*args.overrides, "logger=none", "progress=false", "checkpoint_every=1000000",
-            f"iterations={args.iterations}"]
-    cfg = compose_overrides(base)
+    workload = Workload(preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
+                        iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
+                        straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
+    cfg = compose(workload)
     if args.costs:
         costs = MeasuredCosts(**json.loads(Path(args.costs).read_text()))
     else:
@@ -301,23 +325,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, reset {1e3 * costs.reset_s:.1f} ms")
     if args.save_costs:
         Path(args.save_costs).write_text(json.dumps(asdict(costs)))
+    measured: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    busy_measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for r in range(args.repeats if args.validate else 0):
+        for mode in round_order(args.modes, r):
+            rate, _, real_busy = run_mode(compose(workload, mode))
+            measured[mode].append(rate)
+            busy_measured[mode].append(real_busy)
     rows = []
-    print(f"| mode | envs | {LABEL} env steps/s | " + ("measured | predicted / measured | " if args.validate else "")
+    print(f"| mode | envs | {LABEL} env steps/s | " + ("measured (runs) | predicted / measured | " if args.validate else "")
           + "busy sim / gen / train | CPU share sim / gen / train |")
     print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|")
     for mode in args.modes:
-        mode_cfg = compose_overrides(base, mode)
+        mode_cfg = compose(workload, mode)
         predicted = predict(mode_cfg, costs, args.iterations, args.envs)
         row = {"mode": mode, LABEL: predicted}
-        measured, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())
-        if args.validate:
-            real, _, real_busy = run_mode(mode_cfg)
-            row["measured"], row["measured_busy"] = real, real_busy
-            measured = f"{real:.1f} | {predicted['env_steps_per_s'] / real:.2f} | "
-            busy += " (measured " + " / ".join(f"{real_busy.get(f'busy_{s}', math.nan):.0%}"
-                                               for s in ("simulate", "generate", "train")) + ")"
+        real_cell, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())
+        if measured[mode]:
+            real = float(np.median(measured[mode]))
+            row["measured"], row["measured_runs"] = real, measured[mode]
+            real_cell = (f"{real:.1f} ({', '.join(f'{x:.1f}' for x in measured[mode])}) | "
+                         f"{predicted['env_steps_per_s'] / real:.2f} | ")
+            busy += " (measured " + " / ".join(
+                f"{np.median([b.get(f'busy_{s}', math.nan) for b in busy_measured[mode]]):.0%}"
+                for s in ("simulate", "generate", "train")) + ")"
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
-        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {measured}{busy} | {share} |",
+        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {real_cell}{busy} | {share} |",
               flush=True)
         rows.append(row)
     return {"costs": costs.source, "rows": rows}

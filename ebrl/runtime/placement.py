@@ -149,10 +149,14 @@ class Placement:
         want = threads.lent if idle else trainer.threads
         if threads.count != want:
             try:
-                set_process_affinity(trainer.pid, self.cores if idle else self.cpus("train"))
+                self.pin(trainer.pid, self.cores if idle else self.cpus("train"))
             except ProcessLookupError:  # it stopped: its pipe tells the run why
                 return
             threads.set(want)
+
+    def pin(self, pid: int, cpus: Sequence[int]) -> None:
+        """Move a stage's process onto these cores (every thread; the at-scale benchmark's placement moves none)."""
+        set_process_affinity(pid, cpus)
 
     def _keep_lent(self) -> None:
         """A lease just pinned the trainer to its cores (a new plan, a successor): while it is lent every core, it
@@ -160,7 +164,7 @@ class Placement:
         trainer = self.runtime.trainer
         threads = trainer.shared_threads
         if threads is not None and threads.lent is not None and threads.count == threads.lent:
-            set_process_affinity(trainer.pid, self.cores)
+            self.pin(trainer.pid, self.cores)
 
     def spawn_env(self, stage: str) -> ContextManager:
         """The environment a stage's child starts in (its MPS share, GPU and memory budget), around its start."""

@@ -39,8 +39,8 @@ from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
 from ebrl.runtime.messages import Sampled, State, Trained
 from ebrl.runtime.trainer import Trainer
 
-NOT_MODELLED = ("GPU stages (SM shares, MPS)", "the trainer lent every core while the rollout idles",
-                "a regroup's barrier cost", "memory", "failures and timeouts", "the allocator's re-plans")
+NOT_MODELLED = ("GPU stages (SM shares, MPS)", "memory", "failures and timeouts",
+                "the supervisor's own CPU per event (orchestration)")
 NICE_0 = 1024.0
 
 
@@ -390,9 +390,31 @@ class ModelGeneration:
         pass
 
 
+class LentThreads:
+    """`TrainerThreads` of a modelled trainer process: the placement lends it every core while the rollout idles
+    (`Placement.lend_to_trainer`), and a running update moves onto them at once."""
+
+    def __init__(self, trainer: "ModelTrainer", lent: int | None) -> None:
+        self.trainer, self.lent = trainer, lent
+        self.count = trainer.own_threads
+
+    def set(self, n: int) -> None:
+        self.count = n
+        if self.trainer.running is not None:
+            self.trainer._place(self.trainer.running)
+            self.trainer.world.cpu.allot()
+
+
+class VirtualPlacement:
+    """Mixed into the run's `Placement` class: its decisions as they are, no process moved (`pin`)."""
+
+    def pin(self, pid: int, cpus: Sequence[int]) -> None:
+        pass
+
+
 class ModelTrainer(Trainer):
     """An update as CPU work: `local` in the supervisor (the rollout waits: colocated), else a process of its own
-    whose `Trained` arrives when its task ends."""
+    whose `Trained` arrives when its task ends; lent every core while the rollout idles, as the placement decides."""
 
     def __init__(self, world: World, costs: Costs, placement: Any) -> None:
         super().__init__()
@@ -402,11 +424,16 @@ class ModelTrainer(Trainer):
         self.published = 0
         self.queued: list[Task] = []  # updates sent while one runs: a trainer process takes them in turn
         self.running: Task | None = None
+        self.shared_threads = None if self.local else LentThreads(self, placement.idle_trainer_threads())
+
+    @property
+    def own_threads(self) -> int:
+        """A local trainer trains with the supervisor's threads, a process with its own (Placement.threads)."""
+        return self.placement.threads("generate" if self.local else "train")
 
     @property
     def threads(self) -> int:  # type: ignore[override]
-        """A local trainer trains with the supervisor's threads, a process with its own (Placement.threads)."""
-        return self.placement.threads("generate" if self.local else "train")
+        return self.own_threads
 
     @property
     def pid(self) -> int:
@@ -436,9 +463,11 @@ class ModelTrainer(Trainer):
             self.queued.append(task)
 
     def _place(self, task: Task) -> None:
-        """The threads and cores of the moment (a new plan may have moved them since the update was sent)."""
-        task.threads = self.threads
-        task.cores = tuple(self.placement.cpus("train"))
+        """The threads and cores of the moment (a new plan may have moved them since the update was sent; the
+        placement may have lent it every core)."""
+        lent = self.shared_threads is not None and self.shared_threads.count != self.own_threads
+        task.threads = self.shared_threads.count if lent else self.own_threads
+        task.cores = tuple(self.placement.cores if lent else self.placement.cpus("train"))
         task.efficiency = self.costs.efficiency("train", task.threads)
 
     def _start(self, task: Task) -> None:
