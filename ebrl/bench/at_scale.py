@@ -292,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--straggler-task", default=None)
     parser.add_argument("--straggler-slowdown", type=int, default=3)
     parser.add_argument("--envs", type=int, default=None, help="envs to predict for (default: --num-envs)")
+    parser.add_argument("--cores", type=int, default=None, help="the virtual node's cores (default: this machine's)")
     parser.add_argument("--iterations", type=int, default=4, help="iterations per prediction (the first warms up)")
     parser.add_argument("--validate", action="store_true", help="run each mode for real too, beside its prediction")
     parser.add_argument("--repeats", type=int, default=2, help="real runs per mode with --validate (the median; "
@@ -334,11 +335,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             busy_measured[mode].append(real_busy)
     rows = []
     print(f"| mode | envs | {LABEL} env steps/s | " + ("measured (runs) | predicted / measured | " if args.validate else "")
-          + "busy sim / gen / train | CPU share sim / gen / train |")
-    print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|")
+          + "busy sim / gen / train | CPU share sim / gen / train | driver s |")
+    print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|")
     for mode in args.modes:
         mode_cfg = compose(workload, mode)
-        predicted = predict(mode_cfg, costs, args.iterations, args.envs)
+        t0 = time.perf_counter()
+        predicted = predict(mode_cfg, costs, args.iterations, args.envs, args.cores)
+        predicted["driver_s"] = time.perf_counter() - t0
         row = {"mode": mode, LABEL: predicted}
         real_cell, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())
         if measured[mode]:
@@ -350,8 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{np.median([b.get(f'busy_{s}', math.nan) for b in busy_measured[mode]]):.0%}"
                 for s in ("simulate", "generate", "train")) + ")"
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
-        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {real_cell}{busy} | {share} |",
-              flush=True)
+        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {real_cell}{busy} | {share} "
+              f"| {predicted['driver_s']:.1f} |", flush=True)
         rows.append(row)
     return {"costs": costs.source, "rows": rows}
 

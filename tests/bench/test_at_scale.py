@@ -1,0 +1,24 @@
+"""The at-scale benchmark end to end on a small workload: costs measured on real simulators and the real policy,
+written and read back, and a prediction in virtual time for more envs on more cores than this machine has (no
+timings asserted)."""
+from __future__ import annotations
+
+import json
+
+from ebrl.bench.at_scale import main
+
+
+def test_costs_are_measured_saved_and_predict_a_bigger_node(tmp_path, capsys):
+    small = ["--num-envs", "2", "--iterations", "2", "algo.rollout_chunks=2", "algo.minibatches=1"]
+    out = main(["--modes", "colocated", *small, "--save-costs", str(tmp_path / "costs.json")])
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert len(costs["steps"]) == 2 and all(len(s) > 0 and min(s) > 0 for s in costs["steps"])
+    assert costs["train_per_row"] > 0 and costs["generate_fit"][0] + costs["generate_fit"][1] > 0
+    assert costs["init"] and costs["init"].endswith("_sft.pt")  # (the run's first weights acted)
+    assert out["rows"][0]["simulated"]["env_steps_per_s"] > 0
+    bigger = main(["--modes", "colocated", "ebrl", *small, "--costs", str(tmp_path / "costs.json"), "--envs", "16",
+                   "--cores", "8"])
+    for row in bigger["rows"]:
+        assert row["simulated"]["envs"] == 16 and row["simulated"]["cores"] == 8
+    printed = capsys.readouterr().out
+    assert "simulated env steps/s" in printed and "| ebrl | 16 |" in printed
