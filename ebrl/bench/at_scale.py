@@ -11,7 +11,8 @@ core (the parallel efficiency), and a reset.
                                   [--task T --num-envs N --policy-preset P --stragglers F --straggler-slowdown S]
 
 `--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` times in
-ABBA order, the median) and prints the prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's `NOT_MODELLED`.
+ABBA order, the median) and prints the prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's
+`NOT_MODELLED`.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): e
 class MeasuredCosts:
     """Costs measured on this machine (seconds of one thread; see the module docstring). `steps[i]`: env i's control
     steps, drawn from with replacement; generation and valuing as intercept + slope x batch; training per decision (a
-    chunk step of one env, masked or not); `efficiencies[stage][threads]`: the speed-up on that many threads over their number."""
+    chunk step of one env, masked or not); `efficiencies[stage][threads]`: the speed-up on that many threads over
+    their number."""
 
     steps: list[list[float]]
     generate_fit: tuple[float, float]
@@ -323,7 +325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
               f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
               f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision, "
-              f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, reset {1e3 * costs.reset_s:.1f} ms")
+              f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
+              f"reset {1e3 * costs.reset_s:.1f} ms")
     if args.save_costs:
         Path(args.save_costs).write_text(json.dumps(asdict(costs)))
     measured: dict[str, list[float]] = {mode: [] for mode in args.modes}
@@ -334,7 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured[mode].append(rate)
             busy_measured[mode].append(real_busy)
     rows = []
-    print(f"| mode | envs | {LABEL} env steps/s | " + ("measured (runs) | predicted / measured | " if args.validate else "")
+    print(f"| mode | envs | {LABEL} env steps/s | "
+          + ("measured (runs) | predicted / measured | " if args.validate else "")
           + "busy sim / gen / train | CPU share sim / gen / train | driver s |")
     print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|")
     for mode in args.modes:

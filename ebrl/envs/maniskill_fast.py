@@ -20,10 +20,14 @@ success bit for bit against the stock step in one process.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import sapien
 import torch
+from mani_skill.utils.geometry.rotation_conversions import _sqrt_positive_part, euler_angles_to_matrix
+from mani_skill.utils.structs import Pose
 
 F32 = np.float32
 ONE, HALF, TWO, FLOOR = F32(1.0), F32(0.5), F32(2.0), F32(0.1)
@@ -71,61 +75,41 @@ def _scaled(action: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray
     return HALF * (high + low) + HALF * (high - low) * np.clip(action, F32(-1.0), ONE)
 
 
-class FastAction:
-    """`agent.set_action` for the covered controllers: the stock float32 values with numpy's small-array speed."""
+@dataclass(frozen=True)
+class _Ik:
+    """The arm's pinocchio IK call and the indices it takes (ManiSkill's `Kinematics`, CPU path)."""
 
-    def __init__(self, env: Any) -> None:
-        from mani_skill.utils.geometry.rotation_conversions import _sqrt_positive_part, euler_angles_to_matrix
-        from mani_skill.utils.structs import Pose
+    solve: Callable
+    link: int
+    mask: Any
+    active: np.ndarray  # the articulation's joints the model has, in its order
+    controlled: np.ndarray  # the result's joints the arm drives
 
-        self._euler, self._sqrt = euler_angles_to_matrix, _sqrt_positive_part
-        self._pose = Pose
-        self.agent = env.agent
-        controller = self.agent.controller
-        self.arm, self.gripper = (controller.controllers[uid] for uid in ("arm", "gripper"))
-        self.arm_span = slice(*controller.action_mapping["arm"])
-        self.gripper_span = slice(*controller.action_mapping["gripper"])
-        arm, gripper = self.arm, self.gripper
-        self.robot = arm.articulation._objs[0]  # noqa: SLF001  (the PhysX articulation of the one env)
-        self.ee = arm.ee_link._objs[0]  # noqa: SLF001
-        self.root = arm.root_link._objs[0]  # noqa: SLF001
-        self.arm_index = arm.active_joint_indices.numpy()
-        self.arm_low = arm.action_space_low.numpy()
-        self.arm_high = arm.action_space_high.numpy()
-        self.rot_scale = F32(arm.config.rot_lower)
-        self.arm_joints = [j._objs[0] for j in arm.joints]  # noqa: SLF001
-        ik = arm.kinematics
-        self.ik = ik.pmodel.compute_inverse_kinematics
-        self.ik_link, self.ik_mask = ik.end_link_idx, ik.qmask
-        self.ik_active = ik.pmodel_active_joint_indices.numpy()
-        self.ik_controlled = ik.pmodel_controlled_joint_indices.numpy()
-        self.gripper_index = gripper.active_joint_indices.numpy()
-        self.gripper_low = gripper.action_space_low.numpy()
-        self.gripper_high = gripper.action_space_high.numpy()
-        self.control = gripper.control_joint_indices.numpy()
-        self.mimic = gripper.mimic_joint_indices.numpy()
-        self.mimic_control = gripper.mimic_control_joint_indices.numpy()
-        self.multiplier = gripper._multiplier.numpy()  # noqa: SLF001
-        self.offset = gripper._offset.numpy()  # noqa: SLF001
-        self.gripper_joints = [j._objs[0] for j in gripper.joints]  # noqa: SLF001
 
-    def __call__(self, action: torch.Tensor) -> None:
-        if np.isnan(action).any():  # (BaseAgent.set_action's check, its message)
-            raise ValueError("Action cannot be NaN. Environment received:", action)
-        values = action.numpy()[0]
-        qpos = self.robot.qpos
-        self._arm(values[self.arm_span], qpos)
-        self._gripper(values[self.gripper_span], qpos)
+class _Arm:
+    """The arm's `PDEEPoseController.set_action`: the stock float32 values (module docstring)."""
 
-    def _arm(self, action: np.ndarray, qpos: np.ndarray) -> None:
-        arm = self.arm
-        position = _scaled(action[:3], self.arm_low[:3], self.arm_high[:3])
+    def __init__(self, controller: Any, span: slice) -> None:
+        self.c, self.span = controller, span
+        self.ee = controller.ee_link._objs[0]  # noqa: SLF001  (the one env's PhysX link)
+        self.root = controller.root_link._objs[0]  # noqa: SLF001
+        self.index = controller.active_joint_indices.numpy()
+        self.low, self.high = controller.action_space_low.numpy(), controller.action_space_high.numpy()
+        self.rot_scale = F32(controller.config.rot_lower)
+        self.joints = [j._objs[0] for j in controller.joints]  # noqa: SLF001
+        k = controller.kinematics
+        self.ik = _Ik(k.pmodel.compute_inverse_kinematics, k.end_link_idx, k.qmask,
+                      k.pmodel_active_joint_indices.numpy(), k.pmodel_controlled_joint_indices.numpy())
+
+    def __call__(self, values: np.ndarray, qpos: np.ndarray) -> None:
+        action = values[self.span]
+        position = _scaled(action[:3], self.low[:3], self.high[:3])
         rotation = action[3:].copy()
         norm = torch.linalg.norm(torch.from_numpy(rotation)[None], axis=1)  # (torch's reduction order)
         if norm[0] > 1:
             rotation = rotation * (ONE / norm.numpy())  # `1 / t` is torch's reciprocal, times 1
         rotation = rotation * self.rot_scale
-        start = qpos[self.arm_index]
+        start = qpos[self.index]
 
         root, ee = self.root.entity_pose, self.ee.entity_pose
         root_q = tuple(root.q.astype(F32))
@@ -134,32 +118,66 @@ class FastAction:
         base_q = _standard(_mul(inverse_q, tuple(ee.q.astype(F32))))  # Pose.__mul__: the ee in the base frame
         base_p = np.array(inverse_p, F32) + np.array(_apply(inverse_q, ee.p.astype(F32)), F32)
 
-        matrix = self._euler(torch.from_numpy(rotation)[None], "XYZ").numpy()[0]  # (torch's cos, sin, matmul)
-        target_q = np.array(_standard(_mul(_quaternion(matrix, self._sqrt), base_q)), F32)
+        # the rotation's matrix by torch (its cos, sin and matmul round as the stock's)
+        matrix = euler_angles_to_matrix(torch.from_numpy(rotation)[None], "XYZ").numpy()[0]
+        target_q = np.array(_standard(_mul(_quaternion(matrix, _sqrt_positive_part), base_q)), F32)
         target_p = base_p + position
         target = np.concatenate([target_p, target_q])
 
-        import sapien
-
-        result, success, _ = self.ik(self.ik_link, sapien.Pose(target_p, target_q),
-                                     initial_qpos=qpos[self.ik_active], active_qmask=self.ik_mask, max_iterations=100)
-        target_qpos = result[self.ik_controlled].astype(F32) if success else start
-        for i, joint in enumerate(self.arm_joints):
+        ik = self.ik
+        result, success, _ = ik.solve(ik.link, sapien.Pose(target_p, target_q), initial_qpos=qpos[ik.active],
+                                      active_qmask=ik.mask, max_iterations=100)
+        target_qpos = result[ik.controlled].astype(F32) if success else start
+        for i, joint in enumerate(self.joints):
             joint.drive_target = target_qpos[i:i + 1]
-        arm._step = 0  # noqa: SLF001  (what the stock set_action leaves on the controller)
-        arm._start_qpos = torch.from_numpy(start[None])  # noqa: SLF001
-        arm._target_pose = self._pose(raw_pose=torch.from_numpy(target[None]))  # noqa: SLF001
-        arm._target_qpos = torch.from_numpy(np.array(target_qpos[None]))  # noqa: SLF001
+        c = self.c  # what the stock set_action leaves on the controller
+        c._step = 0  # noqa: SLF001
+        c._start_qpos = torch.from_numpy(start[None])  # noqa: SLF001
+        c._target_pose = Pose(raw_pose=torch.from_numpy(target[None]))  # noqa: SLF001
+        c._target_qpos = torch.from_numpy(np.array(target_qpos[None]))  # noqa: SLF001
 
-    def _gripper(self, action: np.ndarray, qpos: np.ndarray) -> None:
-        gripper = self.gripper
-        gripper._step = 0  # noqa: SLF001
-        gripper._start_qpos = torch.from_numpy(qpos[self.gripper_index][None])  # noqa: SLF001
-        target = gripper._target_qpos.numpy()[0]  # noqa: SLF001  (written in place, as the stock does)
-        target[self.control] = _scaled(action, self.gripper_low, self.gripper_high)
+
+class _Gripper:
+    """The gripper's `PDJointPosMimicController.set_action` (absolute, normalised)."""
+
+    def __init__(self, controller: Any, span: slice) -> None:
+        self.c, self.span = controller, span
+        self.index = controller.active_joint_indices.numpy()
+        self.low, self.high = controller.action_space_low.numpy(), controller.action_space_high.numpy()
+        self.control = controller.control_joint_indices.numpy()
+        self.mimic = controller.mimic_joint_indices.numpy()
+        self.mimic_control = controller.mimic_control_joint_indices.numpy()
+        self.multiplier = controller._multiplier.numpy()  # noqa: SLF001
+        self.offset = controller._offset.numpy()  # noqa: SLF001
+        self.joints = [j._objs[0] for j in controller.joints]  # noqa: SLF001
+
+    def __call__(self, values: np.ndarray, qpos: np.ndarray) -> None:
+        c = self.c
+        c._step = 0  # noqa: SLF001
+        c._start_qpos = torch.from_numpy(qpos[self.index][None])  # noqa: SLF001
+        target = c._target_qpos.numpy()[0]  # noqa: SLF001  (written in place, as the stock does)
+        target[self.control] = _scaled(values[self.span], self.low, self.high)
         target[self.mimic] = target[self.mimic_control] * self.multiplier + self.offset
-        for i, joint in enumerate(self.gripper_joints):
+        for i, joint in enumerate(self.joints):
             joint.drive_target = target[i:i + 1]
+
+
+class FastAction:
+    """`agent.set_action` for the covered controllers: the stock float32 values with numpy's small-array speed."""
+
+    def __init__(self, env: Any) -> None:
+        self.agent = env.agent
+        controller = self.agent.controller
+        self.parts = [cls(controller.controllers[uid], slice(*controller.action_mapping[uid]))
+                      for cls, uid in ((_Arm, "arm"), (_Gripper, "gripper"))]
+        self.robot = controller.controllers["arm"].articulation._objs[0]  # noqa: SLF001  (the one env's)
+
+    def __call__(self, action: torch.Tensor) -> None:
+        if np.isnan(action).any():  # (BaseAgent.set_action's check, its message)
+            raise ValueError("Action cannot be NaN. Environment received:", action)
+        values, qpos = action.numpy()[0], self.robot.qpos
+        for part in self.parts:  # (the stock order: the arm, then the gripper)
+            part(values, qpos)
 
 
 def fast_action_for(env: Any) -> tuple[Callable[[torch.Tensor], None] | None, str]:

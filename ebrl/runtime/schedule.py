@@ -155,7 +155,7 @@ class Scheduler:
         checkpoint file the policy's first weights came from (a trainer process reads them from it too). `stages`
         builds the trainer, generation and dispatcher (`real_stages`' arguments), `clock` stamps the trace: a run's
         are real; the at-scale benchmark's (ebrl/runtime/virtual.py) are modelled, in virtual time."""
-        self.pool, self.policy, self.placement, self.seed, self.clock = pool, policy, placement, seed, clock
+        self.pool, self.policy, self.placement, self.seed = pool, policy, placement, seed
         self.critic_warmup = critic_warmup
         self.schedule = s = Schedule.from_config(conf["scheduler"])
         algo = conf["algo"]
@@ -165,7 +165,7 @@ class Scheduler:
             chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
             episodic, int(algo["group_size"]) if episodic else 1), shared_obs=s.trainer == "process")
         self.observations = Observations(policy, pool, shared=placement.generation == "process")
-        self.trace = Trace()
+        self.trace = Trace(clock)
         self.ledger = Ledger()
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
         # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
@@ -285,7 +285,7 @@ class Scheduler:
         if episodic:  # whole episodes: nothing to bootstrap
             shipped += [self.loop.finish_segment(g, torch.zeros(len(g.envs))) for g in serving.ending]
             self._reset(serving.beginning)
-        t0 = self.clock()
+        t0 = self.trace.clock()
         with torch.no_grad():  # (not inference mode: a trainer in this process trains on what this samples)
             cut = serving.cut
             if cut:  # values of the obs episodes were cut off on, by the weights that acted
@@ -304,7 +304,7 @@ class Scheduler:
             if starting:
                 shipped += self._sample(starting, [] if episodic else serving.ending)
             self.loop.served(serving)
-        self.trace.add("generate", "sample", t0, self.clock(), groups=[g.index for g in serving.groups],
+        self.trace.add("generate", "sample", t0, self.trace.clock(), groups=[g.index for g in serving.groups],
                        version=self.generation.version, pid=self.generation.pid)
         return [s for s in shipped if s is not None]
 
@@ -339,10 +339,10 @@ class Scheduler:
             of_segment = group_seeds(self.seed, self.base_version + g.segment, len(self.pool.workers),
                                      self.loop.rules.unit)
             seeds.update({i: of_segment[i] for i in g.envs})
-        t0 = self.clock()
+        t0 = self.trace.clock()
         before = len(self.pool.failures)
         self.pool.reset(envs, [seeds[i] for i in envs])
-        t1 = self.clock()
+        t1 = self.trace.clock()
         for _, env, _ in self.pool.failures[before:]:
             self.loop.group_of[env].stats.failures += 1
         for i in envs:

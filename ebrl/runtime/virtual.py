@@ -11,9 +11,9 @@ process, thread or policy (docs/at-scale.md; `python -m ebrl.bench.at_scale`).
   cold caches); one-thread tasks that may run on the same cores at the same nice get the mean of their shares (the
   OS migrates them). A task of several threads moves at its slowest thread's pace times their number (OpenMP threads
   wait for each other at every barrier) times its parallel efficiency.
-- `World`: the clock and the CPU, advanced from one completion to the next. What the supervisor does synchronously
-  (generation in the supervisor, a local trainer's update, resets) runs the world until its task is done; what
-  happens meanwhile (chunks ending) is queued, as the dispatcher thread would have queued it.
+- `World`: the clock and the CPU, advanced from one task's completion to the next. What the supervisor does
+  synchronously (generation in the supervisor, a local trainer's update, resets) runs the world until its task is
+  done; what happens meanwhile (chunks ending) is queued, as the dispatcher thread would have queued it.
 - `VirtualPool` / `VirtualDispatcher`: each env's chunk is a one-thread task of the env's drawn step costs; episodes
   end at their drawn length. With core rebinding the real `CorePool` hands out the cores.
 - `ModelGeneration`, `ModelTrainer`: a batch's CPU work from the cost model, on the cores and threads the
@@ -23,8 +23,6 @@ What is not modelled yet is listed in `NOT_MODELLED`; a figure from this module 
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import queue
 from dataclasses import dataclass, field
@@ -126,13 +124,11 @@ class Cpu:
 
 
 class World:
-    """The virtual clock and the node's CPU; timers for what takes time without a core (a GPU's work, a latency)."""
+    """The virtual clock and the node's CPU."""
 
     def __init__(self, cores: int, timeslice: float = 0.0) -> None:
         self.now = 0.0
         self.cpu = Cpu(cores, timeslice)
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
         self.events = VirtualEvents(self)
 
     def clock(self) -> float:
@@ -144,28 +140,18 @@ class World:
         self.cpu.allot()
         return task
 
-    def after(self, seconds: float, then: Callable[[], None]) -> None:
-        heapq.heappush(self._timers, (self.now + seconds, next(self._seq), then))
-
     def step(self) -> bool:
-        """Advance to the next completion (a task's or a timer's) and run what it triggers; False: nothing pending."""
+        """Advance to the next task's completion and run what it triggers; False: nothing is running."""
         task_next = self.cpu.next_done()
-        timer_at = self._timers[0][0] if self._timers else math.inf
-        task_at = self.now + task_next[0] if task_next else math.inf
-        if task_at == math.inf and timer_at == math.inf:
+        if task_next is None:
             return False
-        at = min(task_at, timer_at)
-        self.cpu.advance(at - self.now)
-        self.now = at
-        if task_next is not None and task_at <= timer_at:
-            task = task_next[1]
-            self.cpu.tasks.remove(task)
-            self.cpu.allot()
-            if task.done is not None:
-                task.done()
-        else:
-            _, _, then = heapq.heappop(self._timers)
-            then()
+        dt, task = task_next
+        self.cpu.advance(dt)
+        self.now += dt
+        self.cpu.tasks.remove(task)
+        self.cpu.allot()
+        if task.done is not None:
+            task.done()
         return True
 
     def run(self, task: Task) -> float:

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import numpy as np
 
@@ -103,8 +103,11 @@ class Timeline:
 class Trace:
     """Spans of every stage: streamed to trace.json (`stream_to`) or kept for `write`, summarised by `busy`."""
 
-    def __init__(self) -> None:
-        self.origin = time.perf_counter()  # trace.json's time 0 when streamed (made before any stage runs)
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """clock: what the spans' times are read from (a run's is perf_counter, one clock for every process; the
+        at-scale benchmark's is virtual)."""
+        self.clock = clock
+        self.origin = clock()  # trace.json's time 0 when streamed (made before any stage runs)
         self.spans: list[Span] = []  # since the mark before the last one (all of them when nothing marks)
         self.base = 0  # the index of spans[0] among every span added
         self.last_mark = 0
