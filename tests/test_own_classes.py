@@ -75,7 +75,9 @@ def my_robot(tmp_path_factory) -> Path:
 
 def test_the_documented_example_trains_under_ebrl_from_its_own_folder(my_robot):
     args = (my_robot.parent / "command").read_text().split()
-    out = subprocess.run([sys.executable, str(REPO / "run.py"), *args, "iterations=3", "progress=false"],
+    # (the allocator calibrates from the first iteration from the second on in which every stage measured a rate;
+    # on a loaded machine an update can land outside iteration 2's window, so one iteration more)
+    out = subprocess.run([sys.executable, str(REPO / "run.py"), *args, "iterations=4", "progress=false"],
                          cwd=my_robot, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "plan simulate" in out.stdout + out.stderr  # the ebrl schedule's allocator planned the stages

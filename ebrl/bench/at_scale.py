@@ -119,12 +119,10 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
         steps: list[list[float]] = [[] for _ in range(n)]
         lengths: list[int] = []
-        seen = []
         for i, worker in enumerate(workers):
             worker.bind([cores[i % len(cores)]])
         for c in range(EPISODE_CHUNKS * chunks):  # (the first `chunks` warm up; every episode's end is kept)
-            obs = pool.stacked_obs()
-            seen.append(obs)
+            obs = pool.stacked_obs()  # (the last one is what generation and training are timed on)
             with torch.inference_mode():
                 actions = policy.sample(policy_batch(obs, tokens, mask)).chunk[:, :H].float().numpy()
             for start in range(0, n, len(cores)):  # waves: one env per core, none time-sliced
@@ -173,7 +171,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     flush = torch.set_flush_denormal(True)
     trainer = PPOTrainer(policy, cfg.algo)
     sizes = sorted({1, max(1, n // 2), n})
-    batches = {b: policy_batch({k: v[:b] for k, v in seen[-1].items()}, tokens[:b], mask[:b]) for b in sizes}
+    batches = {b: policy_batch({k: v[:b] for k, v in obs.items()}, tokens[:b], mask[:b]) for b in sizes}
     out = {}
     with torch.no_grad():
         for threads in (1, len(cores)):
@@ -184,7 +182,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
                     out[("value", threads, b)] = timed(lambda: policy.value(batches[b]))
     gen = torch.Generator().manual_seed(0)
     executed = (torch.arange(policy.chunk_len) < H).expand(n, -1)
-    full = policy_batch(seen[-1], tokens, mask)
+    full = policy_batch(obs, tokens, mask)
     with torch.no_grad():
         sampled = policy.sample(full)
     rollout = stack_steps([ChunkStep(obs=full, chunk=sampled.chunk, extras=sampled.extras, log_prob=sampled.log_prob,
