@@ -251,12 +251,13 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
             scheduler.regroup(placement.allocator.current.groups)
         rates, spent_before, t_start, steps, busy = [], dict(world.cpu.spent), None, 0, []
         sim_cores = len(placement.cpus("simulate"))
-        decisions = []
+        decisions, loop_t0, model0, all_steps = [], time.perf_counter(), world.cpu.model_s, 0
         for it in range(iterations):
             mark, t0, spent0 = scheduler.trace.mark(), world.now, dict(world.cpu.spent)
             stats, _ = scheduler.next_iteration()
             wall = world.now - t0
             rates.append(stats.env_steps / wall)
+            all_steps += stats.env_steps
             it_busy = scheduler.trace.busy(t0, world.now, sim_cores, since=mark)
             if it == 0:
                 t_start, spent_before = world.now, dict(world.cpu.spent)
@@ -270,13 +271,18 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                 line, _ = placement.observe(placement.measured(rates[-1], shares, it_busy))
                 if line is not None:
                     decisions.append(f"iteration {it + 1}: {line}")
+        # the real code's own seconds (Scheduler, loop, core pool, placement, allocator, the modelled stages' calls):
+        # what a supervisor spends per env step besides IPC, at this many envs
+        runtime_s = time.perf_counter() - loop_t0 - (world.cpu.model_s - model0)
         elapsed = world.now - t_start
         spent = {stage: (world.cpu.spent.get(stage, 0.0) - spent_before.get(stage, 0.0)) / (k * elapsed)
                  for stage in ("simulate", "generate", "train")}
         scheduler.close()
     return {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
             "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
-            "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions}
+            "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
+            "runtime_us_per_env_step": 1e6 * runtime_s / all_steps, "events_per_s": world.events.count / runtime_s,
+            "model_s": world.cpu.model_s - model0}
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -337,8 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     print(f"| mode | envs | {LABEL} env steps/s | "
           + ("measured (runs) | predicted / measured | " if args.validate else "")
-          + "busy sim / gen / train | CPU share sim / gen / train | driver s |")
-    print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|")
+          + "busy sim / gen / train | CPU share sim / gen / train | driver s (model s) | runtime code us per env step, "
+          "events/s |")
+    print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|---|")
     for mode in args.modes:
         mode_cfg = compose(workload, mode)
         t0 = time.perf_counter()
@@ -356,7 +363,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for s in ("simulate", "generate", "train")) + ")"
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
         print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {real_cell}{busy} | {share} "
-              f"| {predicted['driver_s']:.1f} |", flush=True)
+              f"| {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
+              f"{predicted['runtime_us_per_env_step']:.1f}, {predicted['events_per_s']:,.0f} |", flush=True)
         rows.append(row)
     return {"costs": costs.source, "rows": rows}
 

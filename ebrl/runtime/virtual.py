@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -70,14 +71,16 @@ class Cpu:
         """timeslice: the CPU a thread loses to switches and cold caches while it shares its core with others, as a
         fraction of its work (measured: a lockstep rollout's CPU per env step over one env per core's, minus 1)."""
         self.cores, self.timeslice = cores, timeslice
-        self.tasks: list[Task] = []
+        self.tasks: dict[int, Task] = {}  # id -> task, in start order (a completion leaves in O(1))
         self.spent: dict[str, float] = {}  # CPU seconds used, per stage
+        self.model_s = 0.0  # this machine's seconds spent in the model itself (the driver's own cost, not the run's)
 
     def allot(self) -> None:
         """Each task's rate from where its threads go and how the cores' time divides."""
+        t0 = time.perf_counter()
         load = [0.0] * self.cores
         placed: list[tuple[Task, int]] = []
-        for task in sorted(self.tasks, key=lambda t: len(t.cores)):  # (pinned first)
+        for task in sorted(self.tasks.values(), key=lambda t: len(t.cores)):  # (pinned first)
             w = weight(task.nice)
             for _ in range(task.threads):
                 core = min(task.cores, key=lambda c: (load[c], c))
@@ -101,25 +104,30 @@ class Cpu:
         slowest: dict[int, float] = {}
         for (task, _), share in zip(placed, shares):
             slowest[id(task)] = min(slowest.get(id(task), math.inf), share)
-        for task in self.tasks:
+        for task in self.tasks.values():
             task.rate = task.threads * slowest[id(task)] * task.efficiency
+        self.model_s += time.perf_counter() - t0
 
     def advance(self, dt: float) -> None:
         """Move every task on by `dt` seconds; the CPU each used counts for its stage (the part of its name before
         "/"), waiting threads of a multi-threaded task included (they spin)."""
-        for task in self.tasks:
+        t0 = time.perf_counter()
+        for task in self.tasks.values():
             task.work -= task.rate * dt
             stage = task.name.split("/", 1)[0]
             self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate / task.efficiency
+        self.model_s += time.perf_counter() - t0
 
     def next_done(self) -> tuple[float, Task] | None:
         """Seconds until the next task completes, and that task."""
+        t0 = time.perf_counter()
         best = None
-        for task in self.tasks:
+        for task in self.tasks.values():
             if task.rate > 0:
                 dt = max(task.work, 0.0) / task.rate
                 if best is None or dt < best[0]:
                     best = (dt, task)
+        self.model_s += time.perf_counter() - t0
         return best
 
 
@@ -136,7 +144,7 @@ class World:
 
     def start(self, task: Task) -> Task:
         task.started = self.now
-        self.cpu.tasks.append(task)
+        self.cpu.tasks[id(task)] = task
         self.cpu.allot()
         return task
 
@@ -148,7 +156,7 @@ class World:
         dt, task = task_next
         self.cpu.advance(dt)
         self.now += dt
-        self.cpu.tasks.remove(task)
+        del self.cpu.tasks[id(task)]
         self.cpu.allot()
         if task.done is not None:
             task.done()
@@ -173,9 +181,11 @@ class VirtualEvents:
     def __init__(self, world: World) -> None:
         self.world = world
         self.queued: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.count = 0  # events put: chunk ends and trainer messages
 
     def put(self, event: Event) -> None:
         self.queued.put(event)
+        self.count += 1
 
     def empty(self) -> bool:
         return self.queued.empty()

@@ -11,7 +11,7 @@ from ebrl.runtime.virtual import Cpu, Task, weight
 
 
 def rates(cpu: Cpu, *tasks: Task) -> list[float]:
-    cpu.tasks = list(tasks)
+    cpu.tasks = {id(t): t for t in tasks}
     cpu.allot()
     return [t.rate for t in tasks]
 
