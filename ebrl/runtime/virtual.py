@@ -253,11 +253,21 @@ class VirtualPool:
         self.chunk_timeout_s = None
 
     def reset(self, envs: Sequence[int], seeds: Sequence[int] | None = None) -> None:
-        """The envs reset (GRPO's segments): one after the other in the supervisor's wait, each a reset's CPU."""
+        """The envs reset (GRPO's segments), all at once, each in its process as the real pool sends them; the
+        supervisor waits for the last."""
+        left = [len(envs)]
+
+        def one_done() -> None:
+            left[0] -= 1
+
         for i in envs:
-            self.world.run(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice))
+            self.world.start(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice,
+                                  done=one_done))
             self.workers[i].step = 0
             self.workers[i].length = self.costs.episode_length(i, self.rng)
+        while left[0]:
+            if not self.world.step():
+                raise RuntimeError("virtual time: a reset cannot finish")
 
     def chunk(self, env: int, cores: tuple[int, ...], done: Callable[[ChunkReport], None]) -> Task:
         """Env `env`'s next chunk as a task; `done` gets its report."""

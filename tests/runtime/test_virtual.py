@@ -99,3 +99,16 @@ def test_every_schedule_runs_in_virtual_time_and_overlap_hides_training(mode):
     assert colocated == pytest.approx(48 / (0.024 + 0.006 + 0.001 + 0.096))  # (as the test above, serial stages)
     if mode in ("async", "ebrl"):
         assert 1.2 * colocated < out["env_steps_per_s"] <= 48 / 0.096 + 1e-6
+
+
+@pytest.mark.parametrize("mode", ["colocated", "ebrl"])
+def test_grpo_segments_reset_and_run_in_virtual_time(mode):
+    """Episodic segments: each group's envs reset together (the supervisor waits for the last), whole episodes of 16
+    steps; every iteration's env steps are the envs' episodes."""
+    costs = Flat()
+    costs.max_episode_steps = 16
+    costs.episode_length = lambda env, rng: 16
+    cfg = compose_overrides(["env.num_envs=4", "algo=grpo", "algo.group_size=2", "algo.minibatches=1", "logger=none",
+                             "progress=false", "iterations=4"], mode)
+    out = predict(cfg, costs, iterations=4, cores=2)
+    assert out["env_steps_per_s"] > 0 and len(out["per_iteration"]) == 4
