@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.bench.schedulers import (bench_cores, group_size, policy_batch, process_cpu_s,
+from ebrl.bench.schedulers import (bench_cores, group_size, placed_sim_cpu, policy_batch, process_cpu_s,
                                    torch_threads)
 
 LABEL = "simulated"
@@ -119,12 +119,14 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
         steps: list[list[float]] = [[] for _ in range(n)]
         lengths: list[int] = []
+        replay: list[np.ndarray] = []  # each chunk's actions
         for i, worker in enumerate(workers):
             worker.bind([cores[i % len(cores)]])
         for c in range(EPISODE_CHUNKS * chunks):  # (the first `chunks` warm up; every episode's end is kept)
             obs = pool.stacked_obs()  # (the last one is what generation and training are timed on)
             with torch.inference_mode():
                 actions = policy.sample(policy_batch(obs, tokens, mask)).chunk[:, :H].float().numpy()
+            replay.append(actions)
             for start in range(0, n, len(cores)):  # waves: one env per core, none time-sliced
                 wave = range(start, min(start + len(cores), n))
                 for i in wave:
@@ -136,22 +138,17 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
                         steps[i] += report.step_times.tolist()
                     if report.episode is not None:
                         lengths.append(int(report.episode["length"]))
-        # time-slicing: the same chunks with every env runnable at once on every core, as a lockstep rollout runs
-        # them, against one env per core (CPU seconds of the workers per env step; the step costs above are the latter)
+        # time-slicing: the last rollout's chunks again with every env runnable at once on every core, as a lockstep
+        # rollout runs them, against their cheapest placement (`placed_sim_cpu`: one env per core; it leaves every
+        # env on every core); CPU seconds of the workers per env step
+        replay = replay[-chunks:]
+        placed = placed_sim_cpu(pool, replay)
         pids = [w.pid for w in workers]
-        cpu = {}
-        for placed in (True, False):
-            for i, worker in enumerate(workers):
-                worker.bind([cores[i % len(cores)]] if placed else cores)
-            c0, executed = process_cpu_s(pids), 0
-            for c in range(chunks):
-                waves = [range(a, min(a + len(cores), n)) for a in range(0, n, len(cores))] if placed else [range(n)]
-                for wave in waves:
-                    for i in wave:
-                        workers[i].submit(H)
-                    executed += sum(workers[i].wait().executed for i in wave)
-            cpu[placed] = (process_cpu_s(pids) - c0) / executed
-        timeslice = max(0.0, cpu[False] / cpu[True] - 1)
+        c0, executed = process_cpu_s(pids), 0
+        for actions in replay:
+            pool.submit_all(H, actions)
+            executed += sum(r.executed for r in pool.wait_all())
+        timeslice = max(0.0, (process_cpu_s(pids) - c0) / executed / placed - 1)
         t0 = time.perf_counter()
         pool.reset(list(range(n)), list(range(n)))
         reset_s = (time.perf_counter() - t0) / n * min(n, len(cores))  # (the reset runs in parallel over the cores)
