@@ -1,0 +1,285 @@
+"""What a policy's GPU stages cost, from its operations and a GPU's published peaks (a roofline per operation): the
+at-scale benchmark's GPU side (docs/at-scale.md), where no GPU has been measured.
+
+The policy is built on the meta device, as the memory model builds it (ebrl/alloc/memory.py), and one call is traced
+operation by operation (`count_ops`): each ATen operation's FLOPs (torch's own formulas, `flop_counter`) and the bytes
+it reads and writes (its tensors' sizes; views move nothing). Attention is counted as one fused kernel (FlashAttention
+reads q, k, v and writes the output once; the meta device would decompose it into a materialised score matrix).
+
+An operation's time on the GPU at SM share s is the roofline's, max(FLOPs / peak, bytes / bandwidth) / s (an MPS
+client's SMs bound both its arithmetic and its memory traffic: an assumption, the simplest one), and never less than
+the host's time to issue it (`host_s`: eager PyTorch dispatches every operation from Python): a call costs the sum
+of max(host, GPU) over its operations. The GPU is busy for the roofline part only; the rest is the launch gap the
+paper's "below 20% SM occupancy" is made of.
+
+Training: an update's forward pass is traced (operations are linear in the rows); backward costs twice the forward's
+FLOPs and bytes (the usual 2:1, Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1) for the
+operations whose inputs require gradients (with policy.train=action_expert the frozen VLM's run forward only), and
+gradient checkpointing runs those forwards once more. AdamW reads and writes the float32 masters, reads
+their gradients and reads and writes both moments once per optimizer step; several ranks add a ring all-reduce of the
+gradients over NVLink per optimizer step. Every constant below names its source.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from ebrl.envs.base import EnvSpec
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU's published peaks: dense bfloat16 tensor-core FLOP/s, HBM bytes/s, NVLink bytes/s per GPU (both
+    directions), SMs, memory; `source`: where the figures are published."""
+
+    name: str
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    sm_count: int
+    memory_gb: float
+    source: str
+
+
+# keyed by hw.gpu_name (conf/hw)
+GPUS = {
+    "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 312e12, 2.039e12, 600e9, 108, 80,
+                              "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e "
+                              "(80GB SXM), NVLink 600 GB/s"),
+    "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 989e12, 3.35e12, 900e9, 132, 80,
+                              "NVIDIA H100 Tensor Core GPU datasheet (2023): 989 TFLOPS BF16 dense (1,979 with "
+                              "sparsity), 3.35 TB/s HBM3 (SXM), NVLink 900 GB/s"),
+    "H200": GpuSpec("H200", 989e12, 4.8e12, 900e9, 132, 141,
+                    "NVIDIA H200 Tensor Core GPU datasheet (2024): 989 TFLOPS BF16 dense (1,979 with sparsity), "
+                    "4.8 TB/s HBM3e (SXM), NVLink 900 GB/s"),
+}
+BACKWARD_OVER_FORWARD = 2.0  # Kaplan et al. 2020, section 2.1: a backward pass costs about twice the forward
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    from ebrl.config import ConfigError
+
+    if name not in GPUS:
+        raise ConfigError(f"hw.gpu_name={name!r} has no published peaks here; known: {', '.join(GPUS)} "
+                          "(ebrl/alloc/gpu_cost.py, GPUS)")
+    return GPUS[name]
+
+
+# --- counting --------------------------------------------------------------------------------
+class _Fused(TorchFunctionMode):
+    """Above autograd: marks the operations of a call whose inputs require gradients (backward runs for them), and
+    counts attention as one kernel: its FLOPs (4 x batch x heads x queries x keys x head dim) and q, k, v and the
+    output once; what the meta device runs for it underneath is not counted."""
+
+    def __init__(self, tally: "OpTally") -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        outer = self.tally.grad
+        self.tally.grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+        try:
+            if func is not F.scaled_dot_product_attention:
+                return func(*args, **kwargs)
+            return self._attention(func, args, kwargs)
+        finally:
+            self.tally.grad = outer
+
+    def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.tally.hidden += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.tally.hidden -= 1
+        q, k, v = args[:3]
+        flops = 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        self.tally.add(flops, sum(t.numel() * t.element_size() for t in (q, k, v, out)))
+        return out
+
+
+class OpTally(TorchDispatchMode):
+    """Each ATen operation run under it, as (FLOPs, bytes read and written); views and detaches are free."""
+
+    FREE = {torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: list[float] = []
+        self.bytes: list[float] = []
+        self.grads: list[bool] = []  # backward runs for it
+        self.hidden = 0  # inside a fused operation
+        self.grad = False  # the running call's inputs require gradients
+
+    def add(self, flops: float, nbytes: float) -> None:
+        self.flops.append(float(flops))
+        self.bytes.append(float(nbytes))
+        self.grads.append(self.grad)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.hidden or func.is_view or func in self.FREE:
+            return out
+        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out) \
+            if func.overloadpacket in flop_registry else 0
+        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                     if isinstance(t, torch.Tensor))
+        self.add(flops, nbytes)
+        return out
+
+
+def count_ops(call: Callable[[], Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(FLOPs, bytes, whether backward runs for it) of each operation `call` runs (on the meta device)."""
+    tally = OpTally()
+    with _Fused(tally), tally:
+        call()
+    return np.asarray(tally.flops), np.asarray(tally.bytes), np.asarray(tally.grads, bool)
+
+
+@dataclass
+class Ops:
+    """A call's operations at two rows and at three: any batch's by linear interpolation (each operation's FLOPs and
+    bytes are an intercept, the weights, plus a slope, the rows; at one row a few operations fold away, so the
+    counts are taken above it)."""
+
+    flops: tuple[np.ndarray, np.ndarray]
+    bytes: tuple[np.ndarray, np.ndarray]
+    grad: np.ndarray  # backward runs for it (its inputs require gradients)
+
+    @classmethod
+    def of(cls, call: Callable[[int], Any]) -> "Ops":
+        (f2, b2, g2), (f3, b3, _) = count_ops(lambda: call(2)), count_ops(lambda: call(3))
+        if len(f2) != len(f3):
+            raise ValueError(f"a call runs {len(f2)} operations at two rows and {len(f3)} at three: not linear in rows")
+        return cls((f2, f3), (b2, b3), g2)
+
+    def at(self, rows: float) -> tuple[np.ndarray, np.ndarray]:
+        (f2, f3), (b2, b3) = self.flops, self.bytes
+        return np.maximum(f2 + (f3 - f2) * (rows - 2), 0), np.maximum(b2 + (b3 - b2) * (rows - 2), 0)
+
+    @property
+    def count(self) -> int:
+        return len(self.flops[0])
+
+
+@dataclass
+class PolicyOps:
+    """A full-size policy's operations: sampling, valuing, one training forward pass; and the figures an update's
+    optimizer and all-reduce need."""
+
+    sample: Ops
+    value: Ops
+    forward: Ops  # the trainer's evaluate, at its dtype (float32 masters cast by autocast)
+    trained: int  # parameters the optimizer steps
+    checkpointing: bool
+    parameters: int
+    chunk_len: int
+    action_dim: int
+
+    @classmethod
+    def of(cls, policy_cfg: dict[str, Any], spec: EnvSpec, device: str = "cuda") -> "PolicyOps":
+        from ebrl.alloc.memory import MetaAutocast, meta_extras, meta_obs
+        from ebrl.policies.build import build_policy, policy_dtype
+
+        dtype = policy_dtype(policy_cfg, device)
+        conf = {**policy_cfg, "dtype": str(dtype).removeprefix("torch.")}
+        gen = build_policy(conf, spec, "meta", train=False, weights="given")
+        gen.compute_dtype = torch.float32  # (torch.autocast takes no meta tensors: MetaAutocast stands in)
+        # (a fresh cast per call: autocast casts a float32 weight once per pass, and again in the next)
+
+        def sampled(rows: int) -> None:
+            with torch.no_grad(), MetaAutocast(dtype, list(gen.parameters())):
+                gen.sample(meta_obs(gen, spec, rows))
+
+        def valued(rows: int) -> None:
+            with torch.no_grad(), MetaAutocast(dtype, list(gen.parameters())):
+                gen.value(meta_obs(gen, spec, rows))
+
+        sample, value = Ops.of(sampled), Ops.of(valued)
+        chunk_len, action_dim = gen.chunk_len, gen.action_dim
+        trainer = build_policy(conf, spec, "meta", train=True, weights="given")
+        trainer.compute_dtype = torch.float32
+        checkpointing = any(getattr(m, "grad_checkpoint", False) for m in trainer.modules())
+        for m in trainer.modules():  # (the forward's operations; recomputation is counted as one more forward)
+            if hasattr(m, "grad_checkpoint"):
+                m.grad_checkpoint = False
+
+        def evaluated(rows: int) -> None:
+            chunk = torch.empty(rows, trainer.chunk_len, trainer.action_dim, device="meta")
+            with MetaAutocast(dtype, list(trainer.parameters())):
+                trainer.evaluate(meta_obs(trainer, spec, rows), chunk, meta_extras(trainer, rows))
+
+        return cls(sample=sample, value=value, forward=Ops.of(evaluated),
+                   trained=sum(p.numel() for p in trainer.parameters() if p.requires_grad),
+                   checkpointing=checkpointing, parameters=sum(p.numel() for p in trainer.parameters()),
+                   chunk_len=chunk_len, action_dim=action_dim)
+
+
+# --- time ------------------------------------------------------------------------------------
+@dataclass
+class GpuTime:
+    """A call's seconds on the GPU at an SM share, and the share of the GPU its kernels kept busy over them."""
+
+    seconds: float
+    sm_busy: float  # SM-seconds / (seconds x the whole GPU's SMs)
+
+
+def roofline(ops: Ops, rows: float, gpu: GpuSpec, share: float, host_s: float, only_grad: bool = False,
+             factor: float = 1.0) -> GpuTime:
+    """Σ max(host_s, factor x roofline / share) over the operations (see the module docstring); `only_grad`: those
+    backward runs for."""
+    flops, nbytes = ops.at(rows)
+    kernel = factor * np.maximum(flops / gpu.bf16_flops, nbytes / gpu.hbm_bytes_per_s) / share
+    if only_grad:
+        kernel = kernel[ops.grad]
+    seconds = float(np.maximum(kernel, host_s).sum())
+    return GpuTime(seconds, float(kernel.sum()) * share / seconds if seconds > 0 else 0.0)
+
+
+@dataclass
+class UpdateShape:
+    """How an update walks its rollout: the run's algo config (epochs, rows per optimizer step and per forward
+    pass, Adam's moments' dtype) and the data-parallel ranks (each holds its share of the rows)."""
+
+    algo: Any
+    ranks: int = 1
+
+
+def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float) -> GpuTime:
+    """One rank's update on `rows` rows (its own share of the rollout): micro-batches' forward and backward (and a
+    recomputed forward with checkpointing), AdamW per optimizer step, the gradients' ring all-reduce over ranks."""
+    from ebrl.alloc.memory import MOMENT_BYTES
+    from ebrl.rl.ppo import minibatch_rows
+
+    algo = shape.algo
+    per_step = minibatch_rows(algo, rows, shape.ranks)
+    micro = min(algo.get("micro_batch") or per_step, per_step)
+    steps = algo.epochs * max(1, math.ceil(rows / per_step))
+    passes = steps * max(1, math.ceil(per_step / micro))
+    # a pass: the forward, the backward of the operations that need one (twice their forward), and with
+    # checkpointing those forwards again
+    parts = [roofline(ops.forward, micro, gpu, share, host_s),
+             roofline(ops.forward, micro, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
+    if ops.checkpointing:
+        parts.append(roofline(ops.forward, micro, gpu, share, host_s, only_grad=True))
+    compute = passes * sum(p.seconds for p in parts)
+    busy = passes * sum(p.seconds * p.sm_busy for p in parts)
+    # AdamW: masters (4 B) and both moments read and written, gradients (4 B) read; memory-bound
+    adam_bytes = ops.trained * (2 * 4 + 4 + 2 * 2 * MOMENT_BYTES[algo.get("optimizer_dtype", "float32")])
+    adam = adam_bytes / gpu.hbm_bytes_per_s / share
+    allreduce = 0.0
+    if shape.ranks > 1:  # ring: each GPU sends and receives 2 (n-1)/n of the gradients (float32)
+        allreduce = 2 * (shape.ranks - 1) / shape.ranks * ops.trained * 4 / (gpu.nvlink_bytes_per_s / 2)
+    seconds = compute + steps * (adam + allreduce)
+    return GpuTime(seconds, (busy + steps * adam * share) / seconds)
