@@ -31,6 +31,11 @@ from ebrl.bench.schedulers import (bench_cores, group_size, placed_sim_cpu, poli
                                    torch_threads)
 
 LABEL = "simulated"
+ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO's, robosuite's, ManiSkill's: 7
+# the paper's testbed (section 3.1): 2x Xeon Gold 6348 (56 cores), 8x A100, pi0 on RoboCasa with PPO, steps of 40 ms
+# mean and 60 ms at the 99th percentile (its Fig. 7)
+TESTBED = ["policy=openpi", "policy.preset=full", "env=robocasa", "hw=a100x8", "algo=ppo"]
+TESTBED_SIM_MS = (40.0, 60.0)
 EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): enough episodes end to draw lengths from
 
 
@@ -205,12 +210,133 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
                          source=f"measured here {time.strftime('%Y-%m-%d')}, {k} cores")
 
 
+# --- modelled: a GPU node --------------------------------------------------------------------
+def lognormal(mean: float, p99: float) -> tuple[float, float]:
+    """(mu, sigma) of the lognormal with this mean and 99th percentile: sigma solves z sigma - sigma^2 / 2 =
+    ln(p99 / mean), z the normal's 99th percentile, the smaller root."""
+    z = 2.3263478740408408
+    ratio = math.log(p99 / mean)
+    if not 0 < ratio < z * z / 2:
+        raise ValueError(f"no lognormal has mean {mean} and 99th percentile {p99}: needs mean < p99 < "
+                         f"{math.exp(z * z / 2):.1f} x mean")
+    sigma = z - math.sqrt(z * z - 2 * ratio)
+    return math.log(mean) - sigma * sigma / 2, sigma
+
+
+def host_seconds_per_op() -> tuple[float, str]:
+    """Eager PyTorch's host time per operation, measured here: the tiny openpi's `sample` at batch 1 on one thread,
+    over the operations it runs (its own small kernels included: an upper bound of the dispatch alone)."""
+    import torch
+
+    from ebrl.alloc.gpu_cost import count_ops
+    from ebrl.envs.base import ArraySpec, EnvSpec
+    from ebrl.policies.build import build_policy
+
+    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="pick up the cube",
+                   max_episode_steps=100)
+    with torch_threads(1), torch.no_grad():
+        policy = build_policy({"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "tiny"},
+                              spec, torch.device("cpu"), train=False, weights="init")
+        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
+        obs = {"state": torch.zeros(1, 8), "tokens": tokens, "token_mask": mask}
+        ops = len(count_ops(lambda: policy.sample(obs))[0])
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            policy.sample(obs)
+            times.append(time.perf_counter() - t0)
+    per_op = float(np.median(times[5:])) / ops
+    return per_op, (f"measured here {time.strftime('%Y-%m-%d')}: the tiny openpi's sample at batch 1, one thread, "
+                    f"{1e6 * per_op:.1f} us per operation over {ops}")
+
+
+@dataclass
+class ModelledCosts:
+    """The costs of a node this machine is not (see docs/at-scale.md): each simulator step drawn from a lognormal of
+    `sim_mean_s` and `sim_p99_s` (each step on its own), an episode `max_episode_steps` long unless `lengths` says
+    otherwise, a reset of `reset_s`; the GPU stages from the policy's operations on `gpu`'s roofline
+    (ebrl/alloc/gpu_cost.py), each operation at least `host_s`; `sources` name where each figure comes from."""
+
+    sim_mean_s: float
+    sim_p99_s: float
+    reset_s: float
+    max_episode_steps: int
+    execute: int
+    chunk_len: int
+    action_dim: int
+    ops: Any  # ebrl.alloc.gpu_cost.PolicyOps
+    gpu: Any  # ebrl.alloc.gpu_cost.GpuSpec
+    host_s: float
+    shape: Any  # ebrl.alloc.gpu_cost.UpdateShape
+    sources: dict[str, str] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)
+    timeslice: float = 0.0
+    envs: int = 0
+
+    def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        mu, sigma = lognormal(self.sim_mean_s, self.sim_p99_s)
+        return rng.lognormal(mu, sigma, n)
+
+    def episode_length(self, env: int, rng: np.random.Generator) -> int:
+        return int(rng.choice(self.lengths)) if self.lengths else self.max_episode_steps
+
+    def on_gpu(self, kind: str, rows: int, share: float) -> Any:
+        from ebrl.alloc.gpu_cost import roofline, train_time
+
+        if kind == "train":
+            return train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s)
+        return roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share, self.host_s)
+
+    def reset(self) -> float:
+        return self.reset_s
+
+    def efficiency(self, stage: str, threads: int) -> float:
+        return 1.0
+
+    def generate(self, batch: int) -> float:
+        raise NotImplementedError("modelled costs are a GPU node's: generation runs on the GPU (on_gpu)")
+
+    value = train = generate
+
+
+def modelled_costs(cfg: Any, sim_ms: Sequence[float], reset_ms: float, cameras: int) -> ModelledCosts:
+    """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`."""
+    from omegaconf import OmegaConf
+
+    from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec
+    from ebrl.bench.memory import env_spec
+    from ebrl.policies.build import settle_execute
+
+    gpu = gpu_spec(cfg.hw.gpu_name)
+    settle_execute(cfg)
+    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
+    spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
+    ops = PolicyOps.of(policy_cfg, spec)
+    host_s, host_source = host_seconds_per_op()
+    mean, p99 = (float(sim_ms[0]) / 1e3, float(sim_ms[-1]) / 1e3)
+    sources = {"simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms "
+                                  "(--sim-step-ms)",
+               "resets": f"{reset_ms:g} ms each (--reset-ms)",
+               "GPU": gpu.source,
+               "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
+                         f"{cameras} cameras at 224 px: {ops.sample.count} operations per sample, traced on the meta "
+                         "device (ebrl/alloc/gpu_cost.py)",
+               "host per operation": host_source}
+    return ModelledCosts(sim_mean_s=mean, sim_p99_s=p99, reset_s=reset_ms / 1e3,
+                         max_episode_steps=int(cfg.env.max_episode_steps),
+                         execute=int(cfg.policy.execute or ops.chunk_len),
+                         chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
+                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus)), sources=sources)
+
+
 # --- predicting ------------------------------------------------------------------------------
 def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
             cores: int | None = None) -> dict[str, Any]:
     """Run `cfg`'s schedule in virtual time on `costs` (virtual.py's `Costs`, with MeasuredCosts' action_dim,
-    max_episode_steps, execute, chunk_len and timeslice): env steps/s after the first iteration, each stage's busy
-    share and CPU share."""
+    max_episode_steps, execute, chunk_len and timeslice; on a GPU node `GpuCosts`): env steps/s after the first
+    iteration, each stage's busy share and CPU share, each core's busy share, and on a GPU node the SMs' busy share
+    and the time no GPU call ran. On a node of several GPUs this is one rank (one GPU, its share of the cores, its
+    env.num_envs); `node_env_steps_per_s` is the ranks' sum."""
     import torch
     from omegaconf import OmegaConf
 
@@ -221,17 +347,18 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     from ebrl.runtime.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher,
                                       VirtualPlacement, VirtualPool, World)
 
+    gpus = int(cfg.hw.gpus or 0)
     n = envs or cfg.env.num_envs
-    k = cores or bench_cores(cfg)
+    k = cores or (int(cfg.hw.cpu_cores) // gpus if gpus else bench_cores(cfg))  # (a rank per GPU)
     costs.envs = n
     conf = OmegaConf.to_container(cfg, resolve=True)
     conf["env"]["num_envs"] = n
     spec = EnvSpec(obs={"state": ArraySpec((1,), "float32")}, action_dim=costs.action_dim, instruction="",
                    max_episode_steps=costs.max_episode_steps)
     world = World(k, timeslice=costs.timeslice)
+    device = torch.device("cuda" if gpus else "cpu")
     with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp:
-        placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), torch.device("cpu"),
-                                                                          tmp, Ranks())
+        placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), device, tmp, Ranks())
         s = cfg.scheduler
         pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
                            placement.cpus("simulate") + placement.spare(), s.sim_nice)
@@ -246,9 +373,15 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         placement.runtime = scheduler
         if placement.allocator is not None and placement.allocator.current is not None:
             scheduler.regroup(placement.allocator.current.groups)
-        rates, spent_before, t_start, steps, busy = [], dict(world.cpu.spent), None, 0, []
+        rates, t_start, steps, busy = [], None, 0, []
+        before: dict[str, Any] = {}
         sim_cores = len(placement.cpus("simulate"))
         decisions, loop_t0, model0, all_steps = [], time.perf_counter(), world.cpu.model_s, 0
+
+        def tally() -> dict[str, Any]:
+            return {"cpu": dict(world.cpu.spent), "gpu": dict(world.gpu.spent), "cores": list(world.cpu.core_busy),
+                    "active": world.gpu.active}
+
         for it in range(iterations):
             mark, t0, spent0 = scheduler.trace.mark(), world.now, dict(world.cpu.spent)
             stats, _ = scheduler.next_iteration()
@@ -257,7 +390,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
             all_steps += stats.env_steps
             it_busy = scheduler.trace.busy(t0, world.now, sim_cores, since=mark)
             if it == 0:
-                t_start, spent_before = world.now, dict(world.cpu.spent)
+                t_start, before = world.now, tally()
             else:
                 steps += stats.env_steps
                 busy.append(it_busy)
@@ -272,14 +405,22 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         # what a supervisor spends per env step besides IPC, at this many envs
         runtime_s = time.perf_counter() - loop_t0 - (world.cpu.model_s - model0)
         elapsed = world.now - t_start
-        spent = {stage: (world.cpu.spent.get(stage, 0.0) - spent_before.get(stage, 0.0)) / (k * elapsed)
+        after = tally()
+        spent = {stage: (after["cpu"].get(stage, 0.0) - before["cpu"].get(stage, 0.0)) / (k * elapsed)
                  for stage in ("simulate", "generate", "train")}
+        out = {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
+               "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
+               "core_busy": [(a - b) / elapsed for a, b in zip(after["cores"], before["cores"])],
+               "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
+               "runtime_us_per_env_step": 1e6 * runtime_s / all_steps,
+               "events_per_s": world.events.count / runtime_s, "model_s": world.cpu.model_s - model0,
+               "ranks": max(gpus, 1), "node_env_steps_per_s": steps / elapsed * max(gpus, 1)}
+        if gpus:
+            out["gpu_sm_busy"] = {stage: (after["gpu"].get(stage, 0.0) - before["gpu"].get(stage, 0.0)) / elapsed
+                                  for stage in ("generate", "train")}
+            out["gpu_idle"] = max(0.0, 1 - (after["active"] - before["active"]) / elapsed)
         scheduler.close()
-    return {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
-            "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
-            "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
-            "runtime_us_per_env_step": 1e6 * runtime_s / all_steps, "events_per_s": world.events.count / runtime_s,
-            "model_s": world.cpu.model_s - model0}
+    return out
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -294,14 +435,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stragglers", type=float, default=0.0, help="fraction of the envs that step slower")
     parser.add_argument("--straggler-task", default=None)
     parser.add_argument("--straggler-slowdown", type=int, default=3)
-    parser.add_argument("--envs", type=int, default=None, help="envs to predict for (default: --num-envs)")
-    parser.add_argument("--cores", type=int, default=None, help="the virtual node's cores (default: this machine's)")
+    parser.add_argument("--envs", type=int, nargs="+", default=None, help="envs to predict for, one prediction "
+                        "each (default: --num-envs; on a GPU node, per rank: env.num_envs)")
+    parser.add_argument("--cores", type=int, default=None, help="the virtual node's cores (default: this machine's; "
+                        "on a GPU node hw.cpu_cores / hw.gpus per rank)")
     parser.add_argument("--iterations", type=int, default=4, help="iterations per prediction (the first warms up)")
     parser.add_argument("--validate", action="store_true", help="run each mode for real too, beside its prediction")
     parser.add_argument("--repeats", type=int, default=2, help="real runs per mode with --validate (the median; "
                         "modes in ABBA order)")
     parser.add_argument("--costs", help="a costs file from --save-costs (default: measure them now)")
     parser.add_argument("--save-costs", help="write the measured costs here")
+    # a GPU node (hw=... with GPUs): modelled costs
+    parser.add_argument("--testbed", action="store_true", help="the paper's testbed: " + " ".join(TESTBED)
+                        + " with its step distribution (overrides after it win)")
+    parser.add_argument("--sim-step-ms", type=float, nargs="+", default=None, metavar=("MEAN", "P99"),
+                        help="a GPU node's simulator step: mean and 99th percentile, ms (the testbed's: 40 60)")
+    parser.add_argument("--reset-ms", type=float, default=0.0, help="a GPU node's reset, ms")
+    parser.add_argument("--cameras", type=int, default=2, help="cameras the policy reads at 224 px (GPU node)")
     args = parser.parse_args(argv)
     from ebrl.runtime.errors import exit_cleanly
 
@@ -310,6 +460,90 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ebrl.bench.schedulers import compose_overrides
+
+    overrides = (TESTBED if args.testbed else []) + list(args.overrides)
+    if compose_overrides(overrides).hw.gpus:
+        return run_gpu_node(args, overrides)
+    return run_here(args)
+
+
+def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """Every mode on a GPU node this machine is not, on modelled costs (`ModelledCosts`), at each --envs; then the
+    capacity line: the env steps/s the GPU bounds a rank to, and the cores and envs it takes to reach it."""
+    from ebrl.bench.schedulers import compose_overrides
+    from ebrl.config import ConfigError
+
+    if args.validate or args.costs or args.save_costs:
+        raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
+                          "are modelled (drop them, or predict hw=cpu)")
+    sim_ms = args.sim_step_ms or (TESTBED_SIM_MS if args.testbed else None)
+    if not sim_ms or len(sim_ms) > 2:
+        raise ConfigError("a GPU node's simulator steps are not measured here: give --sim-step-ms MEAN P99 (ms), "
+                          "e.g. the paper's RoboCasa 40 60 (--testbed)")
+    cfg = compose_overrides(overrides)
+    t0 = time.perf_counter()
+    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras)
+    print(f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
+          + "; ".join(f"{k}: {v}" for k, v in costs.sources.items()))
+    rows = []
+    print(f"| mode | envs per rank | cores per rank | {LABEL} env steps/s (node of {cfg.hw.gpus} GPUs) | cores' CPU "
+          "share | busy gen / train | GPU SM busy gen / train | GPU idle | cores > 50% busy (node) | driver s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for envs in args.envs or [None]:
+        for mode in args.modes:
+            mode_cfg = compose_overrides(overrides, mode)
+            mode_cfg.policy.execute = costs.execute
+            t0 = time.perf_counter()
+            predicted = predict(mode_cfg, costs, args.iterations, envs, args.cores)
+            predicted["driver_s"] = time.perf_counter() - t0
+            busy = f"{predicted['cpu_share']['simulate']:.0%} | {predicted['busy']['generate']:.0%} / " \
+                f"{predicted['busy']['train']:.0%}"
+            sm = " / ".join(f"{v:.0%}" for v in predicted["gpu_sm_busy"].values())
+            hot = sum(b > 0.5 for b in predicted["core_busy"]) * predicted["ranks"]
+            print(f"| {mode} | {predicted['envs']} | {predicted['cores']} | {predicted['node_env_steps_per_s']:.1f} | "
+                  f"{busy} | {sm} | {predicted['gpu_idle']:.0%} | {hot} of {predicted['cores'] * predicted['ranks']} "
+                  f"| {predicted['driver_s']:.1f} |", flush=True)
+            rows.append({"mode": mode, LABEL: predicted})
+    capacity = gpu_capacity(costs, rows, cfg)
+    print(capacity["line"])
+    return {"costs": costs.sources, "rows": rows, "capacity": capacity}
+
+
+def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, Any]:
+    """What bounds a rank: its GPU's kernels per env step (generation at the largest batch predicted, one
+    iteration's update; the SM-seconds, whatever the shares) against the simulators' (the mean step over the rank's
+    cores). One process issuing the same kernels one after another (the host's time per operation counted) is
+    slower: generation and training side by side under MPS overlap their hosts' gaps."""
+    envs = max(r[LABEL]["envs"] for r in rows)
+    cores = rows[0][LABEL]["cores"]
+    decisions = envs * int(cfg.algo.rollout_chunks)
+    chunks = int(cfg.algo.rollout_chunks)  # (a sample per chunk step; values once an iteration, for the bootstrap)
+    calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
+             "train": [costs.on_gpu("train", decisions, 1.0)]}
+    per = {"generate": decisions * costs.execute, "train": decisions * costs.execute}
+    kernels = {stage: sum(c.seconds * c.sm_busy for c in cs) / per[stage] for stage, cs in calls.items()}
+    serial = {stage: sum(c.seconds for c in cs) / per[stage] for stage, cs in calls.items()}
+    gpu_rate, serial_rate = 1 / sum(kernels.values()), 1 / sum(serial.values())
+    need = costs.sim_mean_s * gpu_rate
+    sim_rate = cores / costs.sim_mean_s
+    best = max(rows, key=lambda r: r[LABEL]["env_steps_per_s"])
+    bound = "the GPU" if gpu_rate < sim_rate else f"the simulators ({cores} cores)"
+    rate = best[LABEL]["env_steps_per_s"]
+    line = (f"capacity ({LABEL}): per env step a GPU's kernels take {1e3 * kernels['generate']:.2f} ms to generate "
+            f"(batch {envs}) and {1e3 * kernels['train']:.2f} ms to train ({1e3 * serial['generate']:.2f} and "
+            f"{1e3 * serial['train']:.2f} ms issued one after another): at most {gpu_rate:.1f} env steps/s per GPU "
+            f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:g} ms a step; "
+            f"with {cores} cores per GPU ({sim_rate:.1f} env steps/s) {bound} bounds a rank. Best predicted: "
+            f"{best['mode']} at {best[LABEL]['envs']} envs per rank, {rate:.1f} env steps/s per rank "
+            f"({rate / min(gpu_rate, sim_rate):.0%} of that bound)")
+    return {"gpu_s_per_env_step": kernels, "serial_s_per_env_step": serial, "gpu_rate": gpu_rate,
+            "cores_needed": need, "sim_rate": sim_rate, "line": line}
+
+
+def run_here(args: argparse.Namespace) -> dict[str, Any]:
+    """The scheduler benchmark's workload: costs measured here (or read back), every mode predicted, and with
+    --validate run for real beside."""
     from ebrl.bench.schedulers import Workload, compose, round_order, run_mode
 
     workload = Workload(preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
@@ -343,10 +577,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           + "busy sim / gen / train | CPU share sim / gen / train | driver s (model s) | runtime code us per env step, "
           "events/s |")
     print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|---|")
-    for mode in args.modes:
+    for envs, mode in [(e, m) for e in args.envs or [None] for m in args.modes]:
         mode_cfg = compose(workload, mode)
         t0 = time.perf_counter()
-        predicted = predict(mode_cfg, costs, args.iterations, args.envs, args.cores)
+        predicted = predict(mode_cfg, costs, args.iterations, envs, args.cores)
         predicted["driver_s"] = time.perf_counter() - t0
         row = {"mode": mode, LABEL: predicted}
         real_cell, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())

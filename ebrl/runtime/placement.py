@@ -85,7 +85,7 @@ class Placement:
         try:
             gpus = 1 if self.ranks.distributed and cfg.hw.gpus else cfg.hw.gpus  # a rank has its own GPU
             self.pool = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
-                                     gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30), partition=sm_partition(cfg.hw),
+                                     gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30), partition=self.partition(),
                                      run_dir=out_dir)
             self._lease()
             if self.pool.partition == "mps":  # before any CUDA starts: a client's share is fixed then
@@ -93,6 +93,10 @@ class Placement:
                 self.mps.start()
         except ResourceError as e:  # (a missing MPS binary, a pool the hw cannot have: one line)
             raise ConfigError(str(e)) from None
+
+    def partition(self) -> str:
+        """How the GPU's SMs are shared out (hw): MPS, green contexts, or shares only recorded ("none")."""
+        return sm_partition(self.cfg.hw)
 
     # --- what the stages get ---------------------------------------------------------------------
     def cpus(self, stage: str) -> list[int]:

@@ -16,8 +16,12 @@ process, thread or policy (docs/at-scale.md; `python -m ebrl.bench.at_scale`).
   done; what happens meanwhile (chunks ending) is queued, as the dispatcher thread would have queued it.
 - `VirtualPool` / `VirtualDispatcher`: each env's chunk is a one-thread task of the env's drawn step costs; episodes
   end at their drawn length. With core rebinding the real `CorePool` hands out the cores.
+- `Gpu`: a GPU as a fluid too. A call with an SM share (an MPS client's) runs at its own pace whatever else runs;
+  calls without one (the whole GPU: colocated, or before a plan) split the GPU evenly in time. A call's length at
+  its share comes from the cost model (ebrl/alloc/gpu_cost.py: a roofline per operation, with the host's time to
+  issue each), and so does the share of the SMs its kernels keep busy.
 - `ModelGeneration`, `ModelTrainer`: a batch's CPU work from the cost model, on the cores and threads the
-  `Placement` gives the stage.
+  `Placement` gives the stage; on a GPU node a GPU call at the stage's SM share.
 
 What is not modelled yet is listed in `NOT_MODELLED`; a figure from this module is a prediction, labelled simulated.
 """
@@ -38,8 +42,8 @@ from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
 from ebrl.runtime.messages import Sampled, State, Trained
 from ebrl.runtime.trainer import Trainer
 
-NOT_MODELLED = ("GPU stages (SM shares, MPS)", "memory", "failures and timeouts",
-                "the supervisor's own CPU per event (orchestration)")
+NOT_MODELLED = ("memory", "failures and timeouts", "the supervisor's own CPU per event (orchestration)",
+                "the cores a GPU stage's host thread takes from the simulators", "weight publication's copies")
 NICE_0 = 1024.0
 
 
@@ -62,18 +66,49 @@ class Task:
     done: Callable[[], None] | None = None
     started: float = 0.0
     rate: float = 0.0  # one-thread seconds of work per second, as last allotted
+    gpu: bool = False  # a GPU call: `work` is its seconds at its share (`sm`; None: the whole GPU, time-shared)
+    sm: float | None = None
+    sm_busy: float = 0.0  # the share of the whole GPU's SMs its kernels keep busy while it runs alone
 
 
-class Cpu:
+class Device:
+    """Tasks on a part of the node, each moving at the rate `allot` gives it; `spent` per stage (the part of a
+    task's name before "/")."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, Task] = {}  # id -> task, in start order (a completion leaves in O(1))
+        self.spent: dict[str, float] = {}
+        self.model_s = 0.0  # this machine's seconds spent in the model itself (the driver's own cost, not the run's)
+
+    def allot(self) -> None:
+        raise NotImplementedError
+
+    def advance(self, dt: float) -> None:
+        raise NotImplementedError
+
+    def next_done(self) -> tuple[float, Task] | None:
+        """Seconds until the next task completes, and that task."""
+        t0 = time.perf_counter()
+        best = None
+        for task in self.tasks.values():
+            if task.rate > 0:
+                dt = max(task.work, 0.0) / task.rate
+                if best is None or dt < best[0]:
+                    best = (dt, task)
+        self.model_s += time.perf_counter() - t0
+        return best
+
+
+class Cpu(Device):
     """See the module docstring: the tasks on a node's cores and the rate each moves at."""
 
     def __init__(self, cores: int, timeslice: float = 0.0) -> None:
         """timeslice: the CPU a thread loses to switches and cold caches while it shares its core with others, as a
         fraction of its work (measured: a lockstep rollout's CPU per env step over one env per core's, minus 1)."""
+        super().__init__()
         self.cores, self.timeslice = cores, timeslice
-        self.tasks: dict[int, Task] = {}  # id -> task, in start order (a completion leaves in O(1))
-        self.spent: dict[str, float] = {}  # CPU seconds used, per stage
-        self.model_s = 0.0  # this machine's seconds spent in the model itself (the driver's own cost, not the run's)
+        self.occupied = [False] * cores  # cores with a thread on them, as last allotted
+        self.core_busy = [0.0] * cores  # seconds each core had a thread on it
 
     def allot(self) -> None:
         """Each task's rate from where its threads go and how the cores' time divides."""
@@ -89,6 +124,7 @@ class Cpu:
         threads_on = [0] * self.cores
         for _, core in placed:
             threads_on[core] += 1
+        self.occupied = [n > 0 for n in threads_on]
         shares = [weight(task.nice) / load[core] / (1 + self.timeslice if threads_on[core] > 1 else 1)
                   for task, core in placed]
         # one-thread tasks free to move between the same cores at the same nice even out over time (the OS migrates
@@ -116,48 +152,68 @@ class Cpu:
             task.work -= task.rate * dt
             stage = task.name.split("/", 1)[0]
             self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate / task.efficiency
+        for core, on in enumerate(self.occupied):
+            if on:
+                self.core_busy[core] += dt
         self.model_s += time.perf_counter() - t0
 
-    def next_done(self) -> tuple[float, Task] | None:
-        """Seconds until the next task completes, and that task."""
-        t0 = time.perf_counter()
-        best = None
+
+class Gpu(Device):
+    """One GPU (see the module docstring): `spent[stage]` counts the SM-seconds its kernels kept busy (in whole-GPU
+    seconds), `active` the seconds any call ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = 0.0
+
+    def allot(self) -> None:
+        whole = sum(1 for t in self.tasks.values() if t.sm is None)
         for task in self.tasks.values():
-            if task.rate > 0:
-                dt = max(task.work, 0.0) / task.rate
-                if best is None or dt < best[0]:
-                    best = (dt, task)
-        self.model_s += time.perf_counter() - t0
-        return best
+            task.rate = 1.0 if task.sm is not None else 1.0 / whole
+
+    def advance(self, dt: float) -> None:
+        if self.tasks:
+            self.active += dt
+        for task in self.tasks.values():
+            task.work -= task.rate * dt
+            stage = task.name.split("/", 1)[0]
+            self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate * task.sm_busy
 
 
 class World:
-    """The virtual clock and the node's CPU."""
+    """The virtual clock, the node's CPU and (one rank's) GPU."""
 
     def __init__(self, cores: int, timeslice: float = 0.0) -> None:
         self.now = 0.0
         self.cpu = Cpu(cores, timeslice)
+        self.gpu = Gpu()
         self.events = VirtualEvents(self)
 
     def clock(self) -> float:
         return self.now
 
+    def device(self, task: Task) -> Device:
+        return self.gpu if task.gpu else self.cpu
+
     def start(self, task: Task) -> Task:
         task.started = self.now
-        self.cpu.tasks[id(task)] = task
-        self.cpu.allot()
+        device = self.device(task)
+        device.tasks[id(task)] = task
+        device.allot()
         return task
 
     def step(self) -> bool:
         """Advance to the next task's completion and run what it triggers; False: nothing is running."""
-        task_next = self.cpu.next_done()
-        if task_next is None:
+        nexts = [n for n in (self.cpu.next_done(), self.gpu.next_done()) if n is not None]
+        if not nexts:
             return False
-        dt, task = task_next
+        dt, task = min(nexts, key=lambda n: n[0])
         self.cpu.advance(dt)
+        self.gpu.advance(dt)
         self.now += dt
-        del self.cpu.tasks[id(task)]
-        self.cpu.allot()
+        device = self.device(task)
+        del device.tasks[id(task)]
+        device.allot()
         if task.done is not None:
             task.done()
         return True
@@ -211,6 +267,22 @@ class Costs(Protocol):
     def train(self, rows: int) -> float: ...  # rows: decisions, chunk steps x envs
     def efficiency(self, stage: str, threads: int) -> float: ...
     def reset(self) -> float: ...
+
+
+class GpuCosts(Costs, Protocol):
+    """A cost model with GPU stages: a call's seconds at an SM share and the SMs it keeps busy (kind: sample, value
+    or train; rows: its batch, or the update's decisions)."""
+
+    def on_gpu(self, kind: str, rows: int, share: float) -> Any: ...  # ebrl.alloc.gpu_cost.GpuTime
+
+
+def gpu_task(name: str, costs: Any, kind: str, rows: int, placement: Any, stage: str) -> Task:
+    """A GPU call of `stage` at the SM share its lease holds (none: the whole GPU, time-shared with other such calls;
+    its cost as at the whole GPU)."""
+    lease = placement.pool.leases.get(stage) if placement.pool is not None else None
+    share = lease.sm_share if lease is not None else None
+    t = costs.on_gpu(kind, rows, share or 1.0)
+    return Task(name, t.seconds, 1, (), gpu=True, sm=share, sm_busy=t.sm_busy)
 
 
 # --- the simulators ----------------------------------------------------------------------------
@@ -274,6 +346,7 @@ class VirtualPool:
         w = self.workers[env]
         n = min(self.chunk_len, w.length - w.step)
         costs = self.costs.sim_steps(env, n, self.rng)
+        work = float(costs.sum()) + (self.costs.reset() if w.step + n >= w.length else 0.0)  # (the auto-reset)
         started = self.world.now
 
         def finished() -> None:
@@ -292,7 +365,7 @@ class VirtualPool:
                 started=started, ended=end, cpus=cores)
             done(report)
 
-        return Task(f"simulate/env{env}", float(costs.sum()), 1, cores, self.sim_nice, done=finished)
+        return Task(f"simulate/env{env}", work, 1, cores, self.sim_nice, done=finished)
 
 
 class VirtualDispatcher:
@@ -371,22 +444,26 @@ class ModelGeneration:
         self.pid = 0
         self.version = 0
 
-    def _run(self, name: str, work: float) -> None:
+    def _run(self, kind: str, n: int) -> None:
+        if self.placement.device.type == "cuda":
+            self.world.run(gpu_task(f"generate/{kind}", self.costs, kind, n, self.placement, "generate"))
+            return
         threads = self.placement.threads("generate")
-        self.world.run(Task(name, work, threads, tuple(self.placement.cpus("generate")),
+        work = self.costs.generate(n) if kind == "sample" else self.costs.value(n)
+        self.world.run(Task(f"generate/{kind}", work, threads, tuple(self.placement.cpus("generate")),
                             efficiency=self.costs.efficiency("generate", threads)))
 
     def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
         n = _rows(obs)
         self.version = self.trainer.published
-        self._run("generate/sample", self.costs.generate(n))
+        self._run("sample", n)
         p = self.policy
         return Sampled(torch.zeros(n, p.chunk_len, p.env_spec.action_dim), {}, torch.zeros(n, p.chunk_len),
                        torch.zeros(n), self.version)
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         n = _rows(obs)
-        self._run("generate/value", self.costs.value(n))
+        self._run("value", n)
         return torch.zeros(n)
 
     def release(self) -> None:
@@ -412,10 +489,14 @@ class LentThreads:
 
 
 class VirtualPlacement:
-    """Mixed into the run's `Placement` class: its decisions as they are, no process moved (`pin`)."""
+    """Mixed into the run's `Placement` class: its decisions as they are, no process moved (`pin`), no MPS daemon
+    started (the pool records the SM shares, which the modelled GPU calls read)."""
 
     def pin(self, pid: int, cpus: Sequence[int]) -> None:
         pass
+
+    def partition(self) -> str:
+        return "none"
 
 
 class ModelTrainer(Trainer):
@@ -459,7 +540,11 @@ class ModelTrainer(Trainer):
             if self.queued:
                 self._start(self.queued.pop(0))
 
-        task = Task("train", self.costs.train(rows), 1, (), done=trained)
+        if self.placement.device.type == "cuda":
+            task = gpu_task("train", self.costs, "train", rows, self.placement, "train")
+            task.done = trained
+        else:
+            task = Task("train", self.costs.train(rows), 1, (), done=trained)
         if self.local:
             self._place(task)
             self.world.run(task)
@@ -470,7 +555,9 @@ class ModelTrainer(Trainer):
 
     def _place(self, task: Task) -> None:
         """The threads and cores of the moment (a new plan may have moved them since the update was sent; the
-        placement may have lent it every core)."""
+        placement may have lent it every core); a GPU call keeps its share."""
+        if task.gpu:
+            return
         lent = self.shared_threads is not None and self.shared_threads.count != self.own_threads
         task.threads = self.shared_threads.count if lent else self.own_threads
         task.cores = tuple(self.placement.cores if lent else self.placement.cpus("train"))

@@ -22,3 +22,13 @@ def test_costs_are_measured_saved_and_predict_a_bigger_node(tmp_path, capsys):
         assert row["simulated"]["envs"] == 16 and row["simulated"]["cores"] == 8
     printed = capsys.readouterr().out
     assert "simulated env steps/s" in printed and "| ebrl | 16 |" in printed
+
+
+def test_a_gpu_node_without_its_simulator_steps_is_one_line(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as stop:
+        main(["hw=a100x8", "--modes", "ebrl"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sim-step-ms MEAN P99" in err[0]

@@ -112,3 +112,24 @@ def test_grpo_segments_reset_and_run_in_virtual_time(mode):
                              "progress=false", "iterations=4"], mode)
     out = predict(cfg, costs, iterations=4, cores=2)
     assert out["env_steps_per_s"] > 0 and len(out["per_iteration"]) == 4
+
+
+def test_a_gpu_nodes_stages_run_on_its_gpu_and_no_schedule_beats_the_bounds():
+    """hw=h200x1 on modelled costs (ebrl/alloc/gpu_cost.py's roofline of the small policy): colocated's calls take
+    the whole GPU, ebrl's the SM shares its calibrated plan leases; neither exceeds what the GPU's kernels or the
+    simulators allow."""
+    from ebrl.bench.at_scale import gpu_capacity, modelled_costs
+
+    overrides = ["hw=h200x1", "policy.preset=small", "env.num_envs=16", "algo.rollout_chunks=4", "algo.minibatches=1"]
+    costs = modelled_costs(compose_overrides(overrides), (6.0, 9.0), 2.0, 1)
+    rows = []
+    for mode in ("colocated", "ebrl"):
+        cfg = compose_overrides(overrides, mode)
+        cfg.policy.execute = costs.execute
+        out = predict(cfg, costs, 5)
+        assert 0 < sum(out["gpu_sm_busy"].values()) <= 1 and 0 <= out["gpu_idle"] < 1
+        rows.append({"mode": mode, "simulated": out})
+    assert any("calibrated" in line for line in rows[1]["simulated"]["decisions"])
+    capacity = gpu_capacity(costs, rows, compose_overrides(overrides))
+    for row in rows:
+        assert row["simulated"]["env_steps_per_s"] <= 1.01 * min(capacity["gpu_rate"], capacity["sim_rate"])
