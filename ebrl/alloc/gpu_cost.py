@@ -21,7 +21,7 @@ gradients over NVLink per optimizer step. Every constant below names its source.
 """
 from __future__ import annotations
 
-import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -256,6 +256,10 @@ class UpdateShape:
     ranks: int = 1
 
 
+def _split(total: int, size: int) -> list[int]:
+    return [size] * (total // size) + ([total % size] if total % size else [])
+
+
 def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float) -> GpuTime:
     """One rank's update on `rows` rows (its own share of the rollout): micro-batches' forward and backward (and a
     recomputed forward with checkpointing), AdamW per optimizer step, the gradients' ring all-reduce over ranks."""
@@ -265,16 +269,19 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     algo = shape.algo
     per_step = minibatch_rows(algo, rows, shape.ranks)
     micro = min(algo.get("micro_batch") or per_step, per_step)
-    steps = algo.epochs * max(1, math.ceil(rows / per_step))
-    passes = steps * max(1, math.ceil(per_step / micro))
-    # a pass: the forward, the backward of the operations that need one (twice their forward), and with
-    # checkpointing those forwards again
-    parts = [roofline(ops.forward, micro, gpu, share, host_s),
-             roofline(ops.forward, micro, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
-    if ops.checkpointing:
-        parts.append(roofline(ops.forward, micro, gpu, share, host_s, only_grad=True))
-    compute = passes * sum(p.seconds for p in parts)
-    busy = passes * sum(p.seconds * p.sm_busy for p in parts)
+    minibatches = _split(rows, per_step)
+    passes = Counter(size for mb in minibatches for size in _split(mb, micro))  # (the last of each smaller)
+    steps = algo.epochs * len(minibatches)
+    compute = busy = 0.0
+    for size, count in passes.items():
+        # a pass: the forward, the backward of the operations that need one (twice their forward), and with
+        # checkpointing those forwards again
+        parts = [roofline(ops.forward, size, gpu, share, host_s),
+                 roofline(ops.forward, size, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
+        if ops.checkpointing:
+            parts.append(roofline(ops.forward, size, gpu, share, host_s, only_grad=True))
+        compute += algo.epochs * count * sum(p.seconds for p in parts)
+        busy += algo.epochs * count * sum(p.seconds * p.sm_busy for p in parts)
     # AdamW: masters (4 B) and both moments read and written, gradients (4 B) read; memory-bound
     adam_bytes = ops.trained * (2 * 4 + 4 + 2 * 2 * MOMENT_BYTES[algo.get("optimizer_dtype", "float32")])
     adam = adam_bytes / gpu.hbm_bytes_per_s / share

@@ -253,9 +253,10 @@ def host_seconds_per_op() -> tuple[float, str]:
 @dataclass
 class ModelledCosts:
     """The costs of a node this machine is not (see docs/at-scale.md): each simulator step drawn from a lognormal of
-    `sim_mean_s` and `sim_p99_s` (each step on its own), an episode `max_episode_steps` long unless `lengths` says
-    otherwise, a reset of `reset_s`; the GPU stages from the policy's operations on `gpu`'s roofline
-    (ebrl/alloc/gpu_cost.py), each operation at least `host_s`; `sources` name where each figure comes from."""
+    `sim_mean_s` and `sim_p99_s` (each step on its own), or from `steps` (each env's, measured here: `MeasuredCosts`),
+    an episode `max_episode_steps` long unless `lengths` says otherwise, a reset of `reset_s`; the GPU stages from
+    the policy's operations on `gpu`'s roofline (ebrl/alloc/gpu_cost.py), each operation at least `host_s`;
+    `sources` name where each figure comes from."""
 
     sim_mean_s: float
     sim_p99_s: float
@@ -272,8 +273,13 @@ class ModelledCosts:
     lengths: list[int] = field(default_factory=list)
     timeslice: float = 0.0
     envs: int = 0
+    steps: list[list[float]] = field(default_factory=list)
+    measured_gpu: dict[str, Any] | None = None  # gpu_check's "costs" (full's): they replace the roofline's
 
     def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.steps:
+            own = self.steps[env * len(self.steps) // max(self.envs, len(self.steps))]
+            return np.asarray(own)[rng.integers(0, len(own), n)]
         mu, sigma = lognormal(self.sim_mean_s, self.sim_p99_s)
         return rng.lognormal(mu, sigma, n)
 
@@ -281,11 +287,29 @@ class ModelledCosts:
         return int(rng.choice(self.lengths)) if self.lengths else self.max_episode_steps
 
     def on_gpu(self, kind: str, rows: int, share: float) -> Any:
-        from ebrl.alloc.gpu_cost import roofline, train_time
+        from ebrl.alloc.gpu_cost import GpuTime, roofline, train_time
 
         if kind == "train":
-            return train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s)
-        return roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share, self.host_s)
+            modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s)
+        else:
+            modelled = roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share,
+                                self.host_s)
+        m = self.measured_gpu
+        if m is None or kind == "value":
+            return modelled
+        # measured on the whole GPU: at a share, as much longer as the roofline says; the SMs' busy share the
+        # roofline's (gpu_check measures no occupancy)
+        if kind == "train":
+            seconds = m["train_s_per_row_epoch"] * rows * int(self.shape.algo.epochs)
+            whole = train_time(self.ops, rows, self.shape, self.gpu, 1.0, self.host_s)
+        else:
+            xs, ts = zip(*sorted((int(b), float(t)) for b, t in m["sample_s"].items()))
+            if rows <= xs[-1]:  # (between the measured batches linear; below the least its time)
+                seconds = float(np.interp(rows, xs, ts))
+            else:  # (above the largest, the last two's slope)
+                seconds = ts[-1] + (ts[-1] - ts[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+            whole = roofline(self.ops.sample, rows, self.gpu, 1.0, self.host_s)
+        return GpuTime(seconds * modelled.seconds / whole.seconds, modelled.sm_busy)
 
     def reset(self) -> float:
         return self.reset_s
@@ -299,8 +323,10 @@ class ModelledCosts:
     value = train = generate
 
 
-def modelled_costs(cfg: Any, sim_ms: Sequence[float], reset_ms: float, cameras: int) -> ModelledCosts:
-    """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`."""
+def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, cameras: int,
+                   measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None) -> ModelledCosts:
+    """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`; the simulators' steps,
+    episode lengths and resets from `measured` where given, sampling and training from `gpu_costs` (gpu_check's)."""
     from omegaconf import OmegaConf
 
     from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec
@@ -313,20 +339,31 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float], reset_ms: float, cameras: 
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     ops = PolicyOps.of(policy_cfg, spec)
     host_s, host_source = host_seconds_per_op()
-    mean, p99 = (float(sim_ms[0]) / 1e3, float(sim_ms[-1]) / 1e3)
-    sources = {"simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms "
-                                  "(--sim-step-ms)",
-               "resets": f"{reset_ms:g} ms each (--reset-ms)",
+    if measured is not None:
+        every = np.concatenate([np.asarray(s) for s in measured.steps])
+        mean, p99, reset_ms = float(every.mean()), float(np.percentile(every, 99)), 1e3 * measured.reset_s
+        steps = {"simulator steps": f"{measured.source}: mean {1e3 * mean:.2f} ms, 99th percentile "
+                                    f"{1e3 * p99:.2f} ms (--sim-costs)", "resets": f"{reset_ms:.1f} ms (measured)"}
+    else:
+        mean, p99 = (float(sim_ms[0]) / 1e3, float(sim_ms[-1]) / 1e3)
+        steps = {"simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms "
+                                    "(--sim-step-ms)", "resets": f"{reset_ms:g} ms each (--reset-ms)"}
+    sources = {**steps,
                "GPU": gpu.source,
                "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
                          f"{cameras} cameras at 224 px: {ops.sample.count} operations per sample, traced on the meta "
                          "device (ebrl/alloc/gpu_cost.py)",
                "host per operation": host_source}
+    if gpu_costs is not None:
+        sources["GPU"] = (f"measured on {gpu_costs['gpu']} by gpu_check ({gpu_costs['policy']}): sample and update; "
+                          f"values and SM occupancy from {gpu.source}")
     return ModelledCosts(sim_mean_s=mean, sim_p99_s=p99, reset_s=reset_ms / 1e3,
                          max_episode_steps=int(cfg.env.max_episode_steps),
                          execute=int(cfg.policy.execute or ops.chunk_len),
                          chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
-                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus)), sources=sources)
+                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus)), sources=sources,
+                         steps=measured.steps if measured else [], lengths=measured.lengths if measured else [],
+                         timeslice=measured.timeslice if measured else 0.0, measured_gpu=gpu_costs)
 
 
 # --- predicting ------------------------------------------------------------------------------
@@ -451,6 +488,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sim-step-ms", type=float, nargs="+", default=None, metavar=("MEAN", "P99"),
                         help="a GPU node's simulator step: mean and 99th percentile, ms (the testbed's: 40 60)")
     parser.add_argument("--reset-ms", type=float, default=0.0, help="a GPU node's reset, ms")
+    parser.add_argument("--gpu-costs", help="a GPU node's sampling and update times from gpu_check's --out JSON "
+                        "(its full check's costs), in place of the roofline")
+    parser.add_argument("--sim-costs", help="a GPU node's simulator steps, episode lengths and resets from a costs "
+                        "file measured here (--save-costs), in place of --sim-step-ms")
     parser.add_argument("--cameras", type=int, default=2, help="cameras the policy reads at 224 px (GPU node)")
     args = parser.parse_args(argv)
     from ebrl.runtime.errors import exit_cleanly
@@ -478,12 +519,14 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
         raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
                           "are modelled (drop them, or predict hw=cpu)")
     sim_ms = args.sim_step_ms or (TESTBED_SIM_MS if args.testbed else None)
-    if not sim_ms or len(sim_ms) > 2:
+    measured = MeasuredCosts(**json.loads(Path(args.sim_costs).read_text())) if args.sim_costs else None
+    if measured is None and (not sim_ms or len(sim_ms) > 2):
         raise ConfigError("a GPU node's simulator steps are not measured here: give --sim-step-ms MEAN P99 (ms), "
-                          "e.g. the paper's RoboCasa 40 60 (--testbed)")
+                          "e.g. the paper's RoboCasa 40 60 (--testbed), or --sim-costs FILE (--save-costs on hw=cpu)")
     cfg = compose_overrides(overrides)
     t0 = time.perf_counter()
-    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras)
+    gpu_costs = json.loads(Path(args.gpu_costs).read_text())["full"]["costs"] if args.gpu_costs else None
+    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs)
     print(f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
           + "; ".join(f"{k}: {v}" for k, v in costs.sources.items()))
     rows = []
@@ -533,7 +576,7 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     line = (f"capacity ({LABEL}): per env step a GPU's kernels take {1e3 * kernels['generate']:.2f} ms to generate "
             f"(batch {envs}) and {1e3 * kernels['train']:.2f} ms to train ({1e3 * serial['generate']:.2f} and "
             f"{1e3 * serial['train']:.2f} ms issued one after another): at most {gpu_rate:.1f} env steps/s per GPU "
-            f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:g} ms a step; "
+            f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:.3g} ms a step; "
             f"with {cores} cores per GPU ({sim_rate:.1f} env steps/s) {bound} bounds a rank. Best predicted: "
             f"{best['mode']} at {best[LABEL]['envs']} envs per rank, {rate:.1f} env steps/s per rank "
             f"({rate / min(gpu_rate, sim_rate):.0%} of that bound)")

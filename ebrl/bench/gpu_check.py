@@ -12,8 +12,9 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update, and the scheduler benchmark's
           limit costs on the device (generation's and training's GPU time per env step, bench.schedulers.stage_costs)
   full    pi0 at full size in bfloat16 (2 cameras at 224 px), built with given weights: build time, policy.sample at
-          batch 1, 8 and 32, one PPO update (train=all) at algo.micro_batch=4; the peak memory allocated against the
-          memory model's prediction, and the CUDA context's size
+          batch 1, 8 and 32 (beside the roofline's, ebrl/alloc/gpu_cost.py), one PPO update (train=all) at
+          algo.micro_batch=4; the peak memory allocated against the memory model's prediction, and the CUDA
+          context's size; "costs" are what `python -m ebrl.bench.at_scale --gpu-costs` reads
   checkpoint  `python -m ebrl.bench.checkpoint`'s path on CUDA: a full-size pi0 folder in lerobot's layout (random
           bfloat16 weights) built through policy.checkpoint with a SentencePiece tokenizer trained on the spot, one
           deterministic chunk on a synthetic LIBERO observation (2 cameras at 224 px): folder write, build, first and
@@ -386,7 +387,26 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
                     "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
                     "nonfinite_steps": metrics["train/nonfinite_steps"]})
     figures["cuda_context_mib"] = context_mib
+    # the costs the at-scale benchmark takes in place of its roofline (python -m ebrl.bench.at_scale --gpu-costs),
+    # with the roofline's figures beside them
+    figures["costs"] = {"gpu": torch.cuda.get_device_name(), "policy": "openpi full, 2 cameras at 224 px",
+                        "sample_s": {str(b): figures[f"sample_ms_b{b}"] / 1e3 for b in (1, 8, 32)},
+                        "train_s_per_row_epoch": figures["update_s"] / rows}
+    figures["modelled_sample_ms"] = modelled_sample_ms(cfg, spec)
     return abs(figures["error"]) < 0.15, figures
+
+
+def modelled_sample_ms(policy_cfg: dict, spec: Any) -> dict[str, float] | str:
+    """The roofline's sample times for this GPU (ebrl/alloc/gpu_cost.py), to set beside the measured ones."""
+    from ebrl.alloc.gpu_cost import GPUS, PolicyOps, roofline
+    from ebrl.bench.at_scale import host_seconds_per_op
+
+    device = torch.cuda.get_device_name()
+    name = next((k for k in GPUS if k.split("-")[0] in device), None)
+    if name is None:
+        return f"no published peaks for {device}"
+    ops, (host_s, _) = PolicyOps.of(policy_cfg, spec), host_seconds_per_op()
+    return {str(b): round(1e3 * roofline(ops.sample, b, GPUS[name], 1.0, host_s).seconds, 1) for b in (1, 8, 32)}
 
 
 def check_checkpoint(args: argparse.Namespace) -> tuple[bool, dict]:

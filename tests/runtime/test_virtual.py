@@ -133,3 +133,12 @@ def test_a_gpu_nodes_stages_run_on_its_gpu_and_no_schedule_beats_the_bounds():
     capacity = gpu_capacity(costs, rows, compose_overrides(overrides))
     for row in rows:
         assert row["simulated"]["env_steps_per_s"] <= 1.01 * min(capacity["gpu_rate"], capacity["sim_rate"])
+    # gpu_check's measured costs replace the roofline's: on the whole GPU as measured, at a share as much longer as
+    # the roofline says
+    at_half = costs.on_gpu("sample", 8, 0.5).seconds / costs.on_gpu("sample", 8, 1.0).seconds
+    costs.measured_gpu = {"gpu": "H200", "policy": "-", "sample_s": {"1": 0.01, "8": 0.02, "32": 0.05},
+                          "train_s_per_row_epoch": 0.003}
+    assert costs.on_gpu("sample", 8, 1.0).seconds == pytest.approx(0.02)
+    assert costs.on_gpu("sample", 8, 0.5).seconds == pytest.approx(0.02 * at_half)
+    assert costs.on_gpu("sample", 64, 1.0).seconds == pytest.approx(0.05 + 0.03 / 24 * 32)  # (the last slope)
+    assert costs.on_gpu("train", 40, 1.0).seconds == pytest.approx(0.003 * 40 * int(costs.shape.algo.epochs))
