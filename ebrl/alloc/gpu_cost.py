@@ -39,7 +39,8 @@ from ebrl.envs.base import EnvSpec
 @dataclass(frozen=True)
 class GpuSpec:
     """A GPU's published peaks: dense bfloat16 tensor-core FLOP/s, HBM bytes/s, NVLink bytes/s per GPU (both
-    directions), SMs, memory; `source`: where the figures are published."""
+    directions), SMs, memory, and the network link its node gives each GPU to other nodes (bytes/s each way, the
+    vendor's reference node: DGX); `source`: where the figures are published."""
 
     name: str
     bf16_flops: float
@@ -48,19 +49,23 @@ class GpuSpec:
     sm_count: int
     memory_gb: float
     source: str
+    node_link_bytes_per_s: float = 0.0
 
 
 # keyed by hw.gpu_name (conf/hw)
 GPUS = {
     "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 312e12, 2.039e12, 600e9, 108, 80,
                               "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e "
-                              "(80GB SXM), NVLink 600 GB/s"),
+                              "(80GB SXM), NVLink 600 GB/s; DGX A100 user guide: a 200 Gb/s HDR InfiniBand port per "
+                              "GPU", node_link_bytes_per_s=25e9),
     "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 989e12, 3.35e12, 900e9, 132, 80,
                               "NVIDIA H100 Tensor Core GPU datasheet (2023): 989 TFLOPS BF16 dense (1,979 with "
-                              "sparsity), 3.35 TB/s HBM3 (SXM), NVLink 900 GB/s"),
+                              "sparsity), 3.35 TB/s HBM3 (SXM), NVLink 900 GB/s; DGX H100 user guide: a 400 Gb/s NDR "
+                              "InfiniBand port per GPU", node_link_bytes_per_s=50e9),
     "H200": GpuSpec("H200", 989e12, 4.8e12, 900e9, 132, 141,
                     "NVIDIA H200 Tensor Core GPU datasheet (2024): 989 TFLOPS BF16 dense (1,979 with sparsity), "
-                    "4.8 TB/s HBM3e (SXM), NVLink 900 GB/s"),
+                    "4.8 TB/s HBM3e (SXM), NVLink 900 GB/s; DGX H200 user guide: a 400 Gb/s NDR InfiniBand port "
+                    "per GPU", node_link_bytes_per_s=50e9),
 }
 BACKWARD_OVER_FORWARD = 2.0  # Kaplan et al. 2020, section 2.1: a backward pass costs about twice the forward
 
@@ -254,6 +259,7 @@ class UpdateShape:
 
     algo: Any
     ranks: int = 1
+    nodes: int = 1  # the ranks' machines: a ring over several crosses their network links
 
 
 def _split(total: int, size: int) -> list[int]:
@@ -286,7 +292,9 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     adam_bytes = ops.trained * (2 * 4 + 4 + 2 * 2 * MOMENT_BYTES[algo.get("optimizer_dtype", "float32")])
     adam = adam_bytes / gpu.hbm_bytes_per_s / share
     allreduce = 0.0
-    if shape.ranks > 1:  # ring: each GPU sends and receives 2 (n-1)/n of the gradients (float32)
-        allreduce = 2 * (shape.ranks - 1) / shape.ranks * ops.trained * 4 / (gpu.nvlink_bytes_per_s / 2)
+    if shape.ranks > 1:  # ring: each GPU sends and receives 2 (n-1)/n of the gradients (float32), at the pace of
+        # the slowest link in the ring (NVLink within a node, the network between nodes)
+        link = gpu.nvlink_bytes_per_s / 2 if shape.nodes == 1 else gpu.node_link_bytes_per_s
+        allreduce = 2 * (shape.ranks - 1) / shape.ranks * ops.trained * 4 / link
     seconds = compute + steps * (adam + allreduce)
     return GpuTime(seconds, (busy + steps * adam * share) / seconds)

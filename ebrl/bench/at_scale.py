@@ -334,6 +334,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     from ebrl.policies.build import settle_execute
 
     gpu = gpu_spec(cfg.hw.gpu_name)
+    nodes = int(cfg.hw.get("nodes") or 1)
     settle_execute(cfg)
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
@@ -361,7 +362,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
                          max_episode_steps=int(cfg.env.max_episode_steps),
                          execute=int(cfg.policy.execute or ops.chunk_len),
                          chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
-                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus)), sources=sources,
+                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes), sources=sources,
                          steps=measured.steps if measured else [], lengths=measured.lengths if measured else [],
                          timeslice=measured.timeslice if measured else 0.0, measured_gpu=gpu_costs)
 
@@ -373,7 +374,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     max_episode_steps, execute, chunk_len and timeslice; on a GPU node `GpuCosts`): env steps/s after the first
     iteration, each stage's busy share and CPU share, each core's busy share, and on a GPU node the SMs' busy share
     and the time no GPU call ran. On a node of several GPUs this is one rank (one GPU, its share of the cores, its
-    env.num_envs); `node_env_steps_per_s` is the ranks' sum."""
+    env.num_envs); `node_env_steps_per_s` is the ranks' sum over every node (hw.nodes)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -385,6 +386,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                                       VirtualPlacement, VirtualPool, World)
 
     gpus = int(cfg.hw.gpus or 0)
+    ranks = max(gpus, 1) * int(cfg.hw.get("nodes") or 1)  # (one per GPU, on every node alike)
     n = envs or cfg.env.num_envs
     k = cores or (int(cfg.hw.cpu_cores) // gpus if gpus else bench_cores(cfg))  # (a rank per GPU)
     costs.envs = n
@@ -451,7 +453,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
                "runtime_us_per_env_step": 1e6 * runtime_s / all_steps,
                "events_per_s": world.events.count / runtime_s, "model_s": world.cpu.model_s - model0,
-               "ranks": max(gpus, 1), "node_env_steps_per_s": steps / elapsed * max(gpus, 1)}
+               "ranks": ranks, "node_env_steps_per_s": steps / elapsed * ranks}
         if gpus:
             out["gpu_sm_busy"] = {stage: (after["gpu"].get(stage, 0.0) - before["gpu"].get(stage, 0.0)) / elapsed
                                   for stage in ("generate", "train")}
@@ -530,8 +532,9 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
     print(f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
           + "; ".join(f"{k}: {v}" for k, v in costs.sources.items()))
     rows = []
-    print(f"| mode | envs per rank | cores per rank | {LABEL} env steps/s (node of {cfg.hw.gpus} GPUs) | cores' CPU "
-          "share | busy gen / train | GPU SM busy gen / train | GPU idle | cores > 50% busy (node) | driver s |")
+    print(f"| mode | envs per rank | cores per rank | {LABEL} env steps/s ({int(cfg.hw.get('nodes') or 1)} x "
+          f"{cfg.hw.gpus} GPUs) | cores' CPU share | busy gen / train | GPU SM busy gen / train | GPU idle | "
+          "cores > 50% busy (all) | driver s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for envs in args.envs or [None]:
         for mode in args.modes:
@@ -547,9 +550,13 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
             print(f"| {mode} | {predicted['envs']} | {predicted['cores']} | {predicted['node_env_steps_per_s']:.1f} | "
                   f"{busy} | {sm} | {predicted['gpu_idle']:.0%} | {hot} of {predicted['cores'] * predicted['ranks']} "
                   f"| {predicted['driver_s']:.1f} |", flush=True)
+            for line in predicted["decisions"]:  # (the allocator's plan: calibrated, then any re-plan)
+                print(f"  {mode} at {predicted['envs']} envs: {line}")
             rows.append({"mode": mode, LABEL: predicted})
     capacity = gpu_capacity(costs, rows, cfg)
     print(capacity["line"])
+    capacity["memory"] = gpu_memory(cfg, max(r[LABEL]["envs"] for r in rows), args.cameras)
+    print(capacity["memory"])
     return {"costs": costs.sources, "rows": rows, "capacity": capacity}
 
 
@@ -582,6 +589,32 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
             f"({rate / min(gpu_rate, sim_rate):.0%} of that bound)")
     return {"gpu_s_per_env_step": kernels, "serial_s_per_env_step": serial, "gpu_rate": gpu_rate,
             "cores_needed": need, "sim_rate": sim_rate, "line": line}
+
+
+def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
+    """The memory model's line for one GPU of a pipelined run at `envs` envs per rank (ebrl/alloc/memory.py): what it
+    holds, or the line a run would stop with."""
+    from omegaconf import OmegaConf
+
+    from ebrl.alloc.memory import GiB, MemoryModel, budgets
+    from ebrl.bench.memory import env_spec
+    from ebrl.config import ConfigError
+    from ebrl.rl.ppo import minibatch_rows
+
+    spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
+    model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype)
+    chunks = int(cfg.algo.rollout_chunks)
+    micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, envs * chunks, int(cfg.hw.gpus))
+    need = model.gpu(micro, envs, chunks, rendering=False)
+    have = int(cfg.hw.gpu_memory_gb * GiB)
+    try:
+        budgets(model, have, envs, micro, chunks, rendering=False, where=f"hw={cfg.hw.name}")
+    except ConfigError as e:
+        return f"memory (predicted): {e}"
+    return (f"memory (predicted, ebrl/alloc/memory.py): {need.total / GiB:.1f} of {have / GiB:.0f} GiB per GPU at "
+            f"{envs} envs per rank, micro-batch {micro} (trainer "
+            f"{sum(v for k, v in need.parts.items() if k.startswith('trainer')) / GiB:.1f}, generation "
+            f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits")
 
 
 def run_here(args: argparse.Namespace) -> dict[str, Any]:

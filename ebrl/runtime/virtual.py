@@ -27,6 +27,7 @@ What is not modelled yet is listed in `NOT_MODELLED`; a figure from this module 
 """
 from __future__ import annotations
 
+import heapq
 import math
 import queue
 import time
@@ -115,11 +116,17 @@ class Cpu(Device):
         t0 = time.perf_counter()
         load = [0.0] * self.cores
         placed: list[tuple[Task, int]] = []
+        heap: list[tuple[float, int]] = []  # (load, core) of the allowed cores of a run of tasks with the same ones
+        heap_cores: tuple[int, ...] | None = None
         for task in sorted(self.tasks.values(), key=lambda t: len(t.cores)):  # (pinned first)
             w = weight(task.nice)
+            if task.cores != heap_cores:  # (the least-loaded core, lowest index first, as min() over them would)
+                heap_cores, heap = task.cores, [(load[c], c) for c in task.cores]
+                heapq.heapify(heap)
             for _ in range(task.threads):
-                core = min(task.cores, key=lambda c: (load[c], c))
+                _, core = heapq.heappop(heap)
                 load[core] += w
+                heapq.heappush(heap, (load[core], core))
                 placed.append((task, core))
         threads_on = [0] * self.cores
         for _, core in placed:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ebrl.alloc.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, count_ops, roofline
+from ebrl.alloc.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, UpdateShape, count_ops, roofline, train_time
 from ebrl.bench.memory import env_spec
 
 
@@ -61,3 +61,13 @@ def test_a_policys_operations_are_linear_in_rows():
     # a few M parameters: every kernel is shorter than the host's time to issue it, at 8 rows as at 1
     hosted = [roofline(ops.sample, b, GPUS["H200"], 1.0, 5e-6) for b in (1, 8)]
     assert hosted[0].seconds == hosted[1].seconds == pytest.approx(ops.sample.count * 5e-6)
+
+    # an update's gradients go round a ring of the ranks: over NVLink within a node, over the network across nodes
+    algo = compose("algo.epochs=1", "algo.minibatches=1").algo
+    h100 = GPUS["H100-SXM5-80GB"]
+    alone = train_time(ops, 64, UpdateShape(algo), h100, 1.0, 0.0).seconds
+    ring = lambda n, link: 2 * (n - 1) / n * ops.trained * 4 / link  # noqa: E731
+    within = train_time(ops, 64, UpdateShape(algo, ranks=8), h100, 1.0, 0.0).seconds
+    across = train_time(ops, 64, UpdateShape(algo, ranks=16, nodes=2), h100, 1.0, 0.0).seconds
+    assert within - alone == pytest.approx(ring(8, h100.nvlink_bytes_per_s / 2))
+    assert across - alone == pytest.approx(ring(16, h100.node_link_bytes_per_s))
