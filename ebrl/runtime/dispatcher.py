@@ -7,6 +7,7 @@ holds a simulation core, every thread of its process pinned to it.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -40,11 +41,18 @@ class CorePool:
         if order not in CORE_ORDERS:
             raise ValueError(f"order={order!r}: one of {', '.join(CORE_ORDERS)}")
         self.cores: list[int] = list(cores)
-        self.spare: list[int] = [c for c in spare if c not in self.cores]
+        self.own = set(self.cores)
+        self.spare: list[int] = [c for c in spare if c not in self.own]
         self.free: list[int] = [*self.cores, *self.spare]  # simulation cores first (`_take`)
         self.core_of: dict[int, int] = {}  # env -> the core it holds
-        self.ready: list[int] = []  # envs with a chunk to run, in arrival order
+        self.ready: dict[int, tuple] = {}  # envs with a chunk to run, in arrival order -> their entry in `queues`
+        # the ready envs by priority, a heap per group by readiness (one for all by longest): (-estimate, arrival,
+        # env); an entry whose env left `ready` or was re-queued is skipped when it comes up
+        self.queues: dict[Any, list[tuple]] = {}
+        self.arrivals = 0
         self.group_of: dict[int, Any] = {}  # env -> its group (as `push` said)
+        self.left: Counter = Counter()  # per group, its envs ready or running
+        self.counted: dict[int, Any] = {}  # env -> the group it counts for in `left`
         self.ema: dict[int, float] = {}
         self.alpha, self.order = alpha, order
         self.decisions: deque[tuple[int, int, float, float]] = deque(maxlen=100_000)  # env, core, its est., max rival
@@ -57,16 +65,22 @@ class CorePool:
     def observe(self, env: int, step_s: float) -> None:
         old = self.ema.get(env)
         self.ema[env] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+        if env in self.ready:  # (its place in the queue moves with its estimate)
+            self._queue(env, self.ready[env][1])
 
     def push(self, env: int, group: Any = None) -> None:
         """Env `env` has a chunk to run; `group`: the envs whose chunk step it completes with (by readiness, the
         group with the fewest of them left goes first)."""
-        self.ready.append(env)
         self.group_of[env] = group
+        self.counted[env] = group
+        self.left[group] += 1
+        self.arrivals += 1
+        self._queue(env, self.arrivals)
 
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
-        if core in self.cores or core in self.spare:  # (a core taken away by `resize` is not handed on)
+        self.left[self.counted.pop(env)] -= 1
+        if core in self.own or core in self.spare:  # (a core taken away by `resize` is not handed on)
             self.free.append(core)
         return core
 
@@ -77,24 +91,26 @@ class CorePool:
             raise ValueError("a core pool needs at least one core")
         held = set(self.core_of.values())
         self.cores = list(cores)
-        self.spare = [c for c in spare if c not in self.cores]
+        self.own = set(self.cores)
+        self.spare = [c for c in spare if c not in self.own]
         self.free = [core for core in [*self.cores, *self.spare] if core not in held]
 
     def dispatch(self) -> list[tuple[int, int]]:
         """Hand free cores to ready envs (see the class docstring; ties: first come), simulation cores first."""
         out = []
-        # envs of each group still to run: ready or running (one that moves from ready to a core still counts)
-        left = Counter(self.group_of.get(e) for e in [*self.ready, *self.core_of])
         while self.free and self.ready:
-            env = max(self.ready, key=lambda e: self._priority(e, left))  # max returns the first of equals
-            self.ready.remove(env)
+            # by readiness the group with the fewest envs still to run (ready or running: one that moves from ready
+            # to a core still counts) goes first; then the longest estimate, then the first to come
+            key = (lambda g: (self.left[g], self._top(g)[:2])) if self.order == "readiness" else None
+            group = min((g for g in self.queues if self._top(g) is not None), key=key)
+            _, _, env = heapq.heappop(self.queues[group])
+            del self.ready[env]
             # the estimates it was chosen over: of every ready env, or by readiness of those of its group
-            rivals = [e for e in self.ready if self.order == "longest" or self.group_of[e] == self.group_of[env]]
-            others = max((self.estimate(e) for e in rivals), default=-math.inf)
+            rival = self._top(group)
             core = self._take()
-            self.lent += core not in self.cores
+            self.lent += core not in self.own
             self.core_of[env] = core
-            self.decisions.append((env, core, self.estimate(env), others))
+            self.decisions.append((env, core, self.estimate(env), -rival[0] if rival else -math.inf))
             out.append((env, core))
         return out
 
@@ -102,8 +118,8 @@ class CorePool:
         """With no env ready: move envs running on a spare core onto free simulation cores, the longest estimate
         first; (env, its new core) for each."""
         out = []
-        while not self.ready and (own := [c for c in self.free if c in self.cores]):
-            lent = [e for e, c in self.core_of.items() if c not in self.cores]
+        while not self.ready and (own := [c for c in self.free if c in self.own]):
+            lent = [e for e, c in self.core_of.items() if c not in self.own]
             if not lent:
                 break
             env = max(lent, key=self.estimate)
@@ -114,17 +130,23 @@ class CorePool:
             out.append((env, own[0]))
         return out
 
+    def _queue(self, env: int, arrival: int) -> None:
+        entry = (-self.estimate(env), arrival, env)
+        self.ready[env] = entry
+        heapq.heappush(self.queues.setdefault(self.group_of[env] if self.order == "readiness" else None, []), entry)
+
+    def _top(self, group: Any) -> tuple | None:
+        """The group's queued env of the highest priority (stale entries dropped), None when it has none."""
+        queue = self.queues[group]
+        while queue and self.ready.get(queue[0][2]) is not queue[0]:
+            heapq.heappop(queue)
+        return queue[0] if queue else None
+
     def _take(self) -> int:
         """A free core, a simulation core when one is free."""
-        own = [c for c in self.free if c in self.cores]
-        core = own[0] if own else self.free[0]
+        core = next((c for c in self.free if c in self.own), self.free[0])
         self.free.remove(core)
         return core
-
-    def _priority(self, env: int, left: Counter) -> tuple[float, float]:
-        if self.order == "longest":
-            return (0.0, self.estimate(env))
-        return (-left[self.group_of.get(env)], self.estimate(env))
 
 
 @dataclass(frozen=True)
