@@ -63,9 +63,12 @@ class Timeline:
         if math.ceil(last) > self.seconds.shape[1]:
             grow = max(math.ceil(last) - self.seconds.shape[1], self.seconds.shape[1] // 2, 64)
             self.seconds = np.concatenate([self.seconds, np.zeros((len(STAGES), grow))], 1)
-        row = self.seconds[STAGES.index(stage)]
-        for k in range(math.floor(first), math.ceil(last)):
+        row, lo, hi = self.seconds[STAGES.index(stage)], math.floor(first), math.ceil(last)
+        # the first and last bins get the part of them the span covers, the ones between a whole width each (one
+        # slice: a span as long as the envs sharing a core make it costs no Python per bin)
+        for k in {lo, hi - 1}:
             row[k] += (min(last, k + 1) - max(first, k)) * self.width
+        row[lo + 1: hi - 1] += self.width
         while self.seconds.shape[1] > MAX_BINS:
             self._coarsen()
 
