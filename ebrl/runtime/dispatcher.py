@@ -23,6 +23,50 @@ from ebrl.envs.worker import ChunkReport, SimWorkerPool
 from ebrl.runtime.messages import State, Trained
 
 
+class ReadyQueue:
+    """The envs with a chunk to run, by priority: a heap per group (`by_group`; else one for all) of (-estimate,
+    arrival, env), where an entry whose env left or was queued anew is skipped when it comes up; and per group its
+    envs ready or running (`left`), kept as they come and go."""
+
+    def __init__(self, by_group: bool) -> None:
+        self.by_group = by_group
+        self.entries: dict[int, tuple] = {}  # the ready envs, in arrival order -> their live entry
+        self.heaps: dict[Any, list[tuple]] = {}
+        self.arrivals = 0
+        self.left: Counter = Counter()
+        self.counted: dict[int, Any] = {}  # env -> the group it counts for in `left`
+
+    def push(self, env: int, group: Any, estimate: float) -> None:
+        self.counted[env] = group
+        self.left[group] += 1
+        self.arrivals += 1
+        self.queue(env, group, estimate, self.arrivals)
+
+    def queue(self, env: int, group: Any, estimate: float, arrival: int) -> None:
+        entry = (-estimate, arrival, env)
+        self.entries[env] = entry
+        heapq.heappush(self.heaps.setdefault(group if self.by_group else None, []), entry)
+
+    def top(self, key: Any) -> tuple | None:
+        """The live entry of the highest priority under `key` (a group, or None for all), None when there is none."""
+        heap = self.heaps[key]
+        while heap and self.entries.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def pop(self) -> tuple[int, Any]:
+        """The env to run next (see `CorePool`) and its heap's key."""
+        rank = (lambda k: (self.left[k], self.top(k)[:2])) if self.by_group else None
+        key = min((k for k in self.heaps if self.top(k) is not None), key=rank)
+        _, _, env = heapq.heappop(self.heaps[key])
+        del self.entries[env]
+        return env, key
+
+    def ran(self, env: int) -> None:
+        """Env `env`'s chunk ended: it no longer counts for its group."""
+        self.left[self.counted.pop(env)] -= 1
+
+
 class CorePool:
     """The simulation cores: an env runs only while it holds one. A freed core goes to the ready env with the longest
     estimated step time (EMA of its measured steps; never-measured envs first); with `order="readiness"` to a ready
@@ -45,14 +89,8 @@ class CorePool:
         self.spare: list[int] = [c for c in spare if c not in self.own]
         self.free: list[int] = [*self.cores, *self.spare]  # simulation cores first (`_take`)
         self.core_of: dict[int, int] = {}  # env -> the core it holds
-        self.ready: dict[int, tuple] = {}  # envs with a chunk to run, in arrival order -> their entry in `queues`
-        # the ready envs by priority, a heap per group by readiness (one for all by longest): (-estimate, arrival,
-        # env); an entry whose env left `ready` or was re-queued is skipped when it comes up
-        self.queues: dict[Any, list[tuple]] = {}
-        self.arrivals = 0
+        self.queue = ReadyQueue(by_group=order == "readiness")  # the envs with a chunk to run
         self.group_of: dict[int, Any] = {}  # env -> its group (as `push` said)
-        self.left: Counter = Counter()  # per group, its envs ready or running
-        self.counted: dict[int, Any] = {}  # env -> the group it counts for in `left`
         self.ema: dict[int, float] = {}
         self.alpha, self.order = alpha, order
         self.decisions: deque[tuple[int, int, float, float]] = deque(maxlen=100_000)  # env, core, its est., max rival
@@ -65,21 +103,23 @@ class CorePool:
     def observe(self, env: int, step_s: float) -> None:
         old = self.ema.get(env)
         self.ema[env] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
-        if env in self.ready:  # (its place in the queue moves with its estimate)
-            self._queue(env, self.ready[env][1])
+        if env in self.queue.entries:  # (its place in the queue moves with its estimate)
+            self.queue.queue(env, self.group_of[env], self.ema[env], self.queue.entries[env][1])
+
+    @property
+    def ready(self) -> dict[int, tuple]:
+        """The envs with a chunk to run, in arrival order."""
+        return self.queue.entries
 
     def push(self, env: int, group: Any = None) -> None:
         """Env `env` has a chunk to run; `group`: the envs whose chunk step it completes with (by readiness, the
         group with the fewest of them left goes first)."""
         self.group_of[env] = group
-        self.counted[env] = group
-        self.left[group] += 1
-        self.arrivals += 1
-        self._queue(env, self.arrivals)
+        self.queue.push(env, group, self.estimate(env))
 
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
-        self.left[self.counted.pop(env)] -= 1
+        self.queue.ran(env)
         if core in self.own or core in self.spare:  # (a core taken away by `resize` is not handed on)
             self.free.append(core)
         return core
@@ -101,12 +141,9 @@ class CorePool:
         while self.free and self.ready:
             # by readiness the group with the fewest envs still to run (ready or running: one that moves from ready
             # to a core still counts) goes first; then the longest estimate, then the first to come
-            key = (lambda g: (self.left[g], self._top(g)[:2])) if self.order == "readiness" else None
-            group = min((g for g in self.queues if self._top(g) is not None), key=key)
-            _, _, env = heapq.heappop(self.queues[group])
-            del self.ready[env]
+            env, key = self.queue.pop()
             # the estimates it was chosen over: of every ready env, or by readiness of those of its group
-            rival = self._top(group)
+            rival = self.queue.top(key)
             core = self._take()
             self.lent += core not in self.own
             self.core_of[env] = core
@@ -129,18 +166,6 @@ class CorePool:
             self.promoted += 1
             out.append((env, own[0]))
         return out
-
-    def _queue(self, env: int, arrival: int) -> None:
-        entry = (-self.estimate(env), arrival, env)
-        self.ready[env] = entry
-        heapq.heappush(self.queues.setdefault(self.group_of[env] if self.order == "readiness" else None, []), entry)
-
-    def _top(self, group: Any) -> tuple | None:
-        """The group's queued env of the highest priority (stale entries dropped), None when it has none."""
-        queue = self.queues[group]
-        while queue and self.ready.get(queue[0][2]) is not queue[0]:
-            heapq.heappop(queue)
-        return queue[0] if queue else None
 
     def _take(self) -> int:
         """A free core, a simulation core when one is free."""
