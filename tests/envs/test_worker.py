@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -279,9 +280,14 @@ def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
     pool = SimWorkerPool(LIFT, num_envs=1, seed=0, chunk_len=4, process_env=extra)
     worker = pool.workers[0]
     worker.start(wait=False)  # (the environment is the process's from exec on: no need to wait for Lift)
-    try:
-        with open(f"/proc/{worker.pid}/environ", "rb") as f:
-            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    try:  # (read again until the image that runs is the interpreter's: a launcher in between may exec it anew)
+        deadline = time.monotonic() + 10
+        while True:
+            with open(f"/proc/{worker.pid}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            if b"MUJOCO_EGL_DEVICE_ID" in environ or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         pool.close()
