@@ -580,15 +580,17 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     best = max(rows, key=lambda r: r[LABEL]["env_steps_per_s"])
     bound = "the GPU" if gpu_rate < sim_rate else f"the simulators ({cores} cores)"
     rate = best[LABEL]["env_steps_per_s"]
+    # the fewest envs per rank whose best schedule comes within 5% of the best prediction
+    enough = min(r[LABEL]["envs"] for r in rows if r[LABEL]["env_steps_per_s"] >= 0.95 * rate)
     line = (f"capacity ({LABEL}): per env step a GPU's kernels take {1e3 * kernels['generate']:.2f} ms to generate "
             f"(batch {envs}) and {1e3 * kernels['train']:.2f} ms to train ({1e3 * serial['generate']:.2f} and "
             f"{1e3 * serial['train']:.2f} ms issued one after another): at most {gpu_rate:.1f} env steps/s per GPU "
             f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:.3g} ms a step; "
             f"with {cores} cores per GPU ({sim_rate:.1f} env steps/s) {bound} bounds a rank. Best predicted: "
             f"{best['mode']} at {best[LABEL]['envs']} envs per rank, {rate:.1f} env steps/s per rank "
-            f"({rate / min(gpu_rate, sim_rate):.0%} of that bound)")
+            f"({rate / min(gpu_rate, sim_rate):.0%} of that bound); from {enough} envs per rank within 5% of it")
     return {"gpu_s_per_env_step": kernels, "serial_s_per_env_step": serial, "gpu_rate": gpu_rate,
-            "cores_needed": need, "sim_rate": sim_rate, "line": line}
+            "cores_needed": need, "sim_rate": sim_rate, "envs_enough": enough, "line": line}
 
 
 def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
