@@ -13,6 +13,11 @@ core (the parallel efficiency), and a reset.
 `--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` times in
 ABBA order, the median) and prints the prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's
 `NOT_MODELLED`.
+
+On an hw with GPUs (`hw=a100x8`, `--testbed` for the paper's) nothing can be measured here: one rank per GPU is
+predicted on `ModelledCosts` (the simulators' steps given or measured here, the policy's GPU calls from
+ebrl/alloc/gpu_cost.py's roofline or gpu_check's measurements), and the output ends with what bounds a rank
+(`gpu_capacity`) and the memory model's footprint per GPU (`gpu_memory`).
 """
 from __future__ import annotations
 
@@ -415,7 +420,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         rates, t_start, steps, busy = [], None, 0, []
         before: dict[str, Any] = {}
         sim_cores = len(placement.cpus("simulate"))
-        decisions, loop_t0, model0, all_steps = [], time.perf_counter(), world.cpu.model_s, 0
+        decisions, loop_t0, model0, all_steps = [], time.perf_counter(), world.model_s, 0
 
         def tally() -> dict[str, Any]:
             return {"cpu": dict(world.cpu.spent), "gpu": dict(world.gpu.spent), "cores": list(world.cpu.core_busy),
@@ -442,7 +447,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                     decisions.append(f"iteration {it + 1}: {line}")
         # the real code's own seconds (Scheduler, loop, core pool, placement, allocator, the modelled stages' calls):
         # what a supervisor spends per env step besides IPC, at this many envs
-        runtime_s = time.perf_counter() - loop_t0 - (world.cpu.model_s - model0)
+        runtime_s = time.perf_counter() - loop_t0 - (world.model_s - model0)
         elapsed = world.now - t_start
         after = tally()
         spent = {stage: (after["cpu"].get(stage, 0.0) - before["cpu"].get(stage, 0.0)) / (k * elapsed)
@@ -452,7 +457,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                "core_busy": [(a - b) / elapsed for a, b in zip(after["cores"], before["cores"])],
                "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
                "runtime_us_per_env_step": 1e6 * runtime_s / all_steps,
-               "events_per_s": world.events.count / runtime_s, "model_s": world.cpu.model_s - model0,
+               "events_per_s": world.events.count / runtime_s, "model_s": world.model_s - model0,
                "ranks": ranks, "node_env_steps_per_s": steps / elapsed * ranks}
         if gpus:
             out["gpu_sm_busy"] = {stage: (after["gpu"].get(stage, 0.0) - before["gpu"].get(stage, 0.0)) / elapsed
@@ -567,8 +572,8 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     slower: generation and training side by side under MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
-    decisions = envs * int(cfg.algo.rollout_chunks)
     chunks = int(cfg.algo.rollout_chunks)  # (a sample per chunk step; values once an iteration, for the bootstrap)
+    decisions = envs * chunks
     calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
              "train": [costs.on_gpu("train", decisions, 1.0)]}
     per = {"generate": decisions * costs.execute, "train": decisions * costs.execute}

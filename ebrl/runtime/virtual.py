@@ -199,6 +199,11 @@ class World:
     def clock(self) -> float:
         return self.now
 
+    @property
+    def model_s(self) -> float:
+        """This machine's seconds in the CPU's and the GPU's models so far."""
+        return self.cpu.model_s + self.gpu.model_s
+
     def device(self, task: Task) -> Device:
         return self.gpu if task.gpu else self.cpu
 

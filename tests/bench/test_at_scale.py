@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ebrl.bench.at_scale import main
 
 
@@ -25,8 +27,6 @@ def test_costs_are_measured_saved_and_predict_a_bigger_node(tmp_path, capsys):
 
 
 def test_a_gpu_node_without_its_simulator_steps_is_one_line(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as stop:
         main(["hw=a100x8", "--modes", "ebrl"])
     assert stop.value.code == 2
