@@ -207,12 +207,16 @@ class World:
     def device(self, task: Task) -> Device:
         return self.gpu if task.gpu else self.cpu
 
-    def start(self, task: Task) -> Task:
-        task.started = self.now
-        device = self.device(task)
-        device.tasks[id(task)] = task
-        device.allot()
-        return task
+    def start(self, *tasks: Task) -> None:
+        """Start these tasks now: the rates are allotted once, after the last (no time passes between them)."""
+        devices = {}
+        for task in tasks:
+            task.started = self.now
+            device = self.device(task)
+            device.tasks[id(task)] = task
+            devices[id(device)] = device
+        for device in devices.values():
+            device.allot()
 
     def step(self) -> bool:
         """Advance to the next task's completion and run what it triggers; False: nothing is running."""
@@ -344,9 +348,9 @@ class VirtualPool:
         def one_done() -> None:
             left[0] -= 1
 
+        self.world.start(*(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice,
+                                done=one_done) for i in envs))
         for i in envs:
-            self.world.start(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice,
-                                  done=one_done))
             self.workers[i].step = 0
             self.workers[i].length = self.costs.episode_length(i, self.rng)
         while left[0]:
@@ -391,23 +395,26 @@ class VirtualDispatcher:
 
     def ready(self, envs: Sequence[int]) -> None:
         if self.cores is None:
-            for env in envs:
-                self._start(env, self.pool.workers[env].cpus)
+            self.world.start(*(self._chunk(env, self.pool.workers[env].cpus) for env in envs))
             return
         for env in envs:
             self.cores.push(env, envs[0])
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for env, core in self.cores.dispatch():
-            self._start(env, (core,))
-        for env, core in self.cores.promote():  # (running: its task moves to the new core)
+        started = [self._chunk(env, (core,)) for env, core in self.cores.dispatch()]
+        moved = self.cores.promote()
+        for env, core in moved:  # (running: its task moves to the new core)
             self.running[env].cores = (core,)
+        if started:
+            self.world.start(*started)
+        elif moved:
             self.world.cpu.allot()
 
-    def _start(self, env: int, cores: tuple[int, ...]) -> None:
+    def _chunk(self, env: int, cores: tuple[int, ...]) -> Task:
         task = self.pool.chunk(env, cores, lambda report, env=env: self._ended(env, report))
-        self.running[env] = self.world.start(task)
+        self.running[env] = task
+        return task
 
     def _ended(self, env: int, report: ChunkReport) -> None:
         del self.running[env]
@@ -577,7 +584,8 @@ class ModelTrainer(Trainer):
 
     def _start(self, task: Task) -> None:
         self._place(task)
-        self.running = self.world.start(task)
+        self.running = task
+        self.world.start(task)
 
     def request_state(self) -> None:
         self.world.events.put(TrainerSaid(State({}, {})))
