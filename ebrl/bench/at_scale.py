@@ -44,6 +44,18 @@ TESTBED_SIM_MS = (40.0, 60.0)
 EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): enough episodes end to draw lengths from
 
 
+def drawn_steps(steps: list[list[float]], envs: int, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` control steps of env `env`, drawn with replacement from the measured ones: of N envs predicted, env i
+    steps as measured env i x M / N of the M measured."""
+    own = steps[env * len(steps) // max(envs, len(steps))]
+    return np.asarray(own)[rng.integers(0, len(own), n)]
+
+
+def drawn_length(lengths: list[int], limit: int, rng: np.random.Generator) -> int:
+    """An episode's length, drawn from those seen while measuring (none seen: every episode hits the limit)."""
+    return int(rng.choice(lengths)) if lengths else limit
+
+
 @dataclass
 class MeasuredCosts:
     """Costs measured on this machine (seconds of one thread; see the module docstring). `steps[i]`: env i's control
@@ -69,11 +81,10 @@ class MeasuredCosts:
     envs: int = 0  # the envs of the run being predicted (set by `predict`): env i steps as measured env i x M / N
 
     def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        own = self.steps[env * len(self.steps) // max(self.envs, len(self.steps))]
-        return np.asarray(own)[rng.integers(0, len(own), n)]
+        return drawn_steps(self.steps, self.envs, env, n, rng)
 
     def episode_length(self, env: int, rng: np.random.Generator) -> int:
-        return int(rng.choice(self.lengths)) if self.lengths else self.max_episode_steps
+        return drawn_length(self.lengths, self.max_episode_steps, rng)
 
     def generate(self, batch: int) -> float:
         return max(0.0, self.generate_fit[0] + self.generate_fit[1] * batch)
@@ -283,13 +294,12 @@ class ModelledCosts:
 
     def sim_steps(self, env: int, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.steps:
-            own = self.steps[env * len(self.steps) // max(self.envs, len(self.steps))]
-            return np.asarray(own)[rng.integers(0, len(own), n)]
+            return drawn_steps(self.steps, self.envs, env, n, rng)
         mu, sigma = lognormal(self.sim_mean_s, self.sim_p99_s)
         return rng.lognormal(mu, sigma, n)
 
     def episode_length(self, env: int, rng: np.random.Generator) -> int:
-        return int(rng.choice(self.lengths)) if self.lengths else self.max_episode_steps
+        return drawn_length(self.lengths, self.max_episode_steps, rng)
 
     def on_gpu(self, kind: str, rows: int, share: float) -> Any:
         from ebrl.alloc.gpu_cost import GpuTime, roofline, train_time
@@ -511,12 +521,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ebrl.bench.schedulers import compose_overrides
 
     overrides = (TESTBED if args.testbed else []) + list(args.overrides)
-    if compose_overrides(overrides).hw.gpus:
-        return run_gpu_node(args, overrides)
+    cfg = compose_overrides(overrides)
+    if cfg.hw.gpus:
+        return run_gpu_node(args, overrides, cfg)
     return run_here(args)
 
 
-def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> dict[str, Any]:
     """Every mode on a GPU node this machine is not, on modelled costs (`ModelledCosts`), at each --envs; then the
     capacity line: the env steps/s the GPU bounds a rank to, and the cores and envs it takes to reach it."""
     from ebrl.bench.schedulers import compose_overrides
@@ -530,7 +541,6 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
     if measured is None and (not sim_ms or len(sim_ms) > 2):
         raise ConfigError("a GPU node's simulator steps are not measured here: give --sim-step-ms MEAN P99 (ms), "
                           "e.g. the paper's RoboCasa 40 60 (--testbed), or --sim-costs FILE (--save-costs on hw=cpu)")
-    cfg = compose_overrides(overrides)
     t0 = time.perf_counter()
     gpu_costs = json.loads(Path(args.gpu_costs).read_text())["full"]["costs"] if args.gpu_costs else None
     costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs)
