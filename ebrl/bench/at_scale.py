@@ -10,8 +10,9 @@ core (the parallel efficiency), and a reset.
                                   [--validate] [--costs FILE] [--save-costs FILE]
                                   [--task T --num-envs N --policy-preset P --stragglers F --straggler-slowdown S]
 
-`--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` times in
-ABBA order, the median) and prints the prediction beside the measurement. Not modelled yet: ebrl/runtime/virtual.py's
+`--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` rounds in
+ABBA order, each after measuring the costs again, unless `--costs` is given) and prints the median of the rounds'
+predictions beside the median of the runs. Not modelled yet: ebrl/runtime/virtual.py's
 `NOT_MODELLED`.
 
 On an hw with GPUs (`hw=a100x8`, `--testbed` for the paper's) nothing can be measured here: one rank per GPU is
@@ -120,6 +121,10 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
     from ebrl.runtime.init import init_file
 
+    # subnormals flushed before torch's first parallel work, as a run does (experiment.py): the flag is per thread,
+    # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
+    # made with (a pool made unflushed cost the straggler workload's colocated runs 15% of their speed)
+    flush = torch.set_flush_denormal(True)
     settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
@@ -186,7 +191,6 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    flush = torch.set_flush_denormal(True)
     trainer = PPOTrainer(policy, cfg.algo)
     sizes = sorted({1, max(1, n // 2), n})
     batches = {b: policy_batch({k: v[:b] for k, v in obs.items()}, tokens[:b], mask[:b]) for b in sizes}
@@ -634,6 +638,20 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
             f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits")
 
 
+def measured_now(cfg: Any) -> MeasuredCosts:
+    """`measure_costs`, and a line saying what it found."""
+    t0 = time.perf_counter()
+    costs = measure_costs(cfg)
+    print(f"costs {costs.source} in {time.perf_counter() - t0:.0f} s: sim step mean "
+          f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
+          f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
+          f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
+          f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision, "
+          f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
+          f"reset {1e3 * costs.reset_s:.1f} ms", flush=True)
+    return costs
+
+
 def run_here(args: argparse.Namespace) -> dict[str, Any]:
     """The scheduler benchmark's workload: costs measured here (or read back), every mode predicted, and with
     --validate run for real beside."""
@@ -643,27 +661,23 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
                         iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     cfg = compose(workload)
-    if args.costs:
-        costs = MeasuredCosts(**json.loads(Path(args.costs).read_text()))
-    else:
-        t0 = time.perf_counter()
-        costs = measure_costs(cfg)
-        print(f"costs {costs.source} in {time.perf_counter() - t0:.0f} s: sim step mean "
-              f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
-              f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
-              f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
-              f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision, "
-              f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
-              f"reset {1e3 * costs.reset_s:.1f} ms")
-    if args.save_costs:
-        Path(args.save_costs).write_text(json.dumps(asdict(costs)))
+    # with --validate, each round measures the costs again right before its runs (the machine drifts 15-25% over a
+    # day: a prediction is checked against runs made minutes after its own costs), and a prediction is the median of
+    # the rounds'
+    rounds: list[MeasuredCosts] = []
     measured: dict[str, list[float]] = {mode: [] for mode in args.modes}
     busy_measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
-    for r in range(args.repeats if args.validate else 0):
-        for mode in round_order(args.modes, r):
+    for r in range(max(1, args.repeats if args.validate else 1)):
+        if not (args.costs and rounds):
+            rounds.append(MeasuredCosts(**json.loads(Path(args.costs).read_text())) if args.costs else
+                          measured_now(cfg))
+        for mode in round_order(args.modes, r) if args.validate else []:
             rate, _, real_busy = run_mode(compose(workload, mode))
             measured[mode].append(rate)
             busy_measured[mode].append(real_busy)
+    costs = rounds[0]
+    if args.save_costs:
+        Path(args.save_costs).write_text(json.dumps(asdict(costs)))
     rows = []
     print(f"| mode | envs | {LABEL} env steps/s | "
           + ("measured (runs) | predicted / measured | " if args.validate else "")
@@ -673,8 +687,11 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     for envs, mode in [(e, m) for e in args.envs or [None] for m in args.modes]:
         mode_cfg = compose(workload, mode)
         t0 = time.perf_counter()
-        predicted = predict(mode_cfg, costs, args.iterations, envs, args.cores)
-        predicted["driver_s"] = time.perf_counter() - t0
+        per_round = [predict(mode_cfg, c, args.iterations, envs, args.cores) for c in rounds]
+        predicted = sorted(per_round, key=lambda p: p["env_steps_per_s"])[(len(per_round) - 1) // 2]
+        predicted["driver_s"] = (time.perf_counter() - t0) / len(rounds)
+        predicted["rounds"] = [p["env_steps_per_s"] for p in per_round]
+        predicted["env_steps_per_s"] = float(np.median(predicted["rounds"]))
         row = {"mode": mode, LABEL: predicted}
         real_cell, busy = "", " / ".join(f"{v:.0%}" for v in predicted["busy"].values())
         if measured[mode]:
@@ -686,7 +703,8 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
                 f"{np.median([b.get(f'busy_{s}', math.nan) for b in busy_measured[mode]]):.0%}"
                 for s in ("simulate", "generate", "train")) + ")"
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
-        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f} | {real_cell}{busy} | {share} "
+        each = f" ({', '.join(f'{x:.1f}' for x in predicted['rounds'])})" if len(rounds) > 1 else ""
+        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f}{each} | {real_cell}{busy} | {share} "
               f"| {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
               f"{predicted['runtime_us_per_env_step']:.1f}, {predicted['events_per_s']:,.0f} |", flush=True)
         rows.append(row)
