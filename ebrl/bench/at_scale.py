@@ -704,8 +704,8 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
                 for s in ("simulate", "generate", "train")) + ")"
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
         each = f" ({', '.join(f'{x:.1f}' for x in predicted['rounds'])})" if len(rounds) > 1 else ""
-        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f}{each} | {real_cell}{busy} | {share} "
-              f"| {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
+        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f}{each} | {real_cell}{busy} "
+              f"| {share} | {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
               f"{predicted['runtime_us_per_env_step']:.1f}, {predicted['events_per_s']:,.0f} |", flush=True)
         rows.append(row)
     return {"costs": costs.source, "rows": rows}

@@ -7,10 +7,11 @@ process, thread or policy (docs/at-scale.md; `python -m ebrl.bench.at_scale`).
 - `Cpu`: a node's cores as a fluid model. A task is CPU work (seconds of one thread), its threads, its nice and the
   cores it may run on. Threads are spread over their allowed cores, pinned ones first, each onto the allowed core with
   the least weight (as Linux's load balancing tends to); a core's time goes to its threads in proportion to their
-  weight (nice 0 = 1024, each nice step 1.25x less, as CFS), less the measured cost of sharing a core (switches,
-  cold caches); one-thread tasks that may run on the same cores at the same nice get the mean of their shares (the
-  OS migrates them). A task of several threads moves at its slowest thread's pace times their number (OpenMP threads
-  wait for each other at every barrier) times its parallel efficiency.
+  weight (the kernel's table: nice 0 = 1024, each step about 1.25x less), less the measured cost of sharing a core
+  (switches, cold caches); one-thread tasks that may run on the same cores at the same nice get the mean of their
+  shares (the OS migrates them), so they are kept as `Cohort`s: an event costs the same at 1,024 envs as at 8. A task
+  of several threads moves at its slowest thread's pace times their number (OpenMP threads wait for each other at
+  every barrier) times its parallel efficiency.
 - `World`: the clock and the CPU, advanced from one task's completion to the next. What the supervisor does
   synchronously (generation in the supervisor, a local trainer's update, resets) runs the world until its task is
   done; what happens meanwhile (chunks ending) is queued, as the dispatcher thread would have queued it.
@@ -32,7 +33,7 @@ import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,12 +46,18 @@ from ebrl.runtime.trainer import Trainer
 
 NOT_MODELLED = ("memory", "failures and timeouts", "the supervisor's own CPU per event (orchestration)",
                 "the cores a GPU stage's host thread takes from the simulators", "weight publication's copies")
-NICE_0 = 1024.0
+
+# CFS's weight per nice value, -20 to 19: 1024 at 0, about 1.25x less per step (Linux, kernel/sched/core.c,
+# sched_prio_to_weight). Whole numbers: loads add up exactly, so equal loads tie as they do in the kernel's sums.
+PRIO_TO_WEIGHT = (88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916, 9548, 7620, 6100, 4904, 3906,
+                  3121, 2501, 1991, 1586, 1277, 1024, 820, 655, 526, 423, 335, 272, 215, 172, 137, 110, 87, 70, 56,
+                  45, 36, 29, 23, 18, 15)
+WEIGHTS = {nice: float(w) for nice, w in zip(range(-20, 20), PRIO_TO_WEIGHT)}
 
 
 def weight(nice: int) -> float:
-    """CFS's weight of a nice value: 1024 at 0, 1.25x less per step."""
-    return NICE_0 / 1.25 ** nice
+    """CFS's weight of a nice value (-20 to 19)."""
+    return WEIGHTS[nice]
 
 
 @dataclass(eq=False)
@@ -70,6 +77,56 @@ class Task:
     gpu: bool = False  # a GPU call: `work` is its seconds at its share (`sm`; None: the whole GPU, time-shared)
     sm: float | None = None
     sm_busy: float = 0.0  # the share of the whole GPU's SMs its kernels keep busy while it runs alone
+    seq: int = 0  # its start's order on its device
+    cohort: "Cohort | None" = None  # while it runs in one (Cpu): its work is then `finish` less the cohort's progress
+    finish: float = 0.0
+
+
+def stage_of(task: Task) -> str:
+    """The stage a task's time counts for: its name before "/"."""
+    return task.name.split("/", 1)[0]
+
+
+def cohort_key(task: Task) -> tuple | None:
+    """The cohort a CPU task runs in (one thread free on several cores), or None: it runs on its own."""
+    if task.threads == 1 and len(task.cores) > 1:
+        return task.cores, task.nice, task.efficiency, stage_of(task)
+    return None
+
+
+class Cohort:
+    """One-thread tasks of one stage free on the same cores at the same nice and efficiency (a rollout's envs on every
+    simulation core): they move at one rate (`Cpu.allot`), so they are kept as one. Each member's end is a mark on the
+    cohort's progress (seconds of work each member has done since the cohort formed); an event costs O(1) in their
+    number instead of O(members)."""
+
+    def __init__(self, key: tuple, seq: int) -> None:
+        self.key, self.seq = key, seq
+        self.cores, self.nice, self.efficiency, self.stage = key
+        self.progress = 0.0
+        self.rate = 0.0
+        self.size = 0
+        self.heap: list[tuple[float, int, Task]] = []  # (finish, seq, task); left ones are dropped when on top
+        self.counts: list[tuple[int, int]] = []  # (core, threads) as last allotted
+
+    def push(self, task: Task) -> None:
+        task.finish = self.progress + task.work
+        heapq.heappush(self.heap, (task.finish, task.seq, task))
+        self.size += 1
+        task.cohort = self
+
+    def top(self) -> Task:
+        """The member that ends first (the ones that left dropped on the way)."""
+        while True:
+            finish, seq, task = self.heap[0]
+            if task.cohort is self and task.seq == seq and task.finish == finish:
+                return task
+            heapq.heappop(self.heap)
+
+    def leave(self, task: Task) -> None:
+        task.cohort = None
+        task.work = task.finish - self.progress
+        self.size -= 1
 
 
 class Device:
@@ -81,27 +138,39 @@ class Device:
         self.spent: dict[str, float] = {}
         self.model_s = 0.0  # this machine's seconds spent in the model itself (the driver's own cost, not the run's)
 
+    def add(self, task: Task) -> None:
+        self.tasks[id(task)] = task
+
+    def remove(self, task: Task) -> None:
+        del self.tasks[id(task)]
+
     def allot(self) -> None:
         raise NotImplementedError
 
     def advance(self, dt: float) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def ends(tasks: Iterable[Task]) -> Iterator[tuple[float, Task]]:
+        """Seconds until each of these tasks completes at its rate (stopped ones left out), and the task."""
+        for task in tasks:
+            if task.rate > 0:
+                yield max(task.work, 0.0) / task.rate, task
+
+    def running(self) -> Iterator[tuple[float, Task]]:
+        return self.ends(self.tasks.values())
+
     def next_done(self) -> tuple[float, Task] | None:
         """Seconds until the next task completes, and that task."""
         t0 = time.perf_counter()
-        best = None
-        for task in self.tasks.values():
-            if task.rate > 0:
-                dt = max(task.work, 0.0) / task.rate
-                if best is None or dt < best[0]:
-                    best = (dt, task)
+        best = min(self.running(), key=lambda end: end[0], default=None)
         self.model_s += time.perf_counter() - t0
         return best
 
 
 class Cpu(Device):
-    """See the module docstring: the tasks on a node's cores and the rate each moves at."""
+    """See the module docstring: the tasks on a node's cores and the rate each moves at. One-thread tasks free on
+    several cores go into `Cohort`s (their rate is one), the rest are `singles`."""
 
     def __init__(self, cores: int, timeslice: float = 0.0) -> None:
         """timeslice: the CPU a thread loses to switches and cold caches while it shares its core with others, as a
@@ -110,59 +179,142 @@ class Cpu(Device):
         self.cores, self.timeslice = cores, timeslice
         self.occupied = [False] * cores  # cores with a thread on them, as last allotted
         self.core_busy = [0.0] * cores  # seconds each core had a thread on it
+        self.singles: dict[int, Task] = {}
+        self.cohorts: dict[tuple, Cohort] = {}
+        self.started = 0  # tasks added so far (their `seq`)
+
+    def add(self, task: Task, seq: int | None = None) -> None:
+        super().add(task)
+        if seq is None:
+            seq, self.started = self.started, self.started + 1
+        task.seq = seq
+        key = cohort_key(task)
+        if key is not None:
+            cohort = self.cohorts.get(key)
+            if cohort is None:
+                cohort = self.cohorts[key] = Cohort(key, seq)
+            cohort.push(task)
+        else:
+            self.singles[id(task)] = task
+
+    def remove(self, task: Task) -> None:
+        super().remove(task)
+        cohort = task.cohort
+        if cohort is None:
+            del self.singles[id(task)]
+            return
+        if cohort_key(task) != cohort.key:  # (its rate was its cohort's all along: moving it took World.change)
+            raise RuntimeError(f"virtual time: {task.name} was moved while it ran; World.change moves a running task")
+        cohort.leave(task)
+        if not cohort.size:
+            del self.cohorts[cohort.key]
+
+    def rate(self, task: Task) -> float:
+        """A running task's rate, as last allotted."""
+        return task.cohort.rate if task.cohort is not None else task.rate
 
     def allot(self) -> None:
-        """Each task's rate from where its threads go and how the cores' time divides."""
+        """Each task's rate from where its threads go and how the cores' time divides: the units (single tasks, and
+        cohorts at their first member's place) are placed pinned first, in start order."""
         t0 = time.perf_counter()
         load = [0.0] * self.cores
+        threads_on = [0] * self.cores
         placed: list[tuple[Task, int]] = []
         heap: list[tuple[float, int]] = []  # (load, core) of the allowed cores of a run of tasks with the same ones
         heap_cores: tuple[int, ...] | None = None
-        for task in sorted(self.tasks.values(), key=lambda t: len(t.cores)):  # (pinned first)
-            w = weight(task.nice)
-            if task.cores != heap_cores:  # (the least-loaded core, lowest index first, as min() over them would)
-                heap_cores, heap = task.cores, [(load[c], c) for c in task.cores]
+        units: list[Any] = [*self.singles.values(), *self.cohorts.values()]
+        for unit in sorted(units, key=lambda u: (len(u.cores), u.seq)):
+            w = weight(unit.nice)
+            if isinstance(unit, Cohort):
+                unit.counts = fill(load, unit.cores, w, unit.size)
+                for core, k in unit.counts:
+                    load[core] += k * w
+                    threads_on[core] += k
+                heap_cores = None
+                continue
+            if unit.cores != heap_cores:  # (the least-loaded core, lowest index first, as min() over them would)
+                heap_cores, heap = unit.cores, [(load[c], c) for c in unit.cores]
                 heapq.heapify(heap)
-            for _ in range(task.threads):
+            for _ in range(unit.threads):
                 _, core = heapq.heappop(heap)
                 load[core] += w
                 heapq.heappush(heap, (load[core], core))
-                placed.append((task, core))
-        threads_on = [0] * self.cores
-        for _, core in placed:
-            threads_on[core] += 1
+                placed.append((unit, core))
+                threads_on[core] += 1
         self.occupied = [n > 0 for n in threads_on]
-        shares = [weight(task.nice) / load[core] / (1 + self.timeslice if threads_on[core] > 1 else 1)
-                  for task, core in placed]
+
+        def share(w: float, core: int) -> float:
+            return w / load[core] / (1 + self.timeslice if threads_on[core] > 1 else 1)
+
         # one-thread tasks free to move between the same cores at the same nice even out over time (the OS migrates
-        # them); the threads of one multi-threaded task do not: each barrier waits for the one that shares its core
-        alike: dict[tuple, list[int]] = {}
-        for j, (task, _) in enumerate(placed):
-            if len(task.cores) > 1 and task.threads == 1:
-                alike.setdefault((task.cores, task.nice), []).append(j)
-        for members in alike.values():
-            mean = sum(shares[j] for j in members) / len(members)
-            for j in members:
-                shares[j] = mean
+        # them): every cohort of those cores and nice gets its members' mean share; the threads of one
+        # multi-threaded task do not: each barrier waits for the one that shares its core
+        alike: dict[tuple, list[float]] = {}
+        for cohort in self.cohorts.values():
+            w = weight(cohort.nice)
+            total = alike.setdefault((cohort.cores, cohort.nice), [0.0, 0])
+            total[0] += sum(k * share(w, core) for core, k in cohort.counts)
+            total[1] += cohort.size
+        for cohort in self.cohorts.values():
+            shares, members = alike[(cohort.cores, cohort.nice)]
+            cohort.rate = shares / members * cohort.efficiency
         slowest: dict[int, float] = {}
-        for (task, _), share in zip(placed, shares):
-            slowest[id(task)] = min(slowest.get(id(task), math.inf), share)
-        for task in self.tasks.values():
+        for task, core in placed:
+            slowest[id(task)] = min(slowest.get(id(task), math.inf), share(weight(task.nice), core))
+        for task in self.singles.values():
             task.rate = task.threads * slowest[id(task)] * task.efficiency
         self.model_s += time.perf_counter() - t0
 
+    def running(self) -> Iterator[tuple[float, Task]]:
+        """The singles' ends, then each cohort's first."""
+        yield from self.ends(self.singles.values())
+        for cohort in self.cohorts.values():
+            if cohort.rate > 0:
+                task = cohort.top()
+                yield max(task.finish - cohort.progress, 0.0) / cohort.rate, task
+
     def advance(self, dt: float) -> None:
-        """Move every task on by `dt` seconds; the CPU each used counts for its stage (the part of its name before
-        "/"), waiting threads of a multi-threaded task included (they spin)."""
+        """Move every task on by `dt` seconds; the CPU each used counts for its stage, waiting threads of a
+        multi-threaded task included (they spin)."""
         t0 = time.perf_counter()
-        for task in self.tasks.values():
+        for task in self.singles.values():
             task.work -= task.rate * dt
-            stage = task.name.split("/", 1)[0]
+            stage = stage_of(task)
             self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate / task.efficiency
+        for cohort in self.cohorts.values():
+            cohort.progress += cohort.rate * dt
+            self.spent[cohort.stage] = (self.spent.get(cohort.stage, 0.0)
+                                        + dt * cohort.rate / cohort.efficiency * cohort.size)
         for core, on in enumerate(self.occupied):
             if on:
                 self.core_busy[core] += dt
         self.model_s += time.perf_counter() - t0
+
+
+def fill(load: list[float], cores: tuple[int, ...], w: float, n: int) -> list[tuple[int, int]]:
+    """Threads per core when `n` threads of weight `w` go one by one onto the least-loaded of `cores` (lowest index
+    first): all but about 2 per core straight to below the level water-filling would reach (each of those is
+    among the first n picks), the rest one by one. O(cores log cores), whatever n."""
+    counts, left = dict.fromkeys(cores, 0), n
+    if n > 2 * len(cores):  # (fewer go one by one at once)
+        loads = sorted(load[c] for c in cores)
+        below = 0.0
+        for i, low in enumerate(loads):  # the level: the lowest i + 1 cores filled to it hold all n threads' weight
+            below += low
+            level = (n * w + below) / (i + 1)
+            if i + 1 == len(loads) or level <= loads[i + 1]:
+                break
+        counts = {c: max(0, math.ceil((level - load[c]) / w) - 2) for c in cores}  # (a pick's margin for rounding)
+        left = n - sum(counts.values())
+        if left < 0:  # (rounding: place them all one by one)
+            counts, left = dict.fromkeys(cores, 0), n
+    heap = [(load[c] + counts[c] * w, c) for c in cores]
+    heapq.heapify(heap)
+    for _ in range(left):
+        at, core = heapq.heappop(heap)
+        counts[core] += 1
+        heapq.heappush(heap, (at + w, core))
+    return [(c, k) for c, k in counts.items() if k]
 
 
 class Gpu(Device):
@@ -213,7 +365,7 @@ class World:
         for task in tasks:
             task.started = self.now
             device = self.device(task)
-            device.tasks[id(task)] = task
+            device.add(task)
             devices[id(device)] = device
         for device in devices.values():
             device.allot()
@@ -228,11 +380,20 @@ class World:
         self.gpu.advance(dt)
         self.now += dt
         device = self.device(task)
-        del device.tasks[id(task)]
+        device.remove(task)
         device.allot()
         if task.done is not None:
             task.done()
         return True
+
+    def change(self, task: Task, **placed: Any) -> None:
+        """Move a running CPU task (its cores, threads, efficiency): out of the CPU's books, changed, back in at its
+        place in the start order; the caller allots."""
+        seq = task.seq
+        self.cpu.remove(task)
+        for name, value in placed.items():
+            setattr(task, name, value)
+        self.cpu.add(task, seq)
 
     def run(self, task: Task) -> float:
         """Run `task` to its end (the caller waits for it, as the supervisor for its own work); its duration."""
@@ -405,7 +566,7 @@ class VirtualDispatcher:
         started = [self._chunk(env, (core,)) for env, core in self.cores.dispatch()]
         moved = self.cores.promote()
         for env, core in moved:  # (running: its task moves to the new core)
-            self.running[env].cores = (core,)
+            self.world.change(self.running[env], cores=(core,))
         if started:
             self.world.start(*started)
         elif moved:
@@ -502,8 +663,9 @@ class LentThreads:
 
     def set(self, n: int) -> None:
         self.count = n
-        if self.trainer.running is not None:
-            self.trainer._place(self.trainer.running)
+        running = self.trainer.running
+        if running is not None and not running.gpu:
+            self.trainer.world.change(running, **self.trainer._placed())
             self.trainer.world.cpu.allot()
 
 
@@ -572,15 +734,19 @@ class ModelTrainer(Trainer):
         else:
             self.queued.append(task)
 
-    def _place(self, task: Task) -> None:
-        """The threads and cores of the moment (a new plan may have moved them since the update was sent; the
-        placement may have lent it every core); a GPU call keeps its share."""
-        if task.gpu:
-            return
+    def _placed(self) -> dict[str, Any]:
+        """The threads, cores and efficiency of the moment (a new plan may have moved them since the update was
+        sent; the placement may have lent it every core)."""
         lent = self.shared_threads is not None and self.shared_threads.count != self.own_threads
-        task.threads = self.shared_threads.count if lent else self.own_threads
-        task.cores = tuple(self.placement.cores if lent else self.placement.cpus("train"))
-        task.efficiency = self.costs.efficiency("train", task.threads)
+        threads = self.shared_threads.count if lent else self.own_threads
+        return {"threads": threads, "cores": tuple(self.placement.cores if lent else self.placement.cpus("train")),
+                "efficiency": self.costs.efficiency("train", threads)}
+
+    def _place(self, task: Task) -> None:
+        """An update about to start takes `_placed`'s threads and cores; a GPU call keeps its share."""
+        if not task.gpu:
+            for name, value in self._placed().items():
+                setattr(task, name, value)
 
     def _start(self, task: Task) -> None:
         self._place(task)

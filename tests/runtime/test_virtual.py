@@ -7,13 +7,14 @@ import pytest
 
 from ebrl.bench.at_scale import predict
 from ebrl.bench.schedulers import compose_overrides
-from ebrl.runtime.virtual import Cpu, Task, weight
+from ebrl.runtime.virtual import Cpu, Task, World, weight
 
 
 def rates(cpu: Cpu, *tasks: Task) -> list[float]:
-    cpu.tasks = {id(t): t for t in tasks}
+    for t in tasks:
+        cpu.add(t)
     cpu.allot()
-    return [t.rate for t in tasks]
+    return [cpu.rate(t) for t in tasks]
 
 
 def test_cores_divide_by_weight_pinned_threads_first_and_free_ones_even_out():
@@ -33,6 +34,67 @@ def test_a_multithreaded_task_moves_at_its_slowest_threads_pace():
     train = Task("train", 1.0, 2, (0, 1), efficiency=0.8)
     sim = Task("simulate/env0", 1.0, 1, (0,))
     assert rates(Cpu(2), train, sim) == pytest.approx([2 * 0.5 * 0.8, 0.5])  # (its thread on core 1 waits)
+
+
+def one_by_one(cores: int, tasks: list[Task], timeslice: float) -> list[float]:
+    """The rates placing every thread by itself onto the least-loaded allowed core (pinned tasks first, then in
+    start order), free one-thread tasks of the same cores and nice at their mean share: what cohorts must give."""
+    load, placed = [0.0] * cores, []
+    for task in sorted(tasks, key=lambda t: len(t.cores)):
+        for _ in range(task.threads):
+            core = min(task.cores, key=lambda c: (load[c], c))
+            load[core] += weight(task.nice)
+            placed.append((task, core))
+    on = [sum(1 for _, c in placed if c == core) for core in range(cores)]
+    share = {id(t): [] for t in tasks}
+    for task, core in placed:
+        share[id(task)].append(weight(task.nice) / load[core] / (1 + timeslice if on[core] > 1 else 1))
+    free = lambda t: t.threads == 1 and len(t.cores) > 1  # noqa: E731
+    rates = []
+    for task in tasks:
+        if free(task):
+            alike = [share[id(t)][0] for t in tasks if free(t) and (t.cores, t.nice) == (task.cores, task.nice)]
+            rates.append(sum(alike) / len(alike) * task.efficiency)
+        else:
+            rates.append(task.threads * min(share[id(task)]) * task.efficiency)
+    return rates
+
+
+def test_cohorts_give_the_rates_of_placing_every_thread_by_itself():
+    """Random mixes of pinned, free and multi-threaded tasks at two nice values, with cohorts of every size (a
+    cohort is placed at its first member's place, so tasks of one length of allowed cores start cohort by cohort)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        cores = int(rng.integers(1, 9))
+        tasks = [Task(f"simulate/pinned{i}", 1.0, 1, (int(rng.integers(cores)),), int(rng.choice([0, 10])))
+                 for i in range(int(rng.integers(0, 2 * cores)))]
+        if cores > 1:
+            tasks.append(Task("train", 1.0, int(rng.integers(1, cores + 1)), tuple(range(cores)), 0, 0.7))
+            span = tuple(range(1, cores)) if cores > 2 else tuple(range(cores))
+            tasks += [Task(f"simulate/env{i}", 1.0, 1, tuple(range(cores)), 10) for i in range(int(rng.integers(60)))]
+            tasks += [Task(f"generate/{i}", 1.0, 1, span, 0, 0.9) for i in range(int(rng.integers(3)))]
+        timeslice = float(rng.choice([0.0, 0.1]))
+        assert rates(Cpu(cores, timeslice), *tasks) == pytest.approx(one_by_one(cores, tasks, timeslice), rel=1e-12)
+
+
+def test_a_cohorts_members_end_at_their_own_work_and_move_only_through_the_world():
+    """Three free tasks of 1, 2 and 3 s on two cores: 2/3 of a core each until 1.5 s, then a core each."""
+    world, ends = World(2), {}
+    tasks = [Task(f"simulate/env{i}", float(i + 1), 1, (0, 1)) for i in range(3)]
+    for task in tasks:
+        task.done = lambda task=task: ends.setdefault(task.name, world.now)
+    world.start(*tasks)
+    while world.step():
+        if len(ends) == 1:  # (the last one moves onto core 1 alone: pinned, it keeps the rate of a core)
+            world.change(tasks[2], cores=(1,))
+            world.cpu.allot()
+    assert ends == pytest.approx({"simulate/env0": 1.5, "simulate/env1": 2.5, "simulate/env2": 3.5})
+    assert world.cpu.spent["simulate"] == pytest.approx(6.0) and not world.cpu.cohorts
+    moved = World(2)
+    moved.start(*(Task(f"simulate/env{i}", 1.0, 1, (0, 1)) for i in range(2)))
+    next(iter(moved.cpu.tasks.values())).cores = (1,)  # (behind the CPU's back)
+    with pytest.raises(RuntimeError, match="World.change"):
+        moved.step()
 
 
 class Flat:
