@@ -123,7 +123,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
 
     # subnormals flushed before torch's first parallel work, as a run does (experiment.py): the flag is per thread,
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
-    # made with (a pool made unflushed cost the straggler workload's colocated runs 15% of their speed)
+    # made with (docs/schedules.md, "Measured choices")
     flush = torch.set_flush_denormal(True)
     settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
@@ -661,9 +661,9 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
                         iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     cfg = compose(workload)
-    # with --validate, each round measures the costs again right before its runs (the machine drifts 15-25% over a
-    # day: a prediction is checked against runs made minutes after its own costs), and a prediction is the median of
-    # the rounds'
+    # with --validate, each round measures the costs again right before its runs (this machine's speed varies
+    # through a day: a prediction is checked against runs made minutes after its own costs), and a prediction is the
+    # median of the rounds'
     rounds: list[MeasuredCosts] = []
     measured: dict[str, list[float]] = {mode: [] for mode in args.modes}
     busy_measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
