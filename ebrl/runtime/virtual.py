@@ -56,8 +56,9 @@ WEIGHTS = {nice: float(w) for nice, w in zip(range(-20, 20), PRIO_TO_WEIGHT)}
 
 
 def weight(nice: int) -> float:
-    """CFS's weight of a nice value (-20 to 19)."""
-    return WEIGHTS[nice]
+    """CFS's weight of a nice value (outside -20 to 19, the nearest, as the kernel clamps a renice)."""
+    w = WEIGHTS.get(nice)
+    return w if w is not None else WEIGHTS[min(max(int(nice), -20), 19)]
 
 
 @dataclass(eq=False)
