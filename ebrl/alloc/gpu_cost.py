@@ -266,9 +266,11 @@ def _split(total: int, size: int) -> list[int]:
     return [size] * (total // size) + ([total % size] if total % size else [])
 
 
-def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float) -> GpuTime:
+def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float,
+               decoupled: bool = False) -> GpuTime:
     """One rank's update on `rows` rows (its own share of the rollout): micro-batches' forward and backward (and a
-    recomputed forward with checkpointing), AdamW per optimizer step, the gradients' ring all-reduce over ranks."""
+    recomputed forward with checkpointing), AdamW per optimizer step, the gradients' ring all-reduce over ranks;
+    `decoupled` (an overlapped schedule's PPO): first a forward pass over every row for the proximal policy."""
     from ebrl.alloc.memory import MOMENT_BYTES
     from ebrl.rl.ppo import minibatch_rows
 
@@ -279,6 +281,10 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     passes = Counter(size for mb in minibatches for size in _split(mb, micro))  # (the last of each smaller)
     steps = algo.epochs * len(minibatches)
     compute = busy = 0.0
+    if decoupled:  # the proximal policy's log-probs and values (PPOTrainer.proximal): forward only, micro at a time
+        for size in _split(rows, micro):
+            part = roofline(ops.forward, size, gpu, share, host_s)
+            compute, busy = compute + part.seconds, busy + part.seconds * part.sm_busy
     for size, count in passes.items():
         # a pass: the forward, the backward of the operations that need one (twice their forward), and with
         # checkpointing those forwards again

@@ -68,6 +68,7 @@ class MeasuredCosts:
     generate_fit: tuple[float, float]
     value_fit: tuple[float, float]
     train_per_row: float
+    train_decoupled_per_row: float  # decoupled PPO's (the overlapped schedules'): a proximal forward pass more
     efficiencies: dict[str, dict[str, float]]
     reset_s: float
     max_episode_steps: int
@@ -93,8 +94,8 @@ class MeasuredCosts:
     def value(self, batch: int) -> float:
         return max(0.0, self.value_fit[0] + self.value_fit[1] * batch)
 
-    def train(self, rows: int) -> float:
-        return self.train_per_row * rows
+    def train(self, rows: int, decoupled: bool = False) -> float:
+        return (self.train_decoupled_per_row if decoupled else self.train_per_row) * rows
 
     def efficiency(self, stage: str, threads: int) -> float:
         if threads <= 1:
@@ -104,6 +105,21 @@ class MeasuredCosts:
 
     def reset(self) -> float:
         return self.reset_s
+
+
+def read_costs(path: str) -> MeasuredCosts:
+    """A costs file (--save-costs) read back; one written by an older version lacks a cost the model now charges."""
+    from dataclasses import MISSING, fields
+
+    from ebrl.config import ConfigError
+
+    saved = json.loads(Path(path).read_text())
+    missing = [f.name for f in fields(MeasuredCosts)
+               if f.name not in saved and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ConfigError(f"the costs file {path} lacks {', '.join(missing)} (an older version wrote it): measure "
+                          "them again with --save-costs")
+    return MeasuredCosts(**{k: v for k, v in saved.items() if k in {f.name for f in fields(MeasuredCosts)}})
 
 
 # --- measuring here --------------------------------------------------------------------------
@@ -216,6 +232,8 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
         with torch_threads(threads):
             trainer.update(rollout)  # (warm-up)
             train[threads] = timed(lambda: trainer.update(rollout), reps=3)
+    with torch_threads(1):
+        decoupled = timed(lambda: trainer.update(rollout, decoupled=True), reps=3)
     if flush:
         torch.set_flush_denormal(False)
     fit = lambda kind: tuple(np.polyfit(sizes, [out[(kind, 1, b)] for b in sizes], 1)[::-1].tolist())  # noqa: E731
@@ -223,7 +241,8 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     efficiency = {"generate": {str(k): out[("sample", 1, n)] / (k * out[("sample", k, n)])},
                   "train": {str(k): train[1] / (k * train[k])}}
     return MeasuredCosts(steps=steps, generate_fit=fit("sample"), value_fit=fit("value"),
-                         train_per_row=train[1] / (n * chunks), efficiencies=efficiency, reset_s=reset_s,
+                         train_per_row=train[1] / (n * chunks), train_decoupled_per_row=decoupled / (n * chunks),
+                         efficiencies=efficiency, reset_s=reset_s,
                          max_episode_steps=int(spec.max_episode_steps), execute=H, chunk_len=int(policy.chunk_len),
                          action_dim=int(spec.action_dim), lengths=lengths, init=str(init) if init else None,
                          timeslice=timeslice,
@@ -305,11 +324,11 @@ class ModelledCosts:
     def episode_length(self, env: int, rng: np.random.Generator) -> int:
         return drawn_length(self.lengths, self.max_episode_steps, rng)
 
-    def on_gpu(self, kind: str, rows: int, share: float) -> Any:
+    def on_gpu(self, kind: str, rows: int, share: float, decoupled: bool = False) -> Any:
         from ebrl.alloc.gpu_cost import GpuTime, roofline, train_time
 
         if kind == "train":
-            modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s)
+            modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s, decoupled)
         else:
             modelled = roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share,
                                 self.host_s)
@@ -319,6 +338,7 @@ class ModelledCosts:
         # measured on the whole GPU: at a share, as much longer as the roofline says; the SMs' busy share the
         # roofline's (gpu_check measures no occupancy)
         if kind == "train":
+            # (gpu_check's update is not decoupled: a decoupled one as much longer as the roofline says too)
             seconds = m["train_s_per_row_epoch"] * rows * int(self.shape.algo.epochs)
             whole = train_time(self.ops, rows, self.shape, self.gpu, 1.0, self.host_s)
         else:
@@ -541,7 +561,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
         raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
                           "are modelled (drop them, or predict hw=cpu)")
     sim_ms = args.sim_step_ms or (TESTBED_SIM_MS if args.testbed else None)
-    measured = MeasuredCosts(**json.loads(Path(args.sim_costs).read_text())) if args.sim_costs else None
+    measured = read_costs(args.sim_costs) if args.sim_costs else None
     if measured is None and (not sim_ms or len(sim_ms) > 2):
         raise ConfigError("a GPU node's simulator steps are not measured here: give --sim-step-ms MEAN P99 (ms), "
                           "e.g. the paper's RoboCasa 40 60 (--testbed), or --sim-costs FILE (--save-costs on hw=cpu)")
@@ -646,7 +666,8 @@ def measured_now(cfg: Any) -> MeasuredCosts:
           f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
           f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
           f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
-          f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision, "
+          f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision "
+          f"({1e3 * costs.train_decoupled_per_row:.3f} decoupled), "
           f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
           f"reset {1e3 * costs.reset_s:.1f} ms", flush=True)
     return costs
@@ -669,7 +690,7 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     busy_measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for r in range(max(1, args.repeats if args.validate else 1)):
         if not (args.costs and rounds):
-            rounds.append(MeasuredCosts(**json.loads(Path(args.costs).read_text())) if args.costs else
+            rounds.append(read_costs(args.costs) if args.costs else
                           measured_now(cfg))
         for mode in round_order(args.modes, r) if args.validate else []:
             rate, _, real_busy = run_mode(compose(workload, mode))

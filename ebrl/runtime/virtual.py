@@ -442,7 +442,7 @@ class Costs(Protocol):
     def episode_length(self, env: int, rng: np.random.Generator) -> int: ...
     def generate(self, batch: int) -> float: ...
     def value(self, batch: int) -> float: ...
-    def train(self, rows: int) -> float: ...  # rows: decisions, chunk steps x envs
+    def train(self, rows: int, decoupled: bool = False) -> float: ...  # rows: decisions, chunk steps x envs
     def efficiency(self, stage: str, threads: int) -> float: ...
     def reset(self) -> float: ...
 
@@ -451,15 +451,15 @@ class GpuCosts(Costs, Protocol):
     """A cost model with GPU stages: a call's seconds at an SM share and the SMs it keeps busy (kind: sample, value
     or train; rows: its batch, or the update's decisions)."""
 
-    def on_gpu(self, kind: str, rows: int, share: float) -> Any: ...  # ebrl.alloc.gpu_cost.GpuTime
+    def on_gpu(self, kind: str, rows: int, share: float, decoupled: bool = False) -> Any: ...  # gpu_cost.GpuTime
 
 
-def gpu_task(name: str, costs: Any, kind: str, rows: int, placement: Any, stage: str) -> Task:
+def gpu_task(name: str, costs: Any, kind: str, rows: int, placement: Any, stage: str, **how: Any) -> Task:
     """A GPU call of `stage` at the SM share its lease holds (none: the whole GPU, time-shared with other such calls;
-    its cost as at the whole GPU)."""
+    its cost as at the whole GPU); `how`: more of the call's kind (an update's `decoupled`)."""
     lease = placement.pool.leases.get(stage) if placement.pool is not None else None
     share = lease.sm_share if lease is not None else None
-    t = costs.on_gpu(kind, rows, share or 1.0)
+    t = costs.on_gpu(kind, rows, share or 1.0, **how)
     return Task(name, t.seconds, 1, (), gpu=True, sm=share, sm_busy=t.sm_busy)
 
 
@@ -723,10 +723,10 @@ class ModelTrainer(Trainer):
                 self._start(self.queued.pop(0))
 
         if self.placement.device.type == "cuda":
-            task = gpu_task("train", self.costs, "train", rows, self.placement, "train")
+            task = gpu_task("train", self.costs, "train", rows, self.placement, "train", decoupled=decoupled)
             task.done = trained
         else:
-            task = Task("train", self.costs.train(rows), 1, (), done=trained)
+            task = Task("train", self.costs.train(rows, decoupled), 1, (), done=trained)
         if self.local:
             self._place(task)
             self.world.run(task)

@@ -71,3 +71,6 @@ def test_a_policys_operations_are_linear_in_rows():
     across = train_time(ops, 64, UpdateShape(algo, ranks=16, nodes=2), h100, 1.0, 0.0).seconds
     assert within - alone == pytest.approx(ring(8, h100.nvlink_bytes_per_s / 2))
     assert across - alone == pytest.approx(ring(16, h100.node_link_bytes_per_s))
+    # decoupled PPO (the overlapped schedules) first runs the trainer's forward over every row, for the proximal policy
+    decoupled = train_time(ops, 64, UpdateShape(algo), h100, 1.0, 0.0, decoupled=True).seconds
+    assert decoupled - alone == pytest.approx(roofline(ops.forward, 64, h100, 1.0, 0.0).seconds)

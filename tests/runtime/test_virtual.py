@@ -118,7 +118,7 @@ class Flat:
     def value(self, batch):
         return self.val
 
-    def train(self, rows):
+    def train(self, rows, decoupled=False):
         return self.row * rows
 
     def efficiency(self, stage, threads):
