@@ -601,8 +601,8 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
 
 def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, Any]:
     """What bounds a rank: its GPU's kernels per env step (generation at the largest batch predicted, one
-    iteration's update; the SM-seconds, whatever the shares) against the simulators' (the mean step over the rank's
-    cores). One process issuing the same kernels one after another (the host's time per operation counted) is
+    iteration's update, plain: an overlapped schedule's decoupled one adds a forward pass; the SM-seconds, whatever
+    the shares) against the simulators' (the mean step over the rank's cores). One process issuing the same kernels one after another (the host's time per operation counted) is
     slower: generation and training side by side under MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
