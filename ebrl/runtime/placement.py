@@ -146,28 +146,36 @@ class Placement:
     def lend_to_trainer(self, trainer: Any, idle: bool) -> None:
         """While the rollout has nothing to run (`idle`: every group waits for an update, or the run's rollout is
         done) the trainer process trains on every core with its `idle_trainer_threads`; back on its lease and count
-        once a group goes on. Called at every step of the loop: plain attributes only until something changes."""
+        once a group goes on. Every core first, then the threads to fill them; back, the fewer threads first, and its
+        lease's cores once it runs no more threads than they are (at its next optimizer step, or between updates):
+        never more threads than cores. Called at every step of the loop: plain attributes only until something
+        changes."""
         threads = trainer.shared_threads
         if threads is None or threads.lent is None:
             return
         want = threads.lent if idle else trainer.threads
-        if threads.count != want:
-            try:
-                self.pin(trainer.pid, self.cores if idle else self.cpus("train"))
-            except ProcessLookupError:  # it stopped: its pipe tells the run why
-                return
-            threads.set(want)
+        try:
+            if threads.count != want:
+                if idle:
+                    self.pin(trainer.pid, self.cores)
+                threads.leaving = not idle
+                threads.set(want)
+            if threads.leaving and threads.running.value <= len(self.cpus("train")):
+                self.pin(trainer.pid, self.cpus("train"))
+                threads.leaving = False
+        except ProcessLookupError:  # it stopped: its pipe tells the run why
+            return
 
     def pin(self, pid: int, cpus: Sequence[int]) -> None:
         """Move a stage's process onto these cores (every thread; the at-scale benchmark's placement moves none)."""
         set_process_affinity(pid, cpus)
 
     def _keep_lent(self) -> None:
-        """A lease just pinned the trainer to its cores (a new plan, a successor): while it is lent every core, it
-        keeps them."""
+        """A lease just pinned the trainer to its cores (a new plan, a successor): while it is lent every core (or
+        still runs the threads it was lent), it keeps them."""
         trainer = self.runtime.trainer
         threads = trainer.shared_threads
-        if threads is not None and threads.lent is not None and threads.count == threads.lent:
+        if threads is not None and threads.lent is not None and (threads.count == threads.lent or threads.leaving):
             self.pin(trainer.pid, self.cores)
 
     def spawn_env(self, stage: str) -> ContextManager:

@@ -59,12 +59,17 @@ class TrainerThreads:
     """A trainer process's torch threads, which the supervisor may change while it trains: its share's count, or
     `lent` (every core of the rank; None: never) while the rollout has nothing to run (Placement.lend_to_trainer).
     The supervisor `set`s the count in shared memory; the trainer process takes it up before each optimizer step
-    (`follow`), since a thread count is the calling thread's own, and `most` is the largest an update trained with."""
+    (`follow`), since a thread count is the calling thread's own, and `most` is the largest an update trained with.
+    The process says how many it runs on (`running`; 0 between updates, `rest`): the supervisor moves it back onto
+    fewer cores only once it runs no more threads than they are (`leaving` until then), since OpenMP threads stacked
+    on one core wait for each other at every barrier (docs/schedules.md, "Measured choices")."""
 
     def __init__(self, ctx: Any, n: int, lent: int | None = None) -> None:
         self.shared = ctx.RawValue("i", n)
+        self.running = ctx.RawValue("i", 0)
         self.most = n
         self.lent = lent
+        self.leaving = False  # (the supervisor's: lent cores to give back once `running` allows)
 
     @property
     def count(self) -> int:
@@ -77,7 +82,11 @@ class TrainerThreads:
         n = self.count
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
+        self.running.value = n
         self.most = max(self.most, n)
+
+    def rest(self) -> None:
+        self.running.value = 0
 
 
 def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
@@ -127,6 +136,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 channel.attach(device, full_state(policy))
         results.send(Ready())
         while True:
+            threads.rest()  # (between updates: its cores may shrink at once)
             try:
                 message = requests.recv()
             except (EOFError, OSError):  # the supervisor is gone

@@ -654,6 +654,13 @@ class ModelGeneration:
         pass
 
 
+@dataclass
+class Running:
+    """`TrainerThreads.running`'s face: the threads an update runs on."""
+
+    value: int = 0
+
+
 class LentThreads:
     """`TrainerThreads` of a modelled trainer process: the placement lends it every core while the rollout idles
     (`Placement.lend_to_trainer`), and a running update moves onto them at once."""
@@ -661,9 +668,11 @@ class LentThreads:
     def __init__(self, trainer: "ModelTrainer", lent: int | None) -> None:
         self.trainer, self.lent = trainer, lent
         self.count = trainer.own_threads
+        self.running = Running()  # (the model's update takes a new count at once: never more threads than cores)
+        self.leaving = False
 
     def set(self, n: int) -> None:
-        self.count = n
+        self.count = self.running.value = n
         running = self.trainer.running
         if running is not None and not running.gpu:
             self.trainer.world.change(running, **self.trainer._placed())

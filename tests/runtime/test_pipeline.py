@@ -300,6 +300,16 @@ def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_t
         for idle, threads, cpus in [(True, len(exp.cores), exp.cores), (False, 1, placement.cpus("train"))]:
             placement.lend_to_trainer(trainer, idle)
             assert trainer.shared_threads.count == threads and os.sched_getaffinity(trainer.pid) == set(cpus)
+        # mid-update on the lent threads, it keeps every core until it runs no more threads than its lease has (OpenMP
+        # threads stacked on a core wait for each other at every barrier)
+        lent = trainer.shared_threads
+        placement.lend_to_trainer(trainer, True)
+        lent.running.value = len(exp.cores)  # (as the process's follow() says: 0 between updates)
+        placement.lend_to_trainer(trainer, False)
+        assert lent.count == 1 and os.sched_getaffinity(trainer.pid) == set(exp.cores)
+        lent.running.value = 1
+        placement.lend_to_trainer(trainer, False)
+        assert os.sched_getaffinity(trainer.pid) == set(placement.cpus("train")) and not lent.leaving
     finally:
         exp.close()
 
