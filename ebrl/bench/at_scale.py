@@ -602,8 +602,9 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
 def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, Any]:
     """What bounds a rank: its GPU's kernels per env step (generation at the largest batch predicted, one
     iteration's update, plain: an overlapped schedule's decoupled one adds a forward pass; the SM-seconds, whatever
-    the shares) against the simulators' (the mean step over the rank's cores). One process issuing the same kernels one after another (the host's time per operation counted) is
-    slower: generation and training side by side under MPS overlap their hosts' gaps."""
+    the shares) against the simulators' (the mean step over the rank's cores). One process issuing the same kernels
+    one after another (the host's time per operation counted) is slower: generation and training side by side under
+    MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
     chunks = int(cfg.algo.rollout_chunks)  # (a sample per chunk step; values once an iteration, for the bootstrap)
@@ -690,8 +691,7 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     busy_measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for r in range(max(1, args.repeats if args.validate else 1)):
         if not (args.costs and rounds):
-            rounds.append(read_costs(args.costs) if args.costs else
-                          measured_now(cfg))
+            rounds.append(read_costs(args.costs) if args.costs else measured_now(cfg))
         for mode in round_order(args.modes, r) if args.validate else []:
             rate, _, real_busy = run_mode(compose(workload, mode))
             measured[mode].append(rate)

@@ -124,8 +124,8 @@ class Placement:
         """Torch threads of a stage's process. The supervisor (generation; a local trainer's training too): every
         core where it runs alone (a local trainer takes turns with the rollout) or on a GPU; beside the simulators on
         CPU one, since OpenMP threads of a stage that shares its cores wait for each other (spinning) whenever one is
-        preempted (docs/schedules.md, "Measured choices"). A trainer process: its cores where it trains alone (its own share,
-        on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads and
+        preempted (docs/schedules.md, "Measured choices"). A trainer process: its cores where it trains alone (its own
+        share, on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads and
         train_threads say otherwise."""
         s, cuda = self.cfg.scheduler, self.device.type == "cuda"
         if stage == "train" and not self.local:

@@ -15,7 +15,8 @@ def test_costs_are_measured_saved_and_predict_a_bigger_node(tmp_path, capsys):
     out = main(["--modes", "colocated", *small, "--save-costs", str(tmp_path / "costs.json")])
     costs = json.loads((tmp_path / "costs.json").read_text())
     assert len(costs["steps"]) == 2 and all(len(s) > 0 and min(s) > 0 for s in costs["steps"])
-    assert costs["train_per_row"] > 0 and costs["train_decoupled_per_row"] > 0 and costs["generate_fit"][0] + costs["generate_fit"][1] > 0
+    assert costs["train_per_row"] > 0 and costs["train_decoupled_per_row"] > 0
+    assert costs["generate_fit"][0] + costs["generate_fit"][1] > 0
     assert costs["init"] and costs["init"].endswith("_sft.pt")  # (the run's first weights acted)
     assert out["rows"][0]["simulated"]["env_steps_per_s"] > 0
     bigger = main(["--modes", "colocated", "ebrl", *small, "--costs", str(tmp_path / "costs.json"), "--envs", "16",
