@@ -113,13 +113,12 @@ def read_costs(path: str) -> MeasuredCosts:
 
     from ebrl.config import ConfigError
 
-    saved = json.loads(Path(path).read_text())
-    missing = [f.name for f in fields(MeasuredCosts)
-               if f.name not in saved and f.default is MISSING and f.default_factory is MISSING]
+    saved, known = json.loads(Path(path).read_text()), fields(MeasuredCosts)
+    missing = [f.name for f in known if f.name not in saved and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ConfigError(f"the costs file {path} lacks {', '.join(missing)} (an older version wrote it): measure "
                           "them again with --save-costs")
-    return MeasuredCosts(**{k: v for k, v in saved.items() if k in {f.name for f in fields(MeasuredCosts)}})
+    return MeasuredCosts(**{f.name: saved[f.name] for f in known if f.name in saved})
 
 
 # --- measuring here --------------------------------------------------------------------------

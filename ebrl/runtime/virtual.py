@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import multiprocessing
 import queue
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import ChunkReport
 from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
 from ebrl.runtime.messages import Sampled, State, Trained
-from ebrl.runtime.trainer import Trainer
+from ebrl.runtime.trainer import Trainer, TrainerThreads
 
 NOT_MODELLED = ("memory", "failures and timeouts", "the supervisor's own CPU per event (orchestration)",
                 "the cores a GPU stage's host thread takes from the simulators", "weight publication's copies")
@@ -336,7 +337,7 @@ class Gpu(Device):
             self.active += dt
         for task in self.tasks.values():
             task.work -= task.rate * dt
-            stage = task.name.split("/", 1)[0]
+            stage = stage_of(task)
             self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate * task.sm_busy
 
 
@@ -654,25 +655,18 @@ class ModelGeneration:
         pass
 
 
-@dataclass
-class Running:
-    """`TrainerThreads.running`'s face: the threads an update runs on."""
-
-    value: int = 0
-
-
-class LentThreads:
+class LentThreads(TrainerThreads):
     """`TrainerThreads` of a modelled trainer process: the placement lends it every core while the rollout idles
-    (`Placement.lend_to_trainer`), and a running update moves onto them at once."""
+    (`Placement.lend_to_trainer`), and a running update moves onto them at once (a real one at its next optimizer
+    step), so it never runs more threads than cores."""
 
     def __init__(self, trainer: "ModelTrainer", lent: int | None) -> None:
-        self.trainer, self.lent = trainer, lent
-        self.count = trainer.own_threads
-        self.running = Running()  # (the model's update takes a new count at once: never more threads than cores)
-        self.leaving = False
+        super().__init__(multiprocessing.get_context("spawn"), trainer.own_threads, lent)
+        self.trainer = trainer
 
     def set(self, n: int) -> None:
-        self.count = self.running.value = n
+        super().set(n)
+        self.running.value = n
         running = self.trainer.running
         if running is not None and not running.gpu:
             self.trainer.world.change(running, **self.trainer._placed())
