@@ -40,6 +40,7 @@ LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
 CHAIN_LOGPROBS = ("sum", "mean", "one_step")
 LOGPROB_LEVELS = ("action", "chunk")
+PROXIMAL = ("stale", "all")  # algo.proximal: which rows a decoupled update's proximal pass values
 PRESETS = ("tiny", "small", "full")
 VARIANTS = ("pi0", "pi05")
 DTYPES = ("float32", "bfloat16")
@@ -178,6 +179,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "logger.name", LOGGERS)
     _one_of(cfg, "policy.preset", PRESETS)
     _one_of(cfg, "algo.logprob_level", LOGPROB_LEVELS)
+    _one_of(cfg, "algo.proximal", PROXIMAL)
     if "logprob" in cfg.policy:  # the flow families
         _one_of(cfg, "policy.logprob", LOGPROBS)
         _one_of(cfg, "policy.chain_logprob", CHAIN_LOGPROBS)

@@ -318,6 +318,13 @@ class AlgoConfig:
     logprob_level: str = II("recipe:logprob_level")
     # a negative advantage's ratio counts at most this much (dual-clip PPO, RLinf's clip_ratio_c; > 1); null: no cap
     dual_clip: Optional[float] = II("recipe:dual_clip")
+    # a policy whose backbone does not train (policy.train=action_expert) runs it once per row and update, and every
+    # epoch, micro-batch and the proximal pass reuse its output (docs/design.md, "The frozen prefix"); false: every
+    # pass runs it again (the same numbers, more time)
+    cache_prefix: bool = True
+    # rows a decoupled update's proximal pass values: stale (those sampled by older weights; the others take their
+    # behaviour log-prob and value, which those weights gave) | all (every row: a second pass under the same weights)
+    proximal: str = "stale"
     optimizer_dtype: str = "float32"  # Adam's moments: float32 | bfloat16 (half their memory)
     normalize_advantages: bool = True
     target_kl: Optional[float] = None  # stop the epochs of an update once approx KL per action exceeds it

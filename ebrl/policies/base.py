@@ -191,11 +191,29 @@ class Policy(nn.Module):
         raise NotImplementedError
 
     def evaluate(
-        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor]
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], prefix: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns log_prob (B, H), entropy (B, H), value (B,), with gradients.
 
-        For the same obs and extras it reproduces `sample`'s log_prob (up to float error).
+        For the same obs and extras it reproduces `sample`'s log_prob (up to float error). `prefix`: these rows'
+        `prefix(obs)`, computed before (a frozen prefix, `frozen_prefix`), in place of running it again.
         """
+        raise NotImplementedError
+
+    # --- the frozen prefix -------------------------------------------------------------------------
+    # Name prefixes of the parameters `prefix` runs (the vision-language backbone); empty: the family keeps no prefix
+    # apart from the rest of its pass
+    PREFIX: tuple[str, ...] = ()
+
+    def frozen_prefix(self) -> bool:
+        """`prefix(obs)` is a constant of the observation: the family has one and none of its parameters trains
+        (policy.train=action_expert), so a trainer computes it once per row and every pass over the row reuses it
+        (docs/design.md, "The frozen prefix")."""
+        return bool(self.PREFIX) and not any(p.requires_grad for name, p in self.named_parameters()
+                                             if name.startswith(self.PREFIX))
+
+    def prefix(self, obs: dict[str, torch.Tensor]) -> Any:
+        """What the backbone (`PREFIX`'s parameters) makes of each observation, rows first (nested tensors), for
+        `evaluate(..., prefix=)`; call it inside `precision()`."""
         raise NotImplementedError
 

@@ -44,8 +44,8 @@ def sample_flow_time(n: int, like: torch.Tensor) -> torch.Tensor:
 class FlowPolicy(Policy):
     """A policy whose action chunk comes out of a denoising chain. Subclasses provide:
 
-    encode(obs) -> (cond, pooled): what the velocity is conditioned on (any nested structure of (B, ...) tensors)
-        and (B, F) features for `value_head`;
+    encode(obs, prefix=None) -> (cond, pooled): what the velocity is conditioned on (any nested structure of
+        (B, ...) tensors) and (B, F) features for `value_head`; from `prefix(obs)` where given (a frozen prefix);
     features(x, t, cond) -> (h, temb): the input (N, H, feature_dim) of `velocity_out` for noisy chunks x
         (N, H, flow_dim) at times t (N,), and a time embedding (N, time_dim) or (N, H, time_dim);
     velocity_out: the final nn.Linear(feature_dim, flow_dim) of the velocity; value_head: (B, F) -> (B, 1).
@@ -92,7 +92,7 @@ class FlowPolicy(Policy):
             self._close_noise_head()
 
     # --- subclass API ------------------------------------------------------------------------
-    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    def encode(self, obs: dict[str, torch.Tensor], prefix: Any = None) -> tuple[Any, torch.Tensor]:
         raise NotImplementedError
 
     def features(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,12 +218,13 @@ class FlowPolicy(Policy):
             return self.value_head(self.encode(obs)[1]).squeeze(-1).float()
 
     def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused.
         The steps the log-prob counts (every one, or chain_logprob=one_step's) go through the velocity in one pass
-        whose rows attend to their observation's features as they are (no per-step copy of them)."""
+        whose rows attend to their observation's features as they are (no per-step copy of them); `prefix`: the
+        rows' frozen prefix, computed before (Policy.prefix)."""
         with self.precision():
-            cond, pooled = self.encode(obs)
+            cond, pooled = self.encode(obs, prefix)
             chain = extras["chain"].to(pooled.device, torch.float32)  # (B, K+1, H, flow_dim)
             batch, steps, horizon, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2], chain.shape[3]
             times = self.times(steps, chain.device)

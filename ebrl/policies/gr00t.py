@@ -499,9 +499,16 @@ class GR00TPolicy(FlowPolicy):
         (out,), _ = run_layers([(emb, self.language_model.layers, None)], positions, causal & mask[:, None, :])
         return self.language_model.norm(out), mask
 
-    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
-        """Once per observation: the backbone features, then `encode_features`."""
-        vl, mask = self.vl_features(obs)
+    PREFIX = ("backbone.",)
+
+    def prefix(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Eagle backbone's part of `encode`: its features (B, L, width) and real tokens (B, L)."""
+        return self.vl_features(obs)
+
+    def encode(self, obs: dict[str, torch.Tensor],
+               prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:
+        """Once per observation: the backbone features (or `prefix`, computed before), then `encode_features`."""
+        vl, mask = self.prefix(obs) if prefix is None else prefix
         return self.encode_features(vl, mask, obs["state"])
 
     def encode_features(self, vl: torch.Tensor, mask: torch.Tensor, state: torch.Tensor) -> tuple[dict, torch.Tensor]:

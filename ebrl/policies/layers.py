@@ -396,6 +396,21 @@ def repeat_rows(tree: Any, n: int) -> Any:
     return map_tensors(tree, lambda t: t.repeat_interleave(n, 0))
 
 
+def cat_rows(trees: list[Any]) -> Any:
+    """Nested structures of the same shape, each of some rows, as one: every tensor concatenated along its rows."""
+    first = trees[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(trees)
+    if isinstance(first, dict):
+        return {k: cat_rows([t[k] for t in trees]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(cat_rows(list(parts)) for parts in zip(*trees))
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: cat_rows([getattr(t, f.name) for t in trees])
+                                             for f in dataclasses.fields(first)})
+    return first
+
+
 def expand_rows(tree: Any, n: int) -> Any:
     """A batch-1 nested structure of tensors as n rows of views (no copy)."""
     return map_tensors(tree, lambda t: t.expand(n, *t.shape[1:]))

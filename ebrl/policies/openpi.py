@@ -451,19 +451,29 @@ class OpenPIPolicy(FlowPolicy):
         real.append(token_mask)
         return torch.cat(parts, 1), torch.cat(real, 1)
 
-    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[PrefixCache, torch.Tensor]:
-        """Run the prefix (and pi0's state token) once: the cache every denoising step attends to, and the features
-        (B, F) of the value head: the prefix pooled over its real tokens (+ pi0's state token output)."""
+    PREFIX = ("paligemma_with_expert.paligemma.",)
+
+    def prefix(self, obs: dict[str, torch.Tensor]) -> tuple[PrefixCache, torch.Tensor]:
+        """PaliGemma's part of `encode`: the prefix's per-layer K,V and real tokens, and its features pooled over
+        them (B, width)."""
         emb, mask = self.embed_prefix(obs)
         positions = mask.long().cumsum(1) - 1
         (out,), kv = run_layers([(emb, self.vlm.layers, None)], positions,
                                 mask[:, None, :].expand(-1, mask.shape[1], -1))
         weights = mask[..., None].to(out.dtype)
-        pooled = (self.vlm.final_norm(out) * weights).sum(1) / weights.sum(1)
+        return PrefixCache(kv, mask), (self.vlm.final_norm(out) * weights).sum(1) / weights.sum(1)
+
+    def encode(self, obs: dict[str, torch.Tensor],
+               prefix: tuple[PrefixCache, torch.Tensor] | None = None) -> tuple[PrefixCache, torch.Tensor]:
+        """Run the prefix (or take it: `prefix`) and pi0's state token once: the cache every denoising step attends
+        to, and the features (B, F) of the value head: the prefix pooled over its real tokens (+ pi0's state token
+        output)."""
+        cache, pooled = self.prefix(obs) if prefix is None else prefix
         if self.variant == "pi05":
-            return PrefixCache(kv, mask), pooled
+            return cache, pooled
         # pi0's state token attends to the prefix and itself only: once per observation, then part of the cache
-        state = self.normalize_state(obs["state"].to(emb.device, torch.float32)).to(emb.dtype)
+        kv, mask = cache.kv, cache.mask
+        state = self.normalize_state(obs["state"].to(mask.device, torch.float32)).to(kv[0][0].dtype)
         token = self.state_proj(F.pad(state, (0, self.dims.max_state_dim - state.shape[-1])))[:, None]
         ones = torch.ones(mask.shape[0], 1, dtype=torch.bool, device=mask.device)
         (state_out,), state_kv = run_layers([(token, self.expert.layers, None)], mask.sum(1, keepdim=True),

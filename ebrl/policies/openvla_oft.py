@@ -37,6 +37,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -503,7 +504,7 @@ class OpenVLAOFTPolicy(Policy):
         return self.mean_and_value(obs)[1]
 
     def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recomputes the mean from obs and scores the stored chunk; extras are not needed."""
         mean, value = self.mean_and_value(obs)
         log_std = self.log_std()

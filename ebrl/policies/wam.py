@@ -41,6 +41,7 @@ input channel, a small conv codec trained here instead of the Wan2.1 VAE, byte-l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -268,7 +269,7 @@ class WAMPolicy(FlowPolicy):
         sinusoid = self.t_embedder.project(torch.stack(times, 1)).to(self.action_in_proj.weight.dtype)
         return self.t_embedding_norm(sinusoid), self.t_embedder.timestep_embedder(sinusoid)
 
-    def encode(self, obs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+    def encode(self, obs: dict[str, torch.Tensor], prefix: Any = None) -> tuple[dict, torch.Tensor]:
         """Once per observation: the instruction's keys/values for every block's cross-attention, and the
         conditioning tokens [state, current frames] at t = 0 through the DiT, whose keys/values every denoising step
         attends to; the value head reads those tokens pooled."""

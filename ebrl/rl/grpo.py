@@ -64,10 +64,11 @@ class GRPOTrainer(PPOTrainer):
     """
 
     def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0,
-               critic_only: bool = False) -> dict[str, float]:
+               critic_only: bool = False, version: int | None = None) -> dict[str, float]:
         # only the first episode of each env counts: anything after it would belong to another start
         alive = first_episode(batch.done)
-        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip)  # no critic to warm up
+        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip,
+                              version=version)  # (no critic to warm up)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
         # an env none of whose actions count (its simulator failed mid-episode: discarded) is no group member

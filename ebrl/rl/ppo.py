@@ -19,15 +19,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ebrl.checks import PROXIMAL
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
+from ebrl.policies.layers import cat_rows, map_tensors
 from ebrl.policies.training import is_sharded, trained_parameters
 from ebrl.rl.optim import make_optimizer
 from ebrl.rl.rollout import RolloutBatch
@@ -170,6 +172,20 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _rows(tree: Any, index: torch.Tensor | slice) -> Any:
+    """The rows `index` picks of every tensor of a nested structure (None stays None)."""
+    return map_tensors(tree, lambda t: t[index])
+
+
+def _batch_rows(obs: dict[str, torch.Tensor]) -> int:
+    return next(iter(obs.values())).shape[0]
+
+
+def _parts(total: int, rows: int) -> list[slice]:
+    return [slice(start, start + rows) for start in range(0, total, rows)]
+
+
+
 class PPOTrainer:
     """Adam over the parameters the policy trains (`policy.train`); `update` runs epochs x minibatches on one rollout,
     each minibatch one optimizer step over `algo.micro_batch` rows at a time.
@@ -251,17 +267,41 @@ class PPOTrainer:
         return adv, ret, metrics
 
     @torch.no_grad()
-    def proximal(
-        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H) log-prob and (B,) value of every row under the current weights, `rows` at a time to bound
-        activation memory.
+    def prefixes(self, obs: dict[str, torch.Tensor], rows: int) -> Any:
+        """Every row's frozen prefix (`Policy.prefix`), computed once for the update, `rows` at a time: every epoch,
+        micro-batch and the proximal pass reuse it (docs/design.md, "The frozen prefix"). None where the policy
+        trains its prefix or algo.cache_prefix is off: each pass runs it again."""
+        if not self.cfg.get("cache_prefix", True) or not self.policy.frozen_prefix():
+            return None
+        with self.policy.precision():
+            parts = [self.policy.prefix(_rows(obs, part)) for part in _parts(_batch_rows(obs), rows)]
+        return cat_rows(parts)
 
-        Call it in the mode the epochs run in, so that with unchanged weights it is what the first epoch evaluates.
+    @torch.no_grad()
+    def proximal(
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int,
+        prefix: Any = None, which: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, H) log-prob and (n,) value under the current weights of the rows `which` picks (all of them by
+        default), `rows` at a time to bound activation memory; `prefix`: every row's frozen prefix (`prefixes`).
+
+        Call it in the mode the epochs run in, so that with unchanged weights it is what the first epoch evaluates. A
+        sharded policy's ranks make the same number of passes (its layers gather their shards together): a rank with
+        fewer rows to value runs its last row again, and drops it.
         """
-        parts = [self.policy.evaluate({k: v[s] for k, v in obs.items()}, chunk[s], {k: v[s] for k, v in extras.items()})
-                 for s in (slice(start, start + rows) for start in range(0, chunk.shape[0], rows))]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+        picked = torch.arange(chunk.shape[0], device=chunk.device) if which is None else which.nonzero()[:, 0]
+        passes = self._max_over_ranks(math.ceil(len(picked) / rows)) if self.sharded else math.ceil(len(picked) / rows)
+        lp, value = [], []
+        for i in range(passes):
+            part = picked[i * rows:(i + 1) * rows]
+            kept = len(part)
+            if not kept:  # (sharded, and this rank has valued all it has: a pass to keep pace, dropped)
+                part = torch.zeros(1, dtype=torch.long, device=chunk.device)
+            # (the policy itself, not DDP's wrapper, whose forward is a collective: ranks value different rows)
+            out = evaluate(self.policy, _rows(obs, part), chunk[part], _rows(extras, part), _rows(prefix, part))
+            lp.append(out[0][:kept])
+            value.append(out[2][:kept])
+        return torch.cat(lp), torch.cat(value)
 
     @torch.no_grad()
     def values(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -270,11 +310,14 @@ class PPOTrainer:
         return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
 
     def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0,
-               critic_only: bool = False) -> dict[str, float]:
+               critic_only: bool = False, version: int | None = None) -> dict[str, float]:
         """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
 
         decoupled: the rollout may come from older weights (asynchronous schedules), so clip around the proximal
-        policy (these weights, before the first step) and reweight by min(proximal / behaviour, is_clip).
+        policy (these weights, before the first step) and reweight by min(proximal / behaviour, is_clip). The
+        proximal pass values the rows sampled by older weights; a row sampled by these (its `batch.version` is
+        `version`, the weights' version) takes its behaviour log-prob and value as the proximal ones, unless
+        algo.proximal=all.
         critic_only: the critic's warm-up after `init` (an SFT checkpoint's value head never learned): the value
         loss alone, and only the value head steps (the features it shares with the policy stay), so the policy
         acts as it was while its advantages become meaningful.
@@ -289,10 +332,16 @@ class PPOTrainer:
         steps = math.ceil(B / mb)
         rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
         self.policy.train()
+        prefix = self.prefixes(obs, rows)
         behaviour_lp = None
         old_value = _flat(batch.value).to(dev)  # where algo.value_clip holds the value to
+        proximal_rows = 0
         if decoupled:
-            behaviour_lp, (old_lp, old_value) = old_lp, self.proximal(obs, chunk, extras, rows)
+            behaviour_lp, old_lp, old_value = old_lp, old_lp.clone(), old_value.clone()
+            stale = self.stale_rows(batch, version).to(dev)
+            if stale.any() or self.sharded:  # (sharded: every rank takes part in the passes)
+                old_lp[stale], old_value[stale] = self.proximal(obs, chunk, extras, rows, prefix, stale)
+            proximal_rows = int(stale.sum())
             # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks, and
             # the bootstrap values from this one too, where the batch has their observations (GAE mixes no critics)
             batch = dataclasses.replace(batch, value=old_value.view_as(batch.value).to(batch.value))
@@ -303,7 +352,8 @@ class PPOTrainer:
             # the data's weights are these, but a bfloat16 forward pass in other batch shapes (generation's) differs
             # from this one by ~0.1 in log-prob per action: the ratio (and the value clip) is taken against this
             # pass's own numbers
-            old_lp, old_value = self.proximal(obs, chunk, extras, rows)
+            old_lp, old_value = self.proximal(obs, chunk, extras, rows, prefix)
+            proximal_rows = B
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
@@ -321,7 +371,7 @@ class PPOTrainer:
                 self.pace()
                 self.optimizer.zero_grad(set_to_none=True)
                 step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, critic,
-                                        mask, is_clip, critic_only)
+                                        mask, is_clip, critic_only, prefix)
                 if critic_only:
                     for p in self.actor:
                         p.grad = None  # (AdamW leaves a parameter without a gradient as it is)
@@ -346,17 +396,31 @@ class PPOTrainer:
         out["train/stopped_early"] = stopped_early
         out["train/nonfinite_steps"] = float(skipped)
         out["train/critic_only"] = float(critic_only)
+        out["train/proximal_rows"] = float(proximal_rows)  # rows the proximal pass valued (of B)
+        out["train/cached_prefix"] = float(prefix is not None)
         out.update(metrics)
         return out
+
+    def stale_rows(self, batch: RolloutBatch, version: int | None) -> torch.Tensor:
+        """(B,) the rows the proximal pass values: those sampled by weights older than `version` (the ones this
+        update starts from); every row with algo.proximal=all, or where the versions are not known."""
+        rows = batch.chunk.shape[0] * batch.chunk.shape[1]
+        how = self.cfg.get("proximal", "stale")
+        if how not in PROXIMAL:
+            raise ValueError(f"algo.proximal={how!r}; accepted: {', '.join(PROXIMAL)}")
+        if how == "all" or version is None or batch.version is None:
+            return torch.ones(rows, dtype=torch.bool)
+        return _flat(batch.version) != version
 
     def _accumulate(self, idx: torch.Tensor, parts: tuple[torch.Tensor, ...], obs: dict[str, torch.Tensor],
                     chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,
                     behaviour_lp: torch.Tensor | None, adv: torch.Tensor,
                     critic: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor,
-                    is_clip: float, critic_only: bool = False) -> dict[str, torch.Tensor]:
+                    is_clip: float, critic_only: bool = False, prefix: Any = None) -> dict[str, torch.Tensor]:
         """The gradient of minibatch `idx`'s loss, one backward pass per part (micro-batch) adding up to it: every
         part's terms are divided by the whole minibatch's counts. `critic`: each row's value target and the value
-        the clip holds it near (None: no critic). Returns the minibatch's loss terms and stats."""
+        the clip holds it near (None: no critic); `prefix`: every row's frozen prefix (None: each pass runs it).
+        Returns the minibatch's loss terms and stats."""
         cfg = self.cfg
         level = cfg.get("logprob_level", "action")
         m = mask[idx].float()
@@ -368,9 +432,8 @@ class PPOTrainer:
         out: dict[str, torch.Tensor] = {}
         for i, part in enumerate(parts):
             with self._sync_gradients(i == len(parts) - 1):
-                new_lp, entropy, value = self.model(
-                    {k: v[part] for k, v in obs.items()}, chunk[part], {k: v[part] for k, v in extras.items()}
-                )
+                new_lp, entropy, value = self.model(_rows(obs, part), chunk[part], _rows(extras, part),
+                                                    _rows(prefix, part))
                 pm = mask[part].float()
                 pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
                                           None if behaviour_lp is None else behaviour_lp[part], is_clip, units,
@@ -395,6 +458,14 @@ class PPOTrainer:
             return contextlib.nullcontext()
         return self.model.no_sync()
 
+    def _max_over_ranks(self, value: int) -> int:
+        """The largest `value` of the data-parallel ranks (this one's without a group)."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
     def _mean_over_ranks(self, value: float) -> float:
         """`value` averaged over the data-parallel ranks, so that they all take the same decision (the same
         number of backward passes, which DDP needs)."""
@@ -412,6 +483,15 @@ class _Evaluate(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor,
-                extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.policy.evaluate(obs, chunk, extras)
+    def forward(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
+                prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return evaluate(self.policy, obs, chunk, extras, prefix)
+
+
+def evaluate(policy: Policy, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
+             prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`policy.evaluate`, given the rows' frozen prefix where there is one (a user's own policy class may take no
+    `prefix`: docs/own-classes.md)."""
+    if prefix is None:
+        return policy.evaluate(obs, chunk, extras)
+    return policy.evaluate(obs, chunk, extras, prefix=prefix)

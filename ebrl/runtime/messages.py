@@ -45,6 +45,7 @@ class Train:
     is_clip: float  # truncation of the behaviour importance weight
     gather: bool = False  # a checkpoint is due after this update
     critic_only: bool = False  # the critic's warm-up after init: the value head alone trains
+    version: int | None = None  # of the weights the update starts from, in the count of the batch's versions
 
 
 @dataclass

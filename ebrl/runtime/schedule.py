@@ -355,8 +355,9 @@ class Scheduler:
         k = self.base_version + shipment.iteration + 1  # the run's count after this update
         gather = k % self.checkpoint_every == 0 or k == self.base_version + self.loop.rules.iterations
         s = self.schedule
+        # (the trainer has finished the updates before this one: it starts from the weights of version k - 1)
         self.trainer.train(shipment.iteration, shipment.batch, decoupled=s.overlap and s.decoupled,
-                           is_clip=s.is_clip, gather=gather, critic_only=k <= self.critic_warmup)
+                           is_clip=s.is_clip, gather=gather, critic_only=k <= self.critic_warmup, version=k - 1)
 
     def _hand_over(self) -> None:
         """The ready successor trains from the next update on, with the trainer's state after every update sent to

@@ -149,7 +149,7 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 threads.most = 0
                 threads.follow()  # (before the update's first passes: the proximal policy's, the advantages)
                 metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip,
-                                         critic_only=message.critic_only)
+                                         critic_only=message.critic_only, version=message.version)
                 metrics["sched/train_threads"] = float(threads.most)
                 published = time.perf_counter()
                 state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
@@ -248,9 +248,9 @@ class Trainer:
         return False
 
     def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False) -> None:
-        """Train on `batch` (critic_only: the value head alone); `Trained` comes back, and with gather then the
-        `State` too (a checkpoint is due)."""
+              critic_only: bool = False, version: int | None = None) -> None:
+        """Train on `batch` (critic_only: the value head alone) from the weights of `version` (in the count of
+        `batch.version`); `Trained` comes back, and with gather then the `State` too (a checkpoint is due)."""
         raise NotImplementedError
 
     def request_state(self) -> None:
@@ -315,11 +315,12 @@ class LocalTrainer(Trainer):
         return self._torn
 
     def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False) -> None:
+              critic_only: bool = False, version: int | None = None) -> None:
         start = time.perf_counter()
         self._torn = True  # (stays so when the update is interrupted: its weights are half-stepped)
         try:
-            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only)
+            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only,
+                                          version=version)
             if self.group is not None:  # rank 0 checks that every replica holds the same weights
                 metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
         except RuntimeError as e:
@@ -366,8 +367,8 @@ class ProcessTrainer(Trainer):
         return self.process.pid
 
     def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False) -> None:
-        self.process.send(Train(iteration, batch, decoupled, is_clip, gather, critic_only))
+              critic_only: bool = False, version: int | None = None) -> None:
+        self.process.send(Train(iteration, batch, decoupled, is_clip, gather, critic_only, version))
 
     def request_state(self) -> None:
         self.process.send(StateRequest())
