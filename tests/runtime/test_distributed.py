@@ -89,6 +89,19 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     assert (out["env/Stack/episodes"], out["env/Stack/success"], out["env/Stack/return"]) == (1.0, 1.0, 4.0)
 
 
+def test_each_ranks_gpus_are_its_own_and_two_nodes_gpus_are_not_averaged_together() -> None:
+    """GpuMonitor reports a rank's own GPUs under their node's numbers (tests/telemetry/test_monitor.py): GPU 0 of
+    node 0 and GPU 0 of node 1 stay apart, per rank; the run's figure is taken over every GPU."""
+    per_rank = [{"iteration": 1, "perf/gpu0_util": 90.0, "perf/gpu0_sm_util": 70.0, "perf/gpu0_mem_gb": 30.0},
+                {"iteration": 1, "perf/gpu0_util": 10.0, "perf/gpu0_mem_gb": 50.0},  # another node's GPU 0
+                {"iteration": 1, "perf/gpu1_util": 50.0, "perf/gpu1_mem_gb": 40.0}]  # node 1's GPU 1
+    out = combine(per_rank)
+    assert not any(key.startswith("perf/gpu0") or key.startswith("perf/gpu1") for key in out)
+    assert (out["ranks/0/gpu0_util"], out["ranks/1/gpu0_util"], out["ranks/2/gpu1_util"]) == (90.0, 10.0, 50.0)
+    assert out["ranks/0/gpu0_sm_util"] == 70.0 and out["ranks/1/gpu0_mem_gb"] == 50.0
+    assert (out["perf/gpu_util"], out["perf/gpu_sm_util"], out["perf/gpu_mem_gb"]) == (50.0, 70.0, 50.0)
+
+
 def test_ranks_whose_weights_differ_stop_the_run() -> None:
     per_rank = [{"iteration": 2, "dist/weights_sum": 5.5}, {"iteration": 2, "dist/weights_sum": 5.25}]
     with pytest.raises(DistributedError, match="dist/weights_sum differ after iteration 2"):
