@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 from ebrl.classes import constructor_kwargs, load_class
 from ebrl.checks import POLICY_RUNTIME_KEYS
+from ebrl.envs.base import one_line
 from ebrl.errors import BadInput
 from ebrl.policies import gr00t, openpi
 from ebrl.policies.base import Policy, preset_dims
@@ -41,7 +41,7 @@ from ebrl.policies.tokenizer import MAX_TOKENS, MODEL_NAMES
 from ebrl.policies.training import merge_lora
 from ebrl.policies.weights import SINGLE, checkpoint_folder, weight_files
 from ebrl.runtime.checkpoint import checkpoint_file, load_checkpoint
-from ebrl.runtime.errors import EXIT_BAD_INPUT
+from ebrl.runtime.errors import exit_cleanly
 
 HEADS = "rl_heads.safetensors"
 PRE, POST = "policy_preprocessor.json", "policy_postprocessor.json"
@@ -56,18 +56,22 @@ class ExportError(BadInput, ValueError):
 @dataclass(frozen=True)
 class Family:
     """How a family's checkpoint files name its tensors: the prefix of each layout it is written in (the first is
-    written for a source in `bare`, which has none), and whether its published model ties the embedding to lm_head."""
+    written for a source in `bare`, which has none), whether its published model ties the embedding to lm_head, and
+    the layouts whose loader refuses the tied pair's second name."""
 
     policy: type[Policy]
     presets: dict[str, Any]
     prefixes: dict[str, str]
     bare: str
-    tied_in_model: bool  # lerobot's PaliGemma ties them, so lm_head is the embedding whatever the file held
+    # openpi's and lerobot <= 0.5's PaliGemma tie them, so lm_head is written as the embedding whatever the file held
+    # (lerobot 0.6 unties them and saves both: each name gets the embedding, and every version acts alike)
+    tied_in_model: bool
+    head_alone: tuple[str, ...] = ()  # openpi's safetensors.load_model (strict) takes lm_head alone of a tied pair
 
 
 FAMILIES = (
     Family(openpi.OpenPIPolicy, openpi.PRESETS, {"lerobot": openpi.OpenPIPolicy.LEROBOT_PREFIX, "openpi": ""},
-           "openpi", True),
+           "openpi", True, head_alone=("openpi",)),
     Family(gr00t.GR00TPolicy, gr00t.PRESETS, {"lerobot": gr00t.GR00TPolicy.LEROBOT_PREFIX}, "nvidia", False),
 )
 
@@ -91,16 +95,20 @@ class Source:
 
 
 def read_source(family: Family, path: str) -> Source:
-    """The run's policy.checkpoint as it is now; one line when it is gone."""
-    from safetensors import safe_open
+    """The run's policy.checkpoint as it is now; one line when it is gone or a file of it cannot be read."""
+    from safetensors import SafetensorError, safe_open
 
     if checkpoint_folder(path) is None:
         raise ExportError(f"policy.checkpoint={path}, which the run was loaded from, is not there any more: the export "
                           "takes the layout, config and the tensors the run did not train from it")
     files: dict[str, tuple[Path, torch.dtype]] = {}
     for f in weight_files(path):
-        with safe_open(str(f), "pt") as handle:
-            files.update({k: (f, DTYPES[handle.get_slice(k).get_dtype()]) for k in handle.keys()})
+        try:
+            with safe_open(str(f), "pt") as handle:
+                files.update({k: (f, DTYPES[handle.get_slice(k).get_dtype()]) for k in handle.keys()})
+        except (OSError, SafetensorError, KeyError) as e:
+            raise ExportError(f"{f}, a file of policy.checkpoint={path}, is not a safetensors file of a dtype the "
+                              f"export writes ({one_line(e)})") from None
     layout = next((name for name, prefix in family.prefixes.items() if prefix and all(k.startswith(prefix)
                                                                                       for k in files)), family.bare)
     folder = checkpoint_folder(path)
@@ -113,12 +121,14 @@ def read_source(family: Family, path: str) -> Source:
 
 
 def model_tensors(family: Family, ours: dict[str, torch.Tensor], source: Source, heads: list[str],
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the model file's tensors under our names, the RL heads): every tensor the source had, ours where we hold it,
-    and the embedding's tied lm_head. pi0's PaliGemma ties them in lerobot's model: lm_head alone, our embedding, as
-    save_model leaves it. GR00T's Qwen3 is tied in N1.5's config, but lerobot's GR00TN15.from_pretrained unties them
-    and its strict load then wants both: our embedding under both names, unless the source held an lm_head of its
-    own beside the embedding (untied), which is carried."""
+                  layout: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the model file's tensors under our names, the RL heads) in `layout`: every tensor the source had, ours where
+    we hold it, and the embedding's tied lm_head. pi0's PaliGemma ties them in openpi's and lerobot <= 0.5's model:
+    lm_head alone, our embedding, as save_model leaves it; lerobot 0.6 saves both names, and a source of its layout
+    gets our embedding under both, but openpi's layout lm_head alone. GR00T's Qwen3 is tied in N1.5's config, but
+    lerobot's GR00TN15.from_pretrained unties them and its strict load then wants both: our embedding under both
+    names, unless the source held an lm_head of its own beside the embedding (untied), which is carried. Names that
+    share a tensor are written as copies (`save`)."""
     embed, head = family.policy.TIED
     out = {}
     for name, (_, _, dtype) in source.tensors.items():
@@ -127,9 +137,11 @@ def model_tensors(family: Family, ours: dict[str, torch.Tensor], source: Source,
             value = ours[embed]
         out[name] = (source.read(name) if value is None else value).to(dtype)
     if embed in ours and head not in out:  # (NVIDIA's release: transformers left the tied lm_head out)
-        out[head] = ours[embed].to(out[embed].dtype).clone()
+        out[head] = ours[embed].to(out[embed].dtype)
     if embed in ours and embed not in out and not family.tied_in_model:  # (a tied lerobot groot file: lm_head alone)
-        out[embed] = out[head].clone()
+        out[embed] = out[head]
+    if layout in family.head_alone and head in out:  # (a lerobot 0.6 source's embedding, written for openpi)
+        out.pop(embed, None)
     left = {k: v for k, v in ours.items() if k not in out and not (k == embed and head in out)}
     unplaced = [k for k in left if not k.startswith(tuple(heads))]
     if unplaced:
@@ -165,11 +177,14 @@ def export(run: Path, to: str | None = None, out: Path | None = None, keep_heads
     kwargs = checkpoint_kwargs(cls, policy_cfg["checkpoint"], constructor_kwargs(cls, policy_cfg,
                                                                                  POLICY_RUNTIME_KEYS))
     state = merge_lora(record["model"], record.get("lora"), record.get("lora_scaling"))
-    tensors, heads = model_tensors(family, state, source, cls.heads_of(kwargs.get("logprob") or "flow_noise"))
+    tensors, heads = model_tensors(family, state, source, cls.heads_of(kwargs.get("logprob") or "flow_noise"), layout)
     run_shape = RunShape(kwargs, preset_dims(family.presets, kwargs.get("preset") or "tiny", kwargs.get("dims")),
                          conf, policy_cfg.get("execute"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    except OSError as e:
+        raise ExportError(f"--out {out} cannot be made there ({one_line(e)}); give a folder you can write") from None
     try:
         save(tensors, family.prefixes[layout], tmp / SINGLE)
         if issubclass(cls, gr00t.GR00TPolicy):
@@ -198,10 +213,18 @@ def export(run: Path, to: str | None = None, out: Path | None = None, keep_heads
 
 
 def save(tensors: dict[str, torch.Tensor], prefix: str, path: Path) -> None:
-    """A safetensors file of `tensors` under `prefix` + their names."""
+    """A safetensors file of `tensors` under `prefix` + their names; two names of one tensor (a tied pair a layout
+    holds both of) are written as two copies, since safetensors refuses names that share memory."""
     from safetensors.torch import save_file
 
-    save_file({prefix + k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    written, storages = {}, set()
+    for name, value in tensors.items():
+        value = value.detach().cpu().contiguous()
+        if value.untyped_storage().data_ptr() in storages:
+            value = value.clone()
+        storages.add(value.untyped_storage().data_ptr())
+        written[prefix + name] = value
+    save_file(written, str(path))
 
 
 @dataclass
@@ -359,7 +382,7 @@ def write_groot(folder: Path, source: Source, run: RunShape) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The command line; bad input is one line and exit 2."""
+    """The command line; bad input is one line and exit 2, any other failure one line and exit 1."""
     parser = argparse.ArgumentParser(prog="python -m ebrl.export", description="A run's trained policy written "
                                      "so that the code its checkpoint came from loads it (docs/export.md).")
     parser.add_argument("run", help="a run folder (its checkpoints/last.pt) or a checkpoint file of ours")
@@ -367,11 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the folder to write (default: <run>/export/<layout>); new or empty")
     parser.add_argument("--keep-heads", action="store_true", help="write the RL heads to rl_heads.safetensors")
     args = parser.parse_args(argv)
-    try:
+    with exit_cleanly("the export"):  # any other failure: one line too, exit 1, its traceback kept in a file
         out = export(Path(args.run).expanduser(), args.to, Path(args.out) if args.out else None, args.keep_heads)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
     print(f"exported {args.run} to {out}")
 
 

@@ -9,6 +9,8 @@ under a benchmark's own interpreter).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -49,6 +51,11 @@ class Ranks:
         """This rank's seed for its simulators and sampling: other ranks must collect other episodes."""
         return seed + RANK_SEED_STRIDE * self.rank
 
+    def gpus(self, node_gpus: int) -> int:
+        """The GPUs this rank uses of its node's `node_gpus` (hw.gpus): its own one under torchrun (`pin_gpu`), else
+        all of them."""
+        return 1 if self.distributed and node_gpus else node_gpus
+
 
 def share_of_node(cores: list[int], ranks: Ranks) -> list[int]:
     """This rank's contiguous slice of its node's cores (ranks of a node split them as evenly as they can)."""
@@ -87,13 +94,39 @@ def visible_gpu_count(visible: str | None, uuids: Sequence[str]) -> int:
     return len(seen)
 
 
+def order_gpus_by_bus() -> None:
+    """Number the GPUs in CUDA as NVML, nvidia-smi and our CUDA_VISIBLE_DEVICES arithmetic do, by PCI bus (CUDA's
+    default puts the fastest first), in this process and the children it starts. Before CUDA initialises."""
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+
+
+# CUDA's own count, through the driver library alone (no torch), printed by a child: in this process it would start
+# CUDA, after which CUDA_VISIBLE_DEVICES no longer applies
+DRIVER_COUNT = """import ctypes
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    print(0)
+else:
+    n = ctypes.c_int()
+    print(n.value if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0)
+"""
+
+
 def cuda_device_count() -> int:
     """The GPUs CUDA would show this process (CUDA_VISIBLE_DEVICES honoured); 0 without an NVIDIA driver. Counted
-    through NVML: once CUDA initialises, CUDA_VISIBLE_DEVICES no longer applies, and `pin_gpu` has yet to set it."""
+    without starting CUDA here (`pin_gpu` has yet to set CUDA_VISIBLE_DEVICES): through NVML, or where NVML is absent
+    (no pynvml, or a container without libnvidia-ml) by the CUDA driver in a child."""
     from ebrl.telemetry.monitor import gpu_uuids  # (NVML, and psutil, which a simulator's interpreter may lack)
 
     uuids = gpu_uuids()
-    return 0 if uuids is None else visible_gpu_count(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
+    if uuids is not None:
+        return visible_gpu_count(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", DRIVER_COUNT], capture_output=True, text=True, timeout=120)
+        return int(done.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
 
 
 # --- placing processes on cores -------------------------------------------------------------------

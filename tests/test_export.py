@@ -14,7 +14,9 @@ loader, given the exported folder, must act as the run did.
 - pi0.5 from openpi's converter layout, all weights trained; written as openpi's (its own) and as lerobot's (config
   and processors made from nothing);
 - pi0 from lerobot's first layout (February 2025, test_lerobot_parity.first_lerobot_layout) as published, without
-  processors or statistics; written as lerobot 0.4's.
+  processors or statistics; written as lerobot 0.4's;
+- pi0 from lerobot 0.6.1's layout (test_lerobot_parity.lerobot_061_layout: lm_head and embed_tokens both saved, as
+  two tensors); written as lerobot's (both names, two copies) and as openpi's (lm_head alone).
 """
 from __future__ import annotations
 
@@ -36,14 +38,16 @@ from ebrl.policies.gr00t import GR00TPolicy
 from ebrl.policies.openpi import OpenPIPolicy
 from ebrl.runtime.checkpoint import atomic_save, checkpoint_record
 from tests.conftest import ONE_THREAD, REPO
-from tests.policies.test_lerobot_parity import REFERENCE, first_lerobot_layout, ours_config
+from tests.policies.test_lerobot_parity import REFERENCE, first_lerobot_layout, lerobot_061_layout, ours_config
+from tests.runtime.test_disk_full import small_disk  # noqa: F401  (a fixture: a real small tmpfs)
 
 TOLERANCE = 1e-4
 # case -> (run, --to, --keep-heads); the lerobot cases act in lerobot in the default suite, the others slow
 EXPORTS = {"pi0_lerobot": ("pi0", None, True), "pi0_openpi": ("pi0", "openpi", False),
            "pi05_openpi": ("pi05", None, False), "pi05_lerobot": ("pi05", "lerobot", False),
-           "pi0feb_lerobot_slow": ("pi0feb", None, False)}
-LEROBOT_DEFAULT = ["pi0_lerobot", "pi05_lerobot"]
+           "pi0feb_lerobot_slow": ("pi0feb", None, False), "pi0v061_lerobot": ("pi0v061", None, False),
+           "pi0v061_openpi": ("pi0v061", "openpi", False)}
+LEROBOT_DEFAULT = ["pi0_lerobot", "pi05_lerobot", "pi0v061_lerobot"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,10 +110,12 @@ def exported(lerobot_references, tmp_path_factory) -> dict[str, dict]:
     first_lerobot_layout(pi0, "lerobot_feb2025_base")
     for f in (pi0 / "lerobot_feb2025_base").glob("policy_*"):  # (that layout has no processors: no statistics)
         f.unlink()
+    lerobot_061_layout(pi0)
     runs = {"pi0": make_run(pi0, root / "pi0_run", "lerobot", train="lora", lora_rank=2, lora_alpha=4, execute=3,
                             norm_stats=other_stats(pi0, root / "norm_stats.json")),
             "pi05": make_run(pi05, root / "pi05_run", "openpi", denoise_steps=3, prompt_style="lerobot"),
-            "pi0feb": make_run(pi0, root / "pi0feb_run", "lerobot_feb2025_base")}
+            "pi0feb": make_run(pi0, root / "pi0feb_run", "lerobot_feb2025_base"),
+            "pi0v061": make_run(pi0, root / "pi0v061_run", "lerobot_0.6.1")}
     return {case: {"variant": "pi05" if run == "pi05" else "pi0", "run": runs[run],
                    "folder": export(root / f"{run}_run", to, root / case, keep_heads),
                    "reference": pi05 if run == "pi05" else pi0}
@@ -144,8 +150,10 @@ def lerobot_layout(exported) -> dict[str, dict]:
 def assert_lerobot_acts_as_the_run(exported: dict[str, dict], theirs: dict[str, dict]) -> None:
     for case, lerobot in theirs.items():
         model_chunk, actions = exported[case]["run"]
-        # lerobot loaded every tensor of the file (only the embedding it ties to lm_head is not in it)
-        assert json.loads(lerobot["meta"]["differ"]) == ["model." + OpenPIPolicy.TIED[0]], case
+        # lerobot loaded every tensor of the file (only the embedding it ties to lm_head is not in it, but where the
+        # source was lerobot 0.6's, which holds both)
+        untied = case.startswith("pi0v061_lerobot")
+        assert json.loads(lerobot["meta"]["differ"]) == ([] if untied else ["model." + OpenPIPolicy.TIED[0]]), case
         assert (lerobot["acts"][0] - model_chunk).abs().max() < TOLERANCE, case
         assert (lerobot["acts"][1] - actions).abs().max() < TOLERANCE * max(1.0, actions.abs().max().item()), case
 
@@ -189,6 +197,18 @@ def test_what_the_folders_hold(exported) -> None:
     assert [p.name for p in (exported["pi05_openpi"]["folder"] / "assets").iterdir()] == ["test_robot"]
 
 
+def test_a_lerobot_061_source_is_written_with_both_names_for_lerobot_and_lm_head_alone_for_openpi(exported) -> None:
+    """lerobot 0.6 loads both names (untied); openpi's strict safetensors.load_model of its tied PaliGemma refuses
+    the second name of the pair."""
+    embed, head = OpenPIPolicy.TIED
+    as_lerobot = load_file(str(exported["pi0v061_lerobot"]["folder"] / "model.safetensors"))
+    assert set(as_lerobot) == set(safe_open(str(exported["pi0v061_lerobot"]["reference"] / "lerobot_0.6.1" /
+                                                 "model.safetensors"), "pt").keys())
+    assert torch.equal(as_lerobot["model." + embed], as_lerobot["model." + head])  # the run's embedding, twice
+    as_openpi = set(safe_open(str(exported["pi0v061_openpi"]["folder"] / "model.safetensors"), "pt").keys())
+    assert head in as_openpi and embed not in as_openpi
+
+
 def test_bad_input_is_one_line_and_exit_2(exported, tmp_path, capsys) -> None:
     done = subprocess.run([sys.executable, "-m", "ebrl.export", str(tmp_path)], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
@@ -201,13 +221,34 @@ def test_bad_input_is_one_line_and_exit_2(exported, tmp_path, capsys) -> None:
     oft = tmp_path / "oft"
     record["config"]["policy"].update(name="openvla_oft", _target_="ebrl.policies.openvla_oft.OpenVLAOFTPolicy")
     atomic_save(record, oft / "checkpoints" / "last.pt")
+    broken = tmp_path / "broken"
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "model.safetensors").write_bytes(b"not a safetensors file")
+    record["config"]["policy"].update(name="openpi", _target_="ebrl.policies.openpi.OpenPIPolicy",
+                                      checkpoint=str(tmp_path / "garbage"))
+    atomic_save(record, broken / "checkpoints" / "last.pt")
+    (tmp_path / "a_file").write_text("")
     for argv, line in (([str(run), "--out", str(exported["pi0_lerobot"]["folder"])], "exists and is not empty"),
                        ([str(scratch)], "trained from no published checkpoint"),
-                       ([str(oft)], "policy.name=openvla_oft cannot be exported")):
+                       ([str(oft)], "policy.name=openvla_oft cannot be exported"),
+                       ([str(broken)], "model.safetensors, a file of policy.checkpoint="),
+                       ([str(run), "--out", str(tmp_path / "a_file" / "out")], "cannot be made there")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.count("\n") == 1 and line in err, err
+
+
+def test_any_other_failure_is_one_line_and_exit_1(exported, small_disk, capsys) -> None:
+    """A disk that fills while the export writes (a real 1 MiB tmpfs): one line naming the error and the file its
+    traceback went to, and no partial folder left."""
+    run = exported["pi0_lerobot"]["folder"].parent / "pi0_run"
+    with pytest.raises(SystemExit) as stop:
+        main([str(run), "--out", str(small_disk / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1 and "the export failed: " in err, err
+    assert "(traceback in " in err and "Traceback" not in err
+    assert list(small_disk.iterdir()) == []
 
 
 # --- GR00T ---------------------------------------------------------------------------------------------------------

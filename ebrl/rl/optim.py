@@ -3,7 +3,10 @@
 float32 moments are torch's AdamW. bfloat16 moments halve the optimizer's memory (for pi0 at full size, 26 GB of
 moments become 13 GB): each step computes in float32 and stores the moments back with stochastic rounding, since
 bfloat16's 8-bit mantissa would otherwise round away Adam's small per-step changes (v <- 0.999 v + 0.001 g^2 moves v
-by less than half a bfloat16 step, so round-to-nearest would freeze it).
+by less than half a bfloat16 step, so round-to-nearest would freeze it). The rounding draws from a generator of the
+optimizer's own, seeded alike on every rank: replicas (DDP) must round alike, and the global generator is seeded per
+rank and drawn from by generation. Its state travels in the optimizer's state dict, so a resumed run rounds on (FSDP's
+state gathered by parameter name leaves it out: a shard has no replica to agree with, and its generator restarts).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHUNK = 1 << 24  # elements per slice of a step
+ROUNDING_SEED = 0  # the stochastic rounding's, on every rank
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
@@ -28,10 +32,11 @@ def make_optimizer(params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any
                             state_dtype=DTYPES[moments])
 
 
-def stochastic_round(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> bfloat16, rounding up with the probability of the dropped fraction (unbiased in expectation)."""
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up with the probability of the dropped fraction (unbiased in expectation); the
+    noise from `generator` (None: torch's global one)."""
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    noise = torch.randint_like(bits, 0, 1 << 16, generator=generator)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # (exact: the low bits are zero)
 
 
@@ -46,9 +51,28 @@ class LowPrecisionAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5, weight_decay: float = 0.0,
-                 state_dtype: torch.dtype = torch.bfloat16) -> None:
+                 state_dtype: torch.dtype = torch.bfloat16, seed: int = ROUNDING_SEED) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
+        device = _local(self.param_groups[0]["params"][0]).device  # (a generator draws on its own device only)
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state, and the rounding generator's."""
+        return {**super().state_dict(), "rounding_rng": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's optimizer state, the moments kept in `state_dtype`, and the rounding generator's where it was saved
+        by one on this device type (a checkpoint from before it had one, or a GPU run's resumed on the CPU, leaves it
+        where it is)."""
+        state_dict = dict(state_dict)
+        rng = state_dict.pop("rounding_rng", None)
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch casts them to the parameter's dtype: twice the memory, and `step`'s
+            for key in ("exp_avg", "exp_avg_sq"):  # .float() would then alias them
+                state[key] = state[key].to(self.state_dtype)
+        if rng is not None and rng.numel() == self.generator.get_state().numel():
+            self.generator.set_state(rng)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -75,6 +99,6 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                     g = grad.float()
                     m32 = m.float().lerp_(g, 1 - beta1)
                     v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    m.copy_(stochastic_round(m32))
-                    v.copy_(stochastic_round(v32))
+                    m.copy_(stochastic_round(m32, self.generator))
+                    v.copy_(stochastic_round(v32, self.generator))
                     param.add_(m32.div_(v32.div_(c2).sqrt_().add_(group["eps"])).mul_(-lr1).to(param.dtype))

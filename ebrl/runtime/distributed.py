@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from typing import Any, Mapping
 
 import torch
@@ -38,6 +39,9 @@ TASK_MEANS = ("success", "return")  # env/<task>/<figure> of a multi-task run: w
 # Keys every rank must agree on after an update: the weights' version and their fingerprint.
 AGREED = ("sched/weights_version", "dist/weights_sum")
 PER_RANK = ("perf/env_steps_per_s", "env/return", "dist/weights_sum")  # also logged per rank, as ranks/<r>/<key>
+# A rank's own GPU's figure under its node's number (GpuMonitor.read): GPU 0 of one node is not GPU 0 of another, so
+# these are logged per rank, as ranks/<r>/gpu<i>_<figure>, and the run's are taken over every rank's GPUs
+GPU_FIGURE = re.compile(r"perf/gpu(\d+)_(\w+)")
 
 
 class DistributedError(StageFailed):
@@ -131,7 +135,8 @@ def episode_count(key: str) -> str | None:
 
 
 def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One iteration's run-wide metrics from the ranks' own (see SUMMED, SLOWEST); ranks/<r>/<key> for PER_RANK.
+    """One iteration's run-wide metrics from the ranks' own (see SUMMED, SLOWEST); ranks/<r>/<key> for PER_RANK and
+    for each rank's own GPUs' figures (GPU_FIGURE).
 
     Raises DistributedError when the ranks disagree on a key of AGREED (their weights after the same update)."""
     first = per_rank[0]
@@ -143,6 +148,8 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                                    "their weights are no longer the same")
     out: dict[str, Any] = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):  # every key, in first-seen order
+        if GPU_FIGURE.fullmatch(key):
+            continue
         values = [m[key] for m in per_rank if key in m]
         numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if len(numbers) != len(values) or not numbers:
@@ -163,10 +170,18 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             finite = [v for v in numbers if not math.isnan(v)]
             out[key] = sum(finite) / len(finite) if finite else float("nan")
+    gpus: dict[str, list[float]] = {}
     for r, m in enumerate(per_rank):
         for key in PER_RANK:
             if key in m:
                 out[f"ranks/{r}/{key.split('/')[-1]}"] = m[key]
+        for key, value in m.items():
+            match = GPU_FIGURE.fullmatch(key)
+            if match:
+                out[f"ranks/{r}/gpu{match[1]}_{match[2]}"] = value
+                gpus.setdefault(match[2], []).append(float(value))
+    for figure, values in gpus.items():  # over every rank's GPUs: the mean utilisation, the largest memory peak
+        out[f"perf/gpu_{figure}"] = max(values) if figure == "mem_gb" else sum(values) / len(values)
     if out.get("env/episodes") and "env/successes" in out:  # the interval of the run's success rate, over every rank's episodes
         out["env/success_low"], out["env/success_high"] = wilson_interval(round(out["env/successes"]),
                                                                           round(out["env/episodes"]))

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
+from ebrl.node import order_gpus_by_bus
 from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy, executed_line, settle_execute
@@ -106,6 +107,7 @@ class Evaluation:
     @classmethod
     def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Evaluation":
         """Validate, load the checkpoint, start the simulators; bad input raises a one-line error."""
+        order_gpus_by_bus()  # before anything counts or starts a GPU
         check_mode(cfg)
         validate(cfg)
         if run_dir is None:

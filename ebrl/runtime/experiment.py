@@ -19,7 +19,7 @@ from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment
-from ebrl.node import Ranks
+from ebrl.node import Ranks, order_gpus_by_bus, visible_gpu
 from ebrl.policies.build import build_policy, executed_line, settle_execute, tokenizer_warning
 from ebrl.recipes import recipe_line
 from ebrl.runtime.checkpoint import (
@@ -105,10 +105,10 @@ class Experiment:
         self.ranks = ranks or Ranks()
         # rank 0 writes the run's metrics, summary, checkpoints and W&B run; rank r its own metrics and trace in rank<r>
         self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
-        self.seed = self.ranks.seed(cfg.seed)  # this rank's simulators and sampling
         self.iteration = 0
         self.env_steps = 0
         self.pool: SimWorkerPool | None = None
+        self.gpus: list[str] = []  # this rank's GPUs, as its CUDA_VISIBLE_DEVICES named them before MPS (_build)
         self.placement: Placement | None = None
         self.scheduler: Scheduler | None = None
         self.log: MetricsLog | None = None
@@ -119,6 +119,7 @@ class Experiment:
     @classmethod
     def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "Experiment":
         """Validate, then build every part; bad input raises ConfigError/EnvSetupError/CheckpointError (one line)."""
+        order_gpus_by_bus()  # before anything counts or starts a GPU; every child inherits it
         validate(cfg)
         init_file(cfg)  # (an init that names nothing: one line before anything starts)
         executes = settle_execute(cfg)  # (before the config is read: the placement's memory, the processes' copies)
@@ -153,6 +154,11 @@ class Experiment:
                                       f"resume={self.cfg.resume}")
 
     @property
+    def seed(self) -> int:
+        """This rank's seed for its simulators and sampling."""
+        return self.ranks.seed(self.cfg.seed)
+
+    @property
     def cores(self) -> list[int]:
         return self.placement.cores
 
@@ -166,8 +172,10 @@ class Experiment:
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
         # (docs/schedules.md, "Measured choices")
         torch.set_flush_denormal(True)
-        # the simulators render on this rank's GPU: read before an MPS client's environment replaces this process's
+        # the simulators render on this rank's GPU, and its telemetry samples its own GPUs (by their node's numbers):
+        # read before an MPS client's environment replaces this process's
         sim_env = simulator_gpu_environment(cfg.hw.gpus)
+        self.gpus = [visible_gpu(i) for i in range(self.ranks.gpus(cfg.hw.gpus))]
         try:
             # the allocator's first plan and the leases, and MPS daemons when hw asks for them, before any process
             self.placement = Placement(cfg, rank_cores(cfg), device, self.out_dir, self.ranks)
@@ -250,11 +258,13 @@ class Experiment:
         resume_id = self._resume_ckpt.get("wandb_id") if self._resume_ckpt else None
         logger = self.conf["logger"] if self.ranks.leader else {"name": "none"}  # one W&B run: rank 0's
         self.log = MetricsLog(self.out_dir, logger, self.conf, resume_id=resume_id)
-        gpu = GpuMonitor() if cfg.hw.gpus else None  # device totals; each stage's own GPU time is in the trace
+        # this rank's GPUs' device totals; each stage's own GPU time is in the trace
+        gpu = GpuMonitor(gpus=self.gpus) if self.gpus else None
         if gpu is not None:
             gpu.start()
             if not gpu.available:
-                console.print(f"no GPU figures: {gpu.reason}", soft_wrap=True)
+                console.print(f"GPU telemetry is off: {gpu.reason}; the run goes on without perf/gpu figures",
+                              soft_wrap=True, markup=False)
         monitors = (CpuMonitor(self.cores), gpu, self.placement.account())
         cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from the CpuMonitor
         start = time.perf_counter()

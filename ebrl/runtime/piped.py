@@ -10,6 +10,7 @@ import torch
 
 from ebrl.envs.base import one_line
 from ebrl.errors import StageFailed
+from ebrl.node import order_gpus_by_bus
 from ebrl.runtime.messages import Failed, Stop
 from ebrl.runtime.resources import MEMORY_BUDGET_VAR, apply_memory_budget
 
@@ -18,7 +19,8 @@ M = TypeVar("M")
 
 def start_worker(cpus: Sequence[int], threads: int, seed: int, device: str) -> None:
     """A spawned worker's start: its cores and threads, subnormals flushed as the supervisor does (experiment.py),
-    its seed, and on a GPU without MPS its memory budget (ResourcePool.child_env)."""
+    its seed, its GPUs numbered by bus, and on a GPU without MPS its memory budget (ResourcePool.child_env)."""
+    order_gpus_by_bus()  # (inherited from a supervisor; a child a benchmark starts gets it here)
     os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)

@@ -83,7 +83,7 @@ class Placement:
     def _start_pool(self, out_dir: Any) -> None:
         cfg = self.cfg
         try:
-            gpus = 1 if self.ranks.distributed and cfg.hw.gpus else cfg.hw.gpus  # a rank has its own GPU
+            gpus = self.ranks.gpus(cfg.hw.gpus)
             self.pool = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
                                      gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30), partition=self.partition(),
                                      run_dir=out_dir)

@@ -26,6 +26,7 @@ from ebrl.config import ConfigError
 from ebrl.demos.dataset import Demos, DemosError, read_demos, statistics
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import SimWorkerPool
+from ebrl.node import order_gpus_by_bus
 from ebrl.policies.base import Policy
 from ebrl.policies.build import build_policy
 from ebrl.rl.sft import DemoBatch
@@ -117,6 +118,7 @@ class SupervisedRun:
     @classmethod
     def from_config(cls, cfg: DictConfig, run_dir: str | Path | None = None) -> "SupervisedRun":
         """Validate, read the demonstrations and build the policy; bad input raises one line."""
+        order_gpus_by_bus()  # before anything counts or starts a GPU
         validate(cfg)
         if not cfg.demos.path:
             raise ConfigError("algo=sft trains on demonstrations: give demos.path=<folder or .hdf5> (record some with "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from ebrl.telemetry.timers import CpuMonitor
 
@@ -74,11 +74,33 @@ def open_nvml() -> tuple[Any, str]:
     initialising CUDA, so it is safe before `pin_gpu`."""
     try:
         import pynvml
-
+    except ImportError:
+        return None, "NVML unavailable: the pynvml module is not installed (pip install nvidia-ml-py)"
+    try:
         pynvml.nvmlInit()
-    except Exception as e:  # ImportError, or pynvml.NVMLError when there is no driver
-        return None, f"NVML unavailable ({type(e).__name__}: {e}): no NVIDIA driver on this machine?"
+    except Exception as e:  # pynvml.NVMLError: no library, no driver, or a driver that refuses
+        if type(e).__name__ == "NVMLError_LibraryNotFound":
+            return None, ("NVML unavailable: libnvidia-ml.so.1 is not there (no NVIDIA driver, or a container "
+                          "started without the driver's utility libraries: NVIDIA_DRIVER_CAPABILITIES=compute,utility)")
+        return None, f"NVML unavailable ({type(e).__name__}: {e})"
     return pynvml, ""
+
+
+def nvml_indices(nvml: Any, entries: Sequence[str] | None) -> list[int]:
+    """The node's numbers (NVML's, in bus order) of the GPUs CUDA_VISIBLE_DEVICES `entries` name (indices in bus
+    order, as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them, or GPU-UUID prefixes); None: every GPU. A MIG instance, of
+    which NVML reads no utilisation, or an entry that names no GPU, is left out."""
+    count = nvml.nvmlDeviceGetCount()
+    if entries is None:
+        return list(range(count))
+    uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    found = []
+    for entry in (e.strip() for e in entries):
+        named = ([int(entry)] if entry.isdigit() and int(entry) < count else
+                 [i for i, uuid in enumerate(uuids) if entry.startswith("GPU-") and uuid.startswith(entry)])
+        if len(named) == 1 and named[0] not in found:
+            found.append(named[0])
+    return found
 
 
 def gpu_uuids() -> list[str] | None:
@@ -112,28 +134,32 @@ def gpu_free_bytes(entry: str) -> int | None:
 
 class GpuMonitor(_Sampler):
     """Device totals per GPU from NVML: utilization.gpu (%), memory used (bytes) and, where GPM is supported (Hopper
-    and later), SM utilisation and SM occupancy (%) between two consecutive samples.
+    and later), SM utilisation and SM occupancy (%) between two consecutive samples; of the GPUs `gpus` names (a
+    rank's own, as its CUDA_VISIBLE_DEVICES entries: `nvml_indices`; None: every GPU), each under its node's number.
 
     NVML attributes all MPS clients to the MPS server process, and its totals cover the whole device, so the GPU busy
-    time of each stage comes from the application's own trace, not from here. Without a driver `available` is False,
+    time of each stage comes from the application's own trace, not from here. Without NVML `available` is False,
     `reason` says why, and start/stop do nothing: a run goes on without GPU figures.
     """
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.5, gpus: Sequence[str] | None = None) -> None:
         super().__init__(interval_s)
         self.samples: list[tuple[float, dict[int, dict[str, float]]]] = []
         self.available = False
         self.reason = ""
-        self.handles: list[Any] = []
-        self.gpm: list[bool] = []
+        self.handles: dict[int, Any] = {}  # the node's number -> NVML handle
+        self.gpm: dict[int, bool] = {}
         self._gpm_last: dict[int, Any] = {}
         self._read_from = 0  # samples already summed up by `read`
         pynvml, self.reason = open_nvml()
         if pynvml is None:
             return
         self._nvml = pynvml
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        self.gpm = [self._gpm_supported(h) for h in self.handles]
+        self.handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in nvml_indices(pynvml, gpus)}
+        if not self.handles:
+            self.reason = f"NVML lists no GPU that CUDA_VISIBLE_DEVICES={','.join(gpus or ())} names (a MIG instance?)"
+            return
+        self.gpm = {i: self._gpm_supported(h) for i, h in self.handles.items()}
         self.available = True
 
     def _gpm_supported(self, handle: Any) -> bool:
@@ -175,7 +201,7 @@ class GpuMonitor(_Sampler):
     def _read(self) -> dict[int, dict[str, float]]:
         nvml = self._nvml
         out = {}
-        for i, handle in enumerate(self.handles):
+        for i, handle in self.handles.items():
             reading = {"util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
                        "mem_used": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)}
             if self.gpm[i]:

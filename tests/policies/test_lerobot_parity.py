@@ -22,6 +22,7 @@ from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.envs.setup import benchmark_python
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import resize_with_pad
+from ebrl.policies.openpi import OpenPIPolicy
 from ebrl.policies.tokenizer import PaligemmaTokenizer, train_gemma_like
 from tests.conftest import ONE_THREAD
 
@@ -109,6 +110,21 @@ def first_lerobot_layout(out: Path, name: str = "lerobot_feb2025") -> int:
     assert not any("embed_tokens" in k or ".model.language_model." in k for k in state)
     save_file(state, str(out / name / "model.safetensors"))
     return renamed
+
+
+def lerobot_061_layout(out: Path, name: str = "lerobot_0.6.1") -> None:
+    """<out>/<name>/: the layout lerobot 0.6.1's save_pretrained leaves, derived from 0.4.4's file of the same
+    weights: 0.6.1 no longer ties PaliGemma's lm_head to embed_tokens, so its file holds both names, as two tensors
+    (equal until a 0.6.1 fine-tune moves one). Its config.json and processors stay 0.4.4's."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(out / "lerobot", out / name)
+    state = load_file(str(out / "lerobot" / "model.safetensors"))
+    embed, head = (f"model.{k}" for k in OpenPIPolicy.TIED)
+    assert embed not in state
+    save_file({**state, embed: state[head].clone()}, str(out / name / "model.safetensors"))
 
 
 def test_lerobot_and_openpi_layouts_act_as_lerobot(reference, one_thread) -> None:

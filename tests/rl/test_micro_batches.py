@@ -114,6 +114,36 @@ def test_bfloat16_moments_decay_as_adams_do() -> None:
     assert float(moments["bfloat16"]) == pytest.approx(float(moments["float32"]), rel=0.02)
 
 
+def test_bfloat16_moments_round_alike_whatever_else_draws_and_resume_where_they_were(tmp_path) -> None:
+    """Replicas (DDP) step alike only if their rounding draws alike: it comes from the optimizer's own generator, not
+    the global one each rank seeds and draws from its own way; a checkpoint carries it."""
+    def replica(global_seed: int) -> tuple[torch.nn.Parameter, LowPrecisionAdam]:
+        torch.manual_seed(global_seed)
+        weight = torch.nn.Parameter(torch.ones(4096))
+        return weight, make_optimizer([weight], lr=1e-3, moments="bfloat16")
+
+    def steps(weight: torch.nn.Parameter, optimizer: LowPrecisionAdam, n: int, draws: int) -> None:
+        for step in range(n):
+            torch.rand(draws)  # generation's draws: uneven over the ranks
+            weight.grad = torch.linspace(-1.0, 1.0, 4096) * (step + 1) / 3
+            optimizer.step()
+
+    (w0, opt0), (w1, opt1) = replica(0), replica(7919)
+    steps(w0, opt0, 3, draws=5)
+    steps(w1, opt1, 3, draws=11)
+    torch.save({"optimizer": opt1.state_dict()}, tmp_path / "last.pt")
+    w2, opt2 = replica(1)
+    w2.data.copy_(w1.data)
+    opt2.load_state_dict(torch.load(tmp_path / "last.pt", weights_only=False)["optimizer"])
+    for weight, optimizer, draws in ((w0, opt0, 1), (w1, opt1, 2), (w2, opt2, 3)):
+        steps(weight, optimizer, 2, draws)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt2.state[w2][name].dtype == torch.bfloat16  # (torch's load makes them the parameter's float32)
+        assert torch.equal(opt0.state[w0][name], opt1.state[w1][name])
+        assert torch.equal(opt0.state[w0][name], opt2.state[w2][name])
+    assert torch.equal(w0, w1) and torch.equal(w0, w2)
+
+
 def test_a_bfloat16_policy_takes_its_ratio_against_the_trainers_own_pass() -> None:
     """Generation's bfloat16 numbers differ from the trainer's pass by ~0.1 in log-prob per action; the trainer
     recomputes the old log-probs, so the first step's ratio is 1 up to the pass's own rounding."""

@@ -26,6 +26,7 @@ from tests.conftest import REPO, compose_config
 from tests.runtime.test_run import SMALL, metrics, run_py
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+BF16 = ["algo.optimizer_dtype=bfloat16"]
 
 
 def torchrun(launch: list[str], *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -38,6 +39,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def two_nodes(run_dir: Path, *overrides: str, timeout: int = 300) -> None:
+    """Two torchrun agents on localhost, a node of one rank each (every rank has the machine's cores: a pipelined
+    schedule needs 2), running `overrides` on hw.nodes=2 into `run_dir`; both must succeed."""
+    port = free_port()
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "ebrl-test"]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([*TORCHRUN, *launch, "run.py", *SMALL, "hw.nodes=2", *overrides,
+                               f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outputs)
 
 
 def as_ranks(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, local_world: int) -> None:
@@ -72,6 +87,19 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     assert out["env/Lift/episodes"] == 3.0 and out["env/Lift/success"] == pytest.approx(1 / 3)
     assert out["env/Lift/return"] == pytest.approx((1.0 + 2 * 2.0) / 3)
     assert (out["env/Stack/episodes"], out["env/Stack/success"], out["env/Stack/return"]) == (1.0, 1.0, 4.0)
+
+
+def test_each_ranks_gpus_are_its_own_and_two_nodes_gpus_are_not_averaged_together() -> None:
+    """GpuMonitor reports a rank's own GPUs under their node's numbers (tests/telemetry/test_monitor.py): GPU 0 of
+    node 0 and GPU 0 of node 1 stay apart, per rank; the run's figure is taken over every GPU."""
+    per_rank = [{"iteration": 1, "perf/gpu0_util": 90.0, "perf/gpu0_sm_util": 70.0, "perf/gpu0_mem_gb": 30.0},
+                {"iteration": 1, "perf/gpu0_util": 10.0, "perf/gpu0_mem_gb": 50.0},  # another node's GPU 0
+                {"iteration": 1, "perf/gpu1_util": 50.0, "perf/gpu1_mem_gb": 40.0}]  # node 1's GPU 1
+    out = combine(per_rank)
+    assert not any(key.startswith("perf/gpu0") or key.startswith("perf/gpu1") for key in out)
+    assert (out["ranks/0/gpu0_util"], out["ranks/1/gpu0_util"], out["ranks/2/gpu1_util"]) == (90.0, 10.0, 50.0)
+    assert out["ranks/0/gpu0_sm_util"] == 70.0 and out["ranks/1/gpu0_mem_gb"] == 50.0
+    assert (out["perf/gpu_util"], out["perf/gpu_sm_util"], out["perf/gpu_mem_gb"]) == (50.0, 70.0, 50.0)
 
 
 def test_ranks_whose_weights_differ_stop_the_run() -> None:
@@ -124,8 +152,9 @@ def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytes
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("ranks") / "run"
-    # the shaped reward: the ranks' returns tell their episodes apart (sparse ones are all 0 from scratch)
-    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, "env.reward=dense", "iterations=3",
+    # the shaped reward: the ranks' returns tell their episodes apart (sparse ones are all 0 from scratch); bfloat16
+    # moments: their stochastic rounding must draw alike on both ranks, while generation draws from each rank's own
+    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, *BF16, "env.reward=dense", "iterations=3",
                     "checkpoint_every=1", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -156,7 +185,7 @@ def test_two_ranks_train_one_policy_on_both_ranks_data(two_ranks: Path) -> None:
 
 def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
     before = metrics(two_ranks)
-    proc = run_py(*SMALL, f"resume={two_ranks}", "iterations=4")
+    proc = run_py(*SMALL, *BF16, f"resume={two_ranks}", "iterations=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(two_ranks)
     assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
@@ -172,16 +201,8 @@ def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
 def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path, strategy: str) -> None:
     """Two torchrun agents on localhost, a node each: scheduler=ebrl trains in a process of its own per rank, and
     those trainers form their own group beside the supervisors', data-parallel (ddp) or sharded (fsdp)."""
-    run_dir, port = tmp_path / "run", free_port()
-    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"127.0.0.1:{port}", "--rdzv-id", "ebrl-test"]
-    overrides = [*SMALL, "hw.nodes=2", "scheduler=ebrl", "iterations=3", "checkpoint_every=2",
-                 f"distributed.strategy={strategy}", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outputs)
+    run_dir = tmp_path / "run"
+    two_nodes(run_dir, "scheduler=ebrl", "iterations=3", "checkpoint_every=2", f"distributed.strategy={strategy}")
     rows = metrics(run_dir)
     assert [row["sched/weights_version"] for row in rows] == [1.0, 2.0, 3.0]
     assert all(row["ranks/0/weights_sum"] == row["ranks/1/weights_sum"] for row in rows)
@@ -196,6 +217,20 @@ def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Pat
         proc = run_py(*SMALL, "scheduler=ebrl", f"resume={run_dir}", "iterations=4")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert metrics(run_dir)[-1]["iteration"] == 4
+
+
+# the default suite runs colocated with bfloat16 moments (two_ranks above), the schedule whose rounding drew from
+# generation's generator; every schedule trains alike with either moments
+@pytest.mark.slow
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+@pytest.mark.parametrize("schedule", ["colocated", "disaggregated", "hybrid", "async", "ebrl"])
+def test_every_schedules_replicas_hold_the_same_weights(tmp_path: Path, schedule: str, moments: str) -> None:
+    run_dir = tmp_path / "run"
+    two_nodes(run_dir, f"scheduler={schedule}", f"algo.optimizer_dtype={moments}", "iterations=2")
+    rows, rank1 = metrics(run_dir), metrics(run_dir / "rank1")
+    assert [row["ranks/0/weights_sum"] for row in rows] == [row["ranks/1/weights_sum"] for row in rows] == \
+        [row["dist/weights_sum"] for row in rank1]
+    assert len(rows) == 2 and rows[0]["dist/weights_sum"] != rows[1]["dist/weights_sum"]
 
 
 def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) -> None:

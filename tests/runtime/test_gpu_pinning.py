@@ -2,6 +2,9 @@
 `pin_gpu` sets it for each rank after `validate` has counted the node's GPUs."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from typing import Any, Callable
 
 import pytest
@@ -57,3 +60,36 @@ def test_the_visible_gpus_are_counted_as_cuda_counts_them(visible, count):
 def test_without_a_driver_there_are_no_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert gpu_uuids() is None and cuda_device_count() == 0
+
+
+# a CUDA driver library that reports two GPUs: what a container with CUDA and without NVML's library gives a run (this
+# machine has neither; the fake stands in for the GPU)
+FAKE_LIBCUDA = """int cuInit(unsigned int flags) { return 0; }
+int cuDeviceGetCount(int *count) { *count = 2; return 0; }
+"""
+
+
+@pytest.mark.skipif(open_nvml()[0] is not None, reason="this machine has an NVIDIA driver")
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the fake driver library")
+def test_without_nvml_the_gpus_are_counted_by_the_cuda_driver(tmp_path, monkeypatch):
+    (tmp_path / "cuda.c").write_text(FAKE_LIBCUDA)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "cuda.c")],
+                   check=True)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert gpu_uuids() is None  # NVML's library is absent, for real
+    assert cuda_device_count() == 2  # counted in a child: this process's CUDA is untouched
+    assert not torch.cuda.is_initialized()
+    validate(compose_config("hw=h200x1", "hw.cpu_cores=null"))  # a run with CUDA is not refused for want of NVML
+
+
+@pytest.mark.parametrize("entry", ["ebrl.runtime.experiment.Experiment", "ebrl.runtime.evaluation.Evaluation",
+                                   "ebrl.runtime.sft.SupervisedRun"])
+def test_every_run_numbers_its_gpus_by_bus_before_it_counts_them(monkeypatch, entry):
+    """CUDA numbers GPUs fastest first unless told otherwise, NVML by PCI bus: each kind of run sets the bus order
+    first thing, so that it and every child it starts agree with NVML (checked here on a config that fails at once)."""
+    from ebrl.classes import load_class
+
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    with pytest.raises(ConfigError):
+        load_class(entry, "entry").from_config(compose_config("env.num_envs=0"), run_dir="unused")
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
