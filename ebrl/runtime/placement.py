@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, Measured, describe
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
 from ebrl.config import ConfigError
@@ -211,7 +211,7 @@ class Placement:
         if gpu and self.pool is not None:
             micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, rows, self.ranks.world)
             self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
-                                   rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
+                                   rendering=render_contexts(cfg.env), where=f"hw={cfg.hw.name}")
             try:
                 self._lease()
             except ResourceError as e:

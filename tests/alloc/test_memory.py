@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, saved_activations
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts, saved_activations
 from ebrl.config import ConfigError
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer
@@ -76,6 +76,13 @@ def test_budgets_split_the_gpu_or_say_what_does_not_fit() -> None:
     message = str(e.value)
     assert message.startswith("hw=test's GPU has 1.00 GiB and this run needs about") and "\n" not in message
     assert "policy.train=lora" in message and "algo.optimizer_dtype=bfloat16" in message
+
+
+def test_maniskill_holds_a_render_context_on_the_gpu_even_with_state_observations() -> None:
+    # SAPIEN's Vulkan renderer is set up for state observations too; MuJoCo's EGL context only for cameras
+    assert render_contexts(compose_config("env=maniskill", "env.cameras=[]").env)
+    assert not render_contexts(compose_config("env=robosuite", "env.cameras=[]").env)
+    assert render_contexts(compose_config("env=robosuite", "env.cameras=[agentview]").env)
 
 
 def test_a_small_dev_shm_stops_the_run_with_the_size_it_needs() -> None:
