@@ -66,6 +66,9 @@ class InFlight:
 
 
 # --- the launch environment ---------------------------------------------------------------
+MPS_VARIABLES = "CUDA_MPS_"  # an MPS client's variables (its pipe directory, SM share, memory limit) all begin so
+
+
 def machine_indices(visible: str | None, uuids: Sequence[str] = ()) -> list[int | None] | None:
     """The machine-wide index of each entry of a CUDA_VISIBLE_DEVICES value (None: unset, every GPU in order): digits
     as they are, a GPU-UUID (prefix) looked up in NVML's `uuids`, None for an entry that names no GPU (a MIG
@@ -242,7 +245,10 @@ class SimWorker:
 
     def _start_process(self) -> None:
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **worker_environment(), **self.launch.env}
+        # not an MPS client's variables: a supervisor that generates under MPS has them, and a simulator (a
+        # replacement started later) would take its SM share and memory limit, or a pipe it should not use
+        own = {k: v for k, v in os.environ.items() if not k.startswith(MPS_VARIABLES)}
+        env = {**own, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
             process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.process", str(theirs.fileno())],
