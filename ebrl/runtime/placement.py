@@ -226,7 +226,8 @@ class Placement:
 
     # --- the runtime's processes -----------------------------------------------------------------
     def take(self, runtime: Any) -> None:
-        """Place the runtime's processes (see the module docstring) and, with a plan, its generation batch."""
+        """Place the runtime's processes (see the module docstring) and, with a plan, its generation batch; under MPS,
+        say in one line if generation or the trainer is not its daemon's client (its share would not be enforced)."""
         self.runtime = runtime
         # the supervisor generates (unless generation has a process of its own) beside the simulators
         set_process_affinity(os.getpid(), self.cpus("generate") if self.generation == "supervisor" else
@@ -239,6 +240,11 @@ class Placement:
         if self.pool is not None:
             for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):
                 self.pool.attach(stage, pid)
+        if self.mps is not None:  # (generation and the trainer are up: each holds its CUDA context, a client's)
+            line = self.mps.unenforced({"generation": (runtime.generation.pid, self.pool.leases["generate"].gpu),
+                                        "the trainer": (runtime.trainer.pid, self.pool.leases["train"].gpu)})
+            if line is not None:
+                console.print(line, soft_wrap=True)
         if self.allocator is not None and self.allocator.current is not None:
             runtime.regroup(self.allocator.current.groups)
             console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)
