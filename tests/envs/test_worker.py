@@ -276,6 +276,10 @@ def test_cpu_nodes_and_gpus_it_cannot_name_get_no_egl_device(visible, gpus):
 
 def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    # a supervisor that generates under MPS is a client (Placement.check_memory): its simulators are not
+    for key, value in (("CUDA_MPS_PIPE_DIRECTORY", "/tmp/ebrl-mps-x/gpu0"), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40"),
+                       ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1024M")):
+        monkeypatch.setenv(key, value)
     extra = simulator_gpu_environment(gpus=1)
     assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}  # (this machine's one EGL device)
     assert simulator_gpu_environment(gpus=0) == {}
@@ -295,6 +299,7 @@ def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
         pool.close()
     assert environ[b"MUJOCO_EGL_DEVICE_ID"] == b"0" and environ[b"CUDA_VISIBLE_DEVICES"] == b"0"
     assert environ[b"OMP_NUM_THREADS"] == b"1"  # beside the worker's own variables
+    assert not [key for key in environ if key.startswith(b"CUDA_MPS_")]
 
 
 # --- the EGL device of a GPU: this machine's real device list (Mesa's llvmpipe); NVIDIA's attribute, which a CPU
