@@ -265,8 +265,7 @@ class Experiment:
         hooks = [
             *([Replan(self.placement)] if self.placement.allocator is not None else []),
             RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
-            Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint,
-                        self.scheduler.gathered_state),
+            Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint),
         ]
         try:
             while self.iteration < cfg.iterations:
