@@ -9,8 +9,8 @@ gradients), and the rollout it trains on, moved to its device.
 Generation: the weights in policy.dtype and, per env of its batch, the prefix cache (or the family's conditioning)
 and the denoising chain.
 Publication: the channel's slots (two payloads in policy.dtype; on one GPU they are on the device and the host
-holds one for the first weights). Shared memory: those host slots, every simulator's slot and one rollout in
-flight to the trainer.
+holds one for the first weights). Shared memory: those host slots, every simulator's slot, one rollout in flight
+to the trainer and, on rank 0, the model and Adam state its trainer sends for a checkpoint.
 Not modelled: the allocator's fragmentation and the kernels' workspaces (they are in the measured process's
 figures), and the CUDA context, taken as `CUDA_CONTEXT_BYTES` per process, and the render context a simulator holds
 on the GPU (MuJoCo's EGL context for its cameras, SAPIEN's Vulkan one, which ManiSkill sets up even for state
@@ -211,11 +211,19 @@ class MemoryModel:
         return Footprint({"device slots": 2 * self.payload_bytes if on_device else 0,
                           "host slots": (1 if on_device else 2) * self.payload_bytes})
 
-    def shared_memory(self, num_envs: int, rollout_rows: int, channel_on_device: bool) -> int:
-        """/dev/shm a pipelined run needs: the channel's host slots, the simulators' slots and one rollout in flight
-        to the trainer (torch moves a batch's tensors there to send them)."""
+    def checkpoint_state(self) -> int:
+        """The model and Adam state a trainer sends for a checkpoint: its weights (float32 masters, the frozen rest)
+        and both moments, whole (FSDP gathers them)."""
+        trainer = self.trainer(0).parts
+        return trainer["weights"] + trainer["optimizer"]
+
+    def shared_memory(self, num_envs: int, rollout_rows: int, channel_on_device: bool, checkpoint: bool = False) -> int:
+        """/dev/shm a pipelined run needs: the channel's host slots, the simulators' slots, one rollout in flight
+        to the trainer (torch moves a batch's tensors there to send them) and, on rank 0 (`checkpoint`), the state its
+        trainer sends for a checkpoint (the other ranks' send none)."""
         rollout = rollout_rows * (self.obs_per_row + self.chain_per_row)
-        return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout
+        state = self.checkpoint_state() if checkpoint else 0
+        return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout + state
 
     def gpu(self, micro_batch: int, num_envs: int, rollout_chunks: int, rendering: bool) -> Footprint:
         """One GPU running a pipelined schedule: the trainer and generation processes (the published weights on the
@@ -277,5 +285,6 @@ def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
     if have < need:
         want = max(1, math.ceil(need * 1.25 / GiB))
         raise ConfigError(f"{path} has {have / 2**20:.0f} MB free and this run needs {need / 2**20:.0f} MB of shared "
-                          f"memory (weights, simulator slots, rollouts); start the container with --shm-size={want}g, "
-                          f"or mount a larger tmpfs there (mount -o remount,size={want}G {path})")
+                          f"memory (weights, simulator slots, rollouts, a checkpoint's state); start the container "
+                          f"with --shm-size={want}g, or mount a larger tmpfs there "
+                          f"(mount -o remount,size={want}G {path})")

@@ -207,7 +207,8 @@ class Placement:
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
-        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
+        # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
+        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader))
         if gpu and self.pool is not None:
             micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, rows, self.ranks.world)
             self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,

@@ -9,6 +9,7 @@ from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_
 from ebrl.config import ConfigError
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer
+from ebrl.runtime.checkpoint import state_nbytes
 from tests.conftest import compose_config
 from tests.policies.test_families import make_obs, make_spec
 from tests.policies.test_precision import policy_config
@@ -31,10 +32,16 @@ def test_the_trainers_state_is_what_the_model_says(overrides: tuple[str, ...]) -
     trainer = PPOTrainer(policy, algo)
     trainer.update(one_episode_rollout(policy))
     moments = [v for state in trainer.optimizer.state.values() for k, v in state.items() if k != "step"]
-    predicted = MemoryModel.of(policy_cfg, LIFT_SPEC, algo.optimizer_dtype, device="cpu").trainer(1).parts
+    model = MemoryModel.of(policy_cfg, LIFT_SPEC, algo.optimizer_dtype, device="cpu")
+    predicted = model.trainer(1).parts
     assert predicted["weights"] == tensor_bytes(policy.parameters())
     assert predicted["gradients"] == tensor_bytes(p.grad for p in policy.parameters() if p.grad is not None)
     assert predicted["optimizer"] == tensor_bytes(moments)
+    # rank 0's trainer sends a checkpoint's state through /dev/shm: the start-up check counts it there
+    sent = state_nbytes((policy.state_dict(), trainer.optimizer_state()))
+    steps = sum(v.nbytes for state in trainer.optimizer.state.values() for k, v in state.items() if k == "step")
+    assert model.checkpoint_state() == sent - steps
+    assert model.shared_memory(2, 8, False, checkpoint=True) - model.shared_memory(2, 8, False) == sent - steps
     bf16 = "policy.dtype=bfloat16" in overrides
     assert predicted["autocast copies"] == (tensor_bytes(p for p in policy.parameters() if p.requires_grad) // 2
                                             if bf16 else 0)
