@@ -146,7 +146,8 @@ class ManiSkillEnv(EnvAdapter):
     def software_renderer(self) -> str:
         """SAPIEN's CPU renderer, when ManiSkill found no CUDA device for its renderer and fell back to it (with
         cameras: without, nothing renders)."""
-        if not self.cameras or getattr(self.env.unwrapped.backend, "render_backend", "") != "sapien_cpu":
+        backend = getattr(self.env.unwrapped, "backend", None)  # (ManiSkill 3's BackendInfo)
+        if not self.cameras or getattr(backend, "render_backend", "") != "sapien_cpu":
             return ""
         return ("ManiSkill found no CUDA device for SAPIEN's renderer and renders on the CPU (sapien_cpu): SAPIEN "
                 "needs NVIDIA's Vulkan driver (nvidia_icd.json; in a container set NVIDIA_DRIVER_CAPABILITIES=all, or "
