@@ -9,11 +9,12 @@ gradients), and the rollout it trains on, moved to its device.
 Generation: the weights in policy.dtype and, per env of its batch, the prefix cache (or the family's conditioning)
 and the denoising chain.
 Publication: the channel's slots (two payloads in policy.dtype; on one GPU they are on the device and the host
-holds one for the first weights). Shared memory: those host slots, every simulator's slot and one rollout in
-flight to the trainer.
+holds one for the first weights). Shared memory: those host slots, every simulator's slot, one rollout in flight
+to the trainer and, on rank 0, the model and Adam state its trainer sends for a checkpoint.
 Not modelled: the allocator's fragmentation and the kernels' workspaces (they are in the measured process's
-figures), and the CUDA context, taken as `CUDA_CONTEXT_BYTES` per process, and the EGL context a simulator holds
-on the GPU when it renders there, `EGL_CONTEXT_BYTES`: estimates until measured on a GPU (ebrl.bench.gpu_check).
+figures), and the CUDA context, taken as `CUDA_CONTEXT_BYTES` per process, and the render context a simulator holds
+on the GPU (MuJoCo's EGL context for its cameras, SAPIEN's Vulkan one, which ManiSkill sets up even for state
+observations: `render_contexts`), `RENDER_CONTEXT_BYTES`: estimates until measured on a GPU (ebrl.bench.gpu_check).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ebrl.policies.layers import Block, map_tensors
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # per process that touches CUDA (estimate; gpu_check measures it)
-EGL_CONTEXT_BYTES = 256 * 2**20  # per simulator that renders through EGL on a GPU (estimate)
+RENDER_CONTEXT_BYTES = 256 * 2**20  # per simulator holding an EGL or Vulkan context on a GPU (estimate)
 MOMENT_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -210,41 +211,58 @@ class MemoryModel:
         return Footprint({"device slots": 2 * self.payload_bytes if on_device else 0,
                           "host slots": (1 if on_device else 2) * self.payload_bytes})
 
-    def shared_memory(self, num_envs: int, rollout_rows: int, channel_on_device: bool) -> int:
-        """/dev/shm a pipelined run needs: the channel's host slots, the simulators' slots and one rollout in flight
-        to the trainer (torch moves a batch's tensors there to send them)."""
+    def checkpoint_state(self) -> int:
+        """The model and Adam state a trainer sends for a checkpoint: its weights (float32 masters, the frozen rest)
+        and both moments, whole (FSDP gathers them)."""
+        trainer = self.trainer(0).parts
+        return trainer["weights"] + trainer["optimizer"]
+
+    def shared_memory(self, num_envs: int, rollout_rows: int, channel_on_device: bool, checkpoint: bool = False) -> int:
+        """/dev/shm a pipelined run needs: the channel's host slots, the simulators' slots, one rollout in flight
+        to the trainer (torch moves a batch's tensors there to send them) and, on rank 0 (`checkpoint`), the state its
+        trainer sends for a checkpoint (the other ranks' send none)."""
         rollout = rollout_rows * (self.obs_per_row + self.chain_per_row)
-        return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout
+        state = self.checkpoint_state() if checkpoint else 0
+        return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout + state
 
     def gpu(self, micro_batch: int, num_envs: int, rollout_chunks: int, rendering: bool) -> Footprint:
         """One GPU running a pipelined schedule: the trainer and generation processes (the published weights on the
-        device between them), and the simulators' EGL contexts when they render there."""
+        device between them), and the simulators' render contexts when they hold them there (`render_contexts`)."""
         trainer = self.trainer(micro_batch, num_envs * rollout_chunks)
         parts = {f"trainer {k}": v for k, v in trainer.parts.items()}
         parts.update({f"generation {k}": v for k, v in self.generation(num_envs).parts.items()})
         parts["published slots"] = self.channel(True).parts["device slots"]
         parts["CUDA contexts"] = 2 * CUDA_CONTEXT_BYTES
-        parts["EGL contexts"] = num_envs * EGL_CONTEXT_BYTES if rendering else 0
+        parts["render contexts"] = num_envs * RENDER_CONTEXT_BYTES if rendering else 0
         return Footprint(parts)
+
+
+def render_contexts(env: Any) -> bool:
+    """Whether each simulator of this env (its config) holds a render context on the run's GPU: its cameras' (MuJoCo's
+    EGL, SAPIEN's Vulkan), or ManiSkill's without cameras too, since SAPIEN sets its Vulkan renderer up for state
+    observations as well."""
+    from ebrl.config import ManiSkillEnvConfig
+
+    return bool(env.get("cameras")) or env.get("_target_") == ManiSkillEnvConfig._target_
 
 
 def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
             rendering: bool, where: str, headroom: float = 1.25) -> dict[str, int]:
     """Each GPU stage's memory budget on one GPU of `gpu_bytes`: generation its footprint with `headroom`, the
-    trainer the rest less the simulators' EGL contexts; one line (`where` names the hw) when the model says the run
+    trainer the rest less the simulators' render contexts; one line (`where` names the hw) when the model says the run
     cannot fit, naming what takes the memory and what would shrink it."""
     from ebrl.config import ConfigError
 
     generate = int(headroom * (model.generation(num_envs).total + CUDA_CONTEXT_BYTES))
     need = model.gpu(micro_batch, num_envs, rollout_chunks, rendering)
     trainer = sum(v for k, v in need.parts.items() if k.startswith("trainer")) + need.parts["published slots"]
-    egl = need.parts["EGL contexts"]
+    egl = need.parts["render contexts"]
     trainer += CUDA_CONTEXT_BYTES
     train = gpu_bytes - generate - egl
     if train < trainer:
         raise ConfigError(
             f"{where}'s GPU has {gib(gpu_bytes)} GiB and this run needs about {gib(trainer + generate + egl)} GiB "
-            f"(trainer {gib(trainer)}, generation {gib(generate)}, simulators' EGL {gib(egl)}; python -m "
+            f"(trainer {gib(trainer)}, generation {gib(generate)}, simulators' render contexts {gib(egl)}; python -m "
             "ebrl.bench.memory itemises it): train less (policy.train=lora or action_expert), keep Adam's moments in "
             "bfloat16 (algo.optimizer_dtype=bfloat16), lower algo.micro_batch or env.num_envs")
     return {"generate": generate, "train": train}
@@ -267,5 +285,6 @@ def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
     if have < need:
         want = max(1, math.ceil(need * 1.25 / GiB))
         raise ConfigError(f"{path} has {have / 2**20:.0f} MB free and this run needs {need / 2**20:.0f} MB of shared "
-                          f"memory (weights, simulator slots, rollouts); start the container with --shm-size={want}g, "
-                          f"or mount a larger tmpfs there (mount -o remount,size={want}G {path})")
+                          f"memory (weights, simulator slots, rollouts, a checkpoint's state); start the container "
+                          f"with --shm-size={want}g, or mount a larger tmpfs there "
+                          f"(mount -o remount,size={want}G {path})")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,10 @@ class EnvSpec:
     max_episode_steps: int
     action_low: float = -1.0
     action_high: float = 1.0
+    # where the cameras render when that is a software renderer on the CPU, and the fix ('' on a GPU, or without
+    # cameras): the adapter's `software_renderer`, which the supervisor says on a GPU node; not part of what the envs
+    # of a pool must agree on
+    software_render: str = field(default="", compare=False)
 
 
 @dataclass
@@ -132,6 +136,9 @@ class EnvAdapter:
     # Whether reset compiles the model anew (RoboCasa samples a new kitchen): then MuJoCo's compile cache is kept
     # after the build (worker.release_build_memory), since every reset reads it.
     recompiles_on_reset: bool = False
+    # How the cameras render: "egl" (MuJoCo's offscreen EGL context: the robosuite family), or "" (the adapter's own
+    # way, which overrides `software_renderer` where it can tell)
+    gl: str = ""
 
     def __init__(self, seed: int = 0) -> None:
         self._seed = int(seed)
@@ -165,6 +172,16 @@ class EnvAdapter:
         """The cameras' frames ("image/<camera>") of the current state, rendered now: the obs an episode ended on at
         a step that did not render. Adapters that never skip a frame have nothing to add."""
         return {}
+
+    def software_renderer(self) -> str:
+        """Where the cameras render when that is a software renderer on the CPU, and the fix, as a clause for the
+        supervisor's line; '' on a GPU, without cameras, or where the adapter cannot tell."""
+        rendered = any(key.startswith("image/") for key in self.spec.obs)
+        if self.gl != "egl" or not rendered or os.environ.get("MUJOCO_GL") != "egl":
+            return ""
+        from ebrl.envs.egl import software_renderer
+
+        return software_renderer()
 
     # --- shared by all adapters ----------------------------------------------------------
     def next_seed(self) -> int:

@@ -89,6 +89,8 @@ class LiberoEnv(EnvAdapter):
     "image/<camera>" when asked. Reset with seed s loads the suite's init state s mod their count. fast_step: the
     control step of ebrl/envs/fast_step.py (`fast_step_off` says why not), for the settling steps of a reset too."""
 
+    gl = "egl"  # MuJoCo's offscreen EGL context renders the cameras (EnvAdapter.software_renderer)
+
     def __init__(
         self,
         task: str = "0",

@@ -33,7 +33,8 @@ _VULKAN_ERRORS = ("vk::", "vulkan", "rendering device", "errorincompatibledriver
 
 
 class _NoCudaRenderWarning(logging.Filter):
-    # ManiSkill asks for a CUDA renderer and falls back to the CPU one on machines without CUDA.
+    # ManiSkill asks for a CUDA renderer and falls back to the CPU one on machines without CUDA, saying so in every
+    # simulator process: the adapter reports it instead (`software_renderer`), and the supervisor says it once
     def filter(self, record: logging.LogRecord) -> bool:
         return "CUDA device was not found" not in record.getMessage()
 
@@ -141,6 +142,16 @@ class ManiSkillEnv(EnvAdapter):
             action_low=float(np.min(space.low)),
             action_high=float(np.max(space.high)),
         )
+
+    def software_renderer(self) -> str:
+        """SAPIEN's CPU renderer, when ManiSkill found no CUDA device for its renderer and fell back to it (with
+        cameras: without, nothing renders)."""
+        backend = getattr(self.env.unwrapped, "backend", None)  # (ManiSkill 3's BackendInfo)
+        if not self.cameras or getattr(backend, "render_backend", "") != "sapien_cpu":
+            return ""
+        return ("ManiSkill found no CUDA device for SAPIEN's renderer and renders on the CPU (sapien_cpu): SAPIEN "
+                "needs NVIDIA's Vulkan driver (nvidia_icd.json; in a container set NVIDIA_DRIVER_CAPABILITIES=all, or "
+                "a list with graphics)")
 
     def _obs(self, raw: Any) -> dict[str, np.ndarray]:
         if not self.cameras:

@@ -17,6 +17,7 @@ supervisor itself (ebrl/envs/serial.py).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import multiprocessing.connection
 import os
 import signal
@@ -86,6 +87,8 @@ def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
     if not isinstance(getattr(adapter, "spec", None), EnvSpec):
         raise EnvSetupError(f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
                             f"its constructor: an adapter implements {ADAPTER_CONTRACT}")
+    # (both its process and scheduler.serial build here: where the cameras render travels with the spec)
+    adapter.spec = dataclasses.replace(adapter.spec, software_render=adapter.software_renderer())
     adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
     if env_cfg.get("episode_seeds") is not None:
         adapter.episode_seeds = tuple(env_cfg["episode_seeds"])

@@ -117,6 +117,7 @@ class RoboCasaEnv(EnvAdapter):
     objects from the seed; the instruction names the sampled object, so it can change per episode
     (`self.instruction`; `spec.instruction` is the first episode's)."""
 
+    gl = "egl"  # MuJoCo's offscreen EGL context renders the cameras (EnvAdapter.software_renderer)
     recompiles_on_reset = True  # robosuite's hard reset, RoboCasa's default: a new kitchen's model each episode
 
     def __init__(

@@ -70,6 +70,8 @@ class RobosuiteEnv(EnvAdapter):
     """A single-arm robosuite task. Obs: "state" = robot proprio + object state; "image/<camera>" when asked.
     fast_step: the control step of ebrl/envs/fast_step.py where it covers the env (`fast_step_off` says why not)."""
 
+    gl = "egl"  # MuJoCo's offscreen EGL context renders the cameras (EnvAdapter.software_renderer)
+
     def __init__(
         self,
         task: str,

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ebrl.envs.base import AdapterContractError, EnvSetupError, EnvSpec, one_line
+from ebrl.envs.egl import EglDevice, device_of_gpu, egl_devices
 from ebrl.envs.process import Simulator, send_quietly, worker_environment
 from ebrl.envs.serial import InProcess
 from ebrl.envs.setup import worker_python
@@ -65,39 +66,63 @@ class InFlight:
 
 
 # --- the launch environment ---------------------------------------------------------------
-def egl_environment(visible: str | None, gpus: int, uuids: Sequence[str] = ()) -> dict[str, str]:
-    """The variables that make a simulator render on its supervisor's first visible GPU (a rank's own under torchrun),
-    given the supervisor's CUDA_VISIBLE_DEVICES (None: unset), the hw's GPU count and NVML's GPU UUIDs; none on a
-    CPU-only node, which renders with Mesa's software EGL.
+MPS_VARIABLES = "CUDA_MPS_"  # an MPS client's variables (its pipe directory, SM share, memory limit) all begin so
 
-    robosuite (1.4 in LIBERO, 1.5, RoboCasa's fork alike: renderers/context/egl_context.py) takes
-    MUJOCO_EGL_DEVICE_ID, else CUDA_VISIBLE_DEVICES, as an index into all of the machine's EGL devices, and
-    (utils/binding_utils.py) asserts that MUJOCO_EGL_DEVICE_ID is digits found in a non-empty CUDA_VISIBLE_DEVICES.
-    So both get the GPU's machine-wide index: a GPU-UUID entry is looked up in `uuids`, and the simulator's
-    CUDA_VISIBLE_DEVICES no longer depends on what its supervisor's became (an MPS client's "0")."""
+
+def machine_indices(visible: str | None, uuids: Sequence[str] = ()) -> list[int | None] | None:
+    """The machine-wide index of each entry of a CUDA_VISIBLE_DEVICES value (None: unset, every GPU in order): digits
+    as they are, a GPU-UUID (prefix) looked up in NVML's `uuids`, None for an entry that names no GPU (a MIG
+    instance, an unknown UUID)."""
+    if visible is None:
+        return None
+    out: list[int | None] = []
+    for entry in (e.strip() for e in visible.split(",") if e.strip()):
+        found = [i for i, uuid in enumerate(uuids) if entry.startswith("GPU-") and uuid.startswith(entry)]
+        out.append(int(entry) if entry.isdigit() else found[0] if len(found) == 1 else None)
+    return out
+
+
+def egl_environment(visible: str | None, gpus: int, uuids: Sequence[str] = (),
+                    devices: Sequence[EglDevice] | None = None) -> dict[str, str]:
+    """The variables that make a simulator render on its supervisor's first visible GPU (a rank's own under torchrun),
+    given the supervisor's CUDA_VISIBLE_DEVICES (None: unset), the hw's GPU count, NVML's GPU UUIDs and the EGL
+    devices as the supervisor lists them (ebrl/envs/egl.py; None: unknown); none on a CPU-only node, which renders
+    with Mesa's software EGL.
+
+    MUJOCO_EGL_DEVICE_ID is the GPU's index in EGL's own list (robosuite's, 1.4 in LIBERO, 1.5 and RoboCasa's fork
+    alike), found through each NVIDIA device's CUDA ordinal; with no NVIDIA device for the GPU, Mesa's software
+    device (the simulator then says so, `SimWorkerPool.start`), and with no device list the GPU's own index.
+    CUDA_VISIBLE_DEVICES shows the GPU first, by its machine-wide index (SAPIEN renders on CUDA's device 0, and the
+    simulator's value no longer depends on what its supervisor's became: an MPS client's "0"); robosuite asserts at
+    import that MUJOCO_EGL_DEVICE_ID occurs in it (utils/binding_utils.py, a substring test), so the EGL index follows
+    where it does not already occur."""
     if gpus <= 0:
         return {}
-    if visible is None:  # every GPU visible: the run's is the first
-        return {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}
-    first = visible.split(",")[0].strip()
-    if not first.isdigit():
-        found = [i for i, uuid in enumerate(uuids) if first.startswith("GPU-") and uuid.startswith(first)]
-        if len(found) != 1:  # no GPU shown, a MIG instance, an unknown UUID: robosuite's own rule applies
-            return {}
-        first = str(found[0])
-    return {"MUJOCO_EGL_DEVICE_ID": first, "CUDA_VISIBLE_DEVICES": first}
+    shown = machine_indices(visible, uuids)
+    gpu = 0 if shown is None else shown[0] if shown else None
+    if gpu is None:  # no GPU shown, a MIG instance, an unknown UUID: robosuite's own rule applies
+        return {}
+    egl = gpu
+    if devices:
+        nvidia = device_of_gpu(gpu, devices, shown)
+        software = next((d for d in devices if d.software), None)
+        egl = nvidia.index if nvidia is not None else software.index if software is not None else gpu
+    cuda = str(gpu)
+    return {"MUJOCO_EGL_DEVICE_ID": str(egl), "CUDA_VISIBLE_DEVICES": cuda if str(egl) in cuda else f"{cuda},{egl}"}
 
 
 def simulator_gpu_environment(gpus: int) -> dict[str, str]:
     """`egl_environment` for this process's CUDA_VISIBLE_DEVICES (taken after `pin_gpu`, before an MPS client's
-    environment replaces it); GPU-UUIDs are looked up through NVML."""
+    environment replaces it) and EGL's devices as this process lists them; GPU-UUIDs are looked up through NVML."""
+    if gpus <= 0:
+        return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     uuids: Sequence[str] = ()
-    if gpus > 0 and visible and not visible.split(",")[0].strip().isdigit():
+    if visible and any(not e.strip().isdigit() for e in visible.split(",") if e.strip()):
         from ebrl.telemetry.monitor import gpu_uuids  # (the supervisor's side: workers need no NVML)
 
         uuids = gpu_uuids() or ()
-    return egl_environment(visible, gpus, uuids)
+    return egl_environment(visible, gpus, uuids, egl_devices())
 
 
 # --- the parent side ----------------------------------------------------------------------
@@ -220,7 +245,10 @@ class SimWorker:
 
     def _start_process(self) -> None:
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **worker_environment(), **self.launch.env}
+        # not an MPS client's variables: a supervisor that generates under MPS has them, and a simulator (a
+        # replacement started later) would take its SM share and memory limit, or a pipe it should not use
+        own = {k: v for k, v in os.environ.items() if not k.startswith(MPS_VARIABLES)}
+        env = {**own, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
             process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.process", str(theirs.fileno())],
@@ -452,9 +480,11 @@ class SimWorkerPool:
                  cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
                  chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
                  process_env: Mapping[str, str] | None = None, serial: bool = False,
-                 episode_seeds: int | None = None) -> None:
+                 episode_seeds: int | None = None, on_gpu: bool = False) -> None:
         """episode_seeds: env i's k-th episode starts from seed episode_seeds + i + k x num_envs (an evaluation's
-        episode j from seed episode_seeds + j, however many envs share them); None: from each env's own seed."""
+        episode j from seed episode_seeds + j, however many envs share them); None: from each env's own seed.
+        on_gpu: the simulators are meant to render on the run's GPU (`process_env`: simulator_gpu_environment's), so
+        simulators that render on the CPU are said, in one line at `start`."""
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
@@ -480,6 +510,7 @@ class SimWorkerPool:
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None
+        self.on_gpu = on_gpu
 
     def start(self) -> "SimWorkerPool":
         """Spawn every process first, then collect the specs: the simulators build concurrently.
@@ -500,6 +531,11 @@ class SimWorkerPool:
                     if spec != specs[0]:
                         raise EnvSetupError(f"sim worker {i} reports {spec}, worker 0 {specs[0]}: the envs disagree")
                 self.spec = specs[0]
+            software = next((spec.software_render for spec in specs if spec.software_render), "")
+            if self.on_gpu and software:  # (once: a replacement renders where the one it replaces did)
+                from ebrl.telemetry.report import console  # (parent side only: the worker side imports no rich)
+
+                console.print(f"simulators render on the CPU, not on the run's GPU: {software}", soft_wrap=True)
             if self.chunk_len is not None:
                 self.attach(self.chunk_len)
         except BaseException:

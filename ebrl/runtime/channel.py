@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ from ebrl.policies.training import folded, load_state, split_lora
 # trainers have attached slots, so an epoch never repeats
 VERSION, SEQ0, SEQ1, EPOCH, HANDLES, ATTACHED = range(6)
 HANDLE_BYTES = 1 << 16
+Whole = Callable[[torch.Tensor], torch.Tensor]  # a state dict's tensor whole as it is written (a shard gathered)
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,14 @@ class WeightChannel:
         return self.numel * self.dtype.itemsize
 
     # --- the trainer's side ---------------------------------------------------------------------
-    def attach(self, device: torch.device | str, state: dict[str, torch.Tensor]) -> None:
-        """(cuda) Allocate this trainer's two device slots, put `state` (the current version's weights) in the
-        current one, and offer both to readers by IPC handle."""
+    def attach(self, device: torch.device | str, state: dict[str, torch.Tensor], whole: Whole | None = None) -> None:
+        """(cuda) Allocate this trainer's two device slots, put `state` (the current version's weights; `whole` as in
+        `publish`) in the current one, and offer both to readers by IPC handle."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._device = [torch.empty(self.numel, dtype=self.dtype, device=device) for _ in range(2)]
         with torch.no_grad():
-            self._write(self._device[self.version % 2], folded(*split_lora(state)))
+            self._write(self._device[self.version % 2], folded(*split_lora(state)), whole)
         torch.cuda.synchronize(device)
         blob = pickle.dumps([reduce_tensor(slot) for slot in self._device])
         if len(blob) > HANDLE_BYTES:
@@ -115,15 +116,16 @@ class WeightChannel:
         let the trainer that owns them go)."""
         self.meta[EPOCH] = 0
 
-    def publish(self, state: dict[str, torch.Tensor]) -> int:
+    def publish(self, state: dict[str, torch.Tensor], whole: Whole | None = None) -> int:
         """Write a trainer's state (its own layout: LoRA adapters are folded in here) as the next version, into the
-        slot no reader is copying; returns the new version."""
+        slot no reader is copying; returns the new version. `whole` gives each tensor whole as it is written (a
+        sharded trainer's `Gathered.whole`: one tensor gathered at a time, never the whole state dict)."""
         version = self.version + 1
         slot = version % 2
         self.meta[SEQ0 + slot] += 1  # odd: being written
         with torch.no_grad():
             target = self._device[slot] if self._device is not None else self.host[slot]
-            self._write(target, folded(*split_lora(state)))
+            self._write(target, folded(*split_lora(state)), whole)
             if target.is_cuda:
                 torch.cuda.synchronize(target.device)
         self.meta[SEQ0 + slot] += 1
@@ -178,16 +180,18 @@ class WeightChannel:
             self._epoch = epoch
         return self._device[slot]
 
-    def _write(self, flat: torch.Tensor, items: Any) -> None:
+    def _write(self, flat: torch.Tensor, items: Any, whole: Whole | None = None) -> None:
         """Copy a state dict, or `folded`'s weights with their adapters (B, A) as W + s B A in one fused matmul per
-        weight (accumulated in float32, rounded once to the payload's dtype), into a slot."""
+        weight (accumulated in float32, rounded once to the payload's dtype), into a slot; each tensor through
+        `whole` as it is written."""
+        whole = whole or (lambda t: t)
         targets = views(flat, self.entries)
         for key, value, ab in ((k, v, None) for k, v in items.items()) if isinstance(items, dict) else items:
-            target = targets[key]
+            target, value = targets[key], whole(value)
             if ab is None:
                 target.copy_(value, non_blocking=flat.is_cuda and value.is_cuda)
             else:
-                up, down = (t.to(target.device, target.dtype) for t in ab)
+                up, down = (whole(t).to(target.device, target.dtype) for t in ab)
                 torch.addmm(value.to(target.device, target.dtype), up, down, alpha=self.lora_scaling,
                             out=target)
 

@@ -14,6 +14,7 @@ from ebrl.errors import DiskFull, free_bytes, is_disk_full, megabytes
 from ebrl.policies.base import Policy
 from ebrl.policies.training import load_state, lora_scaling, merge_lora, split_lora
 from ebrl.policies.weights import CheckpointError, check_state_dict
+from ebrl.rl.rollout import new_tensor
 
 CHECKPOINT_FORMAT = 1
 
@@ -77,15 +78,16 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         raise
 
 
-def detached_copy(obj: Any) -> Any:
+def detached_copy(obj: Any, shared: bool = False) -> Any:
     """A copy of a state dict's tensors, nested ones too (Adam's moments), on the host: what a checkpoint holds while
-    training goes on changing the originals in place."""
+    training goes on changing the originals in place. One copy per tensor, from the device too; `shared`: made in
+    shared memory, so that a pipe to another process passes a handle, not torch's own copy into a new segment."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        return new_tensor(obj.shape, obj.dtype, shared).copy_(obj.detach())
     if isinstance(obj, dict):
-        return {k: detached_copy(v) for k, v in obj.items()}
+        return {k: detached_copy(v, shared) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(detached_copy(v) for v in obj)
+        return type(obj)(detached_copy(v, shared) for v in obj)
     return obj
 
 

@@ -205,19 +205,48 @@ def shard(policy: torch.nn.Module) -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's whole state dict; a sharded one's is gathered (a collective: every rank calls it)."""
-    if not is_sharded(module):
-        return module.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+class Gathered:
+    """A module's state dict whose sharded tensors (FSDP's) a reader gathers whole one at a time (`whole`), so that no
+    rank holds the whole state at once beside its shards (a collective: every rank reads the same tensors in the same
+    order); with `fingerprint`, the tensors are summed as they pass, so `weights_sum` gathers nothing again."""
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    def __init__(self, module: torch.nn.Module, fingerprint: bool = False) -> None:
+        self.state = module.state_dict()
+        self.sharded = is_sharded(module)
+        floating = (v for v in self.state.values() if v.is_floating_point())
+        self._position = {id(v): i for i, v in enumerate(floating)} if fingerprint else {}
+        self._terms: dict[int, torch.Tensor] = {}
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (one of `state`'s) whole: gathered where it is a shard, itself otherwise."""
+        from torch.distributed.tensor import DTensor
+
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        i = self._position.get(id(tensor))
+        if i is not None and i not in self._terms:
+            self._terms[i] = _fingerprint_term(i, full)
+        return full
+
+    def weights_sum(self) -> float:
+        """`weights_sum` of the whole state (its floating-point tensors not read yet are read now)."""
+        for value in self.state.values():
+            if id(value) in self._position:
+                self.whole(value)
+        return _fingerprint([self._terms[i] for i in sorted(self._terms)])
+
+
+def _fingerprint_term(position: int, tensor: torch.Tensor) -> torch.Tensor:
+    return (position + 1) * tensor.detach().double().sum()
+
+
+def _fingerprint(terms: list[torch.Tensor]) -> float:
+    return float(torch.stack(terms).sum()) if terms else 0.0  # (one device sync, not one per tensor)
 
 
 @torch.no_grad()
 def weights_sum(state: Mapping[str, torch.Tensor]) -> float:
     """A fingerprint of a state dict: the float64 sum of its floating-point tensors, each scaled by its position (so
     swapped tensors change it). Replicas with the same weights give exactly the same number; so does a checkpoint
-    of them."""
-    sums = [(i + 1) * t.detach().double().sum() for i, t in enumerate(v for v in state.values() if v.is_floating_point())]
-    return float(torch.stack(sums).sum()) if sums else 0.0  # (one device sync, not one per tensor)
+    of them, and `Gathered.weights_sum` of a sharded module's."""
+    floating = (v for v in state.values() if v.is_floating_point())
+    return _fingerprint([_fingerprint_term(i, t) for i, t in enumerate(floating)])

@@ -141,7 +141,7 @@ class Evaluation:
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
         self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed,
                                   process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial,
-                                  episode_seeds=episode_seed(cfg.seed, 0))
+                                  episode_seeds=episode_seed(cfg.seed, 0), on_gpu=cfg.hw.gpus > 0)
         try:
             self.pool.start()
             self.policy = build_policy(conf["policy"], self.pool.spec, self.device,

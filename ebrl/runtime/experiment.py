@@ -185,7 +185,7 @@ class Experiment:
             self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed,
                                       group_size=group_size, chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
                                       max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
-                                      process_env=sim_env, serial=s.serial)
+                                      process_env=sim_env, serial=s.serial, on_gpu=cfg.hw.gpus > 0)
             self.pool.start()  # simulators build concurrently; their spec shapes the policy
             self.placement.check_memory(self.pool.spec)
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a
@@ -275,8 +275,7 @@ class Experiment:
         hooks = [
             *([Replan(self.placement)] if self.placement.allocator is not None else []),
             RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
-            Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint,
-                        self.scheduler.gathered_state),
+            Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint),
         ]
         try:
             while self.iteration < cfg.iterations:

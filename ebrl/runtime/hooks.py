@@ -173,17 +173,12 @@ class NanGuard:
 
 class Checkpoints:
     """checkpoints/last.pt every `every` iterations and after the last, unless the updates are not finite; rank 0
-    writes it (`save`), the other ranks take the state their trainer sent anyway and drop it (`skip`)."""
+    writes it (`save`). The other ranks' trainers send no state (ebrl/runtime/trainer.py, `checkpoint_state`)."""
 
-    def __init__(self, every: int, iterations: int, guard: NanGuard, leader: bool, save: Callable[[], Any],
-                 skip: Callable[[int], Any]) -> None:
-        self.every, self.iterations, self.guard, self.leader, self.save, self.skip = (every, iterations, guard,
-                                                                                      leader, save, skip)
+    def __init__(self, every: int, iterations: int, guard: NanGuard, leader: bool, save: Callable[[], Any]) -> None:
+        self.every, self.iterations, self.guard, self.leader, self.save = every, iterations, guard, leader, save
 
     def __call__(self, it: Finished) -> None:
         due = it.number % self.every == 0 or it.number == self.iterations
-        if due and not self.guard.streak:
-            if self.leader:  # the replicas hold the same weights: rank 0 writes them
-                self.save()
-            else:
-                self.skip(it.number)
+        if due and not self.guard.streak and self.leader:  # the replicas hold the same weights: rank 0 writes them
+            self.save()

@@ -37,7 +37,8 @@ class Failed:
 # --- the trainer process -----------------------------------------------------------------------
 @dataclass
 class Train:
-    """Train on `batch` (iteration `iteration` of this run); with `gather`, then send the `State` too."""
+    """Train on `batch` (iteration `iteration` of this run); with `gather`, rank 0's trainer then sends the `State`
+    too (FSDP: every rank's gathers it)."""
 
     iteration: int
     batch: RolloutBatch

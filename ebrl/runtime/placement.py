@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, Measured, describe
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
 from ebrl.config import ConfigError
@@ -207,11 +207,12 @@ class Placement:
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
-        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu))  # (the simulators' are held)
+        # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
+        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader))
         if gpu and self.pool is not None:
             micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, rows, self.ranks.world)
             self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
-                                   rendering=bool(cfg.env.cameras), where=f"hw={cfg.hw.name}")
+                                   rendering=render_contexts(cfg.env), where=f"hw={cfg.hw.name}")
             try:
                 self._lease()
             except ResourceError as e:
@@ -226,7 +227,8 @@ class Placement:
 
     # --- the runtime's processes -----------------------------------------------------------------
     def take(self, runtime: Any) -> None:
-        """Place the runtime's processes (see the module docstring) and, with a plan, its generation batch."""
+        """Place the runtime's processes (see the module docstring) and, with a plan, its generation batch; under MPS,
+        say in one line if generation or the trainer is not its daemon's client (its share would not be enforced)."""
         self.runtime = runtime
         # the supervisor generates (unless generation has a process of its own) beside the simulators
         set_process_affinity(os.getpid(), self.cpus("generate") if self.generation == "supervisor" else
@@ -239,6 +241,11 @@ class Placement:
         if self.pool is not None:
             for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):
                 self.pool.attach(stage, pid)
+        if self.mps is not None:  # (generation and the trainer are up: each holds its CUDA context, a client's)
+            line = self.mps.unenforced({"generation": (runtime.generation.pid, self.pool.leases["generate"].gpu),
+                                        "the trainer": (runtime.trainer.pid, self.pool.leases["train"].gpu)})
+            if line is not None:
+                console.print(line, soft_wrap=True)
         if self.allocator is not None and self.allocator.current is not None:
             runtime.regroup(self.allocator.current.groups)
             console.print(f"allocator: plan {describe(self.allocator.current)}", soft_wrap=True)

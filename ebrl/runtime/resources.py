@@ -10,6 +10,7 @@ torch is imported only where a GPU is touched, so spawned CPU workers that impor
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import subprocess
@@ -216,15 +217,23 @@ def over_budget(usage: dict[str, int], leases: dict[str, Lease]) -> list[str]:
 
 
 # --- MPS daemons ---------------------------------------------------------------------------------
+# A client reaches its daemon through a Unix socket in the pipe directory, whose path AF_UNIX limits to 107 bytes: a
+# run folder on a long home or shared-filesystem path exceeds it, and a shared filesystem is not the node's. So the
+# pipes are in a short folder of this node's /tmp, one per supervisor process and run folder; the logs stay in the run.
+MPS_PIPE_ROOT = Path("/tmp")
+AF_UNIX_PATH = 107  # bytes of a socket's path (sockaddr_un's 108, less the terminating NUL)
+
+
 def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
-    """The pipe and log directories of GPU `gpu`'s MPS daemon under a run folder."""
-    base = Path(run_dir) / "mps" / f"gpu{gpu}"
-    return base / "pipe", base / "log"
+    """The pipe and log directories of GPU `gpu`'s MPS daemon of this supervisor's run folder `run_dir`."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    pipe = MPS_PIPE_ROOT / f"ebrl-mps-{os.getpid()}-{digest}" / f"gpu{gpu}"
+    return pipe, Path(run_dir) / "mps" / f"gpu{gpu}" / "log"
 
 
 class MpsDaemon:
-    """The MPS control daemon of one GPU, with pipe and log directories of its own under the run folder, so a run
-    neither needs nor disturbs a system-wide daemon; stopped at interpreter exit if nobody stopped it."""
+    """The MPS control daemon of one GPU, with pipe and log directories of its own (`mps_dirs`), so a run neither
+    needs nor disturbs a system-wide daemon; stopped at interpreter exit if nobody stopped it."""
 
     def __init__(self, gpu: int, run_dir: Path, timeout_s: float = 10.0) -> None:
         self.gpu = gpu
@@ -248,6 +257,9 @@ class MpsDaemon:
         if exe is None:
             raise ResourceError(f"hw.mps=true but {MPS_CONTROL} is not on PATH: install the NVIDIA driver utilities "
                                 "or set hw.mps=false")
+        if len(str(self.control).encode()) > AF_UNIX_PATH - 16:  # (room for the servers' pipes beside it)
+            raise ResourceError(f"the MPS pipe directory {self.pipe_dir} is too long for a Unix socket's path "
+                                f"({AF_UNIX_PATH} bytes): use a node whose {MPS_PIPE_ROOT} is a short path")
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out_path = self.log_dir / "start.out"
@@ -261,6 +273,7 @@ class MpsDaemon:
                                     f"s: see {self.log_dir / 'control.log'}") from None
         if rc != 0:
             said = " ".join(out_path.read_text().split())[:200] or "no output"
+            self._remove_pipes()
             raise ResourceError(f"{MPS_CONTROL} -d for GPU {self.gpu} exited with {rc} ({said}): "
                                 f"see {self.log_dir / 'control.log'}")
         self._exe, self.running = exe, True
@@ -273,22 +286,47 @@ class MpsDaemon:
                                     f"{self.timeout_s:g} s: see {self.log_dir / 'control.log'}")
             time.sleep(0.02)
 
+    def ask(self, command: str) -> list[str]:
+        """The daemon's answer to one control command (`get_server_list`, `get_client_list PID`, `quit`), word by
+        word; raises OSError or subprocess.TimeoutExpired when it cannot be asked."""
+        if self._exe is None:
+            raise OSError(f"the MPS daemon of GPU {self.gpu} was not started")
+        done = subprocess.run([self._exe], input=f"{command}\n", env=self._env(), text=True, capture_output=True,
+                              timeout=self.timeout_s)
+        return done.stdout.split()
+
+    def clients(self) -> set[int]:
+        """The PIDs of the processes the daemon's servers serve: its clients (every server's `get_client_list`)."""
+        pids: set[int] = set()
+        for server in (word for word in self.ask("get_server_list") if word.isdigit()):
+            pids.update(int(word) for word in self.ask(f"get_client_list {server}") if word.isdigit())
+        return pids
+
     def stop(self) -> None:
-        """Send "quit" and wait until the control pipe is gone; does nothing if the daemon is not running."""
+        """Send "quit", wait until the control pipe is gone and remove the pipe directory; does nothing if the daemon
+        is not running."""
         if not self.running:
             return
         self.running = False
         atexit.unregister(self.stop)
         if self._exe is None or not self.control.exists():
-            return
+            return self._remove_pipes()
         try:
-            subprocess.run([self._exe], input="quit\n", env=self._env(), text=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=self.timeout_s)
+            self.ask("quit")
         except (OSError, subprocess.TimeoutExpired):
             return  # stopping must not fail a run that is ending anyway
         deadline = time.monotonic() + self.timeout_s
         while self.control.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+        self._remove_pipes()
+
+    def _remove_pipes(self) -> None:
+        """The pipe directory, and the supervisor's folder of them once it is empty (/tmp is not the run's to fill)."""
+        shutil.rmtree(self.pipe_dir, ignore_errors=True)
+        try:
+            self.pipe_dir.parent.rmdir()
+        except OSError:  # another GPU's daemon still has its pipes there
+            pass
 
     def __enter__(self) -> "MpsDaemon":
         self.start()
@@ -314,6 +352,32 @@ class MpsDaemons:
             for daemon in reversed(started):
                 daemon.stop()
             raise
+
+    def unenforced(self, clients: dict[str, tuple[int, int]]) -> str | None:
+        """One line naming the processes that are not their GPU's daemon's clients (`clients`: what each is -> its
+        pid and GPU), whose SM shares and memory limits nothing enforces then; None when every one is a client. Asked
+        once the processes hold their CUDA contexts: a client connects when its CUDA starts."""
+        missing, asked = [], {daemon.gpu: daemon for daemon in self.daemons}
+        for what, (pid, gpu) in clients.items():
+            daemon = asked.get(gpu)
+            if daemon is None:
+                continue
+            try:
+                served = daemon.clients()
+            except (OSError, subprocess.TimeoutExpired) as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                return (f"MPS: the daemon of GPU {gpu} could not be asked for its clients ({reason}): the stages' SM "
+                        f"shares may not be enforced; see {daemon.log_dir / 'control.log'}")
+            if pid not in served:
+                missing.append((what, pid, daemon))
+        if not missing:
+            return None
+        names = " and ".join(f"{what} (pid {pid})" for what, pid, _ in missing)
+        daemon = missing[0][2]
+        verb = "is" if len(missing) == 1 else "are"
+        return (f"MPS: {names} {verb} not a client of GPU {daemon.gpu}'s daemon ({daemon.pipe_dir}), so {verb} not "
+                f"held to an SM share or memory limit; a client that cannot reach the daemon's pipe runs without MPS: "
+                f"see {daemon.log_dir / 'control.log'}")
 
     def stop(self) -> None:
         for daemon in reversed(self.daemons):

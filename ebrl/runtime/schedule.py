@@ -168,8 +168,8 @@ class Scheduler:
         self.trace = Trace(clock)
         self.ledger = Ledger()
         self.last_shapes: dict[str, tuple[int, ...]] = {}  # of the last batch sent to training
-        # the trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer gathers
-        # it then, together), so a checkpoint holds exactly the weights of its iteration
+        # rank 0's trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer
+        # gathers it then, together), so a checkpoint holds exactly the weights of its iteration
         self.checkpoint_every = int(conf["checkpoint_every"])
         cores = (CorePool(placement.cpus("simulate"), order=s.core_order, spare=placement.spare())
                  if s.core_rebinding else None)

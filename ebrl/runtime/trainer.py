@@ -36,8 +36,8 @@ from ebrl.runtime.checkpoint import detached_copy, restore_weights
 from ebrl.node import Ranks
 from ebrl.runtime.distributed import (
     DistributedError,
+    Gathered,
     close_group,
-    full_state,
     join_trainers,
     shard,
     trainer_backend,
@@ -101,8 +101,8 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
     MPS share) holds nothing until its predecessor's state arrives: it allocates only once that one has gone.
     With the channel's slots on the GPU, the trainer attaches its own once it holds weights.
 
-    Train        -> Trained; with `gather` (a checkpoint is due after this update) then also State(..., iteration)
-                    (FSDP: gathered by every rank's trainer at the same update)
+    Train        -> Trained; with `gather` (a checkpoint is due after this update) rank 0's then also State(...,
+                    iteration) (`checkpoint_state`; FSDP: gathered by every rank's trainer at the same update)
     StateRequest -> State(model, optimizer, None)
     Load         -> nothing: continue from that state (a respawn's handover)
     Stop         -> the process ends
@@ -133,7 +133,8 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
             if checkpoint is not None:
                 trainer.load_optimizer_state(checkpoint["optimizer"])
             if channel.cuda:
-                channel.attach(device, full_state(policy))
+                gathered = Gathered(policy)
+                channel.attach(device, gathered.state, gathered.whole)
         results.send(Ready())
         while True:
             threads.rest()  # (between updates: its cores may shrink at once)
@@ -152,14 +153,13 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                                          critic_only=message.critic_only, version=message.version)
                 metrics["sched/train_threads"] = float(threads.most)
                 published = time.perf_counter()
-                state = full_state(policy)  # (sharded: gathered, on every rank; once per update)
-                version = channel.publish(state)
-                if group is not None:  # the supervisors check that every replica holds the same weights
-                    metrics["dist/weights_sum"] = weights_sum(state)
+                version, fingerprint = publish(policy, channel, fingerprint=group is not None)
+                if fingerprint is not None:  # the supervisors check that every replica holds the same weights
+                    metrics["dist/weights_sum"] = fingerprint
                 results.send(Trained(message.iteration, metrics, version, start, published, time.perf_counter()))
-                if message.gather:
-                    results.send(State(detached_copy(state), detached_copy(trainer.optimizer_state()),
-                                       message.iteration))
+                state = checkpoint_state(policy, trainer, ranks.leader) if message.gather else None
+                if state is not None:
+                    results.send(State(*state, message.iteration))
             elif isinstance(message, Load):  # a predecessor's state (one rank: see ProcessTrainer.switch)
                 if policy is None:  # a successor: allocated now that the predecessor has gone
                     policy = build_policy(conf["policy"], spec, device, train=True, weights="given")
@@ -167,13 +167,40 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 policy.load_state_dict(message.model)
                 trainer.load_optimizer_state(message.optimizer)
                 if channel.cuda:
-                    channel.attach(device, full_state(policy))
+                    gathered = Gathered(policy)
+                    channel.attach(device, gathered.state, gathered.whole)
             elif isinstance(message, StateRequest):  # (not sharded: the gathering would need every rank at once)
-                results.send(State(detached_copy(policy.state_dict()), detached_copy(trainer.optimizer_state())))
+                results.send(State(*checkpoint_state(policy, trainer, leader=True)))
             else:
                 raise ValueError(f"unknown request {type(message).__name__}")
     except Exception as e:  # noqa: BLE001  (reported to the supervisor, which stops the run)
         report_failure(results, e)
+
+
+def publish(policy: torch.nn.Module, channel: WeightChannel, fingerprint: bool = False) -> tuple[int, float | None]:
+    """Publish the trainer's weights as the next version; returns it and, with `fingerprint`, their `weights_sum`. A
+    sharded (FSDP) policy's tensors are gathered one at a time as they are written, on every rank (a collective):
+    no rank holds the whole state dict beside its shards."""
+    gathered = Gathered(policy, fingerprint=fingerprint)
+    version = channel.publish(gathered.state, gathered.whole)
+    return version, gathered.weights_sum() if fingerprint else None
+
+
+def checkpoint_state(policy: torch.nn.Module, trainer: Any, leader: bool) -> tuple[dict, dict] | None:
+    """The model and Adam state for a checkpoint, each tensor copied once, into shared memory (the pipe to the
+    supervisor then passes handles), on rank 0 (`leader`) alone: None elsewhere. The replicas of DDP hold the same
+    state, so the others do nothing; a sharded (FSDP) trainer's is gathered by every rank, a tensor at a time, and
+    only rank 0 keeps it (its optimizer state too: gathered to rank 0's host)."""
+    gathered = Gathered(policy)
+    if not (leader or gathered.sharded):
+        return None
+    model = {}
+    for key, value in gathered.state.items():
+        whole = gathered.whole(value)  # (a collective where sharded)
+        if leader:
+            model[key] = detached_copy(whole, shared=True)
+    optimizer = trainer.optimizer_state()  # (sharded: a collective too)
+    return (model, detached_copy(optimizer, shared=True)) if leader else None
 
 
 def trainer_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, device: str,
@@ -250,7 +277,7 @@ class Trainer:
     def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
               critic_only: bool = False, version: int | None = None) -> None:
         """Train on `batch` (critic_only: the value head alone) from the weights of `version` (in the count of
-        `batch.version`); `Trained` comes back, and with gather then the `State` too (a checkpoint is due)."""
+        `batch.version`); `Trained` comes back, and with gather then rank 0's `State` too (a checkpoint is due)."""
         raise NotImplementedError
 
     def request_state(self) -> None:
@@ -331,7 +358,7 @@ class LocalTrainer(Trainer):
         self._torn = False
         published = time.perf_counter()
         self.post(Trained(iteration, metrics, self.weights.publish(), start, published, published))
-        if gather:  # (the next update changes these in place)
+        if gather and self.rank == 0:  # (the next update changes these in place; the replicas hold the same)
             self.post(State(*self._copy(), iteration))
 
     def request_state(self) -> None:

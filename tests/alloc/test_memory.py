@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, saved_activations
+from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts, saved_activations
 from ebrl.config import ConfigError
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer
+from ebrl.runtime.checkpoint import state_nbytes
 from tests.conftest import compose_config
 from tests.policies.test_families import make_obs, make_spec
 from tests.policies.test_precision import policy_config
@@ -31,10 +32,16 @@ def test_the_trainers_state_is_what_the_model_says(overrides: tuple[str, ...]) -
     trainer = PPOTrainer(policy, algo)
     trainer.update(one_episode_rollout(policy))
     moments = [v for state in trainer.optimizer.state.values() for k, v in state.items() if k != "step"]
-    predicted = MemoryModel.of(policy_cfg, LIFT_SPEC, algo.optimizer_dtype, device="cpu").trainer(1).parts
+    model = MemoryModel.of(policy_cfg, LIFT_SPEC, algo.optimizer_dtype, device="cpu")
+    predicted = model.trainer(1).parts
     assert predicted["weights"] == tensor_bytes(policy.parameters())
     assert predicted["gradients"] == tensor_bytes(p.grad for p in policy.parameters() if p.grad is not None)
     assert predicted["optimizer"] == tensor_bytes(moments)
+    # rank 0's trainer sends a checkpoint's state through /dev/shm: the start-up check counts it there
+    sent = state_nbytes((policy.state_dict(), trainer.optimizer_state()))
+    steps = sum(v.nbytes for state in trainer.optimizer.state.values() for k, v in state.items() if k == "step")
+    assert model.checkpoint_state() == sent - steps
+    assert model.shared_memory(2, 8, False, checkpoint=True) - model.shared_memory(2, 8, False) == sent - steps
     bf16 = "policy.dtype=bfloat16" in overrides
     assert predicted["autocast copies"] == (tensor_bytes(p for p in policy.parameters() if p.requires_grad) // 2
                                             if bf16 else 0)
@@ -76,6 +83,13 @@ def test_budgets_split_the_gpu_or_say_what_does_not_fit() -> None:
     message = str(e.value)
     assert message.startswith("hw=test's GPU has 1.00 GiB and this run needs about") and "\n" not in message
     assert "policy.train=lora" in message and "algo.optimizer_dtype=bfloat16" in message
+
+
+def test_maniskill_holds_a_render_context_on_the_gpu_even_with_state_observations() -> None:
+    # SAPIEN's Vulkan renderer is set up for state observations too; MuJoCo's EGL context only for cameras
+    assert render_contexts(compose_config("env=maniskill", "env.cameras=[]").env)
+    assert not render_contexts(compose_config("env=robosuite", "env.cameras=[]").env)
+    assert render_contexts(compose_config("env=robosuite", "env.cameras=[agentview]").env)
 
 
 def test_a_small_dev_shm_stops_the_run_with_the_size_it_needs() -> None:

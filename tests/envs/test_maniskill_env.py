@@ -49,6 +49,8 @@ def test_rgb_camera():
         assert obs["state"].size > 9  # proprio and task state come along with the image
         obs, result = env.run_chunk(random_chunk(2, env.spec.action_dim))
         assert result.executed == 2 and obs["image/base_camera"].dtype == np.uint8
+        # no CUDA here: ManiSkill fell back to SAPIEN's CPU renderer, which a GPU node's supervisor says once
+        assert env.software_renderer().startswith("ManiSkill found no CUDA device for SAPIEN's renderer")
     finally:
         env.close()
 

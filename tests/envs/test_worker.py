@@ -11,7 +11,9 @@ import pytest
 
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.slots import SlotLayout
-from ebrl.envs.worker import SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment, simulator_gpu_environment
+from ebrl.envs.egl import EglDevice, egl_devices
+from ebrl.envs.worker import (SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment,
+                              simulator_gpu_environment)
 
 LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
             max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
@@ -274,8 +276,12 @@ def test_cpu_nodes_and_gpus_it_cannot_name_get_no_egl_device(visible, gpus):
 
 def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    # a supervisor that generates under MPS is a client (Placement.check_memory): its simulators are not
+    for key, value in (("CUDA_MPS_PIPE_DIRECTORY", "/tmp/ebrl-mps-x/gpu0"), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40"),
+                       ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1024M")):
+        monkeypatch.setenv(key, value)
     extra = simulator_gpu_environment(gpus=1)
-    assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}  # (this machine's one EGL device)
     assert simulator_gpu_environment(gpus=0) == {}
     pool = SimWorkerPool(LIFT, num_envs=1, seed=0, chunk_len=4, process_env=extra)
     worker = pool.workers[0]
@@ -293,3 +299,76 @@ def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
         pool.close()
     assert environ[b"MUJOCO_EGL_DEVICE_ID"] == b"0" and environ[b"CUDA_VISIBLE_DEVICES"] == b"0"
     assert environ[b"OMP_NUM_THREADS"] == b"1"  # beside the worker's own variables
+    assert not [key for key in environ if key.startswith(b"CUDA_MPS_")]
+
+
+# --- the EGL device of a GPU: this machine's real device list (Mesa's llvmpipe); NVIDIA's attribute, which a CPU
+# cannot have, answered by the test where a test needs an NVIDIA device
+def nvidia(ordinals: dict[int, int]):
+    """EGL_CUDA_DEVICE_NV as NVIDIA's driver would answer it: device index -> CUDA ordinal."""
+    return lambda index, handle: ordinals.get(index)
+
+
+def test_this_machines_egl_devices_are_listed_and_mesas_says_it_is_software():
+    devices = egl_devices()
+    if devices is None:
+        pytest.skip("no libEGL here: python -m ebrl.install installs Mesa's")
+    assert [d.index for d in devices] == list(range(len(devices)))
+    assert all(d.cuda is None for d in devices)  # (no NVIDIA device on a CPU machine)
+    assert any(d.software for d in devices)
+    claimed = egl_devices(nvidia({0: 0}))[0]  # NVIDIA's device: a GPU, whatever else it lists
+    assert claimed.cuda == 0 and not claimed.software
+
+
+@pytest.mark.parametrize("visible, gpu_index, egl", [
+    (None, 0, 1),  # every GPU shown: EGL lists GPU 1 first, and the run's GPU is 0
+    ("1", 1, 0),  # a rank pinned to GPU 1: NVIDIA's driver counts ordinals among the GPUs its process sees
+    ("5,4", 5, 2),  # ordinal 0 is GPU 5 here
+])
+def test_a_gpu_renders_on_the_egl_device_nvidias_driver_says_is_it(visible, gpu_index, egl):
+    shown = {None: {0: 1, 1: 0}, "1": {0: 0}, "5,4": {0: 2, 1: 0}}[visible]  # CUDA ordinal -> EGL index
+    devices = [EglDevice(i, next((o for o, e in shown.items() if e == i), None), "") for i in range(3)]
+    devices.append(EglDevice(3, None, "EGL_MESA_device_software"))  # Mesa's, last as glvnd lists vendors
+    env = egl_environment(visible, 8, UUIDS, devices)
+    assert env["MUJOCO_EGL_DEVICE_ID"] == str(egl)
+    assert env["CUDA_VISIBLE_DEVICES"].split(",")[0] == str(gpu_index)  # CUDA (SAPIEN) sees the GPU first
+    assert robosuite_egl_device(env) == egl  # robosuite's import-time check holds and it opens that device
+
+
+def test_a_gpu_without_an_nvidia_egl_device_renders_on_mesas_software_device_and_robosuite_opens_it(monkeypatch):
+    """A rank pinned to GPU 3 on a node whose EGL lists Mesa's llvmpipe alone (NVIDIA's EGL library missing: this
+    machine, as a container without it would be): the index 3 was out of EGL's range and robosuite stopped."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    env = simulator_gpu_environment(gpus=1)
+    devices = egl_devices()
+    if devices is None:
+        pytest.skip("no libEGL here: python -m ebrl.install installs Mesa's")
+    software = next(d.index for d in devices if d.software)
+    assert env == {"MUJOCO_EGL_DEVICE_ID": str(software), "CUDA_VISIBLE_DEVICES": f"3,{software}"}
+    # the real robosuite: its import-time check, then its EGL context on the device chosen
+    code = ("import robosuite.utils.binding_utils\n"
+            "from robosuite.renderers.context.egl_context import EGLGLContext\n"
+            "EGLGLContext(64, 64, device_id=-1)\n"
+            "from ebrl.envs.egl import software_renderer\n"
+            "print(software_renderer())")
+    child = {**os.environ, "MUJOCO_GL": "egl", "PYOPENGL_PLATFORM": "egl", **env}
+    proc = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"MuJoCo renders through EGL device {software}, Mesa's software renderer")
+    # the device NVIDIA's driver says is GPU 3 (ordinal 0 of what the rank sees): no software renderer to say
+    assert egl_environment("3", 1, (), egl_devices(nvidia({0: 0}))) == {"MUJOCO_EGL_DEVICE_ID": "0",
+                                                                       "CUDA_VISIBLE_DEVICES": "3,0"}
+
+
+def test_simulators_that_render_on_the_cpu_on_a_gpu_node_say_so_once(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    if egl_devices() is None:
+        pytest.skip("no libEGL here: python -m ebrl.install installs Mesa's")
+    cfg = dict(LIFT, cameras=["agentview"])
+    with SimWorkerPool(cfg, num_envs=2, seed=0, chunk_len=2, process_env=simulator_gpu_environment(gpus=1),
+                       on_gpu=True) as pool:
+        pool.reset_all()
+        assert pool.stacked_obs()["image/agentview"].shape == (2, 64, 64, 3)
+        assert pool.spec.software_render  # (what a CPU node's pool, on_gpu=False, leaves unsaid)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "render on the CPU" in line]
+    assert len(lines) == 1 and "not on the run's GPU: MuJoCo renders through EGL device 0" in lines[0]

@@ -83,8 +83,10 @@ def test_the_trainers_state_message_is_a_copy_the_next_update_leaves_alone():
     adam = torch.optim.Adam([weight])
     weight.grad = torch.ones(3)
     adam.step()
-    sent = detached_copy({"model": {"weight": weight}, "optimizer": adam.state_dict()})
+    sent = detached_copy({"model": {"weight": weight}, "optimizer": adam.state_dict()}, shared=True)
     kept = [sent["model"]["weight"].clone(), sent["optimizer"]["state"][0]["exp_avg"].clone()]
+    # made in shared memory: the pipe passes handles, not a further copy of each tensor into a new segment
+    assert sent["model"]["weight"].is_shared() and sent["optimizer"]["state"][0]["exp_avg"].is_shared()
     weight.grad = torch.full((3,), 5.0)
     adam.step()
     assert torch.equal(sent["model"]["weight"], kept[0])

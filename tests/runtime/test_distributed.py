@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -27,6 +28,7 @@ from tests.runtime.test_run import SMALL, metrics, run_py
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BF16 = ["algo.optimizer_dtype=bfloat16"]
+CORES = sorted(os.sched_getaffinity(0))
 
 
 def torchrun(launch: list[str], *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -146,6 +148,131 @@ def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytes
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         validate(compose_config(*overrides))
     assert "\n" not in str(e.value)
+
+
+# --- two trainer processes, for real (gloo): what a checkpoint and a publication hold --------------------------
+def _rank_environment(rank: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> None:
+    """Two ranks' trainer processes (trainer_main, as a pipelined run starts them) with a checkpoint due after
+    update 1: every trainer sent its whole model and Adam state through shared memory, and only rank 0's was kept.
+    Now rank 1's sends none (FSDP: it takes part in the gathering), and rank 0's is the weights both published."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from ebrl.policies.build import build_policy
+    from ebrl.runtime.channel import WeightChannel
+    from ebrl.runtime.messages import Ready, State, Train, Trained
+    from ebrl.runtime.resources import environment
+    from ebrl.runtime.trainer import TrainerProcess, TrainerThreads
+    from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout
+
+    conf = OmegaConf.to_container(compose_config(*SMALL, "scheduler=ebrl", f"distributed.strategy={strategy}",
+                                                 "algo.epochs=1"), resolve=True)
+    policy = build_policy(conf["policy"], LIFT_SPEC, "cpu")
+    batch = one_episode_rollout(policy, chunks=2, num_envs=2)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (torchrun's, for the ranks)
+    ctx = torch.multiprocessing.get_context("spawn")
+    channels = [WeightChannel(policy.state_dict(), ctx, policy.compute_dtype) for _ in range(2)]
+    trainers = []
+    try:
+        for rank in range(2):
+            with environment(_rank_environment(rank, port)):
+                trainers.append(TrainerProcess(conf, LIFT_SPEC, channels[rank], [CORES[rank % len(CORES)]],
+                                               TrainerThreads(ctx, 1), "cpu"))
+        for trainer in trainers:
+            trainer.expect(Ready, 300)
+        for iteration, gather in ((0, True), (1, False)):  # a checkpoint due after the first update only
+            for trainer in trainers:
+                trainer.send(Train(iteration, batch, decoupled=False, is_clip=2.0, gather=gather))
+        # what each sent, in order: a State from rank 1 would come before its second Trained
+        received = [[trainer.receive() for _ in range(3 - rank)] for rank, trainer in enumerate(trainers)]
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        del store
+    assert [type(m) for m in received[0]] == [Trained, State, Trained]
+    assert [type(m) for m in received[1]] == [Trained, Trained]
+    first, state = received[0][0], received[0][1]
+    assert state.gathered_after == 0 and weights_sum(state.model) == first.metrics["dist/weights_sum"]
+    assert received[1][0].metrics["dist/weights_sum"] == first.metrics["dist/weights_sum"]
+    assert isinstance(next(iter(state.optimizer["state"])), str if strategy == "fsdp" else int)  # (FSDP: by name)
+    # both published the same weights (FSDP: gathered a tensor at a time as they were written)
+    assert all(channel.version == 2 for channel in channels)
+    assert all(torch.equal(a, b) for a, b in zip(channels[0].state().values(), channels[1].state().values()))
+
+
+def _publishing_rank(rank: int, port: int, answers: Any) -> None:
+    """One rank of `test_a_sharded_publication_gathers_one_tensor_at_a_time`: the peak of its resident memory while
+    it publishes, against the size of the whole state."""
+    import torch
+    import torch.distributed as dist
+
+    from torch.distributed.fsdp import fully_shard
+
+    from ebrl.runtime.channel import WeightChannel
+    from ebrl.runtime.trainer import publish
+
+    torch.set_num_threads(1)
+    os.environ.update(_rank_environment(rank, port))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)))  # 64 MiB, float32
+    whole = {k: v.clone() for k, v in module.state_dict().items()}
+    channel = WeightChannel(whole, torch.multiprocessing.get_context("spawn"), torch.float32)
+    fully_shard(module)  # (as ebrl.runtime.distributed.shard does a policy)
+    publish(module, channel)  # (the first write of the second slot's pages is not what is measured)
+    status = Path("/proc/self/status")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from now
+    before = int(re.search(r"VmRSS:\s+(\d+)", status.read_text()).group(1))
+    version, fingerprint = publish(module, channel, fingerprint=True)
+    peak = int(re.search(r"VmHWM:\s+(\d+)", status.read_text()).group(1))
+    same = all(torch.equal(channel.state()[k], v) for k, v in whole.items())
+    answers.put((rank, (peak - before) * 1024, sum(v.nbytes for v in whole.values()), version, same,
+                 fingerprint == weights_sum(whole)))
+    dist.destroy_process_group()
+
+
+def test_a_sharded_publication_gathers_one_tensor_at_a_time() -> None:
+    """FSDP's publication after every update gathered the whole state dict on every rank (full_state) before writing
+    it; now each tensor is gathered as it is written, so a rank holds one whole tensor beside its shards (here 4 of
+    64 MiB), and the channel gets the same weights and fingerprint."""
+    import multiprocessing
+
+    from ebrl.runtime.resources import environment
+
+    ctx = multiprocessing.get_context("spawn")
+    answers, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_publishing_rank, args=(rank, port, answers)) for rank in range(2)]
+    # every allocation past 64 KiB its own mapping, given back when freed: the resident size is what is held
+    with environment({"MALLOC_MMAP_THRESHOLD_": "65536"}):
+        for p in ranks:
+            p.start()
+    results: dict[int, list] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(results) < 2 and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in ranks):  # (the other rank would wait for it)
+                break
+            if not answers.empty():
+                rank, *answer = answers.get()
+                results[rank] = answer
+            time.sleep(0.1)
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert sorted(results) == [0, 1], f"exit codes {[p.exitcode for p in ranks]}"
+    for rank, (grew, whole, version, same, fingerprint) in results.items():
+        assert version == 2 and same and fingerprint, rank
+        assert grew < whole / 3, f"rank {rank} grew by {grew / 2**20:.0f} MiB of a {whole / 2**20:.0f} MiB state"
 
 
 # --- two ranks, for real -----------------------------------------------------------------------

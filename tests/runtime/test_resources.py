@@ -202,7 +202,7 @@ def test_child_env_of_an_mps_stage(tmp_path):
     pool.lease("simulate", [0, 1])
     assert pool.child_env("generate") == {
         "CUDA_VISIBLE_DEVICES": "0",  # GPU 1's own daemon shows it to its clients as device 0
-        "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps" / "gpu1" / "pipe"),
+        "CUDA_MPS_PIPE_DIRECTORY": str(resources.mps_dirs(tmp_path, 1)[0]),  # (short, on this node: below)
         "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps" / "gpu1" / "log"),
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M",  # whole MiB, rounded down
@@ -241,7 +241,11 @@ if [ "$1" = "-d" ]; then
   exit 0
 fi
 read command
-[ "$command" = "quit" ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+case "$command" in
+  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" ;;
+  get_server_list) for pid in $FAKE_MPS_SERVERS; do echo "$pid"; done ;;
+  get_client_list*) for pid in $FAKE_MPS_CLIENTS; do echo "$pid"; done ;;
+esac
 exit 0
 """
 
@@ -271,8 +275,7 @@ def test_mps_daemon_start_stop_cycle_with_a_fake_control_binary_as_this_machine_
     with daemon:
         assert daemon.control.exists() and daemon.log_dir.is_dir()
         assert (daemon.pipe_dir / "visible").read_text().strip() == "1"  # started for its GPU only
-        assert daemon.pipe_dir == tmp_path / "run" / "mps" / "gpu1" / "pipe"
-    assert not daemon.control.exists()
+    assert not daemon.control.exists() and not daemon.pipe_dir.exists()  # (its pipes were in this node's /tmp)
     daemon.stop()  # already stopped: nothing happens
 
 
@@ -290,8 +293,42 @@ def test_mps_daemons_stop_those_started_when_a_later_one_fails(tmp_path, fake_mp
     with pytest.raises(ResourceError, match=r"nvidia-cuda-mps-control -d for GPU 1 exited with 1 \(no such device\)"):
         daemons.start()
     first = daemons.daemons[0]
-    assert not first.running and first.pipe_dir.is_dir() and not first.control.exists()
+    assert not first.running and not first.pipe_dir.exists()
     assert not daemons.daemons[2].pipe_dir.exists()  # never tried
+
+
+def test_mps_pipes_are_short_and_on_this_node_whatever_the_run_folder(tmp_path, fake_mps_control):
+    """AF_UNIX paths hold 107 bytes: a run folder on a long (shared-filesystem) path took a client's pipe past it, and
+    the client ran without MPS. Each supervisor and run folder has pipes of its own in this node's /tmp."""
+    run_dir = tmp_path / ("a-long-shared-filesystem-folder-" * 4) / "runs" / "2026-12-05" / "10-00-00_openpi_robosuite"
+    pool = ResourcePool([0], gpus=1, sm_count=132, gpu_memory_bytes=10 * GIB, partition="mps", run_dir=run_dir)
+    pool.lease("generate", [0], gpu=0, sm_share=0.5)
+    daemons = MpsDaemons([0], run_dir)
+    with daemons:
+        pipe = pool.child_env("generate")["CUDA_MPS_PIPE_DIRECTORY"]
+        assert pipe == str(daemons.daemons[0].pipe_dir) and daemons.daemons[0].control.exists()
+        assert pipe.startswith("/tmp/ebrl-mps-") and len(str(daemons.daemons[0].control)) < 60
+        assert len(str(run_dir / "mps" / "gpu0" / "pipe" / "control")) > 107  # where they were
+        assert (run_dir / "mps" / "gpu0" / "log").is_dir()  # the logs stay with the run
+        assert MpsDaemons([0], tmp_path / "other").daemons[0].pipe_dir != daemons.daemons[0].pipe_dir
+    assert not os.path.exists(os.path.dirname(pipe))  # /tmp is left as it was
+
+
+def test_a_process_that_is_not_its_daemons_client_is_said_in_one_line(tmp_path, fake_mps_control, monkeypatch):
+    """The probe, against a stand-in for nvidia-cuda-mps-control (no GPU here): a client that cannot reach the daemon
+    runs without MPS, and its server's client list does not hold it."""
+    daemons = MpsDaemons([0], tmp_path)
+    with daemons:
+        clients = {"generation": (4101, 0), "the trainer": (4102, 0)}
+        monkeypatch.setenv("FAKE_MPS_SERVERS", "4000")
+        monkeypatch.setenv("FAKE_MPS_CLIENTS", "4101 4102")
+        assert daemons.unenforced(clients) is None
+        monkeypatch.setenv("FAKE_MPS_CLIENTS", "4101")
+        line = daemons.unenforced(clients)
+        assert line.startswith("MPS: the trainer (pid 4102) is not a client of GPU 0's daemon (/tmp/ebrl-mps-")
+        assert "not held to an SM share or memory limit" in line and "\n" not in line
+        monkeypatch.setenv("FAKE_MPS_SERVERS", "")  # no server: no client reached the daemon at all
+        assert daemons.unenforced(clients).startswith("MPS: generation (pid 4101) and the trainer (pid 4102) are not")
 
 
 # --- GPU paths on this CPU machine ---------------------------------------------------------------
