@@ -28,6 +28,14 @@ def first_episode(done: torch.Tensor) -> torch.Tensor:
     return (done.long().cumsum(0) - done.long()) == 0
 
 
+def finished(batch: RolloutBatch) -> torch.Tensor:
+    """(N,) bool: the env's first episode ended, and not because its simulator failed (that episode was discarded).
+    A group's members: whether the episode's steps are in the loss (staleness may mask them) does not matter."""
+    alive = first_episode(batch.done)
+    ended = (batch.done & alive).any(0)
+    return ended if batch.failed is None else ended & ~(batch.failed & alive).any(0)
+
+
 def group_advantages(
     reward: torch.Tensor, done: torch.Tensor, group_size: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,9 +78,7 @@ class GRPOTrainer(PPOTrainer):
         return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip)  # no critic to warm up
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
-        # an env none of whose actions count (its simulator failed mid-episode: discarded) is no group member
-        valid = batch.mask.any(-1).any(0)
-        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, valid)
+        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, finished(batch))
         metrics = {
             "train/return_mean": float(ret.mean()),
             "train/group_return_std": float(std.mean()),  # 0: no group had a signal
