@@ -250,6 +250,14 @@ class PPOTrainer:
         }
         return adv, ret, metrics
 
+    def normalized(self, adv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(B,) advantages less their mean, over their std, both over the rows in the loss (`rows`, (B,) bool: rows
+        that executed an action; the others are in no loss, nor in the statistics)."""
+        live = adv[rows]
+        if live.numel() <= 1:
+            return adv
+        return (adv - live.mean()) / (live.std() + 1e-8)
+
     @torch.no_grad()
     def proximal(
         self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int
@@ -307,9 +315,8 @@ class PPOTrainer:
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
-        live = adv[mask.any(-1)]  # rows that executed an action: the others are in no loss, nor in the statistics
-        if cfg.normalize_advantages and live.numel() > 1:
-            adv = (adv - live.mean()) / (live.std() + 1e-8)
+        if cfg.normalize_advantages:
+            adv = self.normalized(adv, mask.any(-1))
 
         sums: dict[str, float] = {}
         count = 0
