@@ -238,7 +238,9 @@ class SchedulerConfig:
     max_staleness: int = II(".max_ahead")
     queue_size: Optional[int] = None  # groups that may wait for generation at once; null: all of them
     train_share: Optional[float] = None  # share of the cores (GPUs: the second GPU) for training alone; null: shared
-    decoupled: bool = True  # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy
+    # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy, float32 policies only
+    # (a bfloat16 one has no exact log-probs of the behaviour policy: refused)
+    decoupled: bool = True
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
     sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first
