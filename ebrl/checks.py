@@ -10,8 +10,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ebrl.config import (CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHARED_OBSERVATION, TRAINER_PLACES,
-                         ConfigError, EnvConfig, PolicyConfig)
+from ebrl.config import (CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHAPED_DENSE, SHARED_OBSERVATION,
+                         TRAINER_PLACES, ConfigError, EnvConfig, PolicyConfig)
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
@@ -203,6 +203,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
+    if cfg.env.name in SHAPED_DENSE and cfg.env.reward == "dense" and cfg_get(cfg, "env.terminate_on_success", False):
+        raise ConfigError(f"env.terminate_on_success=True with env.reward=dense: {cfg.env.name}'s shaped reward pays "
+                          "before success too, so an episode that ends at success is worth less than one that hovers "
+                          "short of it; use env.terminate_on_success=false (the default under dense) or "
+                          "env.reward=sparse")
     _check_tasks(cfg)
     _check_numbers(cfg)
     _check_failures(cfg)

@@ -101,6 +101,8 @@ BAD_INPUTS: list = [
     (("algo.micro_batch=0",), "algo.micro_batch=0 must be a positive number"),
     (("device=tpu",), "device='tpu' is not available; accepted: auto, cpu, cuda"),
     (("env.reward=shaped",), "env.reward='shaped' is not available; accepted: dense, sparse"),
+    (("env.reward=dense", "env.terminate_on_success=true"),
+     "env.terminate_on_success=True with env.reward=dense: robosuite's shaped reward pays before success too"),
     (("mode=test",), "mode='test' is not available; accepted: train, eval"),
     # the allocator
     (("allocator.ema=0",), "allocator.ema=0.0 must be in (0, 1]"),
