@@ -54,7 +54,7 @@ def discounted_return(rewards: list[float], terminated: bool, chunk: int, gamma:
 @pytest.mark.parametrize("env", ["robosuite", "maniskill"])
 def test_succeeding_is_worth_more_than_hovering_short_of_success(env):
     rewards, successes, terminated, limit, chunk, gamma = expert_episode(env)
-    first = successes.index(True)  # the expert succeeds (Lift at step 22, PickCube at 25)
+    first = successes.index(True)  # (the expert succeeds)
     # the same episode, except that instead of succeeding it stays at its best reward short of success to the limit
     hover = rewards[:first] + [max(rewards[:first])] * (limit - first)
     for bootstrap in (False, True):
