@@ -10,8 +10,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ebrl.config import (CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHARED_OBSERVATION, TRAINER_PLACES,
-                         ConfigError, EnvConfig, PolicyConfig)
+from ebrl.config import (CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHAPED_DENSE, SHARED_OBSERVATION,
+                         TRAINER_PLACES, ConfigError, EnvConfig, PolicyConfig)
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
@@ -51,6 +51,19 @@ def _one_of(cfg: DictConfig, key: str, accepted: tuple[str, ...]) -> None:
     value = cfg_get(cfg, key)
     if value not in accepted:
         raise ConfigError(f"{key}={value!r} is not available; accepted: {', '.join(accepted)}")
+
+
+def runs_on_cuda(cfg: Any) -> bool:
+    """Whether the policy runs on a GPU: device=cuda, or device=auto on hw with GPUs."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
+
+
+def policy_dtype_name(policy: Any, cuda: bool) -> str:
+    """policy.dtype, or bfloat16 for the full preset and for CUDA, float32 otherwise (tiny and small on CPU)."""
+    name = policy.get("dtype")
+    if name is None:
+        name = "bfloat16" if policy.get("preset") == "full" or cuda else "float32"
+    return name
 
 
 def available_cpu_cores() -> int:
@@ -192,6 +205,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
+    if cfg.env.name in SHAPED_DENSE and cfg.env.reward == "dense" and cfg_get(cfg, "env.terminate_on_success", False):
+        raise ConfigError(f"env.terminate_on_success=True with env.reward=dense: {cfg.env.name}'s shaped reward pays "
+                          "before success too, so an episode that ends at success is worth less than one that hovers "
+                          "short of it; use env.terminate_on_success=false (the default under dense) or "
+                          "env.reward=sparse")
     _check_tasks(cfg)
     _check_numbers(cfg)
     _check_failures(cfg)
@@ -467,6 +485,13 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         _one_of(cfg, "scheduler.generation", GENERATION_PLACES)
     if s.is_clip <= 0:
         raise ConfigError(f"scheduler.is_clip={s.is_clip} must be > 0 (2.0 is usual)")
+    if s.overlap and not s.decoupled and policy_dtype_name(cfg.policy, runs_on_cuda(cfg)) == "bfloat16":
+        # the stale rows' behaviour log-probs exist only as generation's bfloat16 numbers, which differ from any
+        # trainer pass by about 0.1 per action: the plain ratio would start off 1 on every row
+        why = "policy.dtype=bfloat16" if cfg.policy.dtype else "policy.dtype=null: bfloat16 on a GPU or the full preset"
+        raise ConfigError(f"scheduler.decoupled={s.decoupled} with scheduler.overlap={s.overlap} clips around the "
+                          f"stale behaviour policy, and a bfloat16 policy ({why}) has no exact log-probs of it; use "
+                          "scheduler.decoupled=true or policy.dtype=float32")
     for key in ("queue_size", "train_threads"):
         if s[key] is not None and s[key] < 1:
             raise ConfigError(f"scheduler.{key}={s[key]} must be >= 1 or null")

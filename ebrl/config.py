@@ -51,7 +51,7 @@ class EnvConfig:
     # (the control of the camera benchmark)
     render_every_step: bool = False
     reward: str = "dense"  # dense (the task's shaped reward) | sparse (1 on success)
-    terminate_on_success: bool = True
+    terminate_on_success: bool = True  # success ends the episode (SHAPED_DENSE: under the sparse reward only)
     # robosuite family: a control step's substeps without robosuite's Python around the physics, bit for bit the
     # stock trajectories (ebrl/envs/fast_step.py); false: the stock step (the control)
     fast_step: bool = True
@@ -63,11 +63,20 @@ class EnvConfig:
     fault: FaultConfig = field(default_factory=lambda: FaultConfig())  # tests only
 
 
+# Benchmarks whose env.reward=dense is a shaped reward that pays before success too (LIBERO's and RoboCasa's dense is
+# their success reward). An episode that ended at success would be worth less than one that hovers short of it to the
+# step limit, so there success ends the episode under the sparse reward only, as in the simulators' own RL baselines
+# (docs/environments.md, "Dense reward and success"); checks.py refuses the other way
+SHAPED_DENSE = ("robosuite", "maniskill")
+ENDS_AT_SUCCESS = II("equals:${.reward},sparse")  # their env.terminate_on_success
+
+
 @dataclass
 class RobosuiteEnvConfig(EnvConfig):
     _target_: str = "ebrl.envs.robosuite_env.RobosuiteEnv"
     name: str = "robosuite"
     task: str = "Lift"
+    terminate_on_success: bool = ENDS_AT_SUCCESS
     robot: str = "Panda"
     control_freq: int = 20
 
@@ -77,6 +86,7 @@ class ManiSkillEnvConfig(EnvConfig):
     _target_: str = "ebrl.envs.maniskill_env.ManiSkillEnv"
     name: str = "maniskill"
     task: str = "PickCube-v1"
+    terminate_on_success: bool = ENDS_AT_SUCCESS
     control_mode: str = "pd_ee_delta_pose"
     sim_backend: str = "cpu"
 
@@ -238,7 +248,9 @@ class SchedulerConfig:
     max_staleness: int = II(".max_ahead")
     queue_size: Optional[int] = None  # groups that may wait for generation at once; null: all of them
     train_share: Optional[float] = None  # share of the cores (GPUs: the second GPU) for training alone; null: shared
-    decoupled: bool = True  # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy
+    # with overlap: decoupled PPO; false: plain PPO clipped around the (stale) behaviour policy, float32 policies only
+    # (a bfloat16 one has no exact log-probs of the behaviour policy: refused)
+    decoupled: bool = True
     is_clip: float = 2.0  # decoupled PPO: truncation of the importance weight to the behaviour policy
     train_threads: Optional[int] = None  # torch threads of the trainer process; null: its cores
     sim_nice: int = 10  # nice of the simulator processes (0..19): generation and training get a shared core first

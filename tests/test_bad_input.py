@@ -69,6 +69,12 @@ BAD_INPUTS: list = [
      "scheduler.groups=3 must be between 1 and 2 with algo=grpo: a group of the schedule holds whole GRPO groups"),
     (("scheduler=colocated", "scheduler.overlap=true"), "scheduler.trainer=local trains in the supervisor between two "
                                                         "rollouts and scheduler.overlap=True overlaps training"),
+    (("scheduler=ebrl", "scheduler.decoupled=false", "policy.dtype=bfloat16"),
+     "scheduler.decoupled=False with scheduler.overlap=True clips around the stale behaviour policy, and a bfloat16 "
+     "policy (policy.dtype=bfloat16) has no exact log-probs of it; use scheduler.decoupled=true or "
+     "policy.dtype=float32"),
+    (("scheduler=ebrl", "scheduler.decoupled=false", "policy.preset=full"),
+     "a bfloat16 policy (policy.dtype=null: bfloat16 on a GPU or the full preset) has no exact log-probs of it"),
     (("scheduler=ebrl", "scheduler.trainer=gpu"), "scheduler.trainer='gpu' is not available; accepted: process, local"),
     (("scheduler=ebrl", "scheduler.core_order=random"),
      "scheduler.core_order='random' is not available; accepted: longest, readiness"),
@@ -95,6 +101,8 @@ BAD_INPUTS: list = [
     (("algo.micro_batch=0",), "algo.micro_batch=0 must be a positive number"),
     (("device=tpu",), "device='tpu' is not available; accepted: auto, cpu, cuda"),
     (("env.reward=shaped",), "env.reward='shaped' is not available; accepted: dense, sparse"),
+    (("env.reward=dense", "env.terminate_on_success=true"),
+     "env.terminate_on_success=True with env.reward=dense: robosuite's shaped reward pays before success too"),
     (("mode=test",), "mode='test' is not available; accepted: train, eval"),
     # the allocator
     (("allocator.ema=0",), "allocator.ema=0.0 must be in (0, 1]"),

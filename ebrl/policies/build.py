@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from ebrl.classes import ContractError, constructor_kwargs, load_class
-from ebrl.checks import POLICY_CONTRACT, POLICY_RUNTIME_KEYS
+from ebrl.checks import POLICY_CONTRACT, POLICY_RUNTIME_KEYS, policy_dtype_name
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
@@ -34,10 +34,7 @@ def family_kwargs(policy_cfg: dict[str, Any]) -> dict[str, Any]:
 
 def policy_dtype(policy_cfg: dict[str, Any], device: torch.device | str) -> torch.dtype:
     """policy.dtype, or bfloat16 for the full preset and for CUDA, float32 otherwise (tiny and small on CPU)."""
-    name = policy_cfg.get("dtype")
-    if name is None:
-        name = "bfloat16" if policy_cfg.get("preset") == "full" or torch.device(device).type == "cuda" else "float32"
-    return DTYPES[name]
+    return DTYPES[policy_dtype_name(policy_cfg, torch.device(device).type == "cuda")]
 
 
 def grad_checkpointing(policy_cfg: dict[str, Any]) -> bool:

@@ -28,6 +28,14 @@ def first_episode(done: torch.Tensor) -> torch.Tensor:
     return (done.long().cumsum(0) - done.long()) == 0
 
 
+def finished(batch: RolloutBatch) -> torch.Tensor:
+    """(N,) bool: the env's first episode ended, and not because its simulator failed (that episode was discarded).
+    A group's members: whether the episode's steps are in the loss (staleness may mask them) does not matter."""
+    alive = first_episode(batch.done)
+    ended = (batch.done & alive).any(0)
+    return ended if batch.failed is None else ended & ~(batch.failed & alive).any(0)
+
+
 def group_advantages(
     reward: torch.Tensor, done: torch.Tensor, group_size: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,25 +43,25 @@ def group_advantages(
 
     R = the rewards of each env's first episode; A = (R - group mean) / (group std + EPS),
     broadcast to that episode's chunk steps and 0 after it (the std is the population std, so a
-    group's advantages have unit variance). `valid` (N,) bool leaves envs out of their group's mean
-    and std, with advantage 0: an episode whose simulator failed never finished.
+    group's advantages have unit variance), and 0 for a group whose std is within EPS. `valid` (N,)
+    bool leaves envs out of their group's mean and std, with advantage 0: an episode whose
+    simulator failed never finished.
     """
     T, N = reward.shape
     if N % group_size:
         raise ValueError(f"{N} envs do not split into groups of {group_size}")
     alive = first_episode(done)
     ret = (reward * alive).sum(0)
-    groups = ret.view(N // group_size, group_size)
-    if valid is None or bool(valid.all()):
-        mean = groups.mean(1, keepdim=True)
-        std = groups.std(1, unbiased=False, keepdim=True)
-        adv = ((groups - mean) / (std + EPS)).view(N)
-    else:  # the same over each group's valid members (the numbers above stay bit for bit when all are)
-        members = valid.view_as(groups).to(groups.dtype)
-        n = members.sum(1, keepdim=True).clamp_min(1.0)
-        mean = (groups * members).sum(1, keepdim=True) / n
-        std = ((groups - mean).pow(2) * members).sum(1, keepdim=True).div(n).sqrt()
-        adv = ((groups - mean) / (std + EPS) * members).view(N)
+    # float64: the mean of K bitwise-equal float32 returns is then exactly their value (in float32 it can be an ulp
+    # off, which / (0 + EPS) turned into |A| ~ 0.2 of one sign for the whole group)
+    groups = ret.double().view(N // group_size, group_size)
+    members = torch.ones_like(groups) if valid is None else valid.view_as(groups).to(groups.dtype)
+    n = members.sum(1, keepdim=True).clamp_min(1.0)
+    mean = (groups * members).sum(1, keepdim=True) / n
+    std = ((groups - mean).pow(2) * members).sum(1, keepdim=True).div(n).sqrt()
+    std = std.to(reward.dtype)
+    signal = (std > EPS).to(groups.dtype)  # a spread within EPS is a tie (what groups_without_signal counts)
+    adv = ((groups - mean) / (std + EPS) * members * signal).to(reward.dtype).view(N)
     return adv.unsqueeze(0) * alive, ret, std.squeeze(1)
 
 
@@ -71,9 +79,7 @@ class GRPOTrainer(PPOTrainer):
                               version=version)  # (no critic to warm up)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
-        # an env none of whose actions count (its simulator failed mid-episode: discarded) is no group member
-        valid = batch.mask.any(-1).any(0)
-        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, valid)
+        adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, finished(batch))
         metrics = {
             "train/return_mean": float(ret.mean()),
             "train/group_return_std": float(std.mean()),  # 0: no group had a signal

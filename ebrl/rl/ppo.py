@@ -258,13 +258,36 @@ class PPOTrainer:
         cutoff = batch.cutoff_value if cfg.get("bootstrap_truncated", True) else None
         reward = batch.reward * cfg.get("reward_scale", 1.0)
         adv, ret = compute_gae(reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, cutoff)
-        var = ret.var()
+        rows = batch.mask.any(-1)  # the value loss's rows: padded, stale and discarded ones have no return to learn
+        _, (ret_mean, _, value_mean), (ret_var, error_var, _) = self.row_moments(
+            torch.stack([ret[rows], ret[rows] - batch.value[rows], batch.value[rows]], 1))
         metrics = {
-            "train/explained_variance": float(1.0 - (ret - batch.value).var() / var) if var > 0 else 0.0,
-            "train/value_mean": float(batch.value.mean()),
-            "train/return_mean": float(ret.mean()),
+            "train/explained_variance": float(1.0 - error_var / ret_var) if ret_var > 0 else 0.0,
+            "train/value_mean": float(value_mean),
+            "train/return_mean": float(ret_mean),
         }
         return adv, ret, metrics
+
+    def row_moments(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Count, mean and (unbiased) variance of each column of (rows, k) `columns`, over the rows of every
+        data-parallel rank: the global batch's, which the recipes' values assume (sums all-reduced, in float64)."""
+        x = columns.detach().double().cpu()
+        sums = torch.stack([torch.full((x.shape[1],), float(x.shape[0]), dtype=x.dtype), x.sum(0), x.pow(2).sum(0)])
+        if self.group is not None:
+            sums = sums.to(self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(sums, group=self.group)
+            sums = sums.cpu()
+        n, total, squares = sums
+        mean = total / n.clamp_min(1.0)
+        return n, mean, ((squares - n * mean.pow(2)) / (n - 1.0).clamp_min(1.0)).clamp_min(0.0)
+
+    def normalized(self, adv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(B,) advantages less their mean, over their std, both over the rows in the loss of every rank (`rows`,
+        (B,) bool: rows that executed an action; the others are in no loss, nor in the statistics)."""
+        n, mean, var = self.row_moments(adv[rows].unsqueeze(1))
+        if n <= 1:
+            return adv
+        return (adv - mean.to(adv)) / (var.sqrt().to(adv) + 1e-8)
 
     @torch.no_grad()
     def prefixes(self, obs: dict[str, torch.Tensor], rows: int) -> Any:
@@ -357,9 +380,8 @@ class PPOTrainer:
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
-        live = adv[mask.any(-1)]  # rows that executed an action: the others are in no loss, nor in the statistics
-        if cfg.normalize_advantages and live.numel() > 1:
-            adv = (adv - live.mean()) / (live.std() + 1e-8)
+        if cfg.normalize_advantages:
+            adv = self.normalized(adv, mask.any(-1))
 
         sums: dict[str, float] = {}
         count = 0

@@ -41,6 +41,9 @@ class RolloutBatch:
     last_value: torch.Tensor  # (N,) value of the observation after the last chunk
     cutoff_value: torch.Tensor  # (T, N) value of the obs an episode was truncated on (its step limit), else 0
     version: torch.Tensor | None = None  # (T, N) int64 published weight version that sampled each chunk; None: unknown
+    # (T, N) bool: the env's simulator failed in this chunk step, so the episode it ends was discarded (its actions
+    # masked out); None: none failed. A mask cleared by staleness leaves the episode finished, this one does not
+    failed: torch.Tensor | None = None
     # The observations the bootstrap values were taken on (pipelined schedules), so that a trainer that values the
     # chunk steps with its own critic (decoupled PPO) values these with the same one: last_obs (N, ...), after the
     # last chunk; cutoff_obs (K, ...), the obs K episodes were cut off on, at chunk step and env cutoff_at (K, 2)
@@ -150,6 +153,7 @@ class ChunkStep:
     log_prob: torch.Tensor  # (N, H)
     value: torch.Tensor  # (N,)
     version: torch.Tensor | None = None  # (N,) int64 weight version that sampled (pipelined schedules)
+    failed: torch.Tensor | None = None  # (N,) bool: the env's simulator failed in this chunk (its episode discarded)
     reward: torch.Tensor | None = None  # (N,) summed over the executed steps
     done: torch.Tensor | None = None  # (N,) bool
     mask: torch.Tensor | None = None  # (N, H) bool: the action was executed
@@ -178,6 +182,7 @@ class ChunkStep:
                 stats.successes.append(r.episode["success"])
                 stats.tasks.append(r.episode.get("task"))
         self.reward, self.done, self.mask = torch.from_numpy(reward), torch.from_numpy(done), torch.from_numpy(mask)
+        self.failed = torch.tensor([r.failed is not None for r in reports])
         self.cutoff_value = torch.zeros(n)
         self.cut = [i for i, r in enumerate(reports) if r.truncated and r.final_obs is not None]
 
@@ -261,6 +266,7 @@ def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
         last_value=last_value,
         cutoff_value=stack("cutoff_value"),
         version=stack("version") if all(s.version is not None for s in steps) else None,
+        failed=stack("failed") if all(s.failed is not None for s in steps) else None,
         last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
     )
 
@@ -290,6 +296,7 @@ def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         last_value=cat(lambda b: b.last_value, 0),
         cutoff_value=cat(lambda b: b.cutoff_value),
         version=cat(lambda b: b.version),
+        failed=None if any(b.failed is None for b in batches) else cat(lambda b: b.failed),
         last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
     )
 
@@ -312,7 +319,8 @@ def pad_steps(batch: RolloutBatch, steps: int) -> RolloutBatch:
         batch, obs={k: pad(v) for k, v in batch.obs.items()}, chunk=pad(batch.chunk),
         extras={k: pad(v) for k, v in batch.extras.items()}, log_prob=pad(batch.log_prob), value=pad(batch.value),
         reward=pad(batch.reward, 0.0), done=pad(batch.done, False), mask=pad(batch.mask, False),
-        cutoff_value=pad(batch.cutoff_value, 0.0), version=None if batch.version is None else pad(batch.version))
+        cutoff_value=pad(batch.cutoff_value, 0.0), version=None if batch.version is None else pad(batch.version),
+        failed=None if batch.failed is None else pad(batch.failed, False))
 
 
 def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:

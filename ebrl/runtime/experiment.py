@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Measured
-from ebrl.checks import rank_cores, validate
+from ebrl.checks import rank_cores, runs_on_cuda, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment
@@ -91,8 +91,7 @@ def seed_everything(seed: int) -> None:
 def run_device(cfg: DictConfig) -> torch.device:
     """Where the policy runs: cuda for device=cuda, or device=auto on hw with GPUs; cpu otherwise. (A rank of
     several sees only its own GPU: `pin_gpu`.)"""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.hw.gpus > 0)
-    return torch.device("cuda" if use_cuda else "cpu")
+    return torch.device("cuda" if runs_on_cuda(cfg) else "cpu")
 
 
 class Experiment:

@@ -2,6 +2,7 @@
 policy family and a real run.py end to end."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -9,8 +10,9 @@ from omegaconf import OmegaConf
 from ebrl.checks import ALGOS, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
+from ebrl.envs.worker import ChunkReport
 from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_seeds
-from ebrl.rl.rollout import ChunkStep, stack_steps
+from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, drop_stale, stack_steps
 from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
 from tests.runtime.test_run import SMALL, metrics, run_py
@@ -47,6 +49,57 @@ def test_an_env_whose_episode_was_discarded_is_no_group_member():
     assert torch.allclose(adv, torch.tensor([[-a, 0.0, a]])) and torch.allclose(std, torch.tensor([1.0]))
     assert torch.equal(group_advantages(reward, done, 3, torch.ones(3, dtype=torch.bool))[0],
                        group_advantages(reward, done, 3)[0])  # all valid: as before
+
+
+def returns_batch(reward: torch.Tensor, done: torch.Tensor, mask: torch.Tensor | None = None) -> RolloutBatch:
+    """A (T, N) batch with what advantages read: rewards, dones and the loss mask (one action per chunk step)."""
+    T, N = reward.shape
+    return RolloutBatch(obs={}, chunk=torch.zeros(T, N, 1, 1), extras={}, log_prob=torch.zeros(T, N, 1),
+                        value=torch.zeros(T, N), reward=reward, done=done,
+                        mask=torch.ones(T, N, 1, dtype=torch.bool) if mask is None else mask,
+                        last_value=torch.zeros(N), cutoff_value=torch.zeros(T, N))
+
+
+def test_exact_ties_carry_no_signal():
+    # two groups of 8: bitwise-equal returns of 3.7, whose float32 mean is one ulp off; and 3.7 beside its float32
+    # neighbour, a spread within EPS that groups_without_signal counts: both must get advantage 0, not +-0.2
+    tie = torch.full((8,), 3.7)
+    near = tie.clone()
+    near[0] = torch.nextafter(tie[0], torch.tensor(4.0))
+    reward = torch.cat([tie, near]).view(1, 16)
+    done = torch.ones(1, 16, dtype=torch.bool)
+    adv, _, std = group_advantages(reward, done, group_size=8)
+    assert torch.equal(adv, torch.zeros(1, 16))
+    trainer = GRPOTrainer(policy_of("openpi"), compose_config("algo=grpo", "algo.group_size=8").algo)
+    adv, _, metrics = trainer.advantages(returns_batch(reward, done))
+    assert torch.equal(adv, torch.zeros(1, 16)) and metrics["train/groups_without_signal"] == 1.0
+
+
+def chunk_report(reward: float, terminated: bool = False, truncated: bool = False) -> ChunkReport:
+    """One env's chunk of one step, as its simulator reports it."""
+    return ChunkReport(executed=1, rewards=np.array([reward], np.float32), successes=np.array([terminated]),
+                       step_times=np.zeros(1), terminated=terminated, truncated=truncated, episode=None)
+
+
+def test_a_stale_episode_stays_in_its_groups_baseline():
+    # one group of 4: env 0 succeeds at once (return 1), sampled by weights one version older than the others'
+    # chunks; envs 1 and 2 fail (0) at their step limit; env 3's simulator fails, so its episode is discarded
+    stats, steps = RolloutStats(), []
+    reports = [[chunk_report(1.0, terminated=True), chunk_report(0.0), chunk_report(0.0), chunk_report(0.0)],
+               [ChunkReport.nothing(), chunk_report(0.0, truncated=True), chunk_report(0.0, truncated=True),
+                ChunkReport.nothing(truncated=True, failed="died")]]
+    for t, step_reports in enumerate(reports):
+        step = ChunkStep(obs={}, chunk=torch.zeros(4, 1, 1), extras={}, log_prob=torch.zeros(4, 1),
+                         value=torch.zeros(4), version=torch.tensor([0, t + 1, t + 1, t + 1]))
+        step.record(step_reports, stats, steps)
+        steps.append(step)
+    batch = stack_steps(steps, torch.zeros(4))
+    trainer = GRPOTrainer(policy_of("openpi"), compose_config("algo=grpo").algo)
+    before = trainer.advantages(batch)[0]
+    a = 2 ** 0.5 / (1.0 + 1e-6)  # returns 1, 0, 0 of the three that finished: mean 1/3, std sqrt(2)/3
+    assert torch.allclose(before[0], torch.tensor([a, -a / 2, -a / 2, 0.0]))
+    assert drop_stale(batch, train_version=2, max_staleness=1)[0] == 1 and not batch.mask[:, 0].any()
+    assert torch.equal(trainer.advantages(batch)[0][:, 1:], before[:, 1:])  # the failures keep their -0.707
 
 
 def test_first_episode_masks_what_follows_the_first_end():

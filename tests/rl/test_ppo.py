@@ -1,14 +1,17 @@
 """PPO maths on hand-computed cases, and the decoupled (staleness-corrected) loss and update."""
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer, compute_gae, ppo_loss
 from tests.conftest import compose_config
 from tests.policies.test_precision import policy_config
-from ebrl.rl.rollout import ChunkStep, stack_steps
+from ebrl.rl.rollout import ChunkStep, RolloutBatch, stack_steps
 from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout, policy_of
 
 
@@ -135,10 +138,11 @@ def test_decoupled_update_takes_advantages_from_the_current_critic():
         current = policy.evaluate({k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1),
                                   {k: v.flatten(0, 1) for k, v in batch.extras.items()})[2]
     batch.value += 100.0
+    rows = batch.mask.any(-1)  # (the metrics are over the rows in the loss)
     out = PPOTrainer(policy, algo).update(batch, decoupled=True)
-    assert abs(out["train/value_mean"] - float(current.mean())) < 1e-4, out
+    assert abs(out["train/value_mean"] - float(current[rows.flatten()].mean())) < 1e-4, out
     plain = PPOTrainer(policy_of("openpi"), algo).update(batch)  # synchronous: the recorded values are current
-    assert abs(plain["train/value_mean"] - float(batch.value.mean())) < 1e-4
+    assert abs(plain["train/value_mean"] - float(batch.value[rows].mean())) < 1e-4
 
 
 def test_rows_that_executed_nothing_do_not_move_the_advantage_normalisation():
@@ -252,3 +256,63 @@ def test_global_batch_sets_the_rows_of_an_optimizer_step():
     cfg = compose_config("algo.global_batch=32").algo
     assert minibatch_rows(cfg, 128) == 32 and minibatch_rows(cfg, 128, ranks=2) == 16
     assert minibatch_rows(cfg, 20) == 20  # a rollout smaller than the global batch is one step
+
+
+def test_explained_variance_counts_only_the_rows_in_the_loss():
+    # env 0's episode ends in the first chunk: its later rows execute nothing (as padded, stale and discarded rows),
+    # so the values they hold (here absurd) must move no metric of the critic
+    policy = policy_of("openpi")
+    batch = one_episode_rollout(policy, chunks=3, num_envs=4)
+    batch.value[1:, 0] = 100.0
+    _, ret, metrics = PPOTrainer(policy, compose_config("algo=ppo").algo).advantages(batch)
+    rows = batch.mask.any(-1)
+    r, v = ret[rows].double(), batch.value[rows].double()
+    assert metrics["train/explained_variance"] == pytest.approx(float(1 - (r - v).var() / r.var()))
+    assert (metrics["train/value_mean"], metrics["train/return_mean"]) == pytest.approx((float(v.mean()),
+                                                                                         float(r.mean())))
+
+
+def envs_of(batch: RolloutBatch, envs: slice) -> RolloutBatch:
+    """The batch's chunk steps of some envs only (a rank's share of the global batch)."""
+    return dataclasses.replace(
+        batch, obs={k: v[:, envs] for k, v in batch.obs.items()}, chunk=batch.chunk[:, envs],
+        extras={k: v[:, envs] for k, v in batch.extras.items()}, log_prob=batch.log_prob[:, envs],
+        value=batch.value[:, envs], reward=batch.reward[:, envs], done=batch.done[:, envs], mask=batch.mask[:, envs],
+        last_value=batch.last_value[envs], cutoff_value=batch.cutoff_value[:, envs])
+
+
+def rank_statistics(rank: int, batch: RolloutBatch, folder: Path) -> None:
+    """Rank `rank` of 2 (gloo): its half of `batch`'s envs through a data-parallel trainer's advantages and their
+    normalisation, written to folder/rank<rank>.pt."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=2)
+    try:
+        trainer = PPOTrainer(policy_of("openpi"), compose_config("algo=ppo").algo, group=dist.group.WORLD)
+        half = envs_of(batch, slice(2 * rank, 2 * rank + 2))
+        adv, _, metrics = trainer.advantages(half)
+        normalized = trainer.normalized(adv.flatten(), half.mask.any(-1).flatten()).view_as(adv)
+        torch.save({"adv": normalized, "metrics": metrics}, folder / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_normalise_over_the_global_batch(tmp_path):
+    # the recipe's values assume the global batch: 2 ranks with 2 envs each normalise, and measure the critic, as one
+    # trainer with all 4 envs does (rank 0's env 0 has rows outside the loss, rank 1's envs none)
+    policy = policy_of("openpi")
+    batch = one_episode_rollout(policy, chunks=3, num_envs=4)
+    batch.reward[:, 2:] += 1.0
+    trainer = PPOTrainer(policy, compose_config("algo=ppo").algo)
+    adv, _, metrics = trainer.advantages(batch)
+    whole = trainer.normalized(adv.flatten(), batch.mask.any(-1).flatten()).view_as(adv)
+    ctx = torch.multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=rank_statistics, args=(rank, batch, tmp_path)) for rank in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.allclose(out["adv"], whole[:, 2 * rank:2 * rank + 2], atol=1e-5)
+        assert out["metrics"] == pytest.approx(metrics)
