@@ -174,42 +174,58 @@ class FlowPolicy(Policy):
         with self.precision():
             cond, pooled = self.encode(obs)
             batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
-            times = self.times(steps, device)
-            x = start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
-                         else noise.to(device, torch.float32))
-            chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=device)
+            start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
+                     else noise.to(device, torch.float32))
+            mode = "deterministic" if deterministic else self.chain_logprob
             extras: dict[str, torch.Tensor] = {}
-            one_step = not deterministic and self.chain_logprob == "one_step"
-            if one_step:  # the stochastic step, one per batch (as RLinf draws it)
-                stochastic = int(torch.randint(steps, ()))
-                extras["denoise_index"] = torch.full((batch,), stochastic, dtype=torch.long, device=device)
-            for k in range(steps):
-                t = times[k].expand(batch)
-                if deterministic or (one_step and k != stochastic):
-                    x = self.euler(x, t, cond)
-                elif one_step:
-                    x, log_prob = self.sde_step(x, t, cond)
-                else:
-                    mean, log_std = self.step(x, t, cond)
-                    x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
-                    log_prob += self.log_density(x, mean, log_std)
-                chain.append(x)
-            if self.chain_logprob == "mean" and not deterministic:
-                log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
+            index = None
+            if mode == "one_step":  # the stochastic step, one per batch (as RLinf draws it)
+                index = torch.randint(steps, ()).to(device)
+                extras["denoise_index"] = index.expand(batch).clone()
+            # the stochastic steps' noise, drawn here in the order they take it, so that a captured loop draws none
+            draws = [torch.randn_like(start) for _ in range(0 if deterministic else 1 if index is not None else steps)]
+            chain, log_prob = self.walk(mode, cond, start, torch.stack(draws) if draws else None, index)
             value = self.value_head(pooled).squeeze(-1).float()
-        return PolicySample(chunk=self.to_env(x[..., : self.model_action_dim]), log_prob=log_prob, value=value,
-                            extras={"chain": torch.stack(chain, 1), **extras})
+        return PolicySample(chunk=self.to_env(chain[:, -1, ..., : self.model_action_dim]), log_prob=log_prob,
+                            value=value, extras={"chain": chain, **extras})
 
-    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """chain_logprob=one_step's stochastic step and its log-density (N, H): the env's dims drawn around the
-        step's mean, the padded dims by a plain Euler step (no noise and no density, as in the chain's other steps)."""
+    def walk(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
+             index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain (N, K+1, H, flow_dim) from `start` and its log-prob (N, H): mode is chain_logprob or
+        "deterministic"; draws (K, N, H, flow_dim) the steps' noise (one_step: (1, ...), at step `index`, a 0-d
+        tensor). It draws no random numbers and branches on no tensor, so one capture serves every draw."""
+        steps, batch = self.denoise_steps, start.shape[0]
+        times = self.times(steps, start.device)
+        x, chain, log_prob = start, [start], start.new_zeros(start.shape[:2])
+        for k in range(steps):
+            t = times[k].expand(batch)
+            if mode == "deterministic":
+                x = self.euler(x, t, cond)
+            elif mode == "one_step":  # stochastic at step `index` only: chosen by value, not by a branch
+                drawn, density, euler = self.sde_step(x, t, cond, draws[0])
+                here = index == k
+                x, log_prob = torch.where(here, drawn, euler), torch.where(here, density, log_prob)
+            else:
+                mean, log_std = self.step(x, t, cond)
+                x = self.advance(start, k, mean, log_std, draws[k])
+                log_prob = log_prob + self.log_density(x, mean, log_std)
+            chain.append(x)
+        if mode == "mean":
+            log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
+        return torch.stack(chain, 1), log_prob
+
+    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
+                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """chain_logprob=one_step's stochastic step from x with `noise`, its log-density (N, H), and the plain Euler
+        step the other steps take: the env's dims drawn around the step's mean, the padded dims by the Euler step
+        (no noise and no density, as in the chain's other steps)."""
         v, log_std = self.velocity(x, t, cond)
         mean, log_std = self.step(x, t, cond, (v, log_std))
-        drawn = mean + log_std.exp() * torch.randn_like(mean)
+        drawn = mean + log_std.exp() * noise
+        euler = x - v / self.denoise_steps
         if self.model_action_dim < self.flow_dim:
-            euler = x - v / self.denoise_steps
             drawn = torch.cat([drawn[..., : self.model_action_dim], euler[..., self.model_action_dim:]], -1)
-        return drawn, self.log_density(drawn, mean, log_std)
+        return drawn, self.log_density(drawn, mean, log_std), euler
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
