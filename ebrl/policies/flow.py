@@ -30,6 +30,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.policies.base import Policy, PolicySample, masked_mean
+from ebrl.policies.capture import check_capture, loop_on
 from ebrl.policies.layers import expand_rows, map_tensors
 
 LOGPROBS = ("flow_noise", "flow_sde")
@@ -76,6 +77,7 @@ class FlowPolicy(Policy):
         self.logprob, self.chain_logprob, self.detach_critic_input = logprob, chain_logprob, bool(detach_critic_input)
         self.log_std_min, self.log_std_max = math.log(noise_std_min), math.log(noise_std_max)
         self.sde_noise_level = sde_noise_level
+        self.capture, self._loops = "auto", {}  # policy.capture (build_policy sets it) -> its loop, once made
         if logprob == "flow_noise":
             self.noise_std_head = nn.Sequential(nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(),
                                                 nn.Linear(feature_dim, flow_dim))
@@ -184,7 +186,7 @@ class FlowPolicy(Policy):
                 extras["denoise_index"] = index.expand(batch).clone()
             # the stochastic steps' noise, drawn here in the order they take it, so that a captured loop draws none
             draws = [torch.randn_like(start) for _ in range(0 if deterministic else 1 if index is not None else steps)]
-            chain, log_prob = self.walk(mode, cond, start, torch.stack(draws) if draws else None, index)
+            chain, log_prob = self.capture_loop(mode, cond, start, torch.stack(draws) if draws else None, index)
             value = self.value_head(pooled).squeeze(-1).float()
         return PolicySample(chunk=self.to_env(chain[:, -1, ..., : self.model_action_dim]), log_prob=log_prob,
                             value=value, extras={"chain": chain, **extras})
@@ -213,6 +215,32 @@ class FlowPolicy(Policy):
         if mode == "mean":
             log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
         return torch.stack(chain, 1), log_prob
+
+    @property
+    def capture(self) -> str:
+        """How sample runs its denoising loop (`policy.capture`, ebrl/policies/capture.py)."""
+        return self._capture
+
+    @capture.setter
+    def capture(self, capture: str) -> None:
+        check_capture(capture)
+        self._capture = capture
+
+    def capture_loop(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
+                     index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`walk` as `policy.capture` runs it on start's device: replayed from CUDA graphs, compiled, or as it is
+        (each setting's loop is kept, so switching back to one replays what it captured)."""
+        loop = self._loops.get(self._capture)
+        if loop is None:
+            loop = self._loops[self._capture] = loop_on(self._capture, self.walk, start.device)
+        return loop(mode, cond, start, draws, index)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FlowPolicy:
+        self._loops = {}  # moved or cast: graphs would read the old tensors, compiled code guard on them
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_loops": {}}  # a copy captures its own loops
 
     def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
                  noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
