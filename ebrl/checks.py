@@ -167,7 +167,7 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
 
 # policy.* keys the runtime applies (ebrl/policies/build.py); the rest are the family constructor's arguments
 POLICY_RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha",
-                       "grad_checkpoint", "execute")
+                       "grad_checkpoint", "execute", "capture")
 POLICY_CONTRACT = ("__init__(env_spec, ...) setting chunk_len, sample(obs) -> PolicySample, evaluate(obs, chunk, "
                    "extras) -> (log_prob, entropy, value), value(obs) -> (B,), tokenize(texts) -> (tokens, mask)")
 

@@ -157,6 +157,10 @@ class FlowPolicyConfig(PolicyConfig):
     # per chunk stochastic, the rest plain Euler, the log-prob that step's: RLinf's Flow-SDE)
     chain_logprob: str = II("recipe:chain_logprob")
     detach_critic_input: bool = II("recipe:detach_critic_input")  # the value head's input carries no gradient
+    # How generation runs the denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA graphs, one per
+    # generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on a GPU, off on
+    # a CPU, where compiling takes longer than a run saves (docs/policies.md, "Capture")
+    capture: str = "auto"
 
 
 @dataclass

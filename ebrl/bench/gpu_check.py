@@ -15,6 +15,11 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
           batch 1, 8 and 32 (beside the roofline's, ebrl/alloc/gpu_cost.py), one PPO update (train=all) at
           algo.micro_batch=4; the peak memory allocated against the memory model's prediction, and the CUDA
           context's size; "costs" are what `python -m ebrl.bench.at_scale --gpu-costs` reads
+  capture generation's pi0 at full size (bfloat16, 2 cameras at 224 px): policy.sample's ms per chunk at batch 1, 16
+          and 32 (ebrl's and colocated's generation batch on the at-scale testbed) with the denoising loop as it is
+          and replayed from CUDA graphs (policy.capture=off / graph; --capture-settings adds compile), alternated,
+          with each one's first call (the capture); the same draws' actions under each, before and after new
+          weights are copied in, must agree within --capture-atol
   checkpoint  `python -m ebrl.bench.checkpoint`'s path on CUDA: a full-size pi0 folder in lerobot's layout (random
           bfloat16 weights) built through policy.checkpoint with a SentencePiece tokenizer trained on the spot, one
           deterministic chunk on a synthetic LIBERO observation (2 cameras at 224 px): folder write, build, first and
@@ -49,7 +54,8 @@ import numpy as np
 import torch
 
 N = 4096  # matmul size
-CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "checkpoint", "publish", "ranks", "egl", "run")
+CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "capture", "checkpoint", "publish", "ranks",
+          "egl", "run")
 
 
 class Skip(Exception):
@@ -322,6 +328,17 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     return all(math.isfinite(v) for v in [*metrics.values(), *limit_costs.values()]), figures
 
 
+def full_obs(policy: Any, batch: int) -> dict[str, torch.Tensor]:
+    """`batch` random observations of LIBERO's shapes (ebrl.bench.memory.env_spec) on the GPU, for a full policy."""
+    spec, cuda = policy.env_spec, torch.device("cuda")
+    tokens, mask = policy.tokenize([spec.instruction] * batch)
+    out = {"state": torch.randn(batch, spec.obs["state"].shape[0], device=cuda),
+           "tokens": torch.from_numpy(tokens).to(cuda), "token_mask": torch.from_numpy(mask).to(cuda)}
+    out.update({k: torch.randint(0, 256, (batch, *spec.obs[k].shape), dtype=torch.uint8, device=cuda)
+                for k in spec.obs if k.startswith("image/")})
+    return out
+
+
 def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.alloc.memory import MemoryModel
     from ebrl.bench.memory import compose, env_spec, fill, policy_config
@@ -344,16 +361,8 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     figures: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2),
                                "parameters_b": round(policy.num_parameters() / 1e9, 3)}
 
-    def obs_of(batch: int) -> dict[str, torch.Tensor]:
-        tokens, mask = policy.tokenize([spec.instruction] * batch)
-        out = {"state": torch.randn(batch, 8, device=cuda), "tokens": torch.from_numpy(tokens).to(cuda),
-               "token_mask": torch.from_numpy(mask).to(cuda)}
-        out.update({k: torch.randint(0, 256, (batch, 224, 224, 3), dtype=torch.uint8, device=cuda)
-                    for k in spec.obs if k.startswith("image/")})
-        return out
-
     for batch in (1, 8, 32):
-        obs = obs_of(batch)
+        obs = full_obs(policy, batch)
         policy.sample(obs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -362,7 +371,7 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
         torch.cuda.synchronize()
         figures[f"sample_ms_b{batch}"] = round(1e3 * (time.perf_counter() - t0) / 3, 1)
     rows, micro = 8, 4
-    obs = obs_of(rows)
+    obs = full_obs(policy, rows)
     out = policy.sample(obs)
     batch = RolloutBatch(obs={k: v[None] for k, v in obs.items()}, chunk=out.chunk[None],
                          extras={k: v[None] for k, v in out.extras.items()}, log_prob=out.log_prob[None],
@@ -394,6 +403,54 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
                         "train_s_per_row_epoch": figures["update_s"] / rows}
     figures["modelled_sample_ms"] = modelled_sample_ms(cfg, spec)
     return abs(figures["error"]) < 0.15, figures
+
+
+def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
+    """policy.capture on generation's pi0 at full size (bfloat16, given weights, 2 cameras at 224 px): ms per chunk
+    with the denoising loop as it is and replayed from CUDA graphs (and compiled, where asked), the settings
+    alternated; the same draws' actions and log-probs under each; and again after new weights are copied in."""
+    missing = [name for name in ("hydra", "omegaconf") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Skip(f"{' and '.join(missing)} not installed (the policy's config schemas import them)")
+    if not all(hasattr(torch.cuda, name) for name in ("CUDAGraph", "graph", "graph_pool_handle")):
+        raise Skip(f"torch {torch.__version__} has no CUDA graph API")
+    from ebrl.bench.memory import env_spec, fill, policy_config
+    from ebrl.bench.policies import capture_differences, compare_capture, sampled
+    from ebrl.policies.build import build_policy
+
+    figures: dict[str, Any] = {}
+    settings = list(dict.fromkeys(["off", *args.capture_settings]))
+    if "compile" in settings and importlib.util.find_spec("triton") is None:
+        settings.remove("compile")
+        figures["compile"] = "skipped: triton is not installed"
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    spec = env_spec(2)
+    t0 = time.perf_counter()
+    policy = build_policy(policy_config("openpi", "all"), spec, cuda, weights="given")
+    fill(policy)
+    figures.update({"build_s": round(time.perf_counter() - t0, 1), "dtype": str(policy.compute_dtype),
+                    "chain": f"{policy.logprob} {policy.chain_logprob}, {policy.denoise_steps} steps"})
+
+    rows = compare_capture(policy, settings, args.capture_batches, args.capture_rounds, lambda b: full_obs(policy, b))
+    for batch, row in rows.items():
+        figures[f"b{batch}"] = {**{f"{s}_first_s": round(row["first_s"][s], 2) for s in settings},
+                                **{f"{s}_ms": round(row["ms"][s], 2) for s in settings},
+                                **{f"{s}_speedup": round(row["ms"]["off"] / row["ms"][s], 2) for s in settings[1:]},
+                                "differences": row["differences"]}
+    # new weights copied into the tensors the graphs read, as the weight channel's pull copies them
+    obs = full_obs(policy, args.capture_batches[-1])
+    before = sampled(policy, "off", obs, 7)[0].chunk
+    torch.manual_seed(1)
+    fill(policy)
+    figures["after_new_weights"] = capture_differences(policy, settings, obs, 7)
+    figures["new_weights_moved_actions"] = not torch.allclose(sampled(policy, "off", obs, 7)[0].chunk, before)
+    checked = [*(d for row in rows.values() for d in row["differences"].values()),
+               *figures["after_new_weights"].values()]
+    ok = figures["new_weights_moved_actions"] and all(
+        d["finite"] and d["action"] <= args.capture_atol and d["log_prob"] <= args.capture_atol * 100
+        for d in checked)
+    return ok, figures
 
 
 def modelled_sample_ms(policy_cfg: dict, spec: Any) -> dict[str, float] | str:
@@ -570,7 +627,8 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
     "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
-    "policy": check_policy, "full": check_full, "checkpoint": check_checkpoint, "publish": check_publish,
+    "policy": check_policy, "full": check_full, "capture": check_capture, "checkpoint": check_checkpoint,
+    "publish": check_publish,
     "ranks": check_ranks, "egl": check_egl, "run": check_run,
 }
 
@@ -601,6 +659,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=470, help="seconds for the whole script")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only")
+    parser.add_argument("--capture-batches", nargs="+", type=int, default=[1, 16, 32],
+                        help="generation batches of the capture check")
+    parser.add_argument("--capture-settings", nargs="+", choices=("graph", "compile"), default=["graph"],
+                        help="policy.capture settings the capture check sets beside off")
+    parser.add_argument("--capture-rounds", type=int, default=5, help="alternated rounds per batch (medians)")
+    parser.add_argument("--capture-atol", type=float, default=2e-2,
+                        help="the largest action difference from off allowed (log-probs: 100 times it)")
     parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
     parser.add_argument("--run-timeout", type=int, default=200, help="seconds the end-to-end run may take")
     args = parser.parse_args()

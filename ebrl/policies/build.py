@@ -19,6 +19,7 @@ from ebrl.checks import POLICY_CONTRACT, POLICY_RUNTIME_KEYS, policy_dtype_name
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
+from ebrl.policies.capture import capture_on
 from ebrl.policies.layers import Block
 from ebrl.policies.training import prepare_training
 from ebrl.policies.weights import CheckpointError, checkpoint_config, checkpoint_folder, load_weights, weight_files
@@ -165,6 +166,9 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
         raise ConfigError(f"policy.execute={execute} must be in 1..{policy.chunk_len}, the policy's chunk of "
                           f"{policy.chunk_len} actions")
     policy.execute = policy.chunk_len if execute is None else int(execute)
+    if policy_cfg.get("capture") is not None:  # the flow families' denoising loop (ebrl/policies/capture.py)
+        capture_on(policy_cfg["capture"], torch.device(device))  # one line for a setting this device cannot run
+        policy.capture = policy_cfg["capture"]
     if train:
         prepare_training(policy, policy_cfg)
         for module in policy.modules():

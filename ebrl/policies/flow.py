@@ -30,6 +30,7 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.policies.base import Policy, PolicySample, masked_mean
+from ebrl.policies.capture import check_capture, loop_on
 from ebrl.policies.layers import expand_rows, map_tensors
 
 LOGPROBS = ("flow_noise", "flow_sde")
@@ -76,6 +77,7 @@ class FlowPolicy(Policy):
         self.logprob, self.chain_logprob, self.detach_critic_input = logprob, chain_logprob, bool(detach_critic_input)
         self.log_std_min, self.log_std_max = math.log(noise_std_min), math.log(noise_std_max)
         self.sde_noise_level = sde_noise_level
+        self.capture, self._loops = "auto", {}  # policy.capture (build_policy sets it) -> its loop, once made
         if logprob == "flow_noise":
             self.noise_std_head = nn.Sequential(nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(),
                                                 nn.Linear(feature_dim, flow_dim))
@@ -174,42 +176,84 @@ class FlowPolicy(Policy):
         with self.precision():
             cond, pooled = self.encode(obs)
             batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
-            times = self.times(steps, device)
-            x = start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
-                         else noise.to(device, torch.float32))
-            chain, log_prob = [x], torch.zeros(batch, self.chunk_len, device=device)
+            start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
+                     else noise.to(device, torch.float32))
+            mode = "deterministic" if deterministic else self.chain_logprob
             extras: dict[str, torch.Tensor] = {}
-            one_step = not deterministic and self.chain_logprob == "one_step"
-            if one_step:  # the stochastic step, one per batch (as RLinf draws it)
-                stochastic = int(torch.randint(steps, ()))
-                extras["denoise_index"] = torch.full((batch,), stochastic, dtype=torch.long, device=device)
-            for k in range(steps):
-                t = times[k].expand(batch)
-                if deterministic or (one_step and k != stochastic):
-                    x = self.euler(x, t, cond)
-                elif one_step:
-                    x, log_prob = self.sde_step(x, t, cond)
-                else:
-                    mean, log_std = self.step(x, t, cond)
-                    x = self.advance(start, k, mean, log_std, torch.randn_like(mean))
-                    log_prob += self.log_density(x, mean, log_std)
-                chain.append(x)
-            if self.chain_logprob == "mean" and not deterministic:
-                log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
+            index = None
+            if mode == "one_step":  # the stochastic step, one per batch (as RLinf draws it)
+                index = torch.randint(steps, ()).to(device)
+                extras["denoise_index"] = index.expand(batch).clone()
+            # the stochastic steps' noise, drawn here in the order they take it, so that a captured loop draws none
+            draws = [torch.randn_like(start) for _ in range(0 if deterministic else 1 if index is not None else steps)]
+            chain, log_prob = self.capture_loop(mode, cond, start, torch.stack(draws) if draws else None, index)
             value = self.value_head(pooled).squeeze(-1).float()
-        return PolicySample(chunk=self.to_env(x[..., : self.model_action_dim]), log_prob=log_prob, value=value,
-                            extras={"chain": torch.stack(chain, 1), **extras})
+        return PolicySample(chunk=self.to_env(chain[:, -1, ..., : self.model_action_dim]), log_prob=log_prob,
+                            value=value, extras={"chain": chain, **extras})
 
-    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """chain_logprob=one_step's stochastic step and its log-density (N, H): the env's dims drawn around the
-        step's mean, the padded dims by a plain Euler step (no noise and no density, as in the chain's other steps)."""
+    def walk(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
+             index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain (N, K+1, H, flow_dim) from `start` and its log-prob (N, H): mode is chain_logprob or
+        "deterministic"; draws (K, N, H, flow_dim) the steps' noise (one_step: (1, ...), at step `index`, a 0-d
+        tensor). It draws no random numbers and branches on no tensor, so one capture serves every draw."""
+        steps, batch = self.denoise_steps, start.shape[0]
+        times = self.times(steps, start.device)
+        x, chain, log_prob = start, [start], start.new_zeros(start.shape[:2])
+        for k in range(steps):
+            t = times[k].expand(batch)
+            if mode == "deterministic":
+                x = self.euler(x, t, cond)
+            elif mode == "one_step":  # stochastic at step `index` only: chosen by value, not by a branch
+                drawn, density, euler = self.sde_step(x, t, cond, draws[0])
+                here = index == k
+                x, log_prob = torch.where(here, drawn, euler), torch.where(here, density, log_prob)
+            else:
+                mean, log_std = self.step(x, t, cond)
+                x = self.advance(start, k, mean, log_std, draws[k])
+                log_prob = log_prob + self.log_density(x, mean, log_std)
+            chain.append(x)
+        if mode == "mean":
+            log_prob = (log_prob + self.x0_log_density(start)) / (steps + 1)
+        return torch.stack(chain, 1), log_prob
+
+    @property
+    def capture(self) -> str:
+        """How sample runs its denoising loop (`policy.capture`, ebrl/policies/capture.py)."""
+        return self._capture
+
+    @capture.setter
+    def capture(self, capture: str) -> None:
+        check_capture(capture)
+        self._capture = capture
+
+    def capture_loop(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
+                     index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`walk` as `policy.capture` runs it on start's device: replayed from CUDA graphs, compiled, or as it is
+        (each setting's loop is kept, so switching back to one replays what it captured)."""
+        loop = self._loops.get(self._capture)
+        if loop is None:
+            loop = self._loops[self._capture] = loop_on(self._capture, self.walk, start.device)
+        return loop(mode, cond, start, draws, index)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FlowPolicy:
+        self._loops = {}  # moved or cast: graphs would read the old tensors, compiled code guard on them
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_loops": {}}  # a copy captures its own loops
+
+    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
+                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """chain_logprob=one_step's stochastic step from x with `noise`, its log-density (N, H), and the plain Euler
+        step the other steps take: the env's dims drawn around the step's mean, the padded dims by the Euler step
+        (no noise and no density, as in the chain's other steps)."""
         v, log_std = self.velocity(x, t, cond)
         mean, log_std = self.step(x, t, cond, (v, log_std))
-        drawn = mean + log_std.exp() * torch.randn_like(mean)
+        drawn = mean + log_std.exp() * noise
+        euler = x - v / self.denoise_steps
         if self.model_action_dim < self.flow_dim:
-            euler = x - v / self.denoise_steps
             drawn = torch.cat([drawn[..., : self.model_action_dim], euler[..., self.model_action_dim:]], -1)
-        return drawn, self.log_density(drawn, mean, log_std)
+        return drawn, self.log_density(drawn, mean, log_std), euler
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
