@@ -191,6 +191,9 @@ class PolicyOps:
     parameters: int
     chunk_len: int
     action_dim: int
+    # a frozen prefix (Policy.frozen_prefix): the trainer's `prefix` alone, and evaluate given it; None: none
+    prefix: Ops | None = None
+    cached: Ops | None = None
 
     @classmethod
     def of(cls, policy_cfg: dict[str, Any], spec: EnvSpec, device: str = "cuda") -> "PolicyOps":
@@ -220,12 +223,20 @@ class PolicyOps:
             if hasattr(m, "grad_checkpoint"):
                 m.grad_checkpoint = False
 
-        def evaluated(rows: int) -> None:
+        def evaluated(rows: int, prefix: Any = None) -> None:
             chunk = torch.empty(rows, trainer.chunk_len, trainer.action_dim, device="meta")
             with MetaAutocast(dtype, list(trainer.parameters())):
-                trainer.evaluate(meta_obs(trainer, spec, rows), chunk, meta_extras(trainer, rows))
+                trainer.evaluate(meta_obs(trainer, spec, rows), chunk, meta_extras(trainer, rows), prefix=prefix)
 
-        return cls(sample=sample, value=value, forward=Ops.of(evaluated),
+        def prefixed(rows: int) -> Any:
+            with torch.no_grad(), MetaAutocast(dtype, list(trainer.parameters())):
+                return trainer.prefix(meta_obs(trainer, spec, rows))
+
+        prefix = cached = None
+        if trainer.frozen_prefix():  # (the prefix computed outside the traced call: it is given)
+            prefixes = {rows: prefixed(rows) for rows in (2, 3)}
+            prefix, cached = Ops.of(prefixed), Ops.of(lambda rows: evaluated(rows, prefixes[rows]))
+        return cls(sample=sample, value=value, forward=Ops.of(evaluated), prefix=prefix, cached=cached,
                    trained=sum(p.numel() for p in trainer.parameters() if p.requires_grad),
                    checkpointing=checkpointing, parameters=sum(p.numel() for p in trainer.parameters()),
                    chunk_len=chunk_len, action_dim=action_dim)
@@ -267,10 +278,12 @@ def _split(total: int, size: int) -> list[int]:
 
 
 def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float,
-               decoupled: bool = False) -> GpuTime:
-    """One rank's update on `rows` rows (its own share of the rollout): micro-batches' forward and backward (and a
-    recomputed forward with checkpointing), AdamW per optimizer step, the gradients' ring all-reduce over ranks;
-    `decoupled` (an overlapped schedule's PPO): first a forward pass over every row for the proximal policy."""
+               proximal: int = 0) -> GpuTime:
+    """One rank's update on `rows` rows (its own share of the rollout), as PPOTrainer.update runs it: a frozen
+    prefix once per row (algo.cache_prefix), a forward pass for the proximal policy over `proximal` rows (the
+    stale rows of an overlapped schedule's decoupled PPO, every row of a bfloat16 colocated one: ppo.proximal_rows),
+    micro-batches' forward and backward (and a recomputed forward with checkpointing), AdamW per optimizer step, the
+    gradients' ring all-reduce over ranks."""
     from ebrl.alloc.memory import MOMENT_BYTES
     from ebrl.rl.ppo import minibatch_rows
 
@@ -280,18 +293,21 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     minibatches = _split(rows, per_step)
     passes = Counter(size for mb in minibatches for size in _split(mb, micro))  # (the last of each smaller)
     steps = algo.epochs * len(minibatches)
+    cached = ops.cached is not None and algo.get("cache_prefix", True)
+    forward = ops.cached if cached else ops.forward
     compute = busy = 0.0
-    if decoupled:  # the proximal policy's log-probs and values (PPOTrainer.proximal): forward only, micro at a time
-        for size in _split(rows, micro):
-            part = roofline(ops.forward, size, gpu, share, host_s)
-            compute, busy = compute + part.seconds, busy + part.seconds * part.sm_busy
+    once = [(ops.prefix, size) for size in _split(rows, micro)] if cached else []  # forward only, micro at a time
+    once += [(forward, size) for size in _split(proximal, micro)]  # the proximal pass (PPOTrainer.proximal)
+    for call, size in once:
+        part = roofline(call, size, gpu, share, host_s)
+        compute, busy = compute + part.seconds, busy + part.seconds * part.sm_busy
     for size, count in passes.items():
         # a pass: the forward, the backward of the operations that need one (twice their forward), and with
         # checkpointing those forwards again
-        parts = [roofline(ops.forward, size, gpu, share, host_s),
-                 roofline(ops.forward, size, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
+        parts = [roofline(forward, size, gpu, share, host_s),
+                 roofline(forward, size, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
         if ops.checkpointing:
-            parts.append(roofline(ops.forward, size, gpu, share, host_s, only_grad=True))
+            parts.append(roofline(forward, size, gpu, share, host_s, only_grad=True))
         compute += algo.epochs * count * sum(p.seconds for p in parts)
         busy += algo.epochs * count * sum(p.seconds * p.sm_busy for p in parts)
     # AdamW: masters (4 B) and both moments read and written, gradients (4 B) read; memory-bound

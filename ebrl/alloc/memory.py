@@ -5,7 +5,8 @@ Trainer: the weights (float32 masters of what `policy.train` trains, policy.dtyp
 gradients (float32), Adam's two moments (algo.optimizer_dtype), autocast's bfloat16 copies of the float32 weights a
 bfloat16 forward pass reads (held until the pass ends), the activations of one micro-batch (the tensors autograd
 saves, traced on the meta device with the run's checkpointing, plus the block that backward recomputes and its
-gradients), and the rollout it trains on, moved to its device.
+gradients), the rollout it trains on, moved to its device, and a frozen prefix's output for each of its rows (computed
+once per update: docs/design.md, "The frozen prefix").
 Generation: the weights in policy.dtype and, per env of its batch, the prefix cache (or the family's conditioning)
 and the denoising chain.
 Publication: the channel's slots (two payloads in policy.dtype; on one GPU they are on the device and the host
@@ -144,6 +145,7 @@ class MemoryModel:
     activations_per_row: int  # saved by one micro-batch row, with the run's checkpointing
     block_per_row: int  # one block's activations per row, without checkpointing (what backward recomputes)
     cache_per_env: int  # generation's conditioning of one observation (prefix cache), float bytes
+    prefix_per_row: int  # the trainer's frozen prefix of one row, held for an update (0: none, or not cached)
     chain_per_row: int  # extras (the denoising chain) of one sampled chunk
     obs_per_row: int  # one observation as the policy batch holds it
     sim_slot: int  # one simulator's shared-memory slot
@@ -152,10 +154,11 @@ class MemoryModel:
 
     @classmethod
     def of(cls, policy_cfg: dict[str, Any], spec: EnvSpec, optimizer_dtype: str = "float32",
-           device: str = "cuda", trace: bool = True) -> "MemoryModel":
+           device: str = "cuda", trace: bool = True, cache_prefix: bool = True) -> "MemoryModel":
         """Build the trainer's copy of `policy_cfg` on the meta device and trace one evaluate (a few seconds at
         full size; without `trace`, no activations: the parameters' and slots' figures only); `device`: where the
-        run computes (it decides policy.dtype's default)."""
+        run computes (it decides policy.dtype's default); `cache_prefix`: algo.cache_prefix (a frozen prefix is held
+        for every row of an update)."""
         from ebrl.envs.slots import SlotLayout
 
         dtype = policy_dtype(policy_cfg, device)
@@ -168,7 +171,10 @@ class MemoryModel:
         checkpointing = any(getattr(m, "grad_checkpoint", False) for m in policy.modules())
         policy.compute_dtype = torch.float32  # (torch.autocast takes no meta tensors: MetaAutocast stands in)
         blocks = [m for m in policy.modules() if isinstance(m, Block)]
-        activations = whole = cache = 0
+        activations = whole = cache = prefix = 0
+        if cache_prefix and policy.frozen_prefix():  # (the trainer's, in the dtype its pass gives)
+            with torch.no_grad(), MetaAutocast(dtype, list(policy.parameters())):
+                prefix = _bytes(policy.prefix(meta_obs(policy, spec, 1)))
         if trace:
             activations = saved_activations(policy, spec, 1, dtype)
             for block in blocks:
@@ -181,7 +187,7 @@ class MemoryModel:
         return cls(parameters=parameters, trained=trained, frozen_bytes=frozen,
                    payload_bytes=(parameters - lora) * dtype.itemsize, dtype=dtype,
                    moment_bytes=MOMENT_BYTES[optimizer_dtype], activations_per_row=activations,
-                   block_per_row=math.ceil(whole / max(len(blocks), 1)), cache_per_env=cache,
+                   block_per_row=math.ceil(whole / max(len(blocks), 1)), cache_per_env=cache, prefix_per_row=prefix,
                    chain_per_row=_bytes(meta_extras(policy, 1)), obs_per_row=obs,
                    sim_slot=SlotLayout.build(spec, policy.execute).size, checkpointing=checkpointing,
                    execute=policy.execute)
@@ -199,6 +205,7 @@ class MemoryModel:
             "autocast copies": autocast,
             "activations": micro_batch * (working + recompute if self.checkpointing else self.activations_per_row),
             "rollout": rollout_rows * (self.obs_per_row + self.chain_per_row),
+            "prefix cache": rollout_rows * self.prefix_per_row,
         })
 
     def generation(self, batch: int) -> Footprint:

@@ -68,7 +68,9 @@ class MeasuredCosts:
     generate_fit: tuple[float, float]
     value_fit: tuple[float, float]
     train_per_row: float
-    train_decoupled_per_row: float  # decoupled PPO's (the overlapped schedules'): a proximal forward pass more
+    # with the proximal pass over every row (decoupled PPO, algo.proximal=all): a row the pass values costs the
+    # difference more
+    train_decoupled_per_row: float
     efficiencies: dict[str, dict[str, float]]
     reset_s: float
     max_episode_steps: int
@@ -94,8 +96,8 @@ class MeasuredCosts:
     def value(self, batch: int) -> float:
         return max(0.0, self.value_fit[0] + self.value_fit[1] * batch)
 
-    def train(self, rows: int, decoupled: bool = False) -> float:
-        return (self.train_decoupled_per_row if decoupled else self.train_per_row) * rows
+    def train(self, rows: int, proximal: int = 0) -> float:
+        return self.train_per_row * rows + (self.train_decoupled_per_row - self.train_per_row) * proximal
 
     def efficiency(self, stage: str, threads: int) -> float:
         if threads <= 1:
@@ -323,11 +325,11 @@ class ModelledCosts:
     def episode_length(self, env: int, rng: np.random.Generator) -> int:
         return drawn_length(self.lengths, self.max_episode_steps, rng)
 
-    def on_gpu(self, kind: str, rows: int, share: float, decoupled: bool = False) -> Any:
+    def on_gpu(self, kind: str, rows: int, share: float, proximal: int = 0) -> Any:
         from ebrl.alloc.gpu_cost import GpuTime, roofline, train_time
 
         if kind == "train":
-            modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s, decoupled)
+            modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s, proximal)
         else:
             modelled = roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share,
                                 self.host_s)
@@ -337,7 +339,7 @@ class ModelledCosts:
         # measured on the whole GPU: at a share, as much longer as the roofline says; the SMs' busy share the
         # roofline's (gpu_check measures no occupancy)
         if kind == "train":
-            # (gpu_check's update is not decoupled: a decoupled one as much longer as the roofline says too)
+            # (gpu_check's update takes no proximal pass: one that does as much longer as the roofline says too)
             seconds = m["train_s_per_row_epoch"] * rows * int(self.shape.algo.epochs)
             whole = train_time(self.ops, rows, self.shape, self.gpu, 1.0, self.host_s)
         else:
@@ -600,7 +602,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
 
 def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, Any]:
     """What bounds a rank: its GPU's kernels per env step (generation at the largest batch predicted, one
-    iteration's update, plain: an overlapped schedule's decoupled one adds a forward pass; the SM-seconds, whatever
+    iteration's update without a proximal pass (its rows' forward passes add to it); the SM-seconds, whatever
     the shares) against the simulators' (the mean step over the rank's cores). One process issuing the same kernels
     one after another (the host's time per operation counted) is slower: generation and training side by side under
     MPS overlap their hosts' gaps."""
@@ -643,7 +645,8 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
     from ebrl.rl.ppo import minibatch_rows
 
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
-    model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype)
+    model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
+                           cache_prefix=cfg.algo.cache_prefix)
     chunks = int(cfg.algo.rollout_chunks)
     micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, envs * chunks, int(cfg.hw.gpus))
     need = model.gpu(micro, envs, chunks, rendering=False)

@@ -2,7 +2,8 @@
 
 1. For each family at `full` (the trainer's copy on the meta device, no memory): parameters, and per `policy.train`
    option the trainer's weights, gradients, Adam moments and autocast copies, the activations of one micro-batch row
-   with and without checkpointing, generation's conditioning per env, the published payload.
+   with and without checkpointing, generation's conditioning per env, the trainer's frozen prefix per row
+   (policy.train=action_expert: computed once per update and held for every row), the published payload.
 2. pi0 on one H200 and one A100-80GB (hw/h200x1, hw/a100x8): full, expert-only and LoRA training at 16, 64 and 256
    envs, pipelined (trainer and generation processes, the published weights on the device, EGL contexts for the
    simulators' cameras), at algo.micro_batch=4.
@@ -64,8 +65,8 @@ def model_table(families: list[str], cameras: int) -> list[dict]:
     spec = env_spec(cameras)
     print(f"\n1. The model at full size ({cameras} cameras at 224 px, GiB; activations per micro-batch row):")
     print("| family | policy.train | parameters | trained | weights | gradients | Adam | autocast copies | "
-          "activations/row (ckpt / none) | cache per env | payload |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "activations/row (ckpt / none) | cache per env | trainer's prefix per row | payload |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for family in families:
         for train in OPTIONS:
@@ -74,11 +75,13 @@ def model_table(families: list[str], cameras: int) -> list[dict]:
             plain = MemoryModel.of(policy_config(family, train, "policy.grad_checkpoint=false"), spec)
             rows.append({"family": family, "train": train, "parameters": m.parameters, "trained": m.trained,
                          **{k: v for k, v in t.items()}, "activations_row_plain": plain.activations_per_row,
-                         "cache_per_env": m.cache_per_env, "payload": m.payload_bytes})
+                         "cache_per_env": m.cache_per_env, "prefix_per_row": m.prefix_per_row,
+                         "payload": m.payload_bytes})
             print(f"| {family} | {train} | {m.parameters / 1e9:.3f}B | {m.trained / 1e9:.3f}B | {gib(t['weights'])} | "
                   f"{gib(t['gradients'])} | {gib(t['optimizer'])} | {gib(t['autocast copies'])} | "
                   f"{m.activations_per_row / 2**20:.0f} MiB / {plain.activations_per_row / 2**20:.0f} MiB | "
-                  f"{m.cache_per_env / 2**20:.1f} MiB | {gib(m.payload_bytes)} |", flush=True)
+                  f"{m.cache_per_env / 2**20:.1f} MiB | {m.prefix_per_row / 2**20:.1f} MiB | {gib(m.payload_bytes)} |",
+                  flush=True)
     return rows
 
 

@@ -131,6 +131,24 @@ def ppo_loss(
     return loss, stats
 
 
+def proximal_rows(batch: RolloutBatch, decoupled: bool, version: int | None, how: str,
+                  low_precision: bool) -> torch.Tensor:
+    """(B,) the rows an update's proximal pass values (under the weights it starts from, `version`). Decoupled: those
+    older weights sampled (every row with algo.proximal=all, or where the versions are not known); the others take
+    their behaviour log-prob and value, which these weights gave. Otherwise the data's weights are these, but a
+    low-precision (bfloat16) forward pass in other batch shapes (generation's) differs from the trainer's by ~0.1 in
+    log-prob per action: every row, so that the ratio (and the value clip) is taken against the trainer's own numbers;
+    none in float32."""
+    rows = batch.chunk.shape[0] * batch.chunk.shape[1]
+    if how not in PROXIMAL:
+        raise ValueError(f"algo.proximal={how!r}; accepted: {', '.join(PROXIMAL)}")
+    if not decoupled:
+        return torch.full((rows,), low_precision, dtype=torch.bool)
+    if how == "all" or version is None or batch.version is None:
+        return torch.ones(rows, dtype=torch.bool)
+    return _flat(batch.version) != version
+
+
 def minibatch_rows(cfg: AlgoConfig, rows: int, ranks: int = 1) -> int:
     """Rows of one optimizer step on this rank: the rank's share of algo.global_batch (all of its `rows` when the
     rollout is smaller), else `rows` / algo.minibatches."""
@@ -356,27 +374,20 @@ class PPOTrainer:
         rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
         self.policy.train()
         prefix = self.prefixes(obs, rows)
-        behaviour_lp = None
+        behaviour_lp = old_lp if decoupled else None  # (decoupled: the ratio's weight to the behaviour policy)
         old_value = _flat(batch.value).to(dev)  # where algo.value_clip holds the value to
-        proximal_rows = 0
+        low_precision = self.policy.compute_dtype != torch.float32
+        which = proximal_rows(batch, decoupled, version, cfg.get("proximal", "stale"), low_precision).to(dev)
+        if which.any() or (self.sharded and (decoupled or low_precision)):  # (sharded: every rank takes part)
+            old_lp, old_value = old_lp.clone(), old_value.clone()
+            old_lp[which], old_value[which] = self.proximal(obs, chunk, extras, rows, prefix, which)
         if decoupled:
-            behaviour_lp, old_lp, old_value = old_lp, old_lp.clone(), old_value.clone()
-            stale = self.stale_rows(batch, version).to(dev)
-            if stale.any() or self.sharded:  # (sharded: every rank takes part in the passes)
-                old_lp[stale], old_value[stale] = self.proximal(obs, chunk, extras, rows, prefix, stale)
-            proximal_rows = int(stale.sum())
             # stale chunks' values came from an older critic: advantages from this one's, as for fresh chunks, and
             # the bootstrap values from this one too, where the batch has their observations (GAE mixes no critics)
             batch = dataclasses.replace(batch, value=old_value.view_as(batch.value).to(batch.value))
             bootstrap = batch.bootstrap_obs()
             if bootstrap is not None:
                 batch = batch.with_bootstrap_values(self.values(bootstrap))
-        elif self.policy.compute_dtype != torch.float32:
-            # the data's weights are these, but a bfloat16 forward pass in other batch shapes (generation's) differs
-            # from this one by ~0.1 in log-prob per action: the ratio (and the value clip) is taken against this
-            # pass's own numbers
-            old_lp, old_value = self.proximal(obs, chunk, extras, rows, prefix)
-            proximal_rows = B
         adv, ret, metrics = self.advantages(batch)
         adv = _flat(adv).to(dev)
         critic = None if ret is None else (_flat(ret).to(dev), old_value)  # value targets and their clip anchor
@@ -418,21 +429,10 @@ class PPOTrainer:
         out["train/stopped_early"] = stopped_early
         out["train/nonfinite_steps"] = float(skipped)
         out["train/critic_only"] = float(critic_only)
-        out["train/proximal_rows"] = float(proximal_rows)  # rows the proximal pass valued (of B)
+        out["train/proximal_rows"] = float(which.sum())  # rows the proximal pass valued (of B)
         out["train/cached_prefix"] = float(prefix is not None)
         out.update(metrics)
         return out
-
-    def stale_rows(self, batch: RolloutBatch, version: int | None) -> torch.Tensor:
-        """(B,) the rows the proximal pass values: those sampled by weights older than `version` (the ones this
-        update starts from); every row with algo.proximal=all, or where the versions are not known."""
-        rows = batch.chunk.shape[0] * batch.chunk.shape[1]
-        how = self.cfg.get("proximal", "stale")
-        if how not in PROXIMAL:
-            raise ValueError(f"algo.proximal={how!r}; accepted: {', '.join(PROXIMAL)}")
-        if how == "all" or version is None or batch.version is None:
-            return torch.ones(rows, dtype=torch.bool)
-        return _flat(batch.version) != version
 
     def _accumulate(self, idx: torch.Tensor, parts: tuple[torch.Tensor, ...], obs: dict[str, torch.Tensor],
                     chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,

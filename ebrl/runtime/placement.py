@@ -202,7 +202,7 @@ class Placement:
         cfg = self.cfg
         gpu = self.device.type == "cuda"
         model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
-                               self.device.type, trace=gpu)
+                               self.device.type, trace=gpu, cache_prefix=cfg.algo.cache_prefix)
         chunks = (math.ceil(spec.max_episode_steps / model.execute) if cfg.algo.name == "grpo"
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks

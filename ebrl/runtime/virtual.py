@@ -38,11 +38,14 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import ChunkReport
 from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
 from ebrl.runtime.messages import Sampled, State, Trained
+from ebrl.policies.build import policy_dtype
+from ebrl.rl.ppo import proximal_rows
 from ebrl.runtime.trainer import Trainer, TrainerThreads
 
 NOT_MODELLED = ("memory", "failures and timeouts", "the supervisor's own CPU per event (orchestration)",
@@ -443,7 +446,8 @@ class Costs(Protocol):
     def episode_length(self, env: int, rng: np.random.Generator) -> int: ...
     def generate(self, batch: int) -> float: ...
     def value(self, batch: int) -> float: ...
-    def train(self, rows: int, decoupled: bool = False) -> float: ...  # rows: decisions, chunk steps x envs
+    # rows: decisions, chunk steps x envs; proximal: those the proximal pass values (ppo.proximal_rows)
+    def train(self, rows: int, proximal: int = 0) -> float: ...
     def efficiency(self, stage: str, threads: int) -> float: ...
     def reset(self) -> float: ...
 
@@ -452,12 +456,12 @@ class GpuCosts(Costs, Protocol):
     """A cost model with GPU stages: a call's seconds at an SM share and the SMs it keeps busy (kind: sample, value
     or train; rows: its batch, or the update's decisions)."""
 
-    def on_gpu(self, kind: str, rows: int, share: float, decoupled: bool = False) -> Any: ...  # gpu_cost.GpuTime
+    def on_gpu(self, kind: str, rows: int, share: float, proximal: int = 0) -> Any: ...  # gpu_cost.GpuTime
 
 
 def gpu_task(name: str, costs: Any, kind: str, rows: int, placement: Any, stage: str, **how: Any) -> Task:
     """A GPU call of `stage` at the SM share its lease holds (none: the whole GPU, time-shared with other such calls;
-    its cost as at the whole GPU); `how`: more of the call's kind (an update's `decoupled`)."""
+    its cost as at the whole GPU); `how`: more of the call's kind (an update's `proximal` rows)."""
     lease = placement.pool.leases.get(stage) if placement.pool is not None else None
     share = lease.sm_share if lease is not None else None
     t = costs.on_gpu(kind, rows, share or 1.0, **how)
@@ -697,6 +701,9 @@ class ModelTrainer(Trainer):
         self.queued: list[Task] = []  # updates sent while one runs: a trainer process takes them in turn
         self.running: Task | None = None
         self.shared_threads = None if self.local else LentThreads(self, placement.idle_trainer_threads())
+        # (a bfloat16 policy's update takes the proximal pass over every row of a batch its own weights sampled)
+        self.low_precision = policy_dtype(OmegaConf.to_container(placement.cfg.policy, resolve=True),
+                                          placement.device.type) != torch.float32
 
     @property
     def own_threads(self) -> int:
@@ -712,8 +719,10 @@ class ModelTrainer(Trainer):
         return 0
 
     def train(self, iteration: int, batch: Any, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False) -> None:
+              critic_only: bool = False, version: int | None = None) -> None:
         rows = int(batch.reward.numel())  # decisions (chunk steps x envs): an update computes masked ones too
+        proximal = int(proximal_rows(batch, decoupled, version, self.placement.cfg.algo.get("proximal", "stale"),
+                                     self.low_precision).sum())
 
         def trained() -> None:
             self.published += 1
@@ -726,10 +735,10 @@ class ModelTrainer(Trainer):
                 self._start(self.queued.pop(0))
 
         if self.placement.device.type == "cuda":
-            task = gpu_task("train", self.costs, "train", rows, self.placement, "train", decoupled=decoupled)
+            task = gpu_task("train", self.costs, "train", rows, self.placement, "train", proximal=proximal)
             task.done = trained
         else:
-            task = Task("train", self.costs.train(rows, decoupled), 1, (), done=trained)
+            task = Task("train", self.costs.train(rows, proximal), 1, (), done=trained)
         if self.local:
             self._place(task)
             self.world.run(task)

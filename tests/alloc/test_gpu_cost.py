@@ -71,6 +71,25 @@ def test_a_policys_operations_are_linear_in_rows():
     across = train_time(ops, 64, UpdateShape(algo, ranks=16, nodes=2), h100, 1.0, 0.0).seconds
     assert within - alone == pytest.approx(ring(8, h100.nvlink_bytes_per_s / 2))
     assert across - alone == pytest.approx(ring(16, h100.node_link_bytes_per_s))
-    # decoupled PPO (the overlapped schedules) first runs the trainer's forward over every row, for the proximal policy
-    decoupled = train_time(ops, 64, UpdateShape(algo), h100, 1.0, 0.0, decoupled=True).seconds
+    # the proximal pass (decoupled PPO's stale rows, a bfloat16 update's every row) first runs the trainer's forward
+    decoupled = train_time(ops, 64, UpdateShape(algo), h100, 1.0, 0.0, proximal=64).seconds
     assert decoupled - alone == pytest.approx(roofline(ops.forward, 64, h100, 1.0, 0.0).seconds)
+
+
+def test_a_frozen_prefix_is_charged_once_per_row() -> None:
+    from ebrl.bench.memory import compose
+    from omegaconf import OmegaConf
+
+    algo = ("algo.epochs=4", "algo.minibatches=2", "algo.micro_batch=16")
+    cfg = compose("policy=openpi", "policy.preset=small", "policy.train=action_expert", *algo)
+    ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), env_spec(1), device="cpu")
+    assert ops.prefix is not None and ops.cached.count < ops.forward.count and not ops.prefix.grad.any()
+    assert not ops.checkpointing
+    h100 = GPUS["H100-SXM5-80GB"]
+    cached = train_time(ops, 64, UpdateShape(cfg.algo), h100, 1.0, 0.0).seconds
+    plain = train_time(ops, 64, UpdateShape(compose(*algo, "algo.cache_prefix=false").algo), h100, 1.0, 0.0).seconds
+    once = sum(roofline(ops.prefix, 16, h100, 1.0, 0.0).seconds for _ in range(4))  # (64 rows, 16 at a time)
+    pass_ = lambda o: sum(roofline(o, 16, h100, 1.0, 0.0, only_grad=g, factor=f).seconds  # noqa: E731
+                          for g, f in ((False, 1.0), (True, 2.0)))  # a forward and its backward
+    assert cached - plain == pytest.approx(once + 4 * 4 * (pass_(ops.cached) - pass_(ops.forward)), rel=1e-6)
+    assert cached < plain

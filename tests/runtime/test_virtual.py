@@ -118,7 +118,7 @@ class Flat:
     def value(self, batch):
         return self.val
 
-    def train(self, rows, decoupled=False):
+    def train(self, rows, proximal=0):
         return self.row * rows
 
     def efficiency(self, stage, threads):
