@@ -274,7 +274,7 @@ def _check_launch(cfg: DictConfig) -> int:
     """The ranks torchrun started against the nodes and GPUs hw describes; the cores each rank gets."""
     ranks, hw = Ranks.from_env(), cfg.hw
     _positive(cfg, "hw.nodes")
-    _one_of(cfg, "distributed.strategy", ("ddp", "fsdp"))
+    _one_of(cfg, "distributed.strategy", ("auto", "ddp", "fsdp"))
     per_node = hw.gpus or ranks.local_world  # one rank per GPU; on CPU as many as were started
     command = f"torchrun --nnodes {hw.nodes} --nproc-per-node {per_node} run.py hw={hw.name} ..."
     if hw.nodes > 1 and not ranks.distributed:

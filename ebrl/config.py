@@ -395,7 +395,8 @@ class DistributedConfig:
     timeout_s: float = 1800.0  # how long a rank waits for the others at a collective before the run stops
     # ddp: every rank's trainer holds the whole policy and Adam state | fsdp: they are sharded over the ranks (for
     # policies whose training state does not fit one GPU; pipelined schedules, whose trainer has a process of its own)
-    strategy: str = "ddp"
+    # | auto: ddp where the memory model says a replica fits one GPU, else fsdp
+    strategy: str = "auto"
 
 
 @dataclass

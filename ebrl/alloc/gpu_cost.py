@@ -271,6 +271,7 @@ class UpdateShape:
     algo: Any
     ranks: int = 1
     nodes: int = 1  # the ranks' machines: a ring over several crosses their network links
+    sharded: bool = False  # FSDP over the ranks (distributed.strategy), else replicas (DDP)
 
 
 def _split(total: int, size: int) -> list[int]:
@@ -310,13 +311,21 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
             parts.append(roofline(forward, size, gpu, share, host_s, only_grad=True))
         compute += algo.epochs * count * sum(p.seconds for p in parts)
         busy += algo.epochs * count * sum(p.seconds * p.sm_busy for p in parts)
-    # AdamW: masters (4 B) and both moments read and written, gradients (4 B) read; memory-bound
+    # AdamW: masters (4 B) and both moments read and written, gradients (4 B) read; memory-bound (a shard's alone)
     adam_bytes = ops.trained * (2 * 4 + 4 + 2 * 2 * MOMENT_BYTES[algo.get("optimizer_dtype", "float32")])
-    adam = adam_bytes / gpu.hbm_bytes_per_s / share
-    allreduce = 0.0
-    if shape.ranks > 1:  # ring: each GPU sends and receives 2 (n-1)/n of the gradients (float32), at the pace of
-        # the slowest link in the ring (NVLink within a node, the network between nodes)
-        link = gpu.nvlink_bytes_per_s / 2 if shape.nodes == 1 else gpu.node_link_bytes_per_s
-        allreduce = 2 * (shape.ranks - 1) / shape.ranks * ops.trained * 4 / link
-    seconds = compute + steps * (adam + allreduce)
+    sharded = shape.sharded and shape.ranks > 1
+    adam = adam_bytes / gpu.hbm_bytes_per_s / share / (shape.ranks if sharded else 1)
+    # rings at the pace of the slowest link (NVLink within a node, the network between nodes): each GPU sends and
+    # receives (n-1)/n of what is gathered or reduce-scattered, twice that for an all-reduce
+    link = gpu.nvlink_bytes_per_s / 2 if shape.nodes == 1 else gpu.node_link_bytes_per_s
+    ring = (shape.ranks - 1) / shape.ranks / link
+    per_step = per_pass = per_forward = 0.0
+    if sharded:  # FSDP, the policy one unit: every pass gathers the weights (a training pass again for backward,
+        # then reduce-scatters the float32 gradients); no all-reduce
+        weights = ops.trained * 4 + (ops.parameters - ops.trained) * 2
+        per_forward, per_pass = ring * weights, ring * (2 * weights + 4 * ops.trained)
+    elif shape.ranks > 1:  # DDP: the float32 gradients all-reduced once per optimizer step
+        per_step = 2 * ring * ops.trained * 4
+    training_passes = algo.epochs * sum(passes.values())
+    seconds = compute + steps * (adam + per_step) + training_passes * per_pass + len(once) * per_forward
     return GpuTime(seconds, (busy + steps * adam * share) / seconds)

@@ -193,15 +193,20 @@ class MemoryModel:
                    execute=policy.execute)
 
     # --- a run's stages ---------------------------------------------------------------------
-    def trainer(self, micro_batch: int, rollout_rows: int = 0) -> Footprint:
-        """The trainer's peak: its state, one micro-batch's activations, and a rollout of `rollout_rows` rows."""
+    def trainer(self, micro_batch: int, rollout_rows: int = 0, shards: int = 1) -> Footprint:
+        """The trainer's peak: its state, one micro-batch's activations, and a rollout of `rollout_rows` rows.
+        `shards` > 1: FSDP over that many ranks (ebrl/runtime/distributed.py, `shard`): the policy is one unit, so
+        a pass gathers every weight beside the rank's shard, and backward makes every gradient before the
+        reduce-scatter leaves the shard; the Adam moments are the shard's alone."""
         autocast = self.trained * self.dtype.itemsize if self.dtype != torch.float32 else 0
         working = self.activations_per_row if self.checkpointing else 0
         recompute = 2 * self.block_per_row  # backward: a recomputed block and the gradients of its activations
+        weights, gradients = self.trained * 4 + self.frozen_bytes, self.trained * 4
+        sharded = 1 / shards if shards > 1 else 0.0  # (a shard kept beside the gathered whole)
         return Footprint({
-            "weights": self.trained * 4 + self.frozen_bytes,
-            "gradients": self.trained * 4,
-            "optimizer": 2 * self.trained * self.moment_bytes,
+            "weights": int(weights * (1 + sharded)),
+            "gradients": int(gradients * (1 + sharded)),
+            "optimizer": 2 * self.trained * self.moment_bytes // shards,
             "autocast copies": autocast,
             "activations": micro_batch * (working + recompute if self.checkpointing else self.activations_per_row),
             "rollout": rollout_rows * (self.obs_per_row + self.chain_per_row),
@@ -232,14 +237,18 @@ class MemoryModel:
         state = self.checkpoint_state() if checkpoint else 0
         return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout + state
 
-    def gpu(self, micro_batch: int, num_envs: int, rollout_chunks: int, rendering: bool) -> Footprint:
+    def gpu(self, micro_batch: int, num_envs: int, rollout_chunks: int, rendering: bool, shards: int = 1,
+            local: bool = False) -> Footprint:
         """One GPU running a pipelined schedule: the trainer and generation processes (the published weights on the
-        device between them), and the simulators' render contexts when they hold them there (`render_contexts`)."""
-        trainer = self.trainer(micro_batch, num_envs * rollout_chunks)
+        device between them), and the simulators' render contexts when they hold them there (`render_contexts`);
+        `shards`: the trainer's FSDP ranks (1: a replica). `local`: one process trains and generates (colocated) on
+        one copy of the weights: no second copy, no published slots, one CUDA context."""
+        trainer = self.trainer(micro_batch, num_envs * rollout_chunks, shards)
         parts = {f"trainer {k}": v for k, v in trainer.parts.items()}
-        parts.update({f"generation {k}": v for k, v in self.generation(num_envs).parts.items()})
-        parts["published slots"] = self.channel(True).parts["device slots"]
-        parts["CUDA contexts"] = 2 * CUDA_CONTEXT_BYTES
+        generation = self.generation(num_envs).parts
+        parts.update({f"generation {k}": v for k, v in generation.items() if not (local and k == "weights")})
+        parts["published slots"] = 0 if local else self.channel(True).parts["device slots"]
+        parts["CUDA contexts"] = (1 if local else 2) * CUDA_CONTEXT_BYTES
         parts["render contexts"] = num_envs * RENDER_CONTEXT_BYTES if rendering else 0
         return Footprint(parts)
 
@@ -253,26 +262,71 @@ def render_contexts(env: Any) -> bool:
     return bool(env.get("cameras")) or env.get("_target_") == ManiSkillEnvConfig._target_
 
 
+REMEDIES = ("train less (policy.train=lora or action_expert), keep Adam's moments in bfloat16 "
+            "(algo.optimizer_dtype=bfloat16), lower algo.micro_batch or env.num_envs")
+
+
 def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
-            rendering: bool, where: str, headroom: float = 1.25) -> dict[str, int]:
+            rendering: bool, where: str, headroom: float = 1.25, shards: int = 1, remedies: str = REMEDIES,
+            local: bool = False) -> dict[str, int]:
     """Each GPU stage's memory budget on one GPU of `gpu_bytes`: generation its footprint with `headroom`, the
-    trainer the rest less the simulators' render contexts; one line (`where` names the hw) when the model says the run
-    cannot fit, naming what takes the memory and what would shrink it."""
+    trainer the rest less the simulators' render contexts (`shards`: its FSDP ranks; `local`: the two are one
+    process, colocated's, with no budgets of their own: {}); one line (`where` names the hw) when the model says the
+    run cannot fit, naming what takes the memory and `remedies`, what would shrink it."""
     from ebrl.config import ConfigError
 
-    generate = int(headroom * (model.generation(num_envs).total + CUDA_CONTEXT_BYTES))
-    need = model.gpu(micro_batch, num_envs, rollout_chunks, rendering)
+    need = model.gpu(micro_batch, num_envs, rollout_chunks, rendering, shards, local)
+    generation = sum(v for k, v in need.parts.items() if k.startswith("generation"))
+    generate = int(headroom * (generation + (0 if local else CUDA_CONTEXT_BYTES)))
     trainer = sum(v for k, v in need.parts.items() if k.startswith("trainer")) + need.parts["published slots"]
     egl = need.parts["render contexts"]
     trainer += CUDA_CONTEXT_BYTES
     train = gpu_bytes - generate - egl
     if train < trainer:
+        sharded = f", its training state sharded over {shards} ranks" if shards > 1 else ""
         raise ConfigError(
-            f"{where}'s GPU has {gib(gpu_bytes)} GiB and this run needs about {gib(trainer + generate + egl)} GiB "
-            f"(trainer {gib(trainer)}, generation {gib(generate)}, simulators' render contexts {gib(egl)}; python -m "
-            "ebrl.bench.memory itemises it): train less (policy.train=lora or action_expert), keep Adam's moments in "
-            "bfloat16 (algo.optimizer_dtype=bfloat16), lower algo.micro_batch or env.num_envs")
-    return {"generate": generate, "train": train}
+            f"{where}'s GPU has {gib(gpu_bytes)} GiB and this run needs about {gib(trainer + generate + egl)} GiB"
+            f"{sharded} (trainer {gib(trainer)}, generation {gib(generate)}, simulators' render contexts {gib(egl)}; "
+            f"python -m ebrl.bench.memory itemises it): {remedies}")
+    return {} if local else {"generate": generate, "train": train}
+
+
+def fitting_strategy(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
+                     rendering: bool, where: str, ranks: int, strategy: str, trainer_process: bool,
+                     ) -> tuple[str, dict[str, int]]:
+    """The data-parallel strategy a run of `ranks` GPU ranks takes (distributed.strategy; auto: ddp where a replica
+    of the training state fits one GPU, else fsdp) and its stages' budgets (`budgets`); one line when it does not
+    fit, naming what would. FSDP shards a trainer of its own process only (`trainer_process`; colocated's trains
+    where it generates)."""
+    from ebrl.config import ConfigError
+
+    def fits(**how: Any) -> dict[str, int]:
+        return budgets(model, gpu_bytes, num_envs, micro_batch, rollout_chunks, rendering, where, **how)
+
+    if not trainer_process:
+        try:
+            return "ddp", fits(local=True)
+        except ConfigError as e:
+            if ranks < 2:
+                raise
+            try:  # (would a trainer process's shards fit? then that is the setting to name)
+                fits(shards=ranks)
+            except ConfigError:
+                raise e from None
+            raise ConfigError(f"{e}; or train in a process of its own, its state sharded over the {ranks} ranks: "
+                              "scheduler=ebrl (distributed.strategy=auto shards it where a replica does not fit)"
+                              ) from None
+    if ranks < 2:
+        return "ddp", fits()
+    if strategy == "fsdp":
+        return "fsdp", fits(shards=ranks)
+    if strategy == "ddp":
+        return "ddp", fits(remedies=f"shard the training state over the {ranks} ranks (distributed.strategy=auto or "
+                                    f"fsdp), {REMEDIES}")
+    try:
+        return "ddp", fits()
+    except ConfigError:
+        return "fsdp", fits(shards=ranks)
 
 
 def gib(n: float) -> str:

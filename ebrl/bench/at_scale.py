@@ -42,6 +42,9 @@ ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO
 # mean and 60 ms at the 99th percentile (its Fig. 7)
 TESTBED = ["policy=openpi", "policy.preset=full", "env=robocasa", "hw=a100x8", "algo=ppo"]
 TESTBED_SIM_MS = (40.0, 60.0)
+# a benchmark's published step distribution, a GPU node's default for it (--sim-step-ms or --sim-costs replace it)
+PUBLISHED_SIM_MS = {"robocasa": (TESTBED_SIM_MS, "the paper's published RoboCasa steps (its Fig. 7), env=robocasa's "
+                                                 "default")}
 EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): enough episodes end to draw lengths from
 
 
@@ -364,9 +367,12 @@ class ModelledCosts:
 
 
 def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, cameras: int,
-                   measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None) -> ModelledCosts:
+                   measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None,
+                   sim_label: str = "--sim-step-ms", sharded: bool = False) -> ModelledCosts:
     """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`; the simulators' steps,
-    episode lengths and resets from `measured` where given, sampling and training from `gpu_costs` (gpu_check's)."""
+    episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label` says they come from),
+    sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the training state under
+    FSDP."""
     from omegaconf import OmegaConf
 
     from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec
@@ -388,7 +394,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     else:
         mean, p99 = (float(sim_ms[0]) / 1e3, float(sim_ms[-1]) / 1e3)
         steps = {"simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms "
-                                    "(--sim-step-ms)", "resets": f"{reset_ms:g} ms each (--reset-ms)"}
+                                    f"({sim_label})", "resets": f"{reset_ms:g} ms each (--reset-ms)"}
     sources = {**steps,
                "GPU": gpu.source,
                "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
@@ -402,7 +408,8 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
                          max_episode_steps=int(cfg.env.max_episode_steps),
                          execute=int(cfg.policy.execute or ops.chunk_len),
                          chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
-                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes), sources=sources,
+                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes, sharded=sharded),
+                         sources=sources,
                          steps=measured.steps if measured else [], lengths=measured.lengths if measured else [],
                          timeslice=measured.timeslice if measured else 0.0, measured_gpu=gpu_costs)
 
@@ -561,14 +568,19 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
     if args.validate or args.costs or args.save_costs:
         raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
                           "are modelled (drop them, or predict hw=cpu)")
-    sim_ms = args.sim_step_ms or (TESTBED_SIM_MS if args.testbed else None)
+    published = PUBLISHED_SIM_MS.get(cfg.env.name)
+    sim_ms, sim_label = ((args.sim_step_ms, "--sim-step-ms") if args.sim_step_ms else
+                         (TESTBED_SIM_MS, "--testbed") if args.testbed else published or (None, ""))
     measured = read_costs(args.sim_costs) if args.sim_costs else None
     if measured is None and (not sim_ms or len(sim_ms) > 2):
-        raise ConfigError("a GPU node's simulator steps are not measured here: give --sim-step-ms MEAN P99 (ms), "
-                          "e.g. the paper's RoboCasa 40 60 (--testbed), or --sim-costs FILE (--save-costs on hw=cpu)")
+        raise ConfigError(f"env={cfg.env.name} has no published step distribution and a GPU node's simulator steps are "
+                          "not measured here: give --sim-step-ms MEAN P99 (ms), e.g. the paper's RoboCasa 40 60, or "
+                          "--sim-costs FILE (--save-costs on hw=cpu)")
     t0 = time.perf_counter()
     gpu_costs = json.loads(Path(args.gpu_costs).read_text())["full"]["costs"] if args.gpu_costs else None
-    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs)
+    strategy, memory_line = gpu_memory(cfg, max(args.envs or [int(cfg.env.num_envs)]), args.cameras)
+    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label,
+                           sharded=strategy == "fsdp")
     print(f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
           + "; ".join(f"{k}: {v}" for k, v in costs.sources.items()))
     rows = []
@@ -595,7 +607,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
             rows.append({"mode": mode, LABEL: predicted})
     capacity = gpu_capacity(costs, rows, cfg)
     print(capacity["line"])
-    capacity["memory"] = gpu_memory(cfg, max(r[LABEL]["envs"] for r in rows), args.cameras)
+    capacity["memory"] = memory_line
     print(capacity["memory"])
     return {"costs": costs.sources, "rows": rows, "capacity": capacity}
 
@@ -634,12 +646,13 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
             "cores_needed": need, "sim_rate": sim_rate, "envs_enough": enough, "line": line}
 
 
-def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
-    """The memory model's line for one GPU of a pipelined run at `envs` envs per rank (ebrl/alloc/memory.py): what it
-    holds, or the line a run would stop with."""
+def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
+    """How the ranks' trainers hold the training state (distributed.strategy, settled as a run settles it:
+    `fitting_strategy`) and the memory model's line for one GPU of a pipelined run at `envs` envs per rank
+    (ebrl/alloc/memory.py): what it holds, or the line a run would stop with."""
     from omegaconf import OmegaConf
 
-    from ebrl.alloc.memory import GiB, MemoryModel, budgets
+    from ebrl.alloc.memory import GiB, MemoryModel, fitting_strategy
     from ebrl.bench.memory import env_spec
     from ebrl.config import ConfigError
     from ebrl.rl.ppo import minibatch_rows
@@ -648,17 +661,25 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> str:
     model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                            cache_prefix=cfg.algo.cache_prefix)
     chunks = int(cfg.algo.rollout_chunks)
-    micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, envs * chunks, int(cfg.hw.gpus))
-    need = model.gpu(micro, envs, chunks, rendering=False)
+    ranks = int(cfg.hw.gpus) * int(cfg.hw.get("nodes") or 1)
+    mb = minibatch_rows(cfg.algo, envs * chunks, ranks)
+    micro = min(cfg.algo.micro_batch or mb, mb)
     have = int(cfg.hw.gpu_memory_gb * GiB)
     try:
-        budgets(model, have, envs, micro, chunks, rendering=False, where=f"hw={cfg.hw.name}")
+        strategy, _ = fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks,
+                                       cfg.distributed.strategy, trainer_process=True)
     except ConfigError as e:
-        return f"memory (predicted): {e}"
-    return (f"memory (predicted, ebrl/alloc/memory.py): {need.total / GiB:.1f} of {have / GiB:.0f} GiB per GPU at "
-            f"{envs} envs per rank, micro-batch {micro} (trainer "
-            f"{sum(v for k, v in need.parts.items() if k.startswith('trainer')) / GiB:.1f}, generation "
-            f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits")
+        return cfg.distributed.strategy, f"memory (predicted): {e}"
+    need = model.gpu(micro, envs, chunks, rendering=False, shards=ranks if strategy == "fsdp" else 1)
+    held = "its training state sharded over the ranks (FSDP)" if strategy == "fsdp" else "a replica per GPU (DDP)"
+    try:  # (colocated trains where it generates: nothing to shard)
+        fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks, "auto", False)
+    except ConfigError:
+        held += "; colocated's one process would not fit (its row is for comparison)"
+    return strategy, (f"memory (predicted, ebrl/alloc/memory.py): {need.total / GiB:.1f} of {have / GiB:.0f} GiB per "
+                      f"GPU at {envs} envs per rank, micro-batch {micro}, {held} (trainer "
+                      f"{sum(v for k, v in need.parts.items() if k.startswith('trainer')) / GiB:.1f}, generation "
+                      f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits")
 
 
 def measured_now(cfg: Any) -> MeasuredCosts:

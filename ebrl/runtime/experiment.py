@@ -344,7 +344,7 @@ class Experiment:
     def _save_on_the_way_out(self) -> None:
         """A checkpoint as the run stops; if the state cannot be had any more (the trainer or another rank is gone)
         the last one stays, as atomic_save leaves it. Not from inside an update: its weights would be half-stepped."""
-        sharded = self.ranks.distributed and self.cfg.distributed.strategy == "fsdp"
+        sharded = self.ranks.distributed and self.placement.strategy == "fsdp"
         if self.scheduler is None or self.scheduler.trainer.torn or sharded:
             # (FSDP: gathering the state needs every rank, and some may be gone)
             console.print("no final checkpoint: checkpoints/last.pt stays the one written before", soft_wrap=True)

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Allocator, Measured, describe
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts
+from ebrl.alloc.memory import GiB, MemoryModel, check_shared_memory, fitting_strategy, render_contexts
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
 from ebrl.config import ConfigError
@@ -58,7 +58,6 @@ class Placement:
                  ranks: Ranks) -> None:
         self.cfg, self.cores, self.device, self.ranks = cfg, list(cores), device, ranks
         s = cfg.scheduler
-        self.local = s.trainer == "local"  # the trainer in the supervisor, on generation's policy
         self.generation = "supervisor" if self.local else generation_place(cfg)
         k = train_core_count(s.train_share, len(self.cores)) if s.train_share else 0
         rollout = self.cores[: len(self.cores) - k]
@@ -66,6 +65,9 @@ class Placement:
                       self.cores}
         self.own_gpu = bool(k) and device.type == "cuda" and cuda_device_count() > 1  # (NVML: starts no CUDA)
         self.budgets: dict[str, int] = {}  # GPU bytes per stage (a GPU run's pool: `check_memory`)
+        # how the ranks' trainers hold the training state (distributed.strategy; auto: ddp, unless `check_memory`
+        # finds that a replica does not fit one GPU)
+        self.strategy = "fsdp" if ranks.distributed and cfg.distributed.strategy == "fsdp" else "ddp"
         self.runtime: Any = None  # the Scheduler whose processes this places (`take`)
         self.cpu: ProcessCpu | None = None  # the CPU accounting (`account`)
         self._affinity = os.sched_getaffinity(0)  # given back at close
@@ -191,32 +193,51 @@ class Placement:
 
         return dist.new_group(backend="nccl") if self.device.type == "cuda" else dist.group.WORLD
 
+    @property
+    def local(self) -> bool:
+        """The trainer is in the supervisor, on generation's policy (scheduler.trainer=local)."""
+        return self.cfg.scheduler.trainer == "local"
+
     # --- memory ----------------------------------------------------------------------------------
     def check_memory(self, spec: EnvSpec) -> None:
         """Before a trainer process and generation start (and any CUDA in this process): stop, with one line, when
         /dev/shm or the GPU cannot hold what the memory model says the run needs; on a GPU lease generation and the
-        trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child). A
-        local trainer shares nothing but the simulators' slots, which are held already."""
-        if self.local:
-            return
+        trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child), and
+        settle how several ranks' trainers hold the training state (`strategy`). A local trainer shares nothing but
+        the simulators' slots, which are held already: on a GPU its one process is checked against the GPU alone."""
         cfg = self.cfg
         gpu = self.device.type == "cuda"
+        if self.local and not gpu:
+            return
         model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                                self.device.type, trace=gpu, cache_prefix=cfg.algo.cache_prefix)
         chunks = (math.ceil(spec.max_episode_steps / model.execute) if cfg.algo.name == "grpo"
                   else cfg.algo.rollout_chunks)
         rows = cfg.env.num_envs * chunks
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
-        # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
-        check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader))
-        if gpu and self.pool is not None:
-            micro = cfg.algo.micro_batch or minibatch_rows(cfg.algo, rows, self.ranks.world)
-            self.budgets = budgets(model, self.pool.gpu_memory_bytes, cfg.env.num_envs, micro, chunks,
-                                   rendering=render_contexts(cfg.env), where=f"hw={cfg.hw.name}")
-            try:
-                self._lease()
-            except ResourceError as e:
-                raise ConfigError(str(e)) from None
+        if not self.local:  # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
+            check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader))
+        memory = self.pool.gpu_memory_bytes if self.pool is not None else int(cfg.hw.gpu_memory_gb * GiB)
+        if gpu and memory:
+            mb = minibatch_rows(cfg.algo, rows, self.ranks.world)
+            micro = min(cfg.algo.micro_batch or mb, mb)  # (per pass, as the trainer takes it)
+            strategy, budgets = fitting_strategy(model, memory, cfg.env.num_envs, micro, chunks,
+                                                 render_contexts(cfg.env), f"hw={cfg.hw.name}",
+                                                 self.ranks.world if self.ranks.distributed else 1,
+                                                 cfg.distributed.strategy, trainer_process=not self.local)
+            if strategy != self.strategy and self.ranks.leader:
+                console.print(f"distributed.strategy=auto: a replica of the training state does not fit one GPU of "
+                              f"hw={cfg.hw.name}: the trainers shard it over the {self.ranks.world} ranks (FSDP)",
+                              soft_wrap=True)
+            self.strategy = strategy
+            if self.local:  # (one process on one copy of the weights: nothing to lease apart)
+                return
+            self.budgets = budgets
+            if self.pool is not None:
+                try:
+                    self._lease()
+                except ResourceError as e:
+                    raise ConfigError(str(e)) from None
         if self.pool is not None and self.pool.partition == "mps":
             if self.generation == "supervisor":  # generation in this process: its share is this one's
                 os.environ.update(self.pool.child_env("generate"))

@@ -443,6 +443,7 @@ def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Mod
     channel = WeightChannel(policy.state_dict(), torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
                             cuda=device.type == "cuda" and placement.train_device == str(device),
                             lora_scaling=lora_scaling(conf["policy"]))
+    conf = {**conf, "distributed": {**conf["distributed"], "strategy": placement.strategy}}  # (auto: settled)
     with placement.spawn_env("train"):
         return ProcessTrainer(conf, spec, channel, placement.cpus("train"), placement.threads("train"),
                               placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"),

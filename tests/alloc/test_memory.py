@@ -2,10 +2,13 @@
 activations a real pass saves, the GPU budgets and the /dev/shm check (the full-size figures: ebrl.bench.memory)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from ebrl.alloc.memory import MemoryModel, budgets, check_shared_memory, render_contexts, saved_activations
+from ebrl.alloc.memory import (MemoryModel, budgets, check_shared_memory, fitting_strategy, render_contexts,
+                               saved_activations)
 from ebrl.config import ConfigError
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import map_tensors
@@ -86,6 +89,40 @@ def test_budgets_split_the_gpu_or_say_what_does_not_fit() -> None:
     message = str(e.value)
     assert message.startswith("hw=test's GPU has 1.00 GiB and this run needs about") and "\n" not in message
     assert "policy.train=lora" in message and "algo.optimizer_dtype=bfloat16" in message
+
+
+def test_replicas_that_do_not_fit_are_sharded_or_the_run_says_what_fits() -> None:
+    model = MemoryModel.of(policy_config("openpi", "policy.preset=small"), LIFT_SPEC)
+    args = (8, 4, 10, False, "hw=test")
+
+    def needs(**how) -> int:  # (the least GPU that holds the run)
+        low, high = 1, 2**40
+        while low < high:
+            mid = (low + high) // 2
+            try:
+                budgets(model, mid, *args, **how)
+                high = mid
+            except ConfigError:
+                low = mid + 1
+        return low
+
+    assert model.trainer(4, 80, shards=8).parts["optimizer"] == model.trainer(4, 80).parts["optimizer"] // 8
+    replica, sharded, local = needs(), needs(shards=8), needs(local=True)
+    assert sharded < replica
+    assert fitting_strategy(model, replica, *args, ranks=8, strategy="auto", trainer_process=True)[0] == "ddp"
+    strategy, split = fitting_strategy(model, sharded, *args, ranks=8, strategy="auto", trainer_process=True)
+    assert strategy == "fsdp" and split["generate"] + split["train"] == sharded
+    with pytest.raises(ConfigError, match="distributed.strategy=auto or fsdp"):  # (ddp asked for: it says what fits)
+        fitting_strategy(model, sharded, *args, ranks=8, strategy="ddp", trainer_process=True)
+    assert fitting_strategy(model, local, *args, ranks=8, strategy="auto", trainer_process=False) == ("ddp", {})
+    # colocated: one process, nothing to shard; where its replica does not fit and a trainer process's shards would
+    # (Adam's state made the bulk), it names the schedule that fits
+    model = dataclasses.replace(model, moment_bytes=400)
+    sharded, local = needs(shards=8), needs(local=True)
+    assert sharded < local
+    with pytest.raises(ConfigError, match="scheduler=ebrl") as e:
+        fitting_strategy(model, sharded, *args, ranks=8, strategy="auto", trainer_process=False)
+    assert "\n" not in str(e.value)
 
 
 def test_maniskill_holds_a_render_context_on_the_gpu_even_with_state_observations() -> None:

@@ -33,3 +33,13 @@ def test_a_gpu_node_without_its_simulator_steps_is_one_line(capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sim-step-ms MEAN P99" in err[0]
+
+
+def test_the_design_cards_command_answers_and_fits_by_default(capsys):
+    # pi0 at full size on the paper's 8 A100s: RoboCasa's published steps taken as its default, the replicas' state
+    # sharded where one GPU would not hold it
+    out = main(["policy=openpi", "policy.preset=full", "env=robocasa", "hw=a100x8", "--modes", "ebrl", "--envs", "8",
+                "--iterations", "2"])
+    assert "the paper's published RoboCasa steps" in out["costs"]["simulator steps"]
+    assert "(FSDP)" in out["capacity"]["memory"] and out["capacity"]["memory"].endswith("it fits")
+    assert out["rows"][0]["simulated"]["env_steps_per_s"] > 0
