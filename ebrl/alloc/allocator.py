@@ -168,6 +168,11 @@ class Allocator:
         self.current: Plan | None = None
         self.decisions: list[Decision] = []
         self.observations = 0
+        # of each GPU stage's time on the whole GPU, the share its kernels fill the SMs (the rest, the host issuing
+        # them, does not stretch on a smaller share), and where that comes from: the calibration's profile sizes the
+        # SM shares by it (`kernel_time`); none: every GPU stage's time stretches in proportion
+        self.kernel: dict[str, float] = {}
+        self.kernel_source = ""
         if len(self.fixed) == 3:
             self.current = Plan(x=dict(self.fixed), batch=self.batch, groups=self.num_envs // self.batch,
                                 rates={s: math.nan for s in STAGES})
@@ -188,6 +193,12 @@ class Allocator:
             raise ConfigError(str(e)) from None
         self.current = self.controller.current
 
+    def size_by_kernels(self, kernel: Mapping[str, float], source: str) -> None:
+        """Before calibration on a GPU node: of each GPU stage's time on the whole GPU, the share its kernels fill
+        (`self.kernel`; a stage the host alone bounds keeps a sliver), and where that comes from."""
+        self.kernel = {s: min(1.0, max(float(k), 1e-3)) for s, k in kernel.items()}
+        self.kernel_source = source
+
     @property
     def leases(self) -> dict[str, list[int]] | None:
         """Core sets per stage of the current plan; None while calibrating (every stage on every core)."""
@@ -206,11 +217,14 @@ class Allocator:
             costs = {s: every[s] / r for s, r in rates.items() if math.isfinite(r) and r > 0}
             if len(costs) < len(STAGES) or self.observations < CALIBRATE_AT:
                 return None, {}
-            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), every)
+            kernel = self.kernel if self.gpu else {}
+            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), every, kernel)
             self._start(self.profile)
             unit = "CPU ms per env step of simulate, GPU ms of the others" if self.gpu else "CPU ms per env step"
             line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "
-                    + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}")
+                    + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}"
+                    + (f"; SM shares by kernel time: {kernel_text(costs, kernel)} ({self.kernel_source})"
+                       if kernel else ""))
             return line, self._metrics(rates)
         rates = m.rates(self.current.x, len(self.cores), self.gpu)
         if self.controller is not None:
@@ -229,6 +243,12 @@ class Allocator:
                                                           self.current.groups).throughput
         out["alloc/replans"] = float(len(self.decisions))
         return out
+
+
+def kernel_text(costs: Mapping[str, float], kernel: Mapping[str, float]) -> str:
+    """'generate's kernels 2.68 of its 5.05 GPU ms per env step, train's ...': what sized the SM shares."""
+    return ", ".join(f"{s}'s kernels {1e3 * costs[s] * k:.2f} of its {1e3 * costs[s]:.2f} GPU ms per env step"
+                     for s, k in kernel.items() if s in costs)
 
 
 def describe(p: Plan) -> str:

@@ -329,3 +329,43 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     training_passes = algo.epochs * sum(passes.values())
     seconds = compute + steps * (adam + per_step) + training_passes * per_pass + len(once) * per_forward
     return GpuTime(seconds, (busy + steps * adam * share) / seconds)
+
+
+def kernel_shares(ops: PolicyOps, batch: int, rows: int, shape: UpdateShape, gpu: GpuSpec, host_s: float,
+                  ) -> dict[str, float]:
+    """Of each GPU stage's time on the whole GPU, the share its kernels keep the SMs busy (the rest is the host
+    issuing them, which a smaller SM share does not stretch): generation's sample at its `batch`, an update of
+    `rows`. The allocator sizes the stages' SM shares by it (ebrl/alloc/allocator.py)."""
+    return {"generate": roofline(ops.sample, batch, gpu, 1.0, host_s).sm_busy,
+            "train": train_time(ops, rows, shape, gpu, 1.0, host_s).sm_busy}
+
+
+def host_seconds_per_op() -> tuple[float, str]:
+    """Eager PyTorch's host time per operation, measured here: the tiny openpi's `sample` at batch 1 on one thread,
+    over the operations it runs (its own small kernels included: an upper bound of the dispatch alone)."""
+    import time
+
+    from ebrl.envs.base import ArraySpec
+    from ebrl.policies.build import build_policy
+
+    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="pick up the cube",
+                   max_episode_steps=100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            policy = build_policy({"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi",
+                                   "preset": "tiny"}, spec, torch.device("cpu"), train=False, weights="init")
+            tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
+            obs = {"state": torch.zeros(1, 8), "tokens": tokens, "token_mask": mask}
+            ops = len(count_ops(lambda: policy.sample(obs))[0])
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                policy.sample(obs)
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    per_op = float(np.median(times[5:])) / ops
+    return per_op, (f"measured here {time.strftime('%Y-%m-%d')}: the tiny openpi's sample at batch 1, one thread, "
+                    f"{1e6 * per_op:.1f} us per operation over {ops}")

@@ -176,13 +176,16 @@ def profile_path(root: Path, key: Mapping[str, Any]) -> Path:
 
 
 def linear_profile(costs: Mapping[str, float], batches: Sequence[int], resource: Mapping[str, str],
-                   key: Mapping[str, Any], max_x: Mapping[str, float]) -> StageProfile:
+                   key: Mapping[str, Any], max_x: Mapping[str, float],
+                   kernel: Mapping[str, float] | None = None) -> StageProfile:
     """The built-in calibration's profile from each stage's cost alone, assuming every stage scales linearly.
 
     costs[s] is the seconds one unit of s's resource spends per env step (e.g. CPU-seconds per env step on one
     core), so rate(x) = x / costs[s]: at x = 1..max_x cores for simulate, at GRID_FRACTIONS even fractions of
-    max_x for the others, the same at every batch in `batches`. The measured profile replaces it where the
-    scaling is not linear (batching gains, memory-bound kernels, contended cores).
+    max_x for the others, the same at every batch in `batches`. A GPU stage's time at max_x is its kernels' (the
+    share `kernel[s]` of it, which stretches as the SM share shrinks) and the host's issuing them (which does not):
+    its time per env step at x is max_x / rate(max_x) x ((1 - k) + k max_x / x). The measured profile replaces it
+    where the scaling is not linear (batching gains, memory-bound kernels, contended cores).
     """
     if not batches:
         raise ProfileError("batches: needs at least one generation batch")
@@ -195,5 +198,11 @@ def linear_profile(costs: Mapping[str, float], batches: Sequence[int], resource:
             raise ProfileError(f"max_x[{stage!r}]={top}: needs {'>= 1 core' if stage == 'simulate' else '> 0'}")
         xs = range(1, int(top) + 1) if stage == "simulate" else [top * k / GRID_FRACTIONS
                                                                   for k in range(1, GRID_FRACTIONS + 1)]
-        points += [Point(stage, x, b, x / cost) for x in xs for b in batches]
+        k = (kernel or {}).get(stage)
+        if k is None:
+            points += [Point(stage, x, b, x / cost) for x in xs for b in batches]
+        else:
+            if not 0 < k <= 1:
+                raise ProfileError(f"kernel[{stage!r}]={k}: the share of the stage's time its kernels fill, in (0, 1]")
+            points += [Point(stage, x, b, 1 / (cost / top * ((1 - k) + k * top / x))) for x in xs for b in batches]
     return StageProfile(points, key, resource)

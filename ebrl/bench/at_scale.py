@@ -266,33 +266,6 @@ def lognormal(mean: float, p99: float) -> tuple[float, float]:
     return math.log(mean) - sigma * sigma / 2, sigma
 
 
-def host_seconds_per_op() -> tuple[float, str]:
-    """Eager PyTorch's host time per operation, measured here: the tiny openpi's `sample` at batch 1 on one thread,
-    over the operations it runs (its own small kernels included: an upper bound of the dispatch alone)."""
-    import torch
-
-    from ebrl.alloc.gpu_cost import count_ops
-    from ebrl.envs.base import ArraySpec, EnvSpec
-    from ebrl.policies.build import build_policy
-
-    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="pick up the cube",
-                   max_episode_steps=100)
-    with torch_threads(1), torch.no_grad():
-        policy = build_policy({"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "tiny"},
-                              spec, torch.device("cpu"), train=False, weights="init")
-        tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
-        obs = {"state": torch.zeros(1, 8), "tokens": tokens, "token_mask": mask}
-        ops = len(count_ops(lambda: policy.sample(obs))[0])
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            policy.sample(obs)
-            times.append(time.perf_counter() - t0)
-    per_op = float(np.median(times[5:])) / ops
-    return per_op, (f"measured here {time.strftime('%Y-%m-%d')}: the tiny openpi's sample at batch 1, one thread, "
-                    f"{1e6 * per_op:.1f} us per operation over {ops}")
-
-
 @dataclass
 class ModelledCosts:
     """The costs of a node this machine is not (see docs/at-scale.md): each simulator step drawn from a lognormal of
@@ -375,7 +348,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     FSDP."""
     from omegaconf import OmegaConf
 
-    from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec
+    from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.bench.memory import env_spec
     from ebrl.policies.build import settle_execute
 
@@ -385,7 +358,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     ops = PolicyOps.of(policy_cfg, spec)
-    host_s, host_source = host_seconds_per_op()
+    host_s, host_source = host_seconds_per_op()  # (ebrl/alloc/gpu_cost.py)
     if measured is not None:
         every = np.concatenate([np.asarray(s) for s in measured.steps])
         mean, p99, reset_ms = float(every.mean()), float(np.percentile(every, 99)), 1e3 * measured.reset_s
@@ -446,6 +419,11 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp:
         placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), device, tmp, Ranks())
         s = cfg.scheduler
+        if gpus and placement.allocator is not None:  # (what a run's placement takes from the roofline)
+            batch, rows = n // int(s.groups), n * int(cfg.algo.rollout_chunks)
+            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", batch, 1.0).sm_busy,
+                                                 "train": costs.on_gpu("train", rows, 1.0).sm_busy},
+                                                "the cost model's")
         pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
                            placement.cpus("simulate") + placement.spare(), s.sim_nice)
         policy = ModelPolicy(spec, costs.execute, costs.chunk_len)

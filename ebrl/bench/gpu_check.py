@@ -455,8 +455,7 @@ def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
 
 def modelled_sample_ms(policy_cfg: dict, spec: Any) -> dict[str, float] | str:
     """The roofline's sample times for this GPU (ebrl/alloc/gpu_cost.py), to set beside the measured ones."""
-    from ebrl.alloc.gpu_cost import GPUS, PolicyOps, roofline
-    from ebrl.bench.at_scale import host_seconds_per_op
+    from ebrl.alloc.gpu_cost import GPUS, PolicyOps, host_seconds_per_op, roofline
 
     device = torch.cuda.get_device_name()
     name = next((k for k in GPUS if k.split("-")[0] in device), None)

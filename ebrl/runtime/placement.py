@@ -233,6 +233,7 @@ class Placement:
             if self.local:  # (one process on one copy of the weights: nothing to lease apart)
                 return
             self.budgets = budgets
+            self._size_by_kernels(spec, rows)
             if self.pool is not None:
                 try:
                     self._lease()
@@ -245,6 +246,22 @@ class Placement:
             self.pool.on_requota("train", self._requota_trainer)
         elif gpu and self.generation == "supervisor" and "generate" in self.budgets:
             apply_memory_budget(self.budgets["generate"], 0)
+
+    def _size_by_kernels(self, spec: EnvSpec, rows: int) -> None:
+        """A calibrating allocator on a GPU node sizes the stages' SM shares by their kernel time, which a run cannot
+        measure per process under MPS (NVML counts every client as the daemon's): the roofline's, from the policy's
+        operations on hw.gpu_name's published peaks (ebrl/alloc/gpu_cost.py); a GPU without them: none."""
+        from ebrl.alloc.gpu_cost import GPUS, PolicyOps, UpdateShape, host_seconds_per_op, kernel_shares
+
+        cfg = self.cfg
+        if self.allocator is None or self.allocator.current is not None or cfg.hw.gpu_name not in GPUS:
+            return
+        ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, self.device.type)
+        shape = UpdateShape(cfg.algo, self.ranks.world, int(cfg.hw.nodes), sharded=self.strategy == "fsdp")
+        batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
+        self.allocator.size_by_kernels(kernel_shares(ops, batch, rows, shape, GPUS[cfg.hw.gpu_name],
+                                                     host_seconds_per_op()[0]),
+                                       f"the roofline's on {cfg.hw.gpu_name}'s published peaks")
 
     # --- the runtime's processes -----------------------------------------------------------------
     def take(self, runtime: Any) -> None:

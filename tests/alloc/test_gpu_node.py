@@ -77,3 +77,25 @@ def test_a_gpu_rank_with_few_cores_lets_generate_and_train_share_them():
     cfg = compose_config("hw=h200x1")
     assert totals_of(cfg, 4).gpu_stage_cores == 1 and totals_of(cfg, 4).max_sim_cores == 1
     assert totals_of(cfg, 3).gpu_stage_cores == 0 and totals_of(cfg, 3).max_sim_cores == 2
+
+
+def test_sm_shares_follow_the_stages_kernel_time(tmp_path):
+    # generation issues small kernels: a fifth of its time on the whole GPU fills the SMs, the host the rest, which a
+    # smaller share does not stretch; sized by kernel time it gets less of the GPU than its time alone would give it
+    def calibrated(kernel: dict[str, float] | None) -> tuple[Allocator, str]:
+        cfg = compose_config("scheduler=ebrl", "hw=h200x1", "env.num_envs=8", f"allocator.profiles_dir={tmp_path}")
+        allocator = Allocator(cfg, CORES)
+        if kernel is not None:
+            allocator.size_by_kernels(kernel, "the test's")
+        for _ in range(CALIBRATE_AT):
+            line, _ = allocator.observe(figures(STEPS_PER_S, {"generate": 1.0, "train": 1.0}))
+        return allocator, line
+
+    plain, _ = calibrated(None)
+    sized, line = calibrated({"generate": 0.2, "train": 1.0})
+    assert sized.current.x["generate"] < plain.current.x["generate"]
+    assert sized.current.throughput > plain.current.throughput
+    assert "SM shares by kernel time: generate's kernels 0.10 of its 0.50 GPU ms per env step" in line
+    # the profile: the kernels' part stretches as 1 / share, the host's stays
+    batch = sized.current.batch
+    assert sized.profile.rate("generate", 0.25, batch) == pytest.approx(1 / (0.5e-3 * (0.8 + 0.2 * 4)))
