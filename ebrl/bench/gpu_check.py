@@ -39,6 +39,8 @@ The figures also go to --out as JSON, rewritten after every check. `--part 1` an
 two runs of under 10 minutes each, the first holding those that matter most (PARTS). Without CUDA each check imports
 what it needs and skips, and the exit is 0 unless one failed. --timeout (or SIGTERM) ends the check under way: the MPS
 daemons it started are stopped and the processes it started killed, so the GPU is free; the figures so far are kept.
+`--kit DIR` builds the folder a GPU machine that reaches no package registry needs and prints the command that runs
+each part there (ebrl/bench/gpu_kit.py).
 """
 from __future__ import annotations
 
@@ -827,6 +829,8 @@ def main() -> int:
     which.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only (default: every one)")
     which.add_argument("--part", type=int, choices=sorted(PARTS), help="run one part's checks: " + "; ".join(
         f"{n}: {' '.join(names)}" for n, names in PARTS.items()))
+    parser.add_argument("--kit", type=Path, help="build the folder a GPU machine that reaches no package registry "
+                        "needs (wheels, EGL loaders), print the command that runs each part there, and exit")
     parser.add_argument("--capture-batches", nargs="+", type=int, default=[1, 16, 32],
                         help="generation batches of the capture check")
     parser.add_argument("--capture-settings", nargs="+", choices=("graph", "compile"), default=["graph"],
@@ -837,6 +841,10 @@ def main() -> int:
     parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
     parser.add_argument("--run-timeout", type=int, default=200, help="seconds the end-to-end run may take")
     args = parser.parse_args()
+    if args.kit is not None:
+        from ebrl.bench.gpu_kit import build_and_print
+
+        return build_and_print(args.kit, PARTS)
     names = list(PARTS[args.part] if args.part else args.only or CHECKS)
     if not torch.cuda.is_available():
         print("no CUDA device: each check imports what it needs, then skips (run this on a GPU node)")
