@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +52,15 @@ class AptSource:
     suites: list[str]
     components: list[str]
     options: dict[str, str] = field(default_factory=dict)  # e.g. Signed-By
+
+    def deb822(self) -> str:
+        """This entry as a deb822 paragraph, its key file kept (an inline key block and other options are not)."""
+        lines = [f"Types: {' '.join(self.types)}", f"URIs: {' '.join(self.uris)}", f"Suites: {' '.join(self.suites)}",
+                 f"Components: {' '.join(self.components)}"]
+        signed_by = self.options.get("signed-by")
+        if signed_by and "\n" not in signed_by:
+            lines.append(f"Signed-By: {signed_by}")
+        return "\n".join(lines) + "\n"
 
 
 def parse_deb822(text: str) -> list[AptSource]:
@@ -142,19 +151,15 @@ def backports_entry(sources: list[AptSource], codename: str) -> str | None:
         return None
     for source in sources:
         if "deb" in source.types and codename in source.suites and "main" in source.components:
-            lines = ["Types: deb", f"URIs: {source.uris[0]}", f"Suites: {suite}", "Components: main"]
-            signed_by = source.options.get("signed-by")
-            if signed_by and "\n" not in signed_by:  # a key path; an inline key block is not copied
-                lines.append(f"Signed-By: {signed_by}")
-            return "\n".join(lines) + "\n"
+            return replace(source, types=["deb"], uris=source.uris[:1], suites=[suite], components=["main"]).deb822()
     raise InstallError(f"no apt source serves '{codename} main'; add {suite} to your apt sources by hand")
 
 
 # --- packages ----------------------------------------------------------------------------
-def run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
+def run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
     """Run a command quietly with stdin closed (nothing may stop to ask); on failure raise with its last output line."""
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env)
+                          env=env, cwd=cwd)
     if proc.returncode != 0:
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else f"exit status {proc.returncode}"

@@ -74,3 +74,34 @@ def groot_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.policies.test_groot_parity import make_reference
 
     return make_reference(tmp_path_factory)
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# Stand-in for nvidia-cuda-mps-control on a machine without a GPU: -d opens the control pipe, "quit" removes it.
+if [ "$CUDA_VISIBLE_DEVICES" = "$FAKE_MPS_FAIL_GPU" ]; then echo "no such device"; exit 1; fi
+if [ "$1" = "-d" ]; then
+  [ -n "$FAKE_MPS_NO_PIPE" ] && exit 0
+  echo "$CUDA_VISIBLE_DEVICES" > "$CUDA_MPS_PIPE_DIRECTORY/visible"
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+  exit 0
+fi
+read command
+case "$command" in
+  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" ;;
+  get_server_list) for pid in $FAKE_MPS_SERVERS; do echo "$pid"; done ;;
+  get_client_list*) for pid in $FAKE_MPS_CLIENTS; do echo "$pid"; done ;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_mps_control(tmp_path, monkeypatch):
+    """FAKE_MPS_CONTROL first on PATH as nvidia-cuda-mps-control (this machine has no GPU)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(FAKE_MPS_CONTROL)
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return exe

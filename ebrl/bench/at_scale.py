@@ -126,6 +126,31 @@ def read_costs(path: str) -> MeasuredCosts:
     return MeasuredCosts(**{f.name: saved[f.name] for f in known if f.name in saved})
 
 
+GPU_COST_KEYS = ("gpu", "policy", "sample_s", "train_s_per_row_epoch")  # gpu_check's full_costs
+
+
+def read_gpu_costs(path: str) -> dict[str, Any]:
+    """A GPU node's measured costs (--gpu-costs): the full check's `costs` in gpu_check's --out JSON (its --part 1
+    file), or one line on what the file lacks."""
+    from ebrl.config import ConfigError
+
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gpu-costs {path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    full = results.get("full") if isinstance(results, dict) else None
+    if not isinstance(full, dict):
+        raise ConfigError(f"--gpu-costs {path} holds no full check: give the JSON of `python -m ebrl.bench.gpu_check "
+                          "--part 1` (or --only full)")
+    costs = full.get("costs")
+    missing = [k for k in GPU_COST_KEYS if not isinstance(costs, dict) or k not in costs]
+    if missing:
+        said = full.get("error") or full.get("reason") or f"no {', '.join(missing)}"
+        raise ConfigError(f"--gpu-costs {path}: its full check measured no costs ({full.get('status')}: {said}): run "
+                          "it again on the GPU node")
+    return costs
+
+
 # --- measuring here --------------------------------------------------------------------------
 def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     """The workload's costs on this machine (see the module docstring)."""
@@ -516,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="a GPU node's simulator step: mean and 99th percentile, ms (the testbed's: 40 60)")
     parser.add_argument("--reset-ms", type=float, default=0.0, help="a GPU node's reset, ms")
     parser.add_argument("--gpu-costs", help="a GPU node's sampling and update times from gpu_check's --out JSON "
-                        "(its full check's costs), in place of the roofline")
+                        "(its full check's costs, in --part 1's file), in place of the roofline")
     parser.add_argument("--sim-costs", help="a GPU node's simulator steps, episode lengths and resets from a costs "
                         "file measured here (--save-costs), in place of --sim-step-ms")
     parser.add_argument("--cameras", type=int, default=2, help="cameras the policy reads at 224 px (GPU node)")
@@ -555,7 +580,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
                           "not measured here: give --sim-step-ms MEAN P99 (ms), e.g. the paper's RoboCasa 40 60, or "
                           "--sim-costs FILE (--save-costs on hw=cpu)")
     t0 = time.perf_counter()
-    gpu_costs = json.loads(Path(args.gpu_costs).read_text())["full"]["costs"] if args.gpu_costs else None
+    gpu_costs = read_gpu_costs(args.gpu_costs) if args.gpu_costs else None
     strategy, memory_line = gpu_memory(cfg, max(args.envs or [int(cfg.env.num_envs)]), args.cameras)
     costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label,
                            sharded=strategy == "fsdp")

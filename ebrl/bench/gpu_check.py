@@ -27,10 +27,20 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   publish one publication of a pi0-sized bfloat16 payload from a trainer process to a reader on the same GPU, through
           CUDA IPC (the channel's device slots) and through shared memory (host slots): publish and pull times
   ranks   torchrun with two ranks on two GPUs: each rank's supervisor and trainer on its own GPU (skipped on one GPU)
-  egl     a MuJoCo EGL rendering context on the GPU: the device memory one simulator's context holds
+  egl     EGL's devices, each with its CUDA ordinal (EGL_CUDA_DEVICE_NV), and the one a simulator of GPU 0 is given
+          (ebrl/envs/egl.py): NVIDIA's device of CUDA ordinal 0; a MuJoCo EGL context rendered through it: its
+          renderer and the device memory one simulator's context holds
   run     python run.py hw=h200x1 scheduler=ebrl: MPS daemon, trainer and generation as clients, both respawned
           with the shares the plan gives them at iteration 2, the daemon's pipes gone at the end
-The figures also go to --out as JSON, rewritten after every check. Without CUDA it says so and exits 0.
+The mps check also probes the daemon (MpsDaemons.unenforced): both share clients must be its clients, and a process
+whose pipe directory has no daemon must be named as not one.
+
+The figures also go to --out as JSON, rewritten after every check. `--part 1` and `--part 2` split the checks into
+two runs of under 10 minutes each, the first holding those that matter most (PARTS). Without CUDA each check imports
+what it needs and skips, and the exit is 0 unless one failed. --timeout (or SIGTERM) ends the check under way: the MPS
+daemons it started are stopped and the processes it started killed, so the GPU is free; the figures so far are kept.
+`--kit DIR` builds the folder a GPU machine that reaches no package registry needs and prints the command that runs
+each part there (ebrl/bench/gpu_kit.py).
 """
 from __future__ import annotations
 
@@ -56,6 +66,10 @@ import torch
 N = 4096  # matmul size
 CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "capture", "checkpoint", "publish", "ranks",
           "egl", "run")
+# two runs of under 10 minutes each; the first holds issue 50's EGL and MPS items, the SM partitions and the full
+# policy's costs that `python -m ebrl.bench.at_scale --gpu-costs` reads
+PARTS = {1: ("basics", "egl", "mps", "memory", "green", "nvml", "full"),
+         2: ("policy", "capture", "checkpoint", "publish", "ranks", "run")}
 
 
 class Skip(Exception):
@@ -63,7 +77,20 @@ class Skip(Exception):
 
 
 class Deadline(BaseException):
-    """--timeout passed; a BaseException so that no check's own handler takes it for its failure."""
+    """--timeout passed or SIGTERM came; a BaseException so that no check's own handler takes it for its failure."""
+
+
+def require_cuda() -> None:
+    """Skip a check on a machine without CUDA; called after its imports, so that it has checked them."""
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA device")
+
+
+def require_modules(*names: str, why: str = "") -> None:
+    """Skip a check whose packages are not installed, saying which and why it needs them."""
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Skip(f"{' and '.join(missing)} not installed{f' ({why})' if why else ''}")
 
 
 # --- the workload ------------------------------------------------------------------------------
@@ -121,6 +148,17 @@ def mps_memory_client(reports: Any) -> None:
     reports.put(("done", out))
 
 
+def cuda_holder(reports: Any) -> None:
+    """A process that holds a CUDA context until it is killed (the MPS probe's process outside the daemon)."""
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        reports.put(("ready", os.getpid()))
+        time.sleep(3600)
+    except Exception as e:
+        reports.put(("error", f"{type(e).__name__}: {str(e).strip()[:200]}"))
+
+
 def _collect(reports: Any, count: int, timeout_s: float) -> list[Any]:
     """`count` reports of the children; a child's error fails the check at once."""
     out = []
@@ -134,6 +172,7 @@ def _collect(reports: Any, count: int, timeout_s: float) -> list[Any]:
 
 # --- the checks -------------------------------------------------------------------------------
 def check_basics(args: argparse.Namespace) -> tuple[bool, dict]:
+    require_cuda()
     props = torch.cuda.get_device_properties(0)
     rate = matmul_rate(matmul_operands(), args.seconds)
     figures = {"device": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
@@ -145,6 +184,7 @@ def check_basics(args: argparse.Namespace) -> tuple[bool, dict]:
 def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.runtime.resources import MPS_CONTROL, MpsDaemons, ResourcePool
 
+    require_cuda()
     if shutil.which(MPS_CONTROL) is None:
         raise Skip(f"{MPS_CONTROL} is not on PATH")
     props = torch.cuda.get_device_properties(0)
@@ -160,41 +200,71 @@ def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
 
         daemons = MpsDaemons([0], run_dir)
         control = daemons.daemons[0].control
+        procs: list[Any] = []
         with daemons:
-            shares = pool()
-            shares.lease("small", cores, gpu=0, sm_share=0.25)
-            shares.lease("large", cores, gpu=0, sm_share=0.75)
-            go, reports = ctx.Event(), ctx.Queue()
-            procs = []
-            for stage in ("small", "large"):
-                with shares.spawn_env(stage):
-                    procs.append(ctx.Process(target=mps_client, args=(args.seconds, go, reports), daemon=True))
-                    procs[-1].start()
-            _collect(reports, len(procs), 120)
-            go.set()  # both loops run at once: the shares split the SMs between them
-            rates = {r["percentage"]: r["matmul_per_s"] for r in _collect(reports, len(procs), args.seconds + 60)}
-            for p in procs:
-                p.join(30)
-            small, large = rates["25"], rates["75"]
-            figures.update({"share25_tflops": round(tflops(small), 1), "share75_tflops": round(tflops(large), 1),
-                            "ratio": round(small / large, 3)})
+            try:  # (the clients end before the daemon is told to quit, which waits for its clients)
+                shares = pool()
+                shares.lease("small", cores, gpu=0, sm_share=0.25)
+                shares.lease("large", cores, gpu=0, sm_share=0.75)
+                go, reports = ctx.Event(), ctx.Queue()
+                for stage in ("small", "large"):
+                    with shares.spawn_env(stage):
+                        procs.append(ctx.Process(target=mps_client, args=(args.seconds, go, reports), daemon=True))
+                        procs[-1].start()
+                _collect(reports, len(procs), 120)
+                figures.update(mps_probe(daemons, {stage: p.pid for stage, p in zip(("small", "large"), procs)},
+                                         ctx, run_dir, procs))
+                go.set()  # both loops run at once: the shares split the SMs between them
+                rates = {r["percentage"]: r["matmul_per_s"] for r in _collect(reports, 2, args.seconds + 60)}
+                for p in procs[:2]:
+                    p.join(30)
+                small, large = rates["25"], rates["75"]
+                figures.update({"share25_tflops": round(tflops(small), 1), "share75_tflops": round(tflops(large), 1),
+                                "ratio": round(small / large, 3)})
 
-            capped = pool()
-            capped.lease("capped", cores, gpu=0, sm_share=0.5, mem_bytes=2 * 2**30)
-            with capped.spawn_env("capped"):
-                p = ctx.Process(target=mps_memory_client, args=(reports,), daemon=True)
-                p.start()
-            figures.update(_collect(reports, 1, 120)[0])
-            p.join(30)
+                capped = pool()
+                capped.lease("capped", cores, gpu=0, sm_share=0.5, mem_bytes=2 * 2**30)
+                with capped.spawn_env("capped"):
+                    procs.append(ctx.Process(target=mps_memory_client, args=(reports,), daemon=True))
+                    procs[-1].start()
+                figures.update(_collect(reports, 1, 120)[0])
+                procs[-1].join(30)
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.join(10)
         figures["control_pipe_gone"] = not control.exists()
     ok = (0.15 < figures["ratio"] < 0.6 and figures["alloc_1GiB"] == "ok" and figures["alloc_4GiB"] != "ok"
-          and figures["control_pipe_gone"])
+          and figures["control_pipe_gone"] and figures["probe_ok"])
     return ok, figures
+
+
+def mps_probe(daemons: Any, clients: dict[str, int], ctx: Any, run_dir: Path, procs: list[Any]) -> dict[str, Any]:
+    """Issue 50's MPS probe, as the placement asks it (MpsDaemons.unenforced): the share clients must all be the
+    daemon's (`probe_clients` None); a process whose pipe directory has no daemon, a client that cannot reach it, must
+    be named as not one (`probe_stray`), unless it could not start CUDA at all (`stray` says so)."""
+    from ebrl.runtime.resources import environment
+
+    out: dict[str, Any] = {"probe_clients": daemons.unenforced({k: (pid, 0) for k, pid in clients.items()})}
+    reports = ctx.Queue()
+    with environment({"CUDA_MPS_PIPE_DIRECTORY": str(run_dir / "no-daemon")}):
+        procs.append(ctx.Process(target=cuda_holder, args=(reports,), daemon=True))
+        procs[-1].start()
+    stray = procs[-1]
+    kind, value = reports.get(timeout=120)
+    out["stray"] = f"pid {stray.pid} holds a CUDA context" if kind == "ready" else f"no CUDA context: {value}"
+    out["probe_stray"] = daemons.unenforced({"stray": (stray.pid, 0)}) if kind == "ready" else None
+    named = out["probe_stray"] is not None and f"pid {stray.pid}" in out["probe_stray"]
+    out["probe_ok"] = out["probe_clients"] is None and (named or kind != "ready")
+    stray.kill()
+    stray.join(10)
+    return out
 
 
 def check_green(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.runtime.resources import GreenPartition, ResourceError, green_granule
 
+    require_cuda()
     try:
         part = GreenPartition(0, {"a": 0.25, "b": 0.75})
     except ResourceError as e:
@@ -241,6 +311,7 @@ def check_green(args: argparse.Namespace) -> tuple[bool, dict]:
 def check_memory(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.runtime.resources import apply_memory_budget
 
+    require_cuda()
     total = torch.cuda.get_device_properties(0).total_memory
     budget = total // 10
     torch.cuda.empty_cache()
@@ -265,6 +336,7 @@ def check_memory(args: argparse.Namespace) -> tuple[bool, dict]:
 def check_nvml(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.telemetry.monitor import GpuMonitor
 
+    require_cuda()
     monitor = GpuMonitor(interval_s=0.1)
     if not monitor.available:
         raise Skip(monitor.reason)
@@ -286,6 +358,7 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
 
+    require_cuda()
     register_configs()
     spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
                    max_episode_steps=40)
@@ -339,12 +412,20 @@ def full_obs(policy: Any, batch: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_costs(gpu: str, sample_ms: dict[int, float], update_s: float, rows: int) -> dict[str, Any]:
+    """What `python -m ebrl.bench.at_scale --gpu-costs` reads (its `read_gpu_costs`) from the full check's figures:
+    policy.sample's seconds per batch size and one epoch's update seconds per row."""
+    return {"gpu": gpu, "policy": "openpi full, 2 cameras at 224 px",
+            "sample_s": {str(b): ms / 1e3 for b, ms in sample_ms.items()}, "train_s_per_row_epoch": update_s / rows}
+
+
 def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.alloc.memory import MemoryModel
     from ebrl.bench.memory import compose, env_spec, fill, policy_config
     from ebrl.policies.build import build_policy
     from ebrl.rl.ppo import PPOTrainer, RolloutBatch
 
+    require_cuda()
     cuda = torch.device("cuda")
     torch.manual_seed(0)
     spec = env_spec(2)
@@ -396,11 +477,9 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
                     "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
                     "nonfinite_steps": metrics["train/nonfinite_steps"]})
     figures["cuda_context_mib"] = context_mib
-    # the costs the at-scale benchmark takes in place of its roofline (python -m ebrl.bench.at_scale --gpu-costs),
-    # with the roofline's figures beside them
-    figures["costs"] = {"gpu": torch.cuda.get_device_name(), "policy": "openpi full, 2 cameras at 224 px",
-                        "sample_s": {str(b): figures[f"sample_ms_b{b}"] / 1e3 for b in (1, 8, 32)},
-                        "train_s_per_row_epoch": figures["update_s"] / rows}
+    # the costs the at-scale benchmark takes in place of its roofline, with the roofline's figures beside them
+    figures["costs"] = full_costs(torch.cuda.get_device_name(), {b: figures[f"sample_ms_b{b}"] for b in (1, 8, 32)},
+                                  figures["update_s"], rows)
     figures["modelled_sample_ms"] = modelled_sample_ms(cfg, spec)
     return abs(figures["error"]) < 0.15, figures
 
@@ -409,14 +488,14 @@ def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
     """policy.capture on generation's pi0 at full size (bfloat16, given weights, 2 cameras at 224 px): ms per chunk
     with the denoising loop as it is and replayed from CUDA graphs (and compiled, where asked), the settings
     alternated; the same draws' actions and log-probs under each; and again after new weights are copied in."""
-    missing = [name for name in ("hydra", "omegaconf") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise Skip(f"{' and '.join(missing)} not installed (the policy's config schemas import them)")
-    if not all(hasattr(torch.cuda, name) for name in ("CUDAGraph", "graph", "graph_pool_handle")):
-        raise Skip(f"torch {torch.__version__} has no CUDA graph API")
+    require_modules("hydra", "omegaconf", why="the policy's config schemas import them")
     from ebrl.bench.memory import env_spec, fill, policy_config
     from ebrl.bench.policies import capture_differences, compare_capture, sampled
     from ebrl.policies.build import build_policy
+
+    require_cuda()
+    if not all(hasattr(torch.cuda, name) for name in ("CUDAGraph", "graph", "graph_pool_handle")):
+        raise Skip(f"torch {torch.__version__} has no CUDA graph API")
 
     figures: dict[str, Any] = {}
     settings = list(dict.fromkeys(["off", *args.capture_settings]))
@@ -466,10 +545,10 @@ def modelled_sample_ms(policy_cfg: dict, spec: Any) -> dict[str, float] | str:
 
 
 def check_checkpoint(args: argparse.Namespace) -> tuple[bool, dict]:
-    missing = [name for name in ("safetensors", "sentencepiece") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise Skip(f"{' and '.join(missing)} not installed")
+    require_modules("safetensors", "sentencepiece", why="the checkpoint's file and its tokenizer")
     from ebrl.bench.checkpoint import ACTION_DIM, CHUNK, load_and_act
+
+    require_cuda()
 
     # LIBERO is not installed here: random values in the shapes LiberoEnv gives for libero_spatial task 0 (its state
     # is openpi's 8 proprio dims and the objects'; policy.state_dims takes the 8)
@@ -506,6 +585,7 @@ def publish_writer(channel: Any, numel: int, count: int, reports: Any) -> None:
 def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
     from ebrl.runtime.channel import WeightChannel
 
+    require_cuda()
     numel = 3_246_475_057 // 16 * 16  # pi0's parameters, bfloat16
     ctx = mp.get_context("spawn")
     figures: dict[str, Any] = {"payload_gib": round(numel * 2 / 2**30, 2)}
@@ -541,6 +621,9 @@ def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
 
 
 def check_ranks(args: argparse.Namespace) -> tuple[bool, dict]:
+    import ebrl.runtime.distributed  # (what each rank imports: a missing package fails here, not inside torchrun)
+
+    require_cuda()
     if torch.cuda.device_count() < 2:
         raise Skip(f"{torch.cuda.device_count()} GPU: placing two ranks needs two")
     code = ("import os, torch; from ebrl.node import Ranks; from ebrl.runtime.distributed import pin_gpu; "
@@ -555,73 +638,150 @@ def check_ranks(args: argparse.Namespace) -> tuple[bool, dict]:
     return done.returncode == 0 and len(lines) == 2 and lines[0][2] != lines[1][2], figures
 
 
+# a simulator's MuJoCo EGL context, which stays up for a while so that NVML can see its memory; it prints READY and
+# the renderer's name (the context's OpenGL renderer, where PyOpenGL can read it)
+RENDER = """import os, time
+os.environ['MUJOCO_GL'] = 'egl'
+import mujoco
+m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos="0 0 3"/><geom type="box" size=".1 .1 .1"/>'
+                                   '</worldbody></mujoco>')
+r = mujoco.Renderer(m, 128, 128)
+r.update_scene(mujoco.MjData(m))
+r.render()
+try:
+    from OpenGL import GL
+    name = GL.glGetString(GL.GL_RENDERER).decode()
+except Exception as e:
+    name = f'unknown ({type(e).__name__})'
+print('READY', name, flush=True)
+time.sleep(8)
+"""
+
+
 def check_egl(args: argparse.Namespace) -> tuple[bool, dict]:
-    if importlib.util.find_spec("mujoco") is None:
-        raise Skip("mujoco is not installed")
-    code = ("import os; os.environ['MUJOCO_GL'] = 'egl'; import mujoco, time; "
-            "m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos=\"0 0 3\"/><geom type=\"box\" "
-            "size=\".1 .1 .1\"/></worldbody></mujoco>'); d = mujoco.MjData(m); r = mujoco.Renderer(m, 128, 128); "
-            "r.update_scene(d); r.render(); print('READY', flush=True); time.sleep(8)")
+    """Issue 50's item 2 on a GPU: EGL's devices with their CUDA ordinals, the one a simulator of GPU 0 is given
+    (`simulator_gpu_environment`, as the simulators' pool computes it), and a MuJoCo context rendered through it."""
+    from ebrl.envs.egl import device_of_gpu, egl_devices
+    from ebrl.envs.worker import simulator_gpu_environment
     from ebrl.telemetry.monitor import open_nvml
 
+    devices = egl_devices()
+    listing = [{"index": d.index, "cuda": d.cuda, "software": d.software} for d in devices or ()]
+    if not torch.cuda.is_available():
+        raise Skip(f"no CUDA device (EGL's devices here: {json.dumps(listing) if devices else 'none listed'})")
+    if devices is None:
+        raise Skip("libEGL lists no device: unpack the kit's EGL loader packages (see --kit)")
+    nvidia = device_of_gpu(0, devices, None)
+    env = simulator_gpu_environment(1)
+    figures: dict[str, Any] = {"devices": listing, "gpu0_egl_device": None if nvidia is None else nvidia.index,
+                               "simulator_env": env}
+    chosen = nvidia is not None and env.get("MUJOCO_EGL_DEVICE_ID") == str(nvidia.index)
+    if importlib.util.find_spec("mujoco") is None:
+        figures["render"] = "skipped: mujoco is not installed"
+        return chosen, figures
     nvml, why = open_nvml()
-    if nvml is None:
-        raise Skip(why)
-    handle = nvml.nvmlDeviceGetHandleByIndex(0)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MUJOCO_EGL_DEVICE_ID": "0"})
+    proc = subprocess.Popen([sys.executable, "-c", RENDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+    used: dict[int, int] = {}
     try:
-        ready = proc.stdout.readline().strip() == "READY"
+        ready = proc.stdout.readline().strip()
         time.sleep(1)
-        used = {p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
-        used.update({p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)})
+        if nvml is not None:
+            handle = nvml.nvmlDeviceGetHandleByIndex(0)
+            used = {p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+            used.update({p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)})
     finally:
         proc.kill()
         err = proc.communicate()[1]
-        nvml.nvmlShutdown()
-    mib = (used.get(proc.pid) or 0) / 2**20
-    figures = {"rendered": ready, "egl_context_mib": round(mib, 1), "processes_seen": len(used)}
-    if not ready:
+        if nvml is not None:
+            nvml.nvmlShutdown()
+    figures["rendered"] = ready.startswith("READY")
+    figures["renderer"] = ready.removeprefix("READY").strip()
+    if nvml is None:
+        figures["egl_context_mib"] = f"unknown: {why}"
+    else:
+        figures["egl_context_mib"] = round((used.get(proc.pid) or 0) / 2**20, 1)
+        figures["processes_seen"] = len(used)
+    if not figures["rendered"]:
         figures["stderr"] = err.strip().splitlines()[-2:]
-    return ready and mib > 0, figures
+    # on the GPU: NVML sees the renderer's memory there, and its renderer is not Mesa's software one
+    on_gpu = (nvml is None or figures["egl_context_mib"] > 0) and "llvmpipe" not in figures["renderer"]
+    return chosen and figures["rendered"] and on_gpu, figures
 
 
 def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
     """`python run.py hw=h200x1 scheduler=ebrl` end to end: MPS daemon, trainer and generation processes as clients,
     the plan calibrated at iteration 2 giving both their SM shares (a respawn each), the daemon stopped at the end."""
-    from ebrl.runtime.resources import MPS_CONTROL
+    from ebrl.runtime.resources import MPS_CONTROL, MpsDaemon
 
+    require_modules("hydra", "robosuite", why="the run simulates robosuite Lift; robosuite is too large to carry")
+    require_cuda()
     if shutil.which(MPS_CONTROL) is None:
         raise Skip(f"{MPS_CONTROL} is not on PATH")
-    missing = [name for name in ("hydra", "robosuite") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise Skip(f"{' and '.join(missing)} not installed (the run simulates robosuite Lift)")
     repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="ebrl-run-") as tmp:
+        run_dir = Path(tmp) / "run"
         command = [sys.executable, str(repo / "run.py"), "hw=h200x1", "scheduler=ebrl", "policy.preset=small",
                    "env.num_envs=8", f"iterations={args.run_iterations}", "logger=none", "progress=false",
-                   "checkpoint_every=1000", f"hydra.run.dir={tmp}/run"]
+                   "checkpoint_every=1000", f"hydra.run.dir={run_dir}"]
         t0 = time.perf_counter()
-        done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=args.run_timeout)
-        out = done.stdout + done.stderr
-        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if done.returncode == 0 else []
+        proc = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        daemon = MpsDaemon(0, run_dir, pid=proc.pid)  # where the run's daemon has its pipes (resources.mps_dirs)
+        try:
+            stdout, stderr = proc.communicate(timeout=args.run_timeout)
+        finally:  # (past its time, or --timeout: stopped as a user would, so that it stops its daemon)
+            end_process(proc)
+            pipes_left = [str(daemon.control)] if daemon.control.exists() else []
+            if daemon.adopt():  # (killed before it stopped its daemon: stopped here, the GPU freed)
+                daemon.stop()
+        out = stdout + stderr
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if proc.returncode == 0 else []
         metrics = [json.loads(line) for line in lines]
         figures: dict[str, Any] = {
-            "exit": done.returncode, "wall_s": round(time.perf_counter() - t0, 1), "iterations": len(metrics),
+            "exit": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "iterations": len(metrics),
             "plan": next((line for line in out.splitlines() if "allocator: plan" in line), ""),
             "generation_respawned": "generation restarts with SM share" in out,
             "trainer_respawned": "the trainer restarts with SM share" in out,
-            "mps_pipes_left": sorted(str(p) for p in (Path(tmp) / "run" / "mps").rglob("control")),
+            "mps_pipes_left": pipes_left,
         }
         if metrics:
             last = metrics[-1]
             figures.update({k: round(float(last[k]), 2) for k in ("perf/env_steps_per_s", "sched/weights_version",
                                                                   "alloc/generate", "alloc/train") if k in last})
-        if done.returncode:
+        if proc.returncode:
             figures["tail"] = out.strip().splitlines()[-3:]
-    ok = (done.returncode == 0 and len(metrics) == args.run_iterations and figures["generation_respawned"]
+    ok = (proc.returncode == 0 and len(metrics) == args.run_iterations and figures["generation_respawned"]
           and figures["trainer_respawned"] and not figures["mps_pipes_left"])
     return ok, figures
+
+
+def end_process(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM for a process still running (a run stops its workers and daemons on it), SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.communicate(timeout=grace_s)  # (read, so that a child blocked on a full pipe can end)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def end_children() -> None:
+    """Kill every process this one started that still runs (share clients, a run, a renderer), so the GPU is free."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    except ImportError:  # (psutil is in requirements.txt; without it, the spawned children at least)
+        pass
+    for child in mp.active_children():
+        child.kill()
+        child.join(5)
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
@@ -652,12 +812,24 @@ def run_check(name: str, args: argparse.Namespace) -> dict:
     return {"status": status, **result}
 
 
+def write_results(results: dict[str, Any], out: Path) -> None:
+    """The figures so far as the JSON --out holds (`python -m ebrl.bench.at_scale --gpu-costs` reads full's costs)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go as JSON")
-    parser.add_argument("--timeout", type=int, default=470, help="seconds for the whole script")
+    parser.add_argument("--timeout", type=int, default=540,
+                        help="seconds for the checks (a part's run: the 10 minutes of a call, less the kit's install)")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
-    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only (default: every one)")
+    which.add_argument("--part", type=int, choices=sorted(PARTS), help="run one part's checks: " + "; ".join(
+        f"{n}: {' '.join(names)}" for n, names in PARTS.items()))
+    parser.add_argument("--kit", type=Path, help="build the folder a GPU machine that reaches no package registry "
+                        "needs (wheels, EGL loaders), print the command that runs each part there, and exit")
     parser.add_argument("--capture-batches", nargs="+", type=int, default=[1, 16, 32],
                         help="generation batches of the capture check")
     parser.add_argument("--capture-settings", nargs="+", choices=("graph", "compile"), default=["graph"],
@@ -668,33 +840,46 @@ def main() -> int:
     parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
     parser.add_argument("--run-timeout", type=int, default=200, help="seconds the end-to-end run may take")
     args = parser.parse_args()
+    if args.kit is not None:
+        from ebrl.bench.gpu_kit import build_and_print
+
+        return build_and_print(args.kit, PARTS)
+    names = list(PARTS[args.part] if args.part else args.only or CHECKS)
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check (run this on a GPU node)")
+        print("no CUDA device: each check imports what it needs, then skips (run this on a GPU node)")
         from ebrl.telemetry.monitor import GpuMonitor
 
         monitor = GpuMonitor()
         if not monitor.available:
             print(f"nvml: {monitor.reason}")
-        return 0
 
     def deadline(signum: int, frame: Any) -> None:
-        raise Deadline()
+        # once: the cleanup that follows (daemons told to quit, children killed) must not be cut short by another
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        raise Deadline(f"--timeout={args.timeout} s passed" if signum == signal.SIGALRM else "SIGTERM came")
 
+    previous = signal.signal(signal.SIGTERM, deadline)
     signal.signal(signal.SIGALRM, deadline)
     signal.alarm(args.timeout)
     results: dict[str, Any] = {}
-    name = args.only[0]
+    name = names[0]
     try:
-        for name in args.only:
+        for name in names:
             results[name] = run_check(name, args)
-            args.out.write_text(json.dumps(results, indent=2))
-    except Deadline:
-        print(f"FAIL  timeout: --timeout={args.timeout} s passed during {name}; figures so far in {args.out}")
-        results[name] = {"status": "FAIL", "error": f"--timeout={args.timeout} s passed"}
-        args.out.write_text(json.dumps(results, indent=2))
+            write_results(results, args.out)
+    except Deadline as e:
+        end_children()
+        print(f"FAIL  {name:10} {e} during it; the processes it started are ended; figures so far in {args.out}",
+              flush=True)
+        results[name] = {"status": "FAIL", "error": f"{e} during it"}
+        results.update({rest: {"status": "SKIP", "reason": f"not reached: {e}"}
+                        for rest in names[names.index(name) + 1:]})
+        write_results(results, args.out)
         return 1
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGTERM, previous)
     return 0 if all(r["status"] != "FAIL" for r in results.values()) else 1
 
 

@@ -9,7 +9,8 @@ compare against (tests/policies/lerobot_reference.py runs under it). lerobot 0.4
 transformers<5, and its pi0/pi05 need openpi's patched transformers (`transformers-openpi` 4.53.3 on
 PyPI: transformers 4.53 with openpi's transformers_replace applied), so its venv sees this interpreter's
 packages (our torch, numpy) and installs exact pins without their dependencies on top. `lerobot-v21` is lerobot
-0.3.3 the same way: the writer of LeRobot's codebase v2.1 datasets tests/demos/test_lerobot.py reads.
+0.3.3 the same way: the writer of LeRobot's codebase v2.1 datasets tests/demos/test_lerobot.py reads. `gpu-image` is
+the lent GPU machine's image (Python 3.12, torch 2.11) for the test of gpu_check's kit, built by that Python.
 Idempotent: a marker file in the venv records the pins it was built with; a second run with the
 same pins does nothing. Prints one line per step; exits non-zero with one line on failure.
 """
@@ -76,8 +77,35 @@ REFERENCES: dict[str, list[str]] = {
 }
 
 
+# A GPU machine that reaches no registry, as gpu_check's kit expects it (ebrl/bench/gpu_kit.py): its Python, its torch
+# (2.11's wheel for CUDA 13 imports on a CPU; with its CUDA libraries about 4.6 GB) and the packages of its image that
+# the checks import, at the image's versions where its package list names them (numpy, safetensors, sentencepiece,
+# transformers), else ours. tests/bench/test_gpu_kit.py installs the kit's wheels on top, as that machine does.
+IMAGES: dict[str, tuple[str, list[str]]] = {
+    "gpu-image": ("3.12", [
+        "torch==2.11.0", "numpy==2.5.2", "psutil==7.2.2", "nvidia-ml-py==13.615.71", "pyyaml==6.0.4",
+        "packaging==26.4", "rich==15.0.0", "safetensors==0.8.0", "sentencepiece==0.2.2", "transformers==5.17.0",
+        "peft==0.21.2",
+    ]),
+}
+
+
 def say(message: str) -> None:
     print(f"[ebrl.envs.setup] {message}", flush=True)
+
+
+def interpreter(version: str) -> str:
+    """A Python `version` interpreter: pyenv's newest of that version, else python{version} on PATH (a pyenv shim of
+    a version not selected fails to run, so each is tried)."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    found = sorted(root.glob(f"versions/{version}.*/bin/python{version}"),
+                   key=lambda p: [int(x) if x.isdigit() else 0 for x in p.parents[1].name.split(".")], reverse=True)
+    on_path = shutil.which(f"python{version}")
+    for candidate in [*map(str, found), *([on_path] if on_path else [])]:
+        if subprocess.run([candidate, "--version"], capture_output=True).returncode == 0:
+            return candidate
+    raise InstallError(f"no Python {version} here (neither {root}/versions/{version}.* nor python{version} on PATH): "
+                       f"install Python {version}")
 
 
 def envs_root() -> Path:
@@ -93,9 +121,10 @@ def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def marker_record(name: str, pins: list[str]) -> dict:
-    """What the marker holds: the benchmark, its pins and the Python it was built for."""
-    return {"benchmark": name, "pins": sorted(pins), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+def marker_record(name: str, pins: list[str], python: str | None = None) -> dict:
+    """What the marker holds: the benchmark, its pins and the Python it was built for (None: this one)."""
+    return {"benchmark": name, "pins": sorted(pins),
+            "python": python or f"{sys.version_info[0]}.{sys.version_info[1]}"}
 
 
 def read_marker(venv: Path) -> dict | None:
@@ -147,12 +176,14 @@ def du(path: Path) -> str:
 
 def setup(name: str) -> Path:
     """Build (or confirm) the venv of benchmark `name`; returns its interpreter."""
-    if name not in BENCHMARKS and name not in REFERENCES:
-        raise InstallError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted({**BENCHMARKS, **REFERENCES}))}")
+    known = {**BENCHMARKS, **REFERENCES, **IMAGES}
+    if name not in known:
+        raise InstallError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(known))}")
     reference = name in REFERENCES
-    pins = REFERENCES[name] if reference else BENCHMARKS[name]
+    version, pins = IMAGES[name] if name in IMAGES else (None, REFERENCES[name] if reference else BENCHMARKS[name])
+    base = interpreter(version) if version else sys.executable
     venv = venv_dir(name)
-    record = marker_record(name, pins)
+    record = marker_record(name, pins, version)
     if is_current(venv, record):
         say(f"{name}: already set up in {venv} ({len(pins)} pins); nothing to do")
         return venv_python(venv)
@@ -161,9 +192,9 @@ def setup(name: str) -> Path:
     if marker.exists():  # other pins: rebuild from scratch, so no stale package stays behind
         say(f"{name}: pins changed; removing {venv}")
         shutil.rmtree(venv)
-    say(f"{name}: creating venv {venv} (Python {sys.version.split()[0]})")
+    say(f"{name}: creating venv {venv} (Python {version or sys.version.split()[0]})")
     venv.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "venv", "--clear", *(["--system-site-packages"] if reference else []), str(venv)],
+    run([base, "-m", "venv", "--clear", *(["--system-site-packages"] if reference else []), str(venv)],
         "python -m venv")
     python = venv_python(venv)
     say(f"{name}: pip install {'--no-deps ' if reference else ''}{' '.join(pins)}")
@@ -181,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print(f"usage: {SETUP_COMMAND.format(name='<benchmark> [<benchmark> ...]')}  "
-              f"(benchmarks: {', '.join(sorted(BENCHMARKS))}; references: {', '.join(sorted(REFERENCES))})", file=sys.stderr)
+              f"(benchmarks: {', '.join(sorted(BENCHMARKS))}; references: {', '.join(sorted(REFERENCES))}; images: "
+              f"{', '.join(sorted(IMAGES))})", file=sys.stderr)
         return 2
     try:
         for name in args:

@@ -91,9 +91,12 @@ def environment(env: dict[str, str]) -> Iterator[None]:
 # --- green contexts and memory budgets ---------------------------------------------------------------
 def _require_green() -> None:
     import torch
-    from torch.cuda import green_contexts
 
-    if not (green_contexts.SUPPORTED and torch.cuda.is_available()):
+    try:  # (an older torch has no torch.cuda.green_contexts)
+        from torch.cuda import green_contexts
+    except ImportError:
+        raise ResourceError(GREEN_UNAVAILABLE) from None
+    if not (getattr(green_contexts, "SUPPORTED", False) and torch.cuda.is_available()):
         raise ResourceError(GREEN_UNAVAILABLE)
 
 
@@ -224,20 +227,22 @@ MPS_PIPE_ROOT = Path("/tmp")
 AF_UNIX_PATH = 107  # bytes of a socket's path (sockaddr_un's 108, less the terminating NUL)
 
 
-def mps_dirs(run_dir: Path, gpu: int) -> tuple[Path, Path]:
-    """The pipe and log directories of GPU `gpu`'s MPS daemon of this supervisor's run folder `run_dir`."""
+def mps_dirs(run_dir: Path, gpu: int, pid: int | None = None) -> tuple[Path, Path]:
+    """The pipe and log directories of GPU `gpu`'s MPS daemon of the supervisor `pid` (None: this process) and its
+    run folder `run_dir`."""
     digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
-    pipe = MPS_PIPE_ROOT / f"ebrl-mps-{os.getpid()}-{digest}" / f"gpu{gpu}"
+    pipe = MPS_PIPE_ROOT / f"ebrl-mps-{os.getpid() if pid is None else pid}-{digest}" / f"gpu{gpu}"
     return pipe, Path(run_dir) / "mps" / f"gpu{gpu}" / "log"
 
 
 class MpsDaemon:
     """The MPS control daemon of one GPU, with pipe and log directories of its own (`mps_dirs`), so a run neither
-    needs nor disturbs a system-wide daemon; stopped at interpreter exit if nobody stopped it."""
+    needs nor disturbs a system-wide daemon; stopped at interpreter exit if nobody stopped it. `pid` names another
+    supervisor whose daemon this one may `adopt`."""
 
-    def __init__(self, gpu: int, run_dir: Path, timeout_s: float = 10.0) -> None:
+    def __init__(self, gpu: int, run_dir: Path, timeout_s: float = 10.0, pid: int | None = None) -> None:
         self.gpu = gpu
-        self.pipe_dir, self.log_dir = mps_dirs(run_dir, gpu)
+        self.pipe_dir, self.log_dir = mps_dirs(run_dir, gpu, pid)
         self.timeout_s = timeout_s
         self.running = False
         self._exe: str | None = None
@@ -285,6 +290,15 @@ class MpsDaemon:
                 raise ResourceError(f"the MPS daemon of GPU {self.gpu} did not open {self.control} within "
                                     f"{self.timeout_s:g} s: see {self.log_dir / 'control.log'}")
             time.sleep(0.02)
+
+    def adopt(self) -> bool:
+        """Take over the daemon another supervisor (`pid`) started for these directories and left running (it was
+        killed), so that stop() quits it; False where none runs there."""
+        exe = shutil.which(MPS_CONTROL)
+        if exe is None or not self.control.exists():
+            return False
+        self._exe, self.running = exe, True
+        return True
 
     def ask(self, command: str) -> list[str]:
         """The daemon's answer to one control command (`get_server_list`, `get_client_list PID`, `quit`), word by

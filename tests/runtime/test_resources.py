@@ -1,6 +1,7 @@
 """The resource pool on this CPU machine: affinity of every thread of real spawned children, lease checks, MPS client
 environments that reach a spawned child, the MPS daemon's life cycle, re-quota callbacks, and the GPU paths failing
 with one line where there is no GPU."""
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -230,37 +231,7 @@ def test_spawn_env_reaches_a_spawned_child_and_is_restored_after(tmp_path, monke
     proc.join(10)
 
 
-# --- MPS daemon --------------------------------------------------------------------------------
-FAKE_MPS_CONTROL = """#!/bin/sh
-# Stand-in for nvidia-cuda-mps-control on a machine without a GPU: -d opens the control pipe, "quit" removes it.
-if [ "$CUDA_VISIBLE_DEVICES" = "$FAKE_MPS_FAIL_GPU" ]; then echo "no such device"; exit 1; fi
-if [ "$1" = "-d" ]; then
-  [ -n "$FAKE_MPS_NO_PIPE" ] && exit 0
-  echo "$CUDA_VISIBLE_DEVICES" > "$CUDA_MPS_PIPE_DIRECTORY/visible"
-  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
-  exit 0
-fi
-read command
-case "$command" in
-  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" ;;
-  get_server_list) for pid in $FAKE_MPS_SERVERS; do echo "$pid"; done ;;
-  get_client_list*) for pid in $FAKE_MPS_CLIENTS; do echo "$pid"; done ;;
-esac
-exit 0
-"""
-
-
-@pytest.fixture
-def fake_mps_control(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "nvidia-cuda-mps-control"
-    exe.write_text(FAKE_MPS_CONTROL)
-    exe.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return exe
-
-
+# --- MPS daemon (nvidia-cuda-mps-control: the stand-in of tests/conftest.py, fake_mps_control) -----------
 def test_mps_daemon_without_the_binary_on_path_says_so_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
     with pytest.raises(ResourceError) as err:
@@ -331,6 +302,24 @@ def test_a_process_that_is_not_its_daemons_client_is_said_in_one_line(tmp_path, 
         assert daemons.unenforced(clients).startswith("MPS: generation (pid 4101) and the trainer (pid 4102) are not")
 
 
+def test_a_daemon_left_by_a_killed_supervisor_is_found_by_its_pid_and_stopped(tmp_path, fake_mps_control, repo):
+    """gpu_check's run check: the run's supervisor (another process) started its daemon and was killed before it
+    stopped it; its pipes are where mps_dirs says for that pid, and adopting the daemon stops it."""
+    run_dir = tmp_path / "run"
+    code = ("import os, sys; from pathlib import Path; from ebrl.runtime.resources import MpsDaemon; "
+            "MpsDaemon(0, Path(sys.argv[1])).start(); os._exit(0)")  # (os._exit: no atexit, as under SIGKILL)
+    supervisor = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=repo, stderr=subprocess.PIPE,
+                                  text=True)
+    assert supervisor.wait(60) == 0, supervisor.stderr.read()
+    left = MpsDaemon(0, run_dir, pid=supervisor.pid)
+    assert left.control.exists() and f"ebrl-mps-{supervisor.pid}-" in str(left.pipe_dir)
+    assert MpsDaemon(0, run_dir).pipe_dir != left.pipe_dir  # (this process's own would be elsewhere)
+    assert left.adopt()
+    left.stop()
+    assert not left.control.exists() and not left.pipe_dir.parent.exists()
+    assert not left.adopt()  # none left
+
+
 # --- GPU paths on this CPU machine ---------------------------------------------------------------
 def test_green_contexts_on_a_machine_without_them_fail_with_one_line():
     with pytest.raises(ResourceError) as err:
@@ -351,9 +340,13 @@ def test_over_budget_names_the_stage_its_use_and_its_budget():
                      "(2.00 GiB)"]
 
 
-def test_gpu_check_on_a_machine_without_cuda_says_so_and_exits_0(tmp_path, repo):
-    out = subprocess.run([sys.executable, "-m", "ebrl.bench.gpu_check", "--out", str(tmp_path / "figures.json")],
-                         cwd=repo, capture_output=True, text=True, timeout=120)
+def test_gpu_check_on_a_machine_without_cuda_imports_each_check_then_skips_it(tmp_path, repo):
+    out = subprocess.run([sys.executable, "-m", "ebrl.bench.gpu_check", "--part", "1", "--out",
+                          str(tmp_path / "figures.json")], cwd=repo, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == "no CUDA device: nothing to check (run this on a GPU node)"
-    assert not (tmp_path / "figures.json").exists()
+    assert out.stdout.splitlines()[0] == ("no CUDA device: each check imports what it needs, then skips (run this on a "
+                                          "GPU node)")
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert list(figures) == ["basics", "egl", "mps", "memory", "green", "nvml", "full"]
+    assert {f["status"] for f in figures.values()} == {"SKIP"}
+    assert all(f["reason"].startswith("no CUDA device") for f in figures.values())
