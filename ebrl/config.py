@@ -139,6 +139,10 @@ class PolicyConfig:
     lora_rank: int = 16  # policy.train=lora: rank of the adapters
     lora_alpha: float = 16.0  # policy.train=lora: the adapters' update is scaled by lora_alpha / lora_rank
     grad_checkpoint: Optional[bool] = None  # recompute each transformer block in the backward pass; null: on for full
+    # How generation runs a flow family's denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA graphs, one per
+    # generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on a GPU, off on
+    # a CPU, where compiling takes longer than a run saves (docs/policies.md, "Capture")
+    capture: str = "auto"
 
 
 @dataclass
@@ -157,10 +161,6 @@ class FlowPolicyConfig(PolicyConfig):
     # per chunk stochastic, the rest plain Euler, the log-prob that step's: RLinf's Flow-SDE)
     chain_logprob: str = II("recipe:chain_logprob")
     detach_critic_input: bool = II("recipe:detach_critic_input")  # the value head's input carries no gradient
-    # How generation runs the denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA graphs, one per
-    # generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on a GPU, off on
-    # a CPU, where compiling takes longer than a run saves (docs/policies.md, "Capture")
-    capture: str = "auto"
 
 
 @dataclass

@@ -104,6 +104,9 @@ def test_under_grpo_a_straggler_is_a_whole_group_in_the_run_and_its_references()
         adapter.close()
     assert flags == [True, True, False, False]
     assert compose(Workload(num_envs=4, stragglers=0.5)).env.straggler_envs == 2  # PPO: envs
+    from ebrl.checks import validate
+
+    validate(compose(Workload(num_envs=4, stragglers=0.5), "ebrl"))  # (a plain config: every policy key a known one)
 
 
 def test_a_workload_the_config_refuses_is_one_line_from_the_command_line():
