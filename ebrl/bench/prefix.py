@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ebrl.bench.memory import compose, env_spec
+from ebrl.bench.policies import timed
 from ebrl.envs.base import ArraySpec, EnvSpec
 
 # host <-> GPU: PCIe 4.0 x16 (A100 nodes), 5.0 x16 (H100, H200), each way: PCI-SIG's published rates, 16 and 32 GT/s
@@ -37,13 +37,7 @@ FAMILIES = ("openpi", "openpi:pi05", "gr00t")
 
 
 def median_s(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed(fn, reps) / 1e3
 
 
 def shared_copy_s(nbytes: int, reps: int = 5) -> float:
