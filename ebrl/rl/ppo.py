@@ -203,7 +203,6 @@ def _parts(total: int, rows: int) -> list[slice]:
     return [slice(start, start + rows) for start in range(0, total, rows)]
 
 
-
 class PPOTrainer:
     """Adam over the parameters the policy trains (`policy.train`); `update` runs epochs x minibatches on one rollout,
     each minibatch one optimizer step over `algo.micro_batch` rows at a time.

@@ -191,7 +191,8 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def shard(policy: torch.nn.Module) -> None:
     """FSDP (distributed.strategy=fsdp): shard the policy's parameters, gradients and Adam moments over the ranks, as
-    one unit that `evaluate` (and `value`, for a decoupled update's bootstrap values) gathers whole for its pass. (Units per block would gather less at once, but our policies
+    one unit that `evaluate` (and `value`, for a decoupled update's bootstrap values, and `prefix`, a frozen prefix's
+    once per update) gathers whole for its pass. (Units per block would gather less at once, but our policies
     call their blocks' attention through methods other than forward, which FSDP does not see; measured: every family
     fails that way, and trains as one unit.)"""
     import warnings
@@ -201,6 +202,7 @@ def shard(policy: torch.nn.Module) -> None:
     fully_shard(policy)
     register_fsdp_forward_method(policy, "evaluate")
     register_fsdp_forward_method(policy, "value")
+    register_fsdp_forward_method(policy, "prefix")  # (a frozen prefix, computed once per update: PPOTrainer.prefixes)
     # evaluate returns views (of the log-prob and value heads' outputs); the trainer only uses them out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 

@@ -2,6 +2,8 @@
 own simulators; a killed rank stops the run with its checkpoint; a run of two ranks resumes on one."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -172,10 +174,16 @@ def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> 
     from ebrl.runtime.trainer import TrainerProcess, TrainerThreads
     from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout
 
+    # fsdp: the action expert alone, so that the frozen prefix is computed through the sharded policy, and decoupled
+    # updates whose proximal pass values rank 0's rows (sampled by older weights) and none of rank 1's: rank 1 runs
+    # passes to keep pace with rank 0's gathers
+    sharded = strategy == "fsdp"
     conf = OmegaConf.to_container(compose_config(*SMALL, "scheduler=ebrl", f"distributed.strategy={strategy}",
-                                                 "algo.epochs=1"), resolve=True)
+                                                 "algo.epochs=1", *(["policy.train=action_expert"] if sharded else [])),
+                                  resolve=True)
     policy = build_policy(conf["policy"], LIFT_SPEC, "cpu")
     batch = one_episode_rollout(policy, chunks=2, num_envs=2)
+    batches = [dataclasses.replace(batch, version=torch.full(batch.reward.shape, rank - 1)) for rank in range(2)]
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (torchrun's, for the ranks)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -189,8 +197,8 @@ def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> 
         for trainer in trainers:
             trainer.expect(Ready, 300)
         for iteration, gather in ((0, True), (1, False)):  # a checkpoint due after the first update only
-            for trainer in trainers:
-                trainer.send(Train(iteration, batch, decoupled=False, is_clip=2.0, gather=gather))
+            for trainer, own in zip(trainers, batches):
+                trainer.send(Train(iteration, own, decoupled=sharded, is_clip=2.0, gather=gather, version=iteration))
         # what each sent, in order: a State from rank 1 would come before its second Trained
         received = [[trainer.receive() for _ in range(3 - rank)] for rank, trainer in enumerate(trainers)]
     finally:
@@ -203,6 +211,10 @@ def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> 
     assert state.gathered_after == 0 and weights_sum(state.model) == first.metrics["dist/weights_sum"]
     assert received[1][0].metrics["dist/weights_sum"] == first.metrics["dist/weights_sum"]
     assert isinstance(next(iter(state.optimizer["state"])), str if strategy == "fsdp" else int)  # (FSDP: by name)
+    if sharded:  # (rank 0's rows are older than either update's weights; rank 1's of version 0, the first's)
+        assert [m.metrics["train/proximal_rows"] for m in (received[0][0], received[0][2])] == [4.0, 4.0]
+        assert [m.metrics["train/proximal_rows"] for m in received[1]] == [0.0, 4.0]
+        assert all(m.metrics["train/cached_prefix"] == 1.0 for m in (*received[1], received[0][0]))
     # both published the same weights (FSDP: gathered a tensor at a time as they were written)
     assert all(channel.version == 2 for channel in channels)
     assert all(torch.equal(a, b) for a, b in zip(channels[0].state().values(), channels[1].state().values()))
