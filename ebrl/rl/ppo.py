@@ -331,6 +331,8 @@ class PPOTrainer:
         """
         picked = torch.arange(chunk.shape[0], device=chunk.device) if which is None else which.nonzero()[:, 0]
         passes = self._max_over_ranks(math.ceil(len(picked) / rows)) if self.sharded else math.ceil(len(picked) / rows)
+        if not passes:  # (sharded, and no rank has a row to value)
+            return chunk.new_zeros(0, chunk.shape[1]), chunk.new_zeros(0)
         lp, value = [], []
         for i in range(passes):
             part = picked[i * rows:(i + 1) * rows]

@@ -91,9 +91,13 @@ def _then(line: str, stop: StopLine) -> str:
 
 
 def _report(e: BaseException, process: str) -> str:
-    """One line naming the process and its error; the whole traceback goes to the run folder's error.txt (outside a
-    run, to a file of the temp folder)."""
-    line = f"{process} failed: {one_line(e)}"
+    """One line naming the process and its error and where its whole traceback is (`kept_traceback`)."""
+    return f"{process} failed: {one_line(e)} (traceback in {kept_traceback(e)})"
+
+
+def kept_traceback(e: BaseException) -> Path:
+    """Write e's whole traceback to the run folder's error.txt (outside a run, or in a worker process, which has no
+    run folder of its own, to a file of the temp folder); returns its path."""
     run_dir = _hydra_output_dir()
     text = "".join(traceback.format_exception(e))
     if run_dir is not None and run_dir.is_dir():
@@ -103,7 +107,7 @@ def _report(e: BaseException, process: str) -> str:
         with tempfile.NamedTemporaryFile("w", prefix="ebrl-error-", suffix=".txt", delete=False) as f:
             f.write(text)
             path = Path(f.name)
-    return f"{line} (traceback in {path})"
+    return path
 
 
 def benchmark_main(main: Callable[[], object], name: str) -> None:

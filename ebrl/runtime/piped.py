@@ -11,6 +11,7 @@ import torch
 from ebrl.envs.base import one_line
 from ebrl.errors import StageFailed
 from ebrl.node import order_gpus_by_bus
+from ebrl.runtime.errors import kept_traceback
 from ebrl.runtime.messages import Failed, Stop
 from ebrl.runtime.resources import MEMORY_BUDGET_VAR, apply_memory_budget
 
@@ -31,9 +32,10 @@ def start_worker(cpus: Sequence[int], threads: int, seed: int, device: str) -> N
 
 
 def report_failure(results: multiprocessing.connection.Connection, e: Exception) -> None:
-    """Answer a worker's failure as `Failed` (one line); the supervisor stops the run."""
+    """Answer a worker's failure as `Failed` (one line, and where its traceback is kept); the supervisor stops the
+    run."""
     try:
-        results.send(Failed(one_line(e)))
+        results.send(Failed(f"{one_line(e)} (traceback in {kept_traceback(e)})"))
     except OSError:
         pass
 

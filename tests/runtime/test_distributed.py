@@ -141,7 +141,7 @@ def test_the_ranks_of_a_node_split_its_cores(monkeypatch: pytest.MonkeyPatch) ->
     ((0, 2, 2), ["hw.nodes=0"], "hw.nodes=0 must be a positive number"),
     ((0, 2, 2), ["distributed.strategy=fsdp"], "distributed.strategy=fsdp shards the trainer process's weights and "
                                                "scheduler=colocated trains in the process that generates"),
-    ((0, 2, 2), ["distributed.strategy=zero3"], "distributed.strategy='zero3' is not available; accepted: ddp, fsdp"),
+    ((0, 2, 2), ["distributed.strategy=zero3"], "distributed.strategy='zero3' is not available; accepted: auto, ddp, fsdp"),
 ])
 def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch, launch, overrides,
                                                               message) -> None:

@@ -99,6 +99,24 @@ def test_a_killed_trainer_stops_the_run_with_one_line_and_nothing_left(tmp_path:
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written stays
 
 
+def test_a_workers_failure_is_one_line_that_names_its_kept_traceback() -> None:
+    """A trainer or generation process answers its exception as one line; the traceback is kept in a file it names."""
+    import multiprocessing
+
+    from ebrl.runtime.piped import report_failure
+
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        torch.cat([])
+    except ValueError as e:
+        report_failure(theirs, e)
+    reason = ours.recv().reason
+    assert reason.startswith("ValueError: torch.cat(): expected a non-empty list of Tensors (traceback in ")
+    kept = Path(reason.rsplit("(traceback in ", 1)[1].rstrip(")"))
+    assert "Traceback" in kept.read_text() and "torch.cat([])" in kept.read_text()
+    kept.unlink()
+
+
 def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_py(*SMALL, "scheduler=ebrl", "iterations=3", "env.fault.kind=hang", "env.fault.env=1",
