@@ -4,9 +4,10 @@ One transition = one decision: the observation at a chunk boundary, the chunk th
 sampled, the reward summed over the env steps the chunk executed (its first `policy.execute`
 actions, or fewer where the episode ended inside it), and whether the episode ended inside it.
 GAE runs over these chunk steps. The ratio is taken per executed action of the chunk (each
-action's log-density under the denoising chain; algo.logprob_level=action), or once per chunk
-over the sum of its executed actions' log-densities (chunk: RLinf's chunk_level); actions the
-env never executed are masked out of the loss.
+action's log-density under the denoising chain; algo.logprob_level=action), once per chunk
+over the sum of its executed actions' log-densities (chunk: RLinf's chunk_level), or once per
+chunk over all H actions of the chain it was sampled as (chain); actions the env never executed
+are in no loss but chain's.
 
 Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL) for
 asynchronous schedules, where a rollout may come from weights older than the trainer's: the clip
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ebrl.checks import PROXIMAL
+from ebrl.checks import LOGPROB_LEVELS, PROXIMAL
 from ebrl.config import AlgoConfig
 from ebrl.policies.base import Policy
 from ebrl.policies.layers import cat_rows, map_tensors
@@ -64,17 +65,18 @@ def compute_gae(
     return adv, adv + value
 
 
-LEVELS = ("action", "chunk")
-
-
 def by_level(log_prob: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H) per-action log-probs and executed-action mask as the units one ratio is taken over: as they are
-    (action), or (B, 1): each chunk's sum over its executed actions and whether it executed any (chunk)."""
+    (action); or (B, 1), one per chunk that executed any action: the sum over its executed actions (chunk), or over
+    all H actions of the chain, the ones the env never ran included (chain: the density the chain was sampled
+    from, which was drawn jointly over all H; docs/design.md, "The chain's log-prob")."""
     if level == "action":
         return log_prob, mask
-    if level != "chunk":
-        raise ValueError(f"algo.logprob_level={level!r}; accepted: {', '.join(LEVELS)}")
-    return (log_prob * mask).sum(-1, keepdim=True), mask.any(-1, keepdim=True)
+    if level == "chunk":
+        return (log_prob * mask).sum(-1, keepdim=True), mask.any(-1, keepdim=True)
+    if level == "chain":
+        return log_prob.sum(-1, keepdim=True), mask.any(-1, keepdim=True)
+    raise ValueError(f"algo.logprob_level={level!r}; accepted: {', '.join(LOGPROB_LEVELS)}")
 
 
 def ppo_loss(

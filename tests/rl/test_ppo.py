@@ -217,7 +217,7 @@ def rlinf_actor_loss(logprobs, old_logprobs, advantages, mask, clip, clip_c=None
     return (loss * mask).sum() / mask.sum()
 
 
-def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_actions():
+def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_actions_and_chain_over_all():
     # three chunks of four actions, the env executes the first two (policy.execute=2); chunk 2's episode ended after
     # its first action; chunk 1 has a negative advantage with a large ratio, which the dual clip caps
     g = torch.Generator().manual_seed(0)
@@ -238,6 +238,12 @@ def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_action
     assert ppo_loss(other, old, adv, mask, clip=0.2, level="chunk")[0] == ppo_loss(new, old, adv, mask, clip=0.2,
                                                                                    level="chunk")[0]
 
+    # chain: one ratio per chunk that executed any action, over all four actions of the chain it was sampled as
+    mask[2] = False  # (a padded row: no loss)
+    loss = ppo_loss(new, old, adv, mask, clip=0.2, level="chain")[0]
+    want = rlinf_actor_loss(new.sum(-1), old.sum(-1), adv, mask.any(-1), 0.2)
+    assert abs(loss.item() - want.item()) < 1e-6
+    assert ppo_loss(other, old, adv, mask, clip=0.2, level="chain")[0] != loss
 
 def test_dual_clip_caps_a_negative_advantages_loss_per_action_too():
     new, old = torch.tensor([[math.log(5.0)], [math.log(5.0)]]), torch.zeros(2, 1)
