@@ -366,7 +366,7 @@ def _check_precision(cfg: DictConfig) -> None:
         _positive(cfg, "algo.micro_batch")
 
 
-FAULTS = ("hang", "error", "exit")
+FAULTS = ("hang", "error", "exit", "slow")
 
 
 def _check_failures(cfg: DictConfig) -> None:

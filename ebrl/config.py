@@ -32,10 +32,13 @@ class ConfigError(BadInput, ValueError):
 class FaultConfig:
     """Tests only: make one simulator fail (`env.fault.kind=hang env.fault.env=1 env.fault.chunk=3`)."""
 
-    kind: Optional[str] = None  # hang (sleeps past any timeout) | error (raises in the chunk) | exit (dies); null: none
+    # hang (sleeps past any timeout) | error (raises in the chunk) | exit (dies) | slow (spends `seconds` of CPU
+    # before the chunk, then runs it); null: none
+    kind: Optional[str] = None
     env: int = 0  # which env's simulator
     chunk: int = 1  # at its k-th chunk
     again: bool = False  # its replacements fail the same way
+    seconds: float = 1.0  # slow's CPU time
 
 
 @dataclass
@@ -269,8 +272,10 @@ class SchedulerConfig:
     # where generation runs: supervisor (no process boundary on the hot path) | process (its own, mapping the
     # published weights; a new MPS share is a respawn); null: process under MPS, else supervisor
     generation: Optional[str] = None
-    # A simulator that dies, fails in a chunk, or sends no result for chunk_timeout_s is replaced by a fresh one;
-    # more than max_sim_failures replacements within sim_failure_window_s stop the run (with a checkpoint)
+    # A simulator that dies, fails in a chunk, or hangs in one (its process's CPU time stands still for
+    # chunk_timeout_s, or the chunk takes that much CPU: a slow simulator on a loaded machine is waited for) is
+    # replaced by a fresh one; more than max_sim_failures replacements within sim_failure_window_s stop the run
+    # (with a checkpoint)
     chunk_timeout_s: Optional[float] = 120.0  # null: wait for ever
     max_sim_failures: int = 5
     sim_failure_window_s: float = 600.0

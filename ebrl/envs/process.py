@@ -188,10 +188,14 @@ class Simulator:
 
 
 def _inject(fault: dict[str, Any]) -> None:
-    """env.fault, for tests: this process hangs (sleeps far past any chunk timeout), fails inside its chunk, or
-    dies without a word."""
+    """env.fault, for tests: this process hangs (sleeps far past any chunk timeout), fails inside its chunk, dies
+    without a word, or is slow (spends `seconds` of CPU time, then runs its chunk)."""
     if fault["kind"] == "hang":
         time.sleep(3600)
+    elif fault["kind"] == "slow":
+        until = time.process_time() + float(fault.get("seconds", 1.0))
+        while time.process_time() < until:
+            pass
     elif fault["kind"] == "error":
         raise RuntimeError(f"injected fault at chunk {fault['chunk']}")
     elif fault["kind"] == "exit":

@@ -55,13 +55,61 @@ class Launch:
     serial: bool = False
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc's CPU times
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process `pid`, all its threads (/proc/PID/stat); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # (after the command name, which may hold spaces)
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: the stat's 14th and 15th fields
+
+
+class Progress:
+    """Whether a simulator process is still at its chunk: a chunk is hung when the process's CPU time stood still for
+    `limit` seconds of wall-clock (stopped, blocked, deadlocked), or when the chunk alone took `limit` seconds of CPU
+    (a spin that never ends). Wall-clock alone does not count: on a machine that other load slows, a simulator's CPU
+    time advances, however slowly, and its chunk is waited for. Without a process of its own (scheduler.serial) the
+    wall-clock is all there is."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.moved = time.monotonic()  # when its CPU time was last seen to advance (or the chunk was sent)
+        self.start = self.cpu = (process_cpu_seconds(pid) if pid is not None else None) or 0.0
+
+    def hung(self, limit: float) -> str | None:
+        """Why the chunk counts as hung now, or None (its CPU time is read again)."""
+        now = time.monotonic()
+        cpu = process_cpu_seconds(self.pid) if self.pid is not None else None
+        if cpu is None:
+            if self.pid is not None:  # gone: its pipe's end says so
+                return None
+        elif cpu > self.cpu:
+            self.cpu, self.moved = cpu, now
+        if now - self.moved >= limit:
+            return f"no CPU time for {now - self.moved:.0f} s" if self.pid is not None else \
+                f"no result for {now - self.moved:.0f} s"
+        if self.cpu - self.start >= limit:
+            return f"{self.cpu - self.start:.0f} s of CPU on one chunk"
+        return None
+
+    def until_check(self, limit: float) -> float:
+        """Seconds until `hung` could first say so, at most a quarter of `limit` (its CPU time may stop between two
+        reads: a stop is seen within 1.25 limits)."""
+        return max(0.0, min(self.moved + limit - time.monotonic(), limit - (self.cpu - self.start), limit / 4))
+
+
 @dataclass(frozen=True)
 class InFlight:
     """The chunk a worker was asked to run: `empty` (0 steps, nothing sent), or `lost` (it could not be sent: why;
-    `wait` reports the failure)."""
+    `wait` reports the failure); `progress` watches its process while it runs."""
 
     empty: bool = False
     lost: str | None = None
+    progress: Progress | None = None
 
 
 
@@ -161,7 +209,7 @@ class SimFailure(StageFailed):
 
 
 class SimHung(SimFailure):
-    """A simulator sent no result within its timeout."""
+    """A simulator stopped making progress in its chunk (`Progress`)."""
 
 
 class SimulatorsFailing(StageFailed):
@@ -378,20 +426,37 @@ class SimWorker:
                 self._send(("chunk", int(n_steps)))
             except EnvSetupError as e:  # it died between chunks: `wait` reports it
                 lost = str(e)
-        self._chunk = InFlight(empty=n_steps == 0, lost=lost)
+        self._chunk = InFlight(empty=n_steps == 0, lost=lost, progress=Progress(self.pid) if n_steps else None)
 
-    def wait(self, timeout: float | None = None) -> ChunkReport:
+    def hung(self, limit: float) -> str | None:
+        """Why the running chunk counts as hung under `limit` (`Progress`), or None."""
+        chunk = self._chunk
+        return chunk.progress.hung(limit) if chunk is not None and chunk.progress is not None else None
+
+    def until_check(self, limit: float) -> float | None:
+        """Seconds until `hung` is worth asking again (None: no chunk runs)."""
+        chunk = self._chunk
+        return chunk.progress.until_check(limit) if chunk is not None and chunk.progress is not None else None
+
+    def wait(self, limit: float | None = None) -> ChunkReport:
         """Block until the submitted chunk is done; obs then holds the next decision's observation. Raises
-        SimFailure if the process died, failed inside the chunk, or sent nothing within `timeout` seconds."""
-        chunk, self._chunk = self._chunk, None
+        SimFailure if the process died or failed inside the chunk, and SimHung if it made no progress (`Progress`
+        under `limit` seconds; None: wait for ever)."""
+        chunk = self._chunk
         if chunk is None:
             raise RuntimeError(f"sim worker {self.index}: wait() without submit()")
-        if chunk.empty:
-            return ChunkReport.nothing()
-        if chunk.lost is not None:
-            raise SimFailure(chunk.lost)
-        if timeout is not None and not self.connection.poll(max(0.0, timeout)):
-            raise SimHung(f"sim worker {self.index} (pid {self.pid}) hung")
+        try:
+            if chunk.empty:
+                return ChunkReport.nothing()
+            if chunk.lost is not None:
+                raise SimFailure(chunk.lost)
+            if limit is not None and chunk.progress is not None:
+                while not self.connection.poll(chunk.progress.until_check(limit)):
+                    why = chunk.progress.hung(limit)
+                    if why is not None:
+                        raise SimHung(f"sim worker {self.index} (pid {self.pid}) hung: {why}")
+        finally:
+            self._chunk = None
         try:
             reply = self._receive("ok") or {}
         except AdapterContractError:
@@ -496,7 +561,7 @@ class SimWorkerPool:
         self.max_failures, self.failure_window_s = max_failures, failure_window_s
         self.started_episodes = False  # reset_all succeeded once: a failure in a later one is a simulator failure
         self.failures: list[tuple[float, int, str]] = []  # (time.monotonic(), env, why) of every replacement
-        fault = env_cfg.get("fault") or {}  # env.fault (tests): {kind: hang|error|exit|None, env: i, chunk: k, again}
+        fault = env_cfg.get("fault") or {}  # env.fault (tests): kind, env, chunk, again, seconds (FaultConfig)
         self.tasks = assign_tasks(env_cfg, num_envs, group_size)  # env.tasks: env i's task; None: env.task for all
         own = [{k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
                for i in range(num_envs)]
@@ -604,17 +669,15 @@ class SimWorkerPool:
 
     def wait_all(self) -> list[ChunkReport]:
         """Every env's chunk (submitted together), a failed one replaced and reported as `failed`."""
-        deadline = None if self.chunk_timeout_s is None else time.monotonic() + self.chunk_timeout_s
-        return [self.wait_chunk(i, None if deadline is None else deadline - time.monotonic())
-                for i in range(len(self.workers))]
+        return [self.wait_chunk(i) for i in range(len(self.workers))]
 
-    def wait_chunk(self, env: int, timeout: float | None = None) -> ChunkReport:
-        """Env `env`'s chunk; if its simulator died, failed or hung (past `timeout`), it is replaced and the chunk
-        reports `failed`. Raises SimulatorsFailing when replacements come too often."""
+    def wait_chunk(self, env: int) -> ChunkReport:
+        """Env `env`'s chunk; if its simulator died, failed or hung (no progress for chunk_timeout_s: `Progress`), it
+        is replaced and the chunk reports `failed`. Raises SimulatorsFailing when replacements come too often."""
         try:
-            report = self.workers[env].wait(timeout)
+            report = self.workers[env].wait(self.chunk_timeout_s)
         except SimHung as e:
-            return self.replace(env, f"{e}: no result within scheduler.chunk_timeout_s={self.chunk_timeout_s:g} s")
+            return self.replace(env, f"{e} (scheduler.chunk_timeout_s={self.chunk_timeout_s:g})")
         except SimFailure as e:
             return self.replace(env, str(e))
         if self.tasks and report.episode is not None:

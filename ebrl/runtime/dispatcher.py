@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.connection
 import queue
 import threading
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -213,7 +212,6 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._ready: list[int] = []  # without a core pool: envs to submit at once
         self._running: dict[Any, int] = {}  # worker connection -> env
-        self._since: dict[int, float] = {}  # env -> time.monotonic() its chunk was submitted
         self._wake_recv, self._wake_send = multiprocessing.Pipe(duplex=False)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ebrl-dispatcher", daemon=True)
@@ -275,20 +273,20 @@ class Dispatcher:
                 worker.bind([core])
             worker.submit(worker.chunk_len)
             self._running[worker.connection] = env
-            self._since[env] = time.monotonic()
 
     def _until_overdue(self) -> float | None:
-        """Seconds until the oldest running chunk passes the pool's chunk timeout (None: no timeout or none runs)."""
-        if self.pool.chunk_timeout_s is None or not self._since:
-            return None
-        return max(0.0, min(self._since.values()) + self.pool.chunk_timeout_s - time.monotonic())
+        """Seconds until a running chunk's progress is worth checking again (None: no timeout or none runs)."""
+        limit = self.pool.chunk_timeout_s
+        checks = [] if limit is None else [self.pool.workers[env].until_check(limit) for env in self._running.values()]
+        return min((c for c in checks if c is not None), default=None)
 
     def _overdue(self) -> list[Any]:
-        """Connections of chunks past the timeout (their wait_chunk then finds no result and replaces them)."""
-        if self.pool.chunk_timeout_s is None:
+        """Connections of chunks that made no progress within the pool's chunk timeout (`Progress`; their wait_chunk
+        then finds them hung and replaces them)."""
+        limit = self.pool.chunk_timeout_s
+        if limit is None:
             return []
-        now = time.monotonic()
-        return [conn for conn, env in self._running.items() if now - self._since[env] >= self.pool.chunk_timeout_s]
+        return [conn for conn, env in self._running.items() if self.pool.workers[env].hung(limit) is not None]
 
     def _run(self) -> None:
         try:
@@ -300,7 +298,7 @@ class Dispatcher:
                 ready = multiprocessing.connection.wait(
                     [*self._running, *([results, died] if trainer is not None else []), self._wake_recv],
                     timeout=self._until_overdue())
-                # a chunk past the timeout is taken as hung: wait_chunk replaces it and reports a failed chunk
+                # a chunk without progress is taken as hung: wait_chunk replaces it and reports a failed chunk
                 for conn in list(dict.fromkeys([*ready, *self._overdue()])):
                     if conn is self._wake_recv:
                         while conn.poll():
@@ -315,9 +313,7 @@ class Dispatcher:
                 self.events.put(Broke(e))
 
     def _chunk_ended(self, env: int) -> None:
-        since = self._since.pop(env)
-        timeout = self.pool.chunk_timeout_s
-        report = self.pool.wait_chunk(env, None if timeout is None else timeout - (time.monotonic() - since))
+        report = self.pool.wait_chunk(env)
         if self.cores is not None:
             with self._lock:
                 self.cores.release(env)

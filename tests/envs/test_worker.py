@@ -12,7 +12,7 @@ import pytest
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.slots import SlotLayout
 from ebrl.envs.egl import EglDevice, egl_devices
-from ebrl.envs.worker import (SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment,
+from ebrl.envs.worker import (Progress, SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment,
                               simulator_gpu_environment)
 
 LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
@@ -168,6 +168,57 @@ def test_a_failed_simulator_is_replaced_in_its_slot_and_repeated_failures_stop()
                                                     "scheduler.max_sim_failures=1"):
             pool.wait_all()
     assert shm_segments() - before == set()
+
+
+def test_progress_is_cpu_time_a_stopped_process_hangs_and_a_spinning_one_hits_the_bound():
+    limit = 1.0
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # (both started: the interpreter's own start is CPU time)
+        watches = {"stopped": Progress(sleeper.pid), "spinning": Progress(spinner.pid)}
+        start, why = time.monotonic(), {}
+        while len(why) < 2 and time.monotonic() - start < 10:
+            time.sleep(min(w.until_check(limit) for w in watches.values()))
+            why |= {name: w.hung(limit) for name, w in watches.items() if name not in why and w.hung(limit)}
+        assert why["stopped"].startswith("no CPU time for ") and why["spinning"].endswith(" s of CPU on one chunk")
+    finally:
+        sleeper.kill(), spinner.kill()
+
+
+def test_a_simulator_slowed_past_the_timeout_is_waited_for_and_a_stopped_one_is_replaced():
+    """Env 0 spends 1.5 s of CPU in its chunk while stopped and continued in bursts (0.8 s stopped, 0.4 s running),
+    so that its chunk takes longer than chunk_timeout_s in wall-clock: it advances, and is waited for. Env 1 is
+    stopped for good: replaced."""
+    fault = dict(kind="slow", env=0, chunk=1, seconds=1.5)
+    with SimWorkerPool({**LIFT, "fault": fault}, num_envs=2, seed=0, chunk_len=4, chunk_timeout_s=2.5) as pool:
+        pool.reset_all()
+        slow, stopped = pool.workers[0].pid, pool.workers[1].pid
+        done = threading.Event()
+
+        def throttle():
+            while not done.is_set():
+                os.kill(slow, signal.SIGSTOP)
+                done.wait(0.8)
+                os.kill(slow, signal.SIGCONT)
+                done.wait(0.4)
+
+        os.kill(stopped, signal.SIGSTOP)
+        throttler = threading.Thread(target=throttle, daemon=True)
+        start = time.monotonic()
+        pool.submit_all(2, np.zeros((2, 2, pool.spec.action_dim), np.float32))
+        throttler.start()
+        try:
+            first = pool.wait_chunk(0)
+            slowed = time.monotonic() - start
+            second = pool.wait_chunk(1)
+        finally:
+            done.set()
+            throttler.join()
+            os.kill(slow, signal.SIGCONT)
+        assert slowed > 2.5 and first.failed is None and first.executed == 2  # (past the timeout in wall-clock)
+        assert second.failed.startswith(f"sim worker 1 (pid {stopped}) hung: no CPU time for ")
+        assert pool.workers[0].pid == slow and pool.workers[1].pid != stopped
 
 
 def test_a_simulator_that_dies_before_a_seeded_reset_is_replaced_and_reset_from_its_seed():
