@@ -216,6 +216,20 @@ class SimulatorsFailing(StageFailed):
     """Simulators keep failing: more replacements in a window than allowed; the message is one line."""
 
 
+_BLOCKS: dict[str, SharedMemory] = {}  # the shared slots this process created and has not freed
+
+
+def free_blocks_now() -> None:
+    """Unlink every shared slot this process created (a stop at once, `exit_cleanly`'s second signal: no owner will
+    close them, and the resource tracker would free them with a warning)."""
+    for shm in list(_BLOCKS.values()):
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+    _BLOCKS.clear()
+
+
 class _Resources:
     """What a SimWorker must release even if its owner forgets: the process, the pipe, the shm block."""
 
@@ -237,6 +251,7 @@ class _Resources:
             self.conn.close()
             self.conn = None
         if self.shm is not None:
+            _BLOCKS.pop(self.shm.name, None)
             try:
                 self.shm.unlink()
             except FileNotFoundError:
@@ -335,6 +350,7 @@ class SimWorker:
         self.chunk_len = int(chunk_len)
         layout = SlotLayout.build(self.slot_spec or spec, self.chunk_len)
         self._res.shm = SharedMemory(create=True, size=layout.size)
+        _BLOCKS[self._res.shm.name] = self._res.shm
         self.slot = Slot.of(layout.views(self._res.shm.buf))
         self._send(("attach", self._res.shm.name, self.chunk_len, self.slot_spec))
         self._receive("ok")

@@ -3,6 +3,7 @@
 one line naming it."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -12,7 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
+
 from ebrl.envs.base import one_line
+from ebrl.envs.worker import free_blocks_now
 from ebrl.errors import BadInput, StageFailed
 
 EXIT_FAILED = 1
@@ -58,7 +62,8 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
     """Around a run (or a benchmark, naming itself as `process`): bad input (`BadInput`) exits 2 with its line, a
     failed stage (`StageFailed`) or any other error exits 1 with one line and the resume hint, Ctrl-C or SIGTERM
     exits 130."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: checkpoint, workers stopped
+    # the first Ctrl-C or SIGTERM stops the run (a checkpoint, the workers stopped), a second one at once
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     stop = StopLine()
     try:
         yield stop
@@ -82,7 +87,8 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
         print(f"interrupted{how}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _then(line: str, stop: StopLine) -> str:
@@ -117,4 +123,23 @@ def benchmark_main(main: Callable[[], object], name: str) -> None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """The first Ctrl-C or SIGTERM: KeyboardInterrupt, which the run stops on (a checkpoint, its workers stopped);
+    from then on either signal stops the process at once (`_at_once`)."""
+    signal.signal(signal.SIGTERM, _at_once)
+    signal.signal(signal.SIGINT, _at_once)
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _at_once(signum: int, frame: object) -> None:
+    """A second Ctrl-C or SIGTERM while the first one's stop is under way: every process this one started is killed,
+    the simulators' shared slots freed, and this one exits 130 now. The checkpoint on disk is the
+    last one written whole (checkpoints are written to a temporary file and renamed)."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" not in " ".join(child.cmdline()):  # (it frees what the dead held)
+                child.kill()
+        except psutil.Error:
+            pass
+    free_blocks_now()
+    os.write(2, f"stopped at once by a second {signal.Signals(signum).name}\n".encode())
+    os._exit(EXIT_INTERRUPTED)

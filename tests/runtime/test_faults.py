@@ -174,6 +174,30 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
+    try:
+        wait_for_iterations(run_dir, 2, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # (the first one's stop under way: two signals at once would be one)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and last_line(err) == "stopped at once by a second SIGTERM", err[-3000:]
+    deadline = time.monotonic() + 30  # (the resource tracker frees the shared memory once this process is gone)
+    while time.monotonic() < deadline and (set(os.listdir("/dev/shm")) - shm_before or
+                                           [p for p in children if p.is_running() and p.status() != "zombie"]):
+        time.sleep(0.2)
+    assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written whole
+
+
 @pytest.fixture(scope="module")
 def two_iterations(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("faults") / "run"
