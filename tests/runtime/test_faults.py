@@ -145,19 +145,30 @@ def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: P
     assert ckpt["env_steps"] == (rows[-1]["env_steps"] if rows else 0)
 
 
-def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1000", f"hydra.run.dir={run_dir}")
+def stopped_by_sigterm(run_dir: Path, *overrides: str,
+                       twice: bool = False) -> tuple[subprocess.Popen, list[psutil.Process], str]:
+    """A pipelined run of 2 simulators sent SIGTERM after 2 iterations (twice: again, while the first one's stop is
+    under way); its process, the processes it had started, and its stderr."""
+    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", *overrides, f"hydra.run.dir={run_dir}")
     try:
         wait_for_iterations(run_dir, 2, proc)
         children = psutil.Process(proc.pid).children(recursive=True)  # simulators, the trainer, helpers
         assert len(simulators(proc)) == 2
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
+        if twice:
+            time.sleep(0.3)  # (two signals at once would be one)
+            proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, children, err
+
+
+def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc, children, err = stopped_by_sigterm(run_dir, "checkpoint_every=1000")
     assert proc.returncode == 130, err[-3000:]
     assert last_line(err) == f"interrupted by SIGTERM: continue with resume={run_dir}"
     # the only checkpoint is the one written on the way out: the trainer's newest weights, with the iterations they
@@ -177,17 +188,7 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
 def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shm_before = set(os.listdir("/dev/shm"))
-    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
-    try:
-        wait_for_iterations(run_dir, 2, proc)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # (the first one's stop under way: two signals at once would be one)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, children, err = stopped_by_sigterm(run_dir, "checkpoint_every=1", twice=True)
     assert proc.returncode == 130 and last_line(err) == "stopped at once by a second SIGTERM", err[-3000:]
     deadline = time.monotonic() + 30  # (the resource tracker frees the shared memory once this process is gone)
     while time.monotonic() < deadline and (set(os.listdir("/dev/shm")) - shm_before or
