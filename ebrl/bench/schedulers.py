@@ -448,11 +448,29 @@ def round_order(modes: Sequence[str], index: int) -> list[str]:
     return list(modes) if index % 2 == 0 else list(reversed(modes))
 
 
-def run_round(workload: Workload, modes: Sequence[str], gym: bool) -> Round:
-    """Every row once: the modes in the order given, then the references."""
+@dataclass(frozen=True)
+class Load:
+    """`--foreign-load`: busy processes at nice 0 beside each mode's second measurement, pinned to the first cores
+    of the run's or where the kernel puts them."""
+
+    processes: int = 0
+    pinned: bool = False
+
+    def row(self, mode: str) -> str:
+        return f"{mode} +{self.processes} busy{' pinned' if self.pinned else ''}"
+
+
+def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = Load()) -> Round:
+    """Every row once: the modes in the order given (each quiet, then beside `load` if any), then the references."""
+    from ebrl.bench.load import foreign_load
+
     out = Round()
     for mode in modes:
         out.rates[mode], out.cpu_busy[mode], out.stages[mode] = run_mode(compose(workload, mode))
+        if load.processes:
+            cores = sorted(os.sched_getaffinity(0)) if load.pinned else None
+            with foreign_load(load.processes, cores):
+                out.rates[load.row(mode)], out.cpu_busy[load.row(mode)], _ = run_mode(compose(workload, mode))
     cfg = compose(workload)
     out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
         cfg, workload.iterations)
@@ -540,6 +558,21 @@ def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str
         f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
 
 
+def under_load(result: dict[str, Any], modes: Sequence[str], load: Load) -> dict[str, dict[str, float]]:
+    """Print and return each mode's env steps/s quiet and beside the foreign load, and the share it kept."""
+    rate = {r["row"]: r["env_steps_per_s"] for r in result["rows"]}
+    figures = {mode: {"quiet": rate[mode], "loaded": rate[load.row(mode)],
+                      "kept": rate[load.row(mode)] / rate[mode]} for mode in modes}
+    where = "pinned to the first cores" if load.pinned else "unpinned"
+    print(f"\nbeside {load.processes} busy process(es) at nice 0 ({where}; {load.processes} of {result['cores']} cores "
+          f"is {load.processes / result['cores']:.0%} of the machine), medians over rounds:")
+    print("| mode | quiet env steps/s | loaded | kept |")
+    print("|---|---|---|---|")
+    for mode, f in figures.items():
+        print(f"| {mode} | {f['quiet']:.1f} | {f['loaded']:.1f} | {f['kept']:.0%} |")
+    return figures
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse, run `--repeats` rounds (modes in ABBA order), print the table; returns what `--json` writes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -561,6 +594,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--straggler-task", default=None, help="task the stragglers run (default: --task)")
     parser.add_argument("--straggler-slowdown", type=int, default=3,
                         help="stragglers take this many times the physics substeps per action")
+    parser.add_argument("--foreign-load", type=int, default=0, metavar="N",
+                        help="also measure each mode beside N busy processes at nice 0 (a shared node's other load)")
+    parser.add_argument("--foreign-pinned", action="store_true",
+                        help="pin the busy processes to the run's first cores (default: where the kernel puts them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. algo.epochs=2")
@@ -583,11 +620,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.tasks and not args.no_gym:
         print("--tasks: no gymnasium reference (its AsyncVectorEnv runs one task)", file=sys.stderr)
     gym = not args.no_gym and not args.tasks
-    rounds = [run_round(workload, round_order(args.modes, i), gym=gym) for i in range(args.repeats)]
+    load = Load(args.foreign_load, args.foreign_pinned)
+    rounds = [run_round(workload, round_order(args.modes, i), gym=gym, load=load) for i in range(args.repeats)]
     cfg = compose(workload)
     result = summarize(rounds, args.modes, bench_cores(cfg), gpu=run_device_type(cfg) == "cuda")
     result["workload"] = workload.__dict__
     print_report(result, workload, args.modes)
+    if load.processes:
+        result["under_load"] = under_load(result, args.modes, load)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

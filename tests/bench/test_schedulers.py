@@ -14,9 +14,13 @@ MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-
 
 
 def test_benchmark_reports_every_row(tmp_path, capsys):
-    result = main([*MINIMAL, "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json", str(tmp_path / "bench.json")])
+    result = main([*MINIMAL, "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json", str(tmp_path / "bench.json"),
+                   "--foreign-load", "1", "--foreign-pinned"])
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
+    loaded = ["colocated +1 busy pinned", "ebrl[scheduler.groups=2] +1 busy pinned"]
+    assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", *loaded, SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
+    assert [result["under_load"][mode]["kept"] for mode in result["stages"]] == \
+        [rows[row]["env_steps_per_s"] / rows[mode]["env_steps_per_s"] for mode, row in zip(result["stages"], loaded)]
     for r in rows.values():
         assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1 and r["min"] == r["max"] == r["per_round"][0]
         assert math.isfinite(r["limit"]) and r["limit"] > 0 and r["achieved_over_limit"] > 0
@@ -29,6 +33,21 @@ def test_benchmark_reports_every_row(tmp_path, capsys):
     assert "CPU ms per env step" in table
     stages = result["stages"]["ebrl[scheduler.groups=2]"]  # where the pipelined mode's time went
     assert 0 < stages["cpu_share_simulate"] <= 1 and stages["cpu_share_trainer"] > 0 and stages["busy_train"] > 0
+
+
+def test_a_foreign_load_is_busy_at_nice_0_where_it_is_pinned_and_gone_after():
+    import os
+    import time
+
+    from ebrl.bench.load import foreign_load
+    from ebrl.envs.worker import process_cpu_seconds
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    with foreign_load(2, [core]) as pids:
+        time.sleep(0.5)
+        assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 and os.sched_getaffinity(pid) == {core} for pid in pids)
+        assert all(process_cpu_seconds(pid) > 0.1 for pid in pids)  # (busy: two on one core, half each)
+    assert all(process_cpu_seconds(pid) is None for pid in pids)
 
 
 def test_rounds_alternate_the_order_of_the_modes():
