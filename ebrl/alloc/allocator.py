@@ -126,15 +126,20 @@ def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[s
     return rates
 
 
+FOREIGN_CORES = 0.25  # other processes' load on the run's cores below this many cores is noise, not load
+
+
 @dataclass(frozen=True)
 class Measured:
     """What one iteration (or a run, `mean`) measured, per stage: env steps/s end to end, the CPU share of the
     stage's processes (CPU-seconds / (cores x wall)), and the share of the wall time the stage was busy (the trace's;
-    simulate: per simulation core)."""
+    simulate: per simulation core); `foreign`: the cores' busy time that none of the run's processes used, in cores
+    (other load on a shared node)."""
 
     steps_per_s: float
     cpu_share: dict[str, float]
     busy: dict[str, float]
+    foreign: float = 0.0
 
     @classmethod
     def mean(cls, parts: Sequence["Measured"], steps_per_s: float) -> "Measured":
@@ -143,7 +148,8 @@ class Measured:
             keys = {k for p in parts for k in get(p)}
             return {k: sum(get(p).get(k, 0.0) for p in parts) / len(parts) for k in keys} if parts else {}
 
-        return cls(steps_per_s, avg(lambda p: p.cpu_share), avg(lambda p: p.busy))
+        return cls(steps_per_s, avg(lambda p: p.cpu_share), avg(lambda p: p.busy),
+                   sum(p.foreign for p in parts) / len(parts) if parts else 0.0)
 
     def rates(self, x: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
         return stage_rates(x, self.steps_per_s, self.cpu_share, self.busy, cores, gpu)
@@ -223,6 +229,8 @@ class Allocator:
             unit = "CPU ms per env step of simulate, GPU ms of the others" if self.gpu else "CPU ms per env step"
             line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "
                     + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}"
+                    + (f"; other processes kept {m.foreign:.1f} of the {len(self.cores)} cores busy (measured beside "
+                       "them; a lent trainer's threads leave them their cores)" if m.foreign >= FOREIGN_CORES else "")
                     + (f"; SM shares by kernel time: {kernel_text(costs, kernel)} ({self.kernel_source})"
                        if kernel else ""))
             return line, self._metrics(rates)

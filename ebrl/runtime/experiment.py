@@ -315,6 +315,7 @@ class Experiment:
         busy = trace.busy(t0, t0 + wall, len(self.placement.cpus("simulate")), since=mark)
         seconds = trace.seconds(t0, t0 + wall, since=mark)
         cpu_shares = shares.shares()
+        cores_busy = cpu.read()
         self.iteration += 1
         metrics = {
             "iteration": self.iteration,
@@ -324,15 +325,17 @@ class Experiment:
             "perf/rollout_only_steps_per_s": stats.env_steps / max(wall - seconds["train_alone"], 1e-9),
             "time/iteration_s": wall,
             **{f"time/{stage}_s": seconds[stage] for stage in STAGES},
-            **cpu.read(),
+            **cores_busy,
             **(gpu.read() if gpu is not None else {}),
             **{f"perf/cpu_share_{group}": share for group, share in cpu_shares.items()},
             **stats.metrics(),
             **train_metrics,
             **{f"perf/busy_{stage}": value for stage, value in busy.items()},
         }
-        return Finished(self.iteration, t0, metrics,
-                        measured=self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy))
+        measured = self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy,
+                                           cores_busy["perf/cpu_busy"])
+        metrics["perf/foreign_cores"] = measured.foreign  # (other processes' load on this rank's cores)
+        return Finished(self.iteration, t0, metrics, measured=measured)
 
     def _record(self, it: Finished) -> None:
         """Count the run's env steps (over every rank) and log the iteration: rank 0 the run's figures, the others

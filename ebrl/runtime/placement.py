@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.alloc.allocator import Allocator, Measured, describe
+from ebrl.alloc.allocator import FOREIGN_CORES, Allocator, Measured, describe
 from ebrl.alloc.memory import GiB, MemoryModel, check_shared_memory, fitting_strategy, render_contexts
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
@@ -70,6 +70,7 @@ class Placement:
         self.strategy = "fsdp" if ranks.distributed and cfg.distributed.strategy == "fsdp" else "ddp"
         self.runtime: Any = None  # the Scheduler whose processes this places (`take`)
         self.cpu: ProcessCpu | None = None  # the CPU accounting (`account`)
+        self.foreign = 0.0  # cores other processes kept busy in the last iteration (`measured`)
         self._affinity = os.sched_getaffinity(0)  # given back at close
         self.allocator: Allocator | None = None
         self.pool: ResourcePool | None = None
@@ -155,7 +156,10 @@ class Placement:
         threads = trainer.shared_threads
         if threads is None or threads.lent is None:
             return
-        want = threads.lent if idle else trainer.threads
+        # (other processes keeping cores busy: no more threads than the cores they leave, since a thread that shares
+        # a core with them holds up every barrier of the others)
+        held = round(self.foreign) if self.foreign >= FOREIGN_CORES else 0
+        want = max(1, threads.lent - held) if idle else trainer.threads
         try:
             if threads.count != want:
                 if idle:
@@ -315,11 +319,14 @@ class Placement:
         if self.cpu is not None:
             self.cpu.add(CPU_GROUP[stage], new_pid)
 
-    def measured(self, steps_per_s: float, cpu_shares: dict[str, float], busy: dict[str, float]) -> Measured:
+    def measured(self, steps_per_s: float, cpu_shares: dict[str, float], busy: dict[str, float],
+                 cpu_busy: float = 0.0) -> Measured:
         """One iteration's figures per stage: `cpu_shares` of the process groups (`account`), `busy` from the
-        trace."""
+        trace; `cpu_busy`, the rank's cores' busy fraction, less the groups' shares is what other processes kept busy
+        (`foreign`, in cores; a lent trainer's threads leave them their cores)."""
+        self.foreign = max(0.0, cpu_busy - sum(cpu_shares.values())) * len(self.cores)
         return Measured(steps_per_s, {stage: cpu_shares.get(group, 0.0) for stage, group in CPU_GROUP.items()},
-                        dict(busy))
+                        dict(busy), self.foreign)
 
     # --- plans -----------------------------------------------------------------------------------
     def observe(self, measured: Measured) -> tuple[str | None, dict[str, float]]:

@@ -2,6 +2,8 @@
 and a calibration reads their rates per SM share, so it predicts what it measured."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ebrl.alloc.allocator import CALIBRATE_AT, Allocator, Measured, cpu_sets, totals_of
@@ -51,8 +53,9 @@ def test_a_gpu_calibration_predicts_the_rates_it_measured_and_does_not_replan_wi
     assert allocator.profile is None and allocator.totals.gpu_stage_cores == 1
     calibration = figures(STEPS_PER_S, {"generate": 1.0, "train": 1.0})
     for _ in range(CALIBRATE_AT):
-        line, metrics = allocator.observe(calibration)
+        line, metrics = allocator.observe(dataclasses.replace(calibration, foreign=1.0))
     assert line.startswith("allocator: calibrated from iteration 2")
+    assert "; other processes kept 1.0 of the 16 cores busy (measured beside them" in line
     measured = {s: metrics[f"alloc/rate_{s}"] for s in STAGES}
     assert measured == pytest.approx({"simulate": 50.0 * 16, **WHOLE_GPU})
     batch = allocator.current.batch
