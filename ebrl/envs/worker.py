@@ -246,7 +246,7 @@ class _Resources:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait(timeout)
+                self.process.wait(5.0)  # (killed: reaped at once)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -389,11 +389,13 @@ class SimWorker:
         if self.pid is not None:  # (serial: this process's own stays)
             set_process_nice(self.pid, nice)
 
-    def close(self) -> None:
-        """Stop the process (close, then kill if it does not exit) and free the shared slot. Idempotent."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the process (close, then kill if it does not exit within `timeout` s) and free the shared slot.
+        Idempotent."""
         self.slot = None
         self._chunk = None
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            self._res.release(timeout)
 
     @property
     def pid(self) -> int | None:
@@ -722,9 +724,12 @@ class SimWorkerPool:
         return {key: np.stack([worker.obs[key] for worker in self.workers]) for key in keys}
 
     def close(self) -> None:
-        """Stop every process: ask all to close first, so they exit concurrently, then reap each."""
+        """Stop every process: ask all to close first, so they exit concurrently, then reap each, killing what has not
+        exited within 5 s of the ask, all together (a loaded machine's simulators may be slow to exit: a stop does
+        not wait 5 s for each)."""
         for worker in self.workers:
             if worker._res.conn is not None:
                 send_quietly(worker._res.conn, ("close",))
+        deadline = time.monotonic() + 5.0
         for worker in self.workers:
-            worker.close()
+            worker.close(max(0.0, deadline - time.monotonic()))

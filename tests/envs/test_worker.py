@@ -221,6 +221,26 @@ def test_a_simulator_slowed_past_the_timeout_is_waited_for_and_a_stopped_one_is_
         assert pool.workers[0].pid == slow and pool.workers[1].pid != stopped
 
 
+def test_a_pool_whose_simulators_do_not_exit_kills_them_after_one_shared_wait(monkeypatch):
+    """Stopped (as a loaded machine's may be too slow to answer), none exits on its close: the pool waits 5 s for all
+    of them together, not 5 s for each, then kills them and frees their slots."""
+    from ebrl.envs import worker as worker_module
+
+    waits = []
+    release = worker_module._Resources.release
+    monkeypatch.setattr(worker_module._Resources, "release",
+                        lambda self, timeout=5.0: (waits.append(timeout), release(self, timeout))[1])
+    before = shm_segments()
+    pool = SimWorkerPool(LIFT, num_envs=3, seed=0, chunk_len=4)
+    pool.start()
+    for worker in pool.workers:
+        os.kill(worker.pid, signal.SIGSTOP)
+    pids = [w.pid for w in pool.workers]
+    assert close_within(pool)
+    assert sum(waits) <= 5.0 and len(waits) == 3  # (one deadline for the three)
+    assert not any(_alive(pid) for pid in pids) and shm_segments() - before == set()
+
+
 def test_a_simulator_that_dies_before_a_seeded_reset_is_replaced_and_reset_from_its_seed():
     """GRPO resets every env each iteration from its group's seed: a simulator that died since its last chunk is a
     simulator failure there too (replaced, counted), and its replacement starts the group's episode."""
