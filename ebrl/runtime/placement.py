@@ -70,7 +70,6 @@ class Placement:
         self.strategy = "fsdp" if ranks.distributed and cfg.distributed.strategy == "fsdp" else "ddp"
         self.runtime: Any = None  # the Scheduler whose processes this places (`take`)
         self.cpu: ProcessCpu | None = None  # the CPU accounting (`account`)
-        self.foreign = 0.0  # cores other processes kept busy in the last iteration (`measured`)
         self._affinity = os.sched_getaffinity(0)  # given back at close
         self.allocator: Allocator | None = None
         self.pool: ResourcePool | None = None
@@ -158,7 +157,8 @@ class Placement:
             return
         # (other processes keeping cores busy: no more threads than the cores they leave, since a thread that shares
         # a core with them holds up every barrier of the others)
-        held = round(self.foreign) if self.foreign >= FOREIGN_CORES else 0
+        foreign = self.cpu.foreign if self.cpu is not None else 0.0
+        held = round(foreign) if foreign >= FOREIGN_CORES else 0
         want = max(1, threads.lent - held) if idle else trainer.threads
         try:
             if threads.count != want:
@@ -324,9 +324,11 @@ class Placement:
         """One iteration's figures per stage: `cpu_shares` of the process groups (`account`), `busy` from the
         trace; `cpu_busy`, the rank's cores' busy fraction, less the groups' shares is what other processes kept busy
         (`foreign`, in cores; a lent trainer's threads leave them their cores)."""
-        self.foreign = max(0.0, cpu_busy - sum(cpu_shares.values())) * len(self.cores)
+        foreign = max(0.0, cpu_busy - sum(cpu_shares.values())) * len(self.cores)
+        if self.cpu is not None:
+            self.cpu.foreign = foreign
         return Measured(steps_per_s, {stage: cpu_shares.get(group, 0.0) for stage, group in CPU_GROUP.items()},
-                        dict(busy), self.foreign)
+                        dict(busy), foreign)
 
     # --- plans -----------------------------------------------------------------------------------
     def observe(self, measured: Measured) -> tuple[str | None, dict[str, float]]:

@@ -41,6 +41,7 @@ class ProcessCpu:
     def __init__(self, groups: dict[str, list[int]], cores: int) -> None:
         self.procs = {name: [psutil.Process(pid) for pid in pids] for name, pids in groups.items()}
         self.cores = cores
+        self.foreign = 0.0  # cores other processes kept busy in the last iteration (Placement.measured)
         self._last = self._times()  # per pid
         self._t = time.perf_counter()
 

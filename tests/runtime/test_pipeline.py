@@ -314,7 +314,7 @@ def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_t
         # no more threads than the cores they leave
         shares = {"simulate": 0.3, "main": 0.1, "trainer": 0.1}
         assert placement.measured(100.0, shares, {}, cpu_busy=1.0).foreign == pytest.approx(0.5 * len(exp.cores))
-        placement.foreign = 1.0
+        placement.account().foreign = 1.0
         placement.lend_to_trainer(trainer, True)
         assert lent.count == len(exp.cores) - 1 and os.sched_getaffinity(trainer.pid) == set(exp.cores)
     finally:
