@@ -189,9 +189,9 @@ def run_mode(cfg: Any) -> tuple[float, float, dict[str, float]]:
 # --- sim-only and the per-stage costs -----------------------------------------------------
 def process_cpu_s(pids: Sequence[int]) -> float:
     """User + system CPU seconds the given processes have used so far."""
-    import psutil
+    from ebrl.envs.worker import process_cpu_seconds
 
-    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None

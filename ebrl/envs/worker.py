@@ -28,6 +28,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import psutil
 
 from ebrl.envs.base import AdapterContractError, EnvSetupError, EnvSpec, one_line
 from ebrl.envs.egl import EglDevice, device_of_gpu, egl_devices
@@ -55,17 +56,15 @@ class Launch:
     serial: bool = False
 
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc's CPU times
-
-
 def process_cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of process `pid`, all its threads (/proc/PID/stat); None once it is gone."""
+    """User and system CPU seconds of process `pid`, all its threads; None once it is gone (a zombie too)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # (after the command name, which may hold spaces)
-    except OSError:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return sum(process.cpu_times()[:2])
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: the stat's 14th and 15th fields
 
 
 class Progress:
