@@ -141,7 +141,7 @@ def test_a_step_or_reset_that_breaks_the_contract_stops_at_once_in_a_real_worker
         worker.actions[:4] = np.zeros((4, 2), np.float32)
         worker.submit(4)
         with pytest.raises(AdapterContractError, match=r"^FourValues.step returned 4 values \(dict, float, bool, "):
-            worker.wait(timeout=60)  # not a SimFailure: no fresh simulator would do better
+            worker.wait(60)  # not a SimFailure: no fresh simulator would do better
     finally:
         worker.close()
     worker = SimWorker({**cfg, "_target_": "bad.GymReset"}, seed=0, chunk_len=4)

@@ -47,7 +47,7 @@ def measure(env_cfg: dict[str, Any], keep: bool) -> float:
         worker.reset()
         for _ in range(3):
             worker.submit(8)
-            report = worker.wait(timeout=120)
+            report = worker.wait(120)
             if report.failed:
                 raise EnvSetupError(f"the simulator failed a chunk: {report.failed}")
         return uss_mib(worker.pid)
