@@ -235,9 +235,12 @@ def test_weights_reach_generation_with_increasing_versions(ebrl_run):
 def test_the_trainer_takes_every_core_while_the_rollout_has_nothing_to_run(ebrl_run):
     """Work-conserving the other way: the last update has no rollout left beside it, so the trainer process trains it
     on every core with as many threads (beside a running rollout it has its share's one); a group that goes on takes
-    the cores back."""
+    the cores back. Cores that other processes kept busy (a machine running more than this test) are left to them."""
     exp, metrics = ebrl_run
-    assert metrics[-1]["sched/train_threads"] == len(exp.cores) > exp.placement.threads("train") == 1
+    held = round(max(m["perf/foreign_cores"] for m in metrics))
+    threads = metrics[-1]["sched/train_threads"]
+    assert len(exp.cores) > exp.placement.threads("train") == 1
+    assert threads == len(exp.cores) or (held > 0 and threads == max(1, len(exp.cores) - held))
 
 
 def test_the_trace_file_parses_and_its_intervals_are_consistent(ebrl_run):
