@@ -129,6 +129,13 @@ def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[s
 FOREIGN_CORES = 0.25  # other processes' load on the run's cores below this many cores is noise, not load
 
 
+def held_cores(foreign: float) -> int:
+    """The cores other processes hold, of their measured load (`foreign`, in cores): a thread team of ours leaves
+    them these, since a thread that shares a core with another process holds up every barrier of the team
+    (docs/schedules.md, "Measured choices")."""
+    return round(foreign) if foreign >= FOREIGN_CORES else 0
+
+
 @dataclass(frozen=True)
 class Measured:
     """What one iteration (or a run, `mean`) measured, per stage: env steps/s end to end, the CPU share of the

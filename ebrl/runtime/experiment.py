@@ -178,7 +178,7 @@ class Experiment:
         try:
             # the allocator's first plan and the leases, and MPS daemons when hw asks for them, before any process
             self.placement = Placement(cfg, rank_cores(cfg), device, self.out_dir, self.ranks)
-            torch.set_num_threads(self.placement.threads("generate"))
+            torch.set_num_threads(self.placement.supervisor_threads())
             group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
             s = cfg.scheduler
             self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed,
@@ -335,6 +335,10 @@ class Experiment:
         measured = self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy,
                                            cores_busy["perf/cpu_busy"])
         metrics["perf/foreign_cores"] = measured.foreign  # (other processes' load on this rank's cores)
+        metrics["perf/supervisor_threads"] = torch.get_num_threads()  # (this iteration's; the next one's leave the
+        threads = self.placement.supervisor_threads(measured.foreign)  # cores other processes held in it)
+        if threads != metrics["perf/supervisor_threads"]:
+            torch.set_num_threads(threads)
         return Finished(self.iteration, t0, metrics, measured=measured)
 
     def _record(self, it: Finished) -> None:

@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ebrl.alloc.allocator import FOREIGN_CORES, Allocator, Measured, describe
+from ebrl.alloc.allocator import Allocator, Measured, describe, held_cores
 from ebrl.alloc.memory import GiB, MemoryModel, check_shared_memory, fitting_strategy, render_contexts
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
@@ -39,11 +39,12 @@ from ebrl.rl.ppo import minibatch_rows
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool, apply_memory_budget, visible_gpu
 from ebrl.telemetry.monitor import gpu_free_bytes
 from ebrl.telemetry.report import console
-from ebrl.telemetry.timers import ProcessCpu
+from ebrl.telemetry.timers import ProcessCpu, busy_cores
 
 # the processes whose CPU time is each stage's (ProcessCpu groups; the supervisor also orchestrates, and with a
 # trainer of its own trains too)
 CPU_GROUP = {"simulate": "simulate", "generate": "main", "train": "trainer"}
+LOOK_S = 0.2  # the look at the cores' load before a run starts (`supervisor_threads`)
 
 
 def _share(lease: Lease) -> str:
@@ -135,6 +136,18 @@ class Placement:
             return s.train_threads or (len(self.split["train"]) if alone else 1)
         return s.torch_threads or (len(self.cores) if self.local or cuda else 1)
 
+    def supervisor_threads(self, foreign: float | None = None) -> int:
+        """The supervisor's torch threads now: `threads("generate")`, less the cores other processes hold on CPU
+        (`foreign`, their load in cores; None: a short look at the cores, before the run starts anything). Two
+        threads beside one busy core ran a step 25x slower than alone, one thread as fast (docs/schedules.md,
+        "Measured choices"). scheduler.torch_threads fixes the count."""
+        n = self.threads("generate")
+        if n == 1 or self.cfg.scheduler.torch_threads or self.device.type != "cpu":
+            return n
+        if foreign is None:
+            foreign = busy_cores(self.cores, LOOK_S)
+        return max(1, n - held_cores(foreign))
+
     def idle_trainer_threads(self) -> int | None:
         """Work-conserving the other way: the threads a trainer process on CPU trains with while the rollout has
         nothing to run, on every core of this rank (`lend_to_trainer`); None where it keeps its share. Under an
@@ -158,8 +171,7 @@ class Placement:
         # (other processes keeping cores busy: no more threads than the cores they leave, since a thread that shares
         # a core with them holds up every barrier of the others)
         foreign = self.cpu.foreign if self.cpu is not None else 0.0
-        held = round(foreign) if foreign >= FOREIGN_CORES else 0
-        want = max(1, threads.lent - held) if idle else trainer.threads
+        want = max(1, threads.lent - held_cores(foreign)) if idle else trainer.threads
         try:
             if threads.count != want:
                 if idle:

@@ -33,6 +33,14 @@ class CpuMonitor:
         return out
 
 
+def busy_cores(cores: list[int], seconds: float) -> float:
+    """The given cores' busy time over the next `seconds`, in cores, this process sleeping meanwhile: before a run
+    starts anything, the load other processes put on its cores."""
+    monitor = CpuMonitor(cores)
+    time.sleep(seconds)
+    return sum(monitor.per_core())
+
+
 class ProcessCpu:
     """CPU seconds (user + system) each group of processes used between two calls to `read`, as a
     share of the cores: where the machine's CPU went, whatever the schedule overlapped. A process

@@ -11,6 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 
+from ebrl.alloc.allocator import held_cores
+from ebrl.bench.load import foreign_load
 from ebrl.checks import _check_schedule, validate
 from ebrl.config import ConfigError
 from ebrl.rl.rollout import RolloutBatch, concat_envs, drop_stale
@@ -290,6 +292,16 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
     assert len(metrics) == 3 and all(math.isfinite(m["losses/policy"]) for m in metrics)
     if mode == "hybrid":  # no overlap: training runs alone after the rollout, on every core, with no plan to split
         assert other.placement.allocator is None and other.scheduler.trainer.threads == len(other.cores)
+    if mode == "colocated" and len(other.cores) > 1:
+        # the supervisor's team (generation and training, a thread per core) leaves the cores other processes hold:
+        # each iteration runs the count the last one's foreign load left, and a start looks at the cores first
+        placement, n = other.placement, len(other.cores)
+        for last, now in zip(metrics, metrics[1:]):
+            assert now["perf/supervisor_threads"] == max(1, n - held_cores(last["perf/foreign_cores"]))
+        assert placement.supervisor_threads(0.0) == n and placement.supervisor_threads(1.0) == n - 1
+        with foreign_load(1, [other.cores[0]]):
+            time.sleep(0.5)  # (its interpreter started)
+            assert placement.supervisor_threads() == n - 1
 
 
 def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_the_trainer_every_core(tmp_path):
