@@ -237,7 +237,8 @@ class Allocator:
             line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "
                     + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}"
                     + (f"; other processes kept {m.foreign:.1f} of the {len(self.cores)} cores busy (measured beside "
-                       "them; a lent trainer's threads leave them their cores)" if m.foreign >= FOREIGN_CORES else "")
+                       "them; the supervisor's and a lent trainer's thread teams leave them their cores)"
+                       if m.foreign >= FOREIGN_CORES else "")
                     + (f"; SM shares by kernel time: {kernel_text(costs, kernel)} ({self.kernel_source})"
                        if kernel else ""))
             return line, self._metrics(rates)

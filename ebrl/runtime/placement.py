@@ -335,7 +335,7 @@ class Placement:
                  cpu_busy: float = 0.0) -> Measured:
         """One iteration's figures per stage: `cpu_shares` of the process groups (`account`), `busy` from the
         trace; `cpu_busy`, the rank's cores' busy fraction, less the groups' shares is what other processes kept busy
-        (`foreign`, in cores; a lent trainer's threads leave them their cores)."""
+        (`foreign`, in cores; the thread teams of the supervisor and a lent trainer leave them their cores)."""
         foreign = max(0.0, cpu_busy - sum(cpu_shares.values())) * len(self.cores)
         if self.cpu is not None:
             self.cpu.foreign = foreign
