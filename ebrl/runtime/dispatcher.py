@@ -75,10 +75,14 @@ class CorePool:
     `spare`: the cores the plan gave the policy's stages, lent to the simulators (work-conserving placement: a share
     is a priority, not a fence). An env gets one only when every simulation core is taken; there it runs niced, so
     generation and training still get the core first; and when a simulation core frees with no env ready, the env
-    longest on a spare core moves onto it (`promote`), so that no env straggles on a core the policy is using."""
+    longest on a spare core moves onto it (`promote`), so that no env straggles on a core the policy is using.
+
+    `slots`: the envs a simulation core runs at once, 1 on a quiet machine. Where other processes hold cores, a
+    simulator niced below them gets a tenth of a core it shares with one, and only what many simulators at once win
+    against them (the kernel weighs every runnable thread by its nice): `Placement.sim_slots`."""
 
     def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest",
-                 spare: Sequence[int] = ()) -> None:
+                 spare: Sequence[int] = (), slots: int = 1) -> None:
         if not cores:
             raise ValueError("a core pool needs at least one core")
         if order not in CORE_ORDERS:
@@ -86,7 +90,8 @@ class CorePool:
         self.cores: list[int] = list(cores)
         self.own = set(self.cores)
         self.spare: list[int] = [c for c in spare if c not in self.own]
-        self.free: list[int] = [*self.cores, *self.spare]  # simulation cores first (`_take`)
+        self.slots = slots
+        self.free: list[int] = self._places()  # simulation cores first (`_take`)
         self.core_of: dict[int, int] = {}  # env -> the core it holds
         self.queue = ReadyQueue(by_group=order == "readiness")  # the envs with a chunk to run
         self.group_of: dict[int, Any] = {}  # env -> its group (as `push` said)
@@ -116,23 +121,35 @@ class CorePool:
         self.group_of[env] = group
         self.queue.push(env, group, self.estimate(env))
 
+    def _places(self) -> list[int]:
+        """Every place an env may run: each simulation core `slots` times (round the cores first), each spare once."""
+        return [*(core for _ in range(self.slots) for core in self.cores), *self.spare]
+
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
         self.queue.ran(env)
-        if core in self.own or core in self.spare:  # (a core taken away by `resize` is not handed on)
+        # (a core taken away by `resize`, or a place beyond its slots now, is not handed on)
+        places = self.slots if core in self.own else int(core in self.spare)
+        if self.free.count(core) + list(self.core_of.values()).count(core) < places:
             self.free.append(core)
         return core
 
-    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
-        """Simulate on these cores (and borrow `spare`) from now on; an env holding a core that was taken away
-        finishes its chunk there."""
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = (), slots: int | None = None) -> None:
+        """Simulate on these cores (and borrow `spare`) from now on, `slots` envs at once on each (None: as before);
+        an env holding a core that was taken away finishes its chunk there."""
         if not cores:
             raise ValueError("a core pool needs at least one core")
-        held = set(self.core_of.values())
+        held = Counter(self.core_of.values())
         self.cores = list(cores)
         self.own = set(self.cores)
         self.spare = [c for c in spare if c not in self.own]
-        self.free = [core for core in [*self.cores, *self.spare] if core not in held]
+        self.slots = self.slots if slots is None else slots
+        self.free = []
+        for core in self._places():
+            if held[core]:
+                held[core] -= 1
+            else:
+                self.free.append(core)
 
     def dispatch(self) -> list[tuple[int, int]]:
         """Hand free cores to ready envs (see the class docstring; ties: first come), simulation cores first."""
@@ -228,12 +245,12 @@ class Dispatcher:
                     self.cores.push(env, envs[0])
         self._wake()
 
-    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
-        """Hand chunks out on these sim cores (lending `spare` ones) from now on (with a core pool; without one,
-        nothing to do here)."""
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = (), slots: int | None = None) -> None:
+        """Hand chunks out on these sim cores (lending `spare` ones), `slots` envs at once on each, from now on (with
+        a core pool; without one, nothing to do here)."""
         if self.cores is not None:
             with self._lock:
-                self.cores.resize(cores, spare)
+                self.cores.resize(cores, spare, slots)
             self._wake()
 
     def swap_trainer(self, trainer: Any) -> None:

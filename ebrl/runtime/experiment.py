@@ -335,10 +335,11 @@ class Experiment:
         measured = self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy,
                                            cores_busy["perf/cpu_busy"])
         metrics["perf/foreign_cores"] = measured.foreign  # (other processes' load on this rank's cores)
-        metrics["perf/supervisor_threads"] = torch.get_num_threads()  # (this iteration's; the next one's leave the
-        threads = self.placement.supervisor_threads(measured.foreign)  # cores other processes held in it)
-        if threads != metrics["perf/supervisor_threads"]:
-            torch.set_num_threads(threads)
+        # this iteration's thread team and envs per simulation core; the next one's follow its foreign load
+        metrics["perf/supervisor_threads"] = torch.get_num_threads()
+        if (cores := self.scheduler.dispatcher.cores) is not None:
+            metrics["perf/sim_slots"] = cores.slots
+        self.placement.follow_load(measured.foreign)
         return Finished(self.iteration, t0, metrics, measured=measured)
 
     def _record(self, it: Finished) -> None:

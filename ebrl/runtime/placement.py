@@ -148,6 +148,26 @@ class Placement:
             foreign = busy_cores(self.cores, LOOK_S)
         return max(1, n - held_cores(foreign))
 
+    def sim_slots(self, foreign: float) -> int:
+        """The envs a simulation core runs at once (core rebinding's `CorePool.slots`): one on a quiet machine; where
+        other processes hold cores (`held_cores` of `foreign`, their load in cores), every env at once, spread over
+        the simulation cores. A simulator at scheduler.sim_nice gets about a tenth of a core that a nice-0 process
+        holds: one env per core left ebrl 9% of its quiet throughput beside two busy processes on two cores
+        (docs/schedules.md, "Measured choices")."""
+        if not held_cores(foreign):
+            return 1
+        return math.ceil(self.cfg.env.num_envs / len(self.cpus("simulate")))
+
+    def follow_load(self, foreign: float) -> None:
+        """The next iteration beside the last one's foreign load (`foreign`, in cores): the supervisor's threads
+        (`supervisor_threads`) and the simulators' slots per core (`sim_slots`)."""
+        threads = self.supervisor_threads(foreign)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        cores = self.runtime.dispatcher.cores
+        if cores is not None and cores.slots != (slots := self.sim_slots(foreign)):
+            self.runtime.simulate_on(self.cpus("simulate"), self.spare(), slots)
+
     def idle_trainer_threads(self) -> int | None:
         """Work-conserving the other way: the threads a trainer process on CPU trains with while the rollout has
         nothing to run, on every core of this rank (`lend_to_trainer`); None where it keeps its share. Under an

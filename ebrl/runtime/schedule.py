@@ -219,10 +219,11 @@ class Scheduler:
         self.ledger.returned += len(out)
         return out
 
-    def simulate_on(self, cpus: Sequence[int], spare: Sequence[int] = ()) -> None:
+    def simulate_on(self, cpus: Sequence[int], spare: Sequence[int] = (), slots: int | None = None) -> None:
         """Simulate on these cores, borrowing `spare` ones, from now on (the placement's new plan): the core pool's
-        cores, or, without core rebinding, every simulator's affinity."""
-        self.dispatcher.resize(list(cpus), list(spare))
+        cores, `slots` envs at once on each (None: as before), or, without core rebinding, every simulator's
+        affinity."""
+        self.dispatcher.resize(list(cpus), list(spare), slots)
         if self.dispatcher.cores is None:
             for worker in self.pool.workers:
                 worker.bind([*cpus, *spare])

@@ -85,6 +85,18 @@ def test_a_spare_core_is_lent_only_when_every_sim_core_is_taken_and_its_env_move
     assert pool.release(2) == 0 and pool.free == [0]
 
 
+def test_a_core_runs_as_many_envs_at_once_as_its_slots_and_fewer_slots_take_places_back_as_envs_end():
+    pool = CorePool([0, 1])
+    for env in range(6):
+        pool.push(env)
+    assert sorted(core for _, core in pool.dispatch()) == [0, 1]  # quiet: one env per core
+    pool.resize([0, 1], slots=3)  # (other processes hold the cores: every env at once)
+    assert sorted(core for _, core in pool.dispatch()) == [0, 0, 1, 1] and not pool.ready
+    pool.resize([0, 1], slots=1)  # the load left: the running envs finish, and a core is handed on once it is free
+    released = [(env, pool.release(env)) for env in sorted(pool.core_of)]
+    assert sorted(pool.free) == [0, 1] and len(released) == 6
+
+
 def test_the_step_estimate_is_an_exponential_average():
     pool = CorePool([0], alpha=0.5)
     pool.observe(0, 1.0)
@@ -332,6 +344,11 @@ def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_t
         placement.account().foreign = 1.0
         placement.lend_to_trainer(trainer, True)
         assert lent.count == len(exp.cores) - 1 and os.sched_getaffinity(trainer.pid) == set(exp.cores)
+        # and the simulators run every env at once where such a load holds a core (niced, one per core gets a tenth
+        # of it), one per core again once it leaves
+        for foreign, slots in [(1.0, math.ceil(4 / len(placement.cpus("simulate")))), (0.0, 1)]:
+            placement.follow_load(foreign)
+            assert exp.scheduler.dispatcher.cores.slots == slots
     finally:
         exp.close()
 
