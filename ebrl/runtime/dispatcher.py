@@ -77,9 +77,9 @@ class CorePool:
     generation and training still get the core first; and when a simulation core frees with no env ready, the env
     longest on a spare core moves onto it (`promote`), so that no env straggles on a core the policy is using.
 
-    `slots`: the envs a simulation core runs at once, 1 on a quiet machine. Where other processes hold cores, a
-    simulator niced below them gets a tenth of a core it shares with one, and only what many simulators at once win
-    against them (the kernel weighs every runnable thread by its nice): `Placement.sim_slots`."""
+    `slots`: the envs a core (simulation or spare) runs at once, 1 on a quiet machine. Where other processes hold
+    cores, a simulator niced below them gets a tenth of a core it shares with one, and only many simulators at once
+    win their share back (the kernel weighs every runnable thread by its nice): `Placement.sim_slots`."""
 
     def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest",
                  spare: Sequence[int] = (), slots: int = 1) -> None:
@@ -122,14 +122,14 @@ class CorePool:
         self.queue.push(env, group, self.estimate(env))
 
     def _places(self) -> list[int]:
-        """Every place an env may run: each simulation core `slots` times (round the cores first), each spare once."""
-        return [*(core for _ in range(self.slots) for core in self.cores), *self.spare]
+        """Every place an env may run: each simulation core, then each spare one, `slots` times."""
+        return [core for _ in range(self.slots) for core in [*self.cores, *self.spare]]
 
     def release(self, env: int) -> int:
         core = self.core_of.pop(env)
         self.queue.ran(env)
         # (a core taken away by `resize`, or a place beyond its slots now, is not handed on)
-        places = self.slots if core in self.own else int(core in self.spare)
+        places = self.slots if core in self.own or core in self.spare else 0
         if self.free.count(core) + list(self.core_of.values()).count(core) < places:
             self.free.append(core)
         return core

@@ -149,14 +149,14 @@ class Placement:
         return max(1, n - held_cores(foreign))
 
     def sim_slots(self, foreign: float) -> int:
-        """The envs a simulation core runs at once (core rebinding's `CorePool.slots`): one on a quiet machine; where
-        other processes hold cores (`held_cores` of `foreign`, their load in cores), every env at once, spread over
-        the simulation cores. A simulator at scheduler.sim_nice gets about a tenth of a core that a nice-0 process
-        holds: one env per core left ebrl 9% of its quiet throughput beside two busy processes on two cores
-        (docs/schedules.md, "Measured choices")."""
+        """The envs a core the simulators may use runs at once (core rebinding's `CorePool.slots`): one on a quiet
+        machine; where other processes hold cores (`held_cores` of `foreign`, their load in cores), every env at
+        once, spread over the simulation and spare cores, as without core rebinding. A simulator at
+        scheduler.sim_nice gets about a tenth of a core that a nice-0 process holds: one env per core left ebrl 9% of
+        its quiet throughput beside two busy processes on two cores (docs/schedules.md, "Measured choices")."""
         if not held_cores(foreign):
             return 1
-        return math.ceil(self.cfg.env.num_envs / len(self.cpus("simulate")))
+        return math.ceil(self.cfg.env.num_envs / len(self.cpus("simulate") + self.spare()))
 
     def follow_load(self, foreign: float) -> None:
         """The next iteration beside the last one's foreign load (`foreign`, in cores): the supervisor's threads
