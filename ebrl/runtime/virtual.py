@@ -593,9 +593,9 @@ class VirtualDispatcher:
         if self.cores is not None:
             self._dispatch()
 
-    def resize(self, cores: Sequence[int], spare: Sequence[int] = ()) -> None:
+    def resize(self, cores: Sequence[int], spare: Sequence[int] = (), slots: int | None = None) -> None:
         if self.cores is not None:
-            self.cores.resize(cores, spare)
+            self.cores.resize(cores, spare, slots)
             self._dispatch()
 
     def swap_trainer(self, trainer: Any) -> None:
