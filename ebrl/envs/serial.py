@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import select
-import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,13 +56,7 @@ class InProcess:
     def _serve(self, message: tuple) -> tuple[str, Any]:
         if self._simulator is None:
             return "error", "the simulator was not built"
-        answer = self._simulator.serve(message)
-        if message[0] == "attach" and sys.version_info < (3, 13):
-            # attaching took back this process's registration of the block, which its SimWorker created and unlinks
-            from multiprocessing import resource_tracker
-
-            resource_tracker.register(f"/{message[1]}", "shared_memory")
-        return answer
+        return self._simulator.serve(message)  # (attaching leaves the block its SimWorker created registered)
 
     def _close(self) -> None:
         if self._simulator is not None:

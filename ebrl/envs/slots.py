@@ -57,14 +57,19 @@ class SlotLayout:
 
 
 def attach_shared_memory(name: str) -> SharedMemory:
-    """Map a block the parent created and owns. Python < 3.13 registers attached blocks with this
-    process's resource tracker, which would unlink the parent's block when this worker exits."""
-    shm = SharedMemory(name=name)
-    if sys.version_info < (3, 13):
-        from multiprocessing import resource_tracker
+    """Map a block the parent created and owns, without registering it with this process's resource tracker (Python
+    < 3.13 registers attached blocks too): the tracker would unlink the parent's block when this worker exits, and a
+    worker killed between registering and unregistering (a stop's kill) left a tracker to do so with a warning."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)
+    from multiprocessing import resource_tracker
 
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (the name it registered)
-    return shm
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args: None  # (SharedMemory looks it up as it attaches)
+    try:
+        return SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 def split_views(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from ebrl.envs.base import EnvSetupError
@@ -136,11 +137,15 @@ def test_camera_worker_survives_sigint_its_render_threads_follow_bind_and_a_kill
         worker.renice(7)
         assert {tid: os.sched_getaffinity(tid) for tid in threads} == {tid: {core} for tid in threads}
         assert {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == {tid: 7 for tid in threads}
+        # attaching its slot started no resource tracker, which would free the block (with a warning) once the
+        # process is killed: the block is the parent's until it closes the worker
+        assert not [c for c in psutil.Process(worker.pid).children() if "resource_tracker" in " ".join(c.cmdline())]
 
         os.kill(worker.pid, signal.SIGKILL)
         worker.submit(2)
         with pytest.raises(SimFailure, match="stopped; exit code -9"):
             worker.wait()
+        assert worker.shm_name in shm_segments()
     finally:
         assert close_within(worker)
     worker.close()  # idempotent
