@@ -722,13 +722,13 @@ class SimWorkerPool:
         keys = self.workers[0].obs.keys()
         return {key: np.stack([worker.obs[key] for worker in self.workers]) for key in keys}
 
-    def close(self) -> None:
+    def close(self, grace: float = 5.0) -> None:
         """Stop every process: ask all to close first, so they exit concurrently, then reap each, killing what has not
-        exited within 5 s of the ask, all together (a loaded machine's simulators may be slow to exit: a stop does
-        not wait 5 s for each)."""
+        exited within `grace` s of the ask, all together (a loaded machine's simulators may be slow to exit: a stop
+        does not wait that long for each)."""
         for worker in self.workers:
             if worker._res.conn is not None:
                 send_quietly(worker._res.conn, ("close",))
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + grace
         for worker in self.workers:
             worker.close(max(0.0, deadline - time.monotonic()))

@@ -234,6 +234,8 @@ class PPOTrainer:
         critic = {id(p) for name, p in policy.named_parameters() if name.startswith(CRITIC)}
         self.actor = [p for p in self.trained if id(p) not in critic]  # what a critic-only step leaves as it is
         self.pace: Callable[[], None] = lambda: None  # called before each step (a trainer process: its threads)
+        # polled after each step: true, the update ends there (the run is stopping: its state is then whole)
+        self.stop_asked: Callable[[], bool] = lambda: False
 
     def load_optimizer_state(self, state: dict) -> None:
         """Continue from a checkpoint's Adam moments, at this config's hyperparameters (a resumed run may change
@@ -424,6 +426,11 @@ class PPOTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
                 epoch_kl += float(step["train/approx_kl"]) / steps
+                if self.stop_asked():
+                    break
+            if self.stop_asked():
+                stopped_early = 1.0  # a shorter update, whole: the checkpoint of a run stopping
+                break
             if cfg.target_kl is not None and self._mean_over_ranks(epoch_kl) > cfg.target_kl:
                 stopped_early = 1.0  # the policy moved far enough from the one that collected the data
                 break

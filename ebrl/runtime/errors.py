@@ -23,6 +23,11 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
+# A stop asked for while an update runs in this process (`update_then_stop`): the signal's name, raised as
+# KeyboardInterrupt once the update has ended at its next optimizer step
+_held = False
+_asked: str | None = None
+
 
 class RunStopped(StageFailed):
     """The run stopped itself on a failure it detected (e.g. NaN updates); the message is one line."""
@@ -63,6 +68,8 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
     failed stage (`StageFailed`) or any other error exits 1 with one line and the resume hint, Ctrl-C or SIGTERM
     exits 130."""
     # the first Ctrl-C or SIGTERM stops the run (a checkpoint, the workers stopped), a second one at once
+    global _asked
+    _asked = None
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     stop = StopLine()
     try:
@@ -122,11 +129,37 @@ def benchmark_main(main: Callable[[], object], name: str) -> None:
         main()
 
 
+@contextmanager
+def update_then_stop() -> Iterator[None]:
+    """Around an update in this process (a trainer in the supervisor): the first Ctrl-C or SIGTERM does not break it
+    half-stepped, which would leave no state to checkpoint; the update ends at its next optimizer step (it polls
+    `stop_asked`) and the KeyboardInterrupt is raised as this block ends."""
+    global _held, _asked
+    _held = True
+    try:
+        yield
+    finally:
+        _held = False
+    if _asked is not None:
+        name, _asked = _asked, None  # (delivered)
+        raise KeyboardInterrupt(name)
+
+
+def stop_asked() -> bool:
+    """Whether a Ctrl-C or SIGTERM came while an update ran (`update_then_stop`)."""
+    return _asked is not None
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    """The first Ctrl-C or SIGTERM: KeyboardInterrupt, which the run stops on (a checkpoint, its workers stopped);
-    from then on either signal stops the process at once (`_at_once`)."""
+    """The first Ctrl-C or SIGTERM: KeyboardInterrupt, which the run stops on (a checkpoint, its workers stopped), or
+    within an update the stop asked for (`update_then_stop`); from then on either signal stops the process at once
+    (`_at_once`)."""
+    global _asked
     signal.signal(signal.SIGTERM, _at_once)
     signal.signal(signal.SIGINT, _at_once)
+    if _held:
+        _asked = signal.Signals(signum).name
+        return
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

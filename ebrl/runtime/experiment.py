@@ -276,6 +276,7 @@ class Experiment:
             RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
             Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint),
         ]
+        grace = 5.0  # seconds the simulators have to exit once asked, as the run ends (then they are killed)
         try:
             while self.iteration < cfg.iterations:
                 it = self._iterate(monitors)
@@ -287,6 +288,8 @@ class Experiment:
         except BaseException as e:  # what can be written is: a checkpoint where the state is whole, the telemetry
             if isinstance(e, (KeyboardInterrupt, SimulatorsFailing)) and self.ranks.leader:
                 self._save_on_the_way_out()
+            if isinstance(e, KeyboardInterrupt):  # a stop is to take seconds: the episodes in flight are dropped
+                grace = 1.0
             try:
                 self._write_telemetry(start, cpu_samples, gpu)
             except Exception as failed:  # noqa: BLE001  (the run's own error is the one to report)
@@ -297,7 +300,7 @@ class Experiment:
             for monitor in (cpu_samples, gpu):
                 if monitor is not None:
                     monitor.stop()
-            self.close()
+            self.close(grace)
         (self.out_dir / "summary.json").write_text(json.dumps(summary.figures(), indent=2))
         if self.ranks.leader:
             print_summary(summary, self.run_dir)
@@ -351,12 +354,14 @@ class Experiment:
 
     def _save_on_the_way_out(self) -> None:
         """A checkpoint as the run stops; if the state cannot be had any more (the trainer or another rank is gone)
-        the last one stays, as atomic_save leaves it. Not from inside an update: its weights would be half-stepped."""
+        the last one stays, as atomic_save leaves it. An update in progress ends at its next optimizer step first, so
+        the state is whole and comes within a step (a trainer interrupted mid-step, `torn`, has none to give)."""
         sharded = self.ranks.distributed and self.placement.strategy == "fsdp"
         if self.scheduler is None or self.scheduler.trainer.torn or sharded:
             # (FSDP: gathering the state needs every rank, and some may be gone)
             console.print("no final checkpoint: checkpoints/last.pt stays the one written before", soft_wrap=True)
             return
+        self.scheduler.trainer.hurry()  # (an update in progress ends at its next step)
         try:
             state = self.scheduler.training_state()  # the trainer's newest state, after updates not yet logged
             self._log_unreturned()
@@ -413,7 +418,9 @@ class Experiment:
                          path)  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
         return path
 
-    def close(self) -> None:
+    def close(self, grace: float = 5.0) -> None:
+        """Stop everything the run started, the last checkpoint on disk first; the simulators have `grace` seconds
+        to exit once asked."""
         try:
             self.writer.wait()  # the last checkpoint on disk before anything goes
         except OSError as e:
@@ -422,7 +429,7 @@ class Experiment:
         if self.scheduler is not None:
             self.scheduler.close()
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(grace)
         if self.placement is not None:  # (its MPS daemons after every client is gone)
             self.placement.close()
         if self.log is not None:

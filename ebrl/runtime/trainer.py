@@ -16,6 +16,7 @@ is due) on the runtime's event queue.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing.connection
 import os
@@ -43,6 +44,7 @@ from ebrl.runtime.distributed import (
     trainer_backend,
     weights_sum,
 )
+from ebrl.runtime.errors import stop_asked, update_then_stop
 from ebrl.runtime.messages import Load, Ready, State, StateRequest, Stop, Train, Trained
 from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
 from ebrl.runtime.placement import Placement
@@ -62,11 +64,13 @@ class TrainerThreads:
     (`follow`), since a thread count is the calling thread's own, and `most` is the largest an update trained with.
     The process says how many it runs on (`running`; 0 between updates, `rest`): the supervisor moves it back onto
     fewer cores only once it runs no more threads than they are (`leaving` until then), since OpenMP threads stacked
-    on one core wait for each other at every barrier (docs/schedules.md, "Measured choices")."""
+    on one core wait for each other at every barrier (docs/schedules.md, "Measured choices"). And `stopping`, which
+    the supervisor sets as the run stops: the update in progress ends at its next optimizer step (one rank alone)."""
 
     def __init__(self, ctx: Any, n: int, lent: int | None = None) -> None:
         self.shared = ctx.RawValue("i", n)
         self.running = ctx.RawValue("i", 0)
+        self.stopping = ctx.RawValue("b", 0)
         self.most = n
         self.lent = lent
         self.leaving = False  # (the supervisor's: lent cores to give back once `running` allows)
@@ -124,6 +128,8 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 shard(policy)
             made = make_trainer(policy, OmegaConf.create(conf["algo"]), device, group)
             made.pace = threads.follow
+            if group is None:  # (ranks would leave an update at different steps, and their collectives unmatched)
+                made.stop_asked = lambda: bool(threads.stopping.value)
             return made
 
         policy = trainer = None
@@ -284,6 +290,10 @@ class Trainer:
         """Ask for the model and optimizer state after every update sent so far (a `State` without gathered_after)."""
         raise NotImplementedError
 
+    def hurry(self) -> None:
+        """The run is stopping: the update in progress ends at its next optimizer step (a shorter update, whole), so
+        that the state asked for next comes soon. In the supervisor a stop does that itself (`update_then_stop`)."""
+
     def respawn(self, cpus: Sequence[int] | None = None) -> None:
         """Start a successor under the environment of the moment (a new MPS share)."""
         raise NotImplementedError(f"{type(self).__name__} has no process to respawn")
@@ -326,6 +336,8 @@ class LocalTrainer(Trainer):
         super().__init__()
         self.policy, self.post, self.group, self.rank = policy, post, group, rank
         self.trainer = make_trainer(policy, algo, device, group)
+        if group is None:
+            self.trainer.stop_asked = stop_asked  # (`update_then_stop` around each update)
         if resume is not None:
             self.trainer.load_optimizer_state(torch.load(resume, map_location="cpu", weights_only=False,
                                                          mmap=True)["optimizer"])
@@ -345,21 +357,24 @@ class LocalTrainer(Trainer):
               critic_only: bool = False, version: int | None = None) -> None:
         start = time.perf_counter()
         self._torn = True  # (stays so when the update is interrupted: its weights are half-stepped)
-        try:
-            metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only,
-                                          version=version)
-            if self.group is not None:  # rank 0 checks that every replica holds the same weights
-                metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
-        except RuntimeError as e:
-            if self.group is None:
-                raise
-            raise DistributedError(f"rank {self.rank}'s update failed ({one_line(e)}); another rank may have "
-                                   "stopped") from None
-        self._torn = False
-        published = time.perf_counter()
-        self.post(Trained(iteration, metrics, self.weights.publish(), start, published, published))
-        if gather and self.rank == 0:  # (the next update changes these in place; the replicas hold the same)
-            self.post(State(*self._copy(), iteration))
+        # one rank: a Ctrl-C or SIGTERM ends the update at its next step, then stops the run (with several, a rank
+        # leaving the update early would leave the others' collectives unmatched: the update is interrupted)
+        with update_then_stop() if self.group is None else contextlib.nullcontext():
+            try:
+                metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only,
+                                              version=version)
+                if self.group is not None:  # rank 0 checks that every replica holds the same weights
+                    metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
+            except RuntimeError as e:
+                if self.group is None:
+                    raise
+                raise DistributedError(f"rank {self.rank}'s update failed ({one_line(e)}); another rank may have "
+                                       "stopped") from None
+            self._torn = False
+            published = time.perf_counter()
+            self.post(Trained(iteration, metrics, self.weights.publish(), start, published, published))
+            if gather and self.rank == 0:  # (the next update changes these in place; the replicas hold the same)
+                self.post(State(*self._copy(), iteration))
 
     def request_state(self) -> None:
         self.post(State(*self._copy()))
@@ -399,6 +414,9 @@ class ProcessTrainer(Trainer):
 
     def request_state(self) -> None:
         self.process.send(StateRequest())
+
+    def hurry(self) -> None:
+        self.shared_threads.stopping.value = 1
 
     def respawn(self, cpus: Sequence[int] | None = None) -> None:
         """Start a successor in this process's environment of the moment (a new MPS share: set it around this call),

@@ -199,6 +199,37 @@ def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_pa
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written whole
 
 
+def test_a_stop_inside_an_update_in_the_supervisor_ends_it_at_the_next_step_with_its_state_whole() -> None:
+    # colocated trains in the supervisor: SIGTERM half-way through an update's first optimizer step (a real signal to
+    # this process) lets that step finish, ends the update there, and only then stops, so the state is a checkpoint's
+    from ebrl.runtime.errors import _interrupt
+    from ebrl.runtime.trainer import LocalTrainer
+    from tests.conftest import compose_config
+    from tests.rl.test_grpo import one_episode_rollout, policy_of
+
+    policy = policy_of("openpi")
+    batch = one_episode_rollout(policy)
+    algo = compose_config("algo=ppo", "algo.epochs=2", "algo.minibatches=2").algo  # 4 steps in a whole update
+    posted = []
+    trainer = LocalTrainer(policy, algo, torch.device("cpu"), posted.append)
+    trainer.trainer.pace = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            trainer.train(1, batch, decoupled=False, is_clip=2.0)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert not trainer.torn
+    [trained] = posted
+    assert trained.metrics["train/stopped_early"] == 1.0
+    steps = {float(s["step"]) for s in trainer.trainer.optimizer.state_dict()["state"].values()}
+    assert steps == {1.0}  # one optimizer step of four, taken whole
+    trainer.request_state()
+    assert set(posted[-1].model) == set(policy.state_dict())
+
+
 @pytest.fixture(scope="module")
 def two_iterations(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("faults") / "run"
