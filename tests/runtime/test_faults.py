@@ -79,20 +79,26 @@ def test_a_killed_simulator_is_replaced_and_the_run_goes_on(tmp_path: Path) -> N
     assert not victim.is_running()
 
 
-def test_a_killed_trainer_stops_the_run_with_one_line_and_nothing_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", ["trainer", pytest.param("generation", marks=pytest.mark.slow)])
+def test_a_killed_trainer_or_generation_process_stops_the_run_with_one_line_and_nothing_left(tmp_path: Path,
+                                                                                             stage: str) -> None:
     run_dir = tmp_path / "run"
-    proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
+    own = ["scheduler.generation=process"] if stage == "generation" else []
+    proc = start_run(*SMALL, "scheduler=ebrl", *own, "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
     try:
         wait_for_iterations(run_dir, 2, proc)
         children = psutil.Process(proc.pid).children(recursive=True)
-        trainer = next(p for p in children if p not in simulators(proc) and "spawn_main" in " ".join(p.cmdline()))
-        trainer.send_signal(signal.SIGKILL)
+        # the trainer process is started just before generation's (schedule.real_stages): the lower pid
+        spawned = sorted((p for p in children if p not in simulators(proc) and "spawn_main" in " ".join(p.cmdline())),
+                         key=lambda p: p.pid)
+        victim = spawned[0] if stage == "trainer" else spawned[1]
+        victim.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1 and "Traceback" not in err
-    assert last_line(err) == (f"error: trainer process (pid {trainer.pid}) stopped; exit code -9; continue with "
+    assert last_line(err) == (f"error: {stage} process (pid {victim.pid}) stopped; exit code -9; continue with "
                               f"resume={run_dir}")  # the real folder, to copy
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
