@@ -92,6 +92,7 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
         how = f" by {e.args[0]}" if e.args else ""  # SIGTERM: torchrun stops the other ranks when one failed
         hint = stop.resume_hint()
         print(f"interrupted{how}" + (f": {hint}" if hint else ""), file=sys.stderr)
+        previous = {}  # (a second signal while the process winds down still ends it at once, with its line)
         sys.exit(EXIT_INTERRUPTED)
     finally:
         for sig, handler in previous.items():

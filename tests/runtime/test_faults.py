@@ -205,6 +205,20 @@ def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_pa
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written whole
 
 
+def test_a_second_sigterm_while_the_process_winds_down_still_ends_it_at_once_with_its_line() -> None:
+    # after the first stop's line the process may still be reaping children (atexit): a second signal there ends it
+    # at once, with its line and 130, not with the default action (killed by SIGTERM, no line)
+    code = ("import atexit, os, signal, time\n"
+            "from ebrl.runtime.errors import exit_cleanly\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+            "with exit_cleanly():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-2:] == ["interrupted by SIGTERM", "stopped at once by a second SIGTERM"]
+
+
 def test_a_stop_inside_an_update_in_the_supervisor_ends_it_at_the_next_step_with_its_state_whole() -> None:
     # colocated trains in the supervisor: SIGTERM half-way through an update's first optimizer step (a real signal to
     # this process) lets that step finish, ends the update there, and only then stops, so the state is a checkpoint's
