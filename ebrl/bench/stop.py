@@ -45,7 +45,8 @@ def stopped(cmd: list[str], ready: Callable[[], bool], twice: float | None, time
     finally:
         if proc.poll() is None:
             proc.kill()
-    lines = [line for line in err.splitlines() if line.strip()]
+    # (a warning's second line echoes the source line that raised it: the message is the one before)
+    lines = [line for line in err.splitlines() if line.strip() and not line[0].isspace()]
     return took, proc.returncode, lines[-1] if lines else ""
 
 
@@ -62,6 +63,7 @@ def stop_run(schedule: str, after: int, twice: float | None, work: Path) -> dict
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "run.py", *SMALL, f"scheduler={schedule}", "iterations=1000", f"hydra.run.dir={run_dir}"]
     took, code, line = stopped(cmd, lambda: logged(run_dir) >= after, twice)
+    at_stop = logged(run_dir)  # (before the resumed iteration adds its own)
     ckpt = run_dir / "checkpoints" / "last.pt"
     kept = torch.load(ckpt, weights_only=False, map_location="cpu")["iteration"] if ckpt.exists() else None
     resumed = None
@@ -70,7 +72,7 @@ def stop_run(schedule: str, after: int, twice: float | None, work: Path) -> dict
                                 f"iterations={kept + 1}"], cwd=REPO, capture_output=True, text=True, timeout=600)
         resumed = again.returncode == 0
     return {"what": f"run.py scheduler={schedule}", "signals": 2 if twice is not None else 1, "seconds": took,
-            "exit": code, "line": line, "logged": logged(run_dir), "checkpoint": kept, "resumed": resumed}
+            "exit": code, "line": line, "logged": at_stop, "checkpoint": kept, "resumed": resumed}
 
 
 def stop_bench(after_s: float, twice: float | None) -> dict:
