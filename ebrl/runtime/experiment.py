@@ -277,6 +277,7 @@ class Experiment:
             Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint),
         ]
         grace = 5.0  # seconds the simulators have to exit once asked, as the run ends (then they are killed)
+        self.placement.follow_load(None)  # (the first iteration beside the load there is now, as the later ones)
         try:
             while self.iteration < cfg.iterations:
                 it = self._iterate(monitors)

@@ -158,9 +158,12 @@ class Placement:
             return 1
         return math.ceil(self.cfg.env.num_envs / len(self.cpus("simulate") + self.spare()))
 
-    def follow_load(self, foreign: float) -> None:
-        """The next iteration beside the last one's foreign load (`foreign`, in cores): the supervisor's threads
+    def follow_load(self, foreign: float | None) -> None:
+        """The next iteration beside the last one's foreign load (`foreign`, in cores; None: a short look at the
+        cores, the first iteration's, while the run's processes wait): the supervisor's threads
         (`supervisor_threads`) and the simulators' slots per core (`sim_slots`)."""
+        if foreign is None:
+            foreign = busy_cores(self.cores, LOOK_S)
         threads = self.supervisor_threads(foreign)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)

@@ -346,9 +346,15 @@ def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_t
         assert lent.count == len(exp.cores) - 1 and os.sched_getaffinity(trainer.pid) == set(exp.cores)
         # and the simulators run every env at once where such a load holds a core (niced, one per core gets a tenth
         # of it), one per core again once it leaves
-        for foreign, slots in [(1.0, math.ceil(4 / len(placement.cpus("simulate") + placement.spare()))), (0.0, 1)]:
+        spread = math.ceil(4 / len(placement.cpus("simulate") + placement.spare()))
+        for foreign, slots in [(1.0, spread), (0.0, 1)]:
             placement.follow_load(foreign)
             assert exp.scheduler.dispatcher.cores.slots == slots
+        # the first iteration's: a look at the cores, which real busy processes hold
+        with foreign_load(len(exp.cores)):
+            time.sleep(0.5)
+            placement.follow_load(None)
+        assert exp.scheduler.dispatcher.cores.slots == spread
     finally:
         exp.close()
 
