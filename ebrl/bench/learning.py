@@ -5,7 +5,10 @@ docs/demos.md's record and `algo=sft` commands from 5 demos); `--demos N` makes 
 episodes, then `--sft-iterations` of algo=sft), `--init <run folder>` takes yours. From it, every algorithm
 (`--algos`), seed (`--seeds`) and mode (`--modes`, any `scheduler=` option; ABBA over the seeds, so a drift of the
 machine favours none) runs `--iterations` of RL with the same seeds, so each mode sees the same env steps. Extra
-arguments are Hydra overrides for every RL run (e.g. env.reward=dense).
+arguments are Hydra overrides for every RL run (e.g. env.reward=dense). `--stragglers F` slows a fraction of the envs
+(whole GRPO groups) to `--straggler-slowdown` times the physics substeps per action (ebrl.bench.stragglers), the same
+task at a lower control rate, so their episodes end later in wall-clock: with `scheduler.max_staleness` below
+`scheduler.max_ahead` the quick episodes are the ones that go stale.
 
 Printed, per run: success in the rollouts (the stochastic chain RL trains) over the first and the last 5
 iterations with 95% Wilson intervals; with `--eval-episodes` > 0, `mode=eval` success (deterministic sampling, as
@@ -50,6 +53,7 @@ class Run:
     explained_variance: float
     env_steps_per_s: float
     eval_after: dict[str, float] = field(default_factory=dict)
+    dropped_chunks: float = 0.0  # chunk steps masked out as stale per iteration (max_staleness < max_ahead), mean
 
     def rate(self, lo: int, hi: int) -> tuple[float, float, float]:
         from ebrl.telemetry.metrics import wilson_interval
@@ -105,12 +109,28 @@ def evaluate(checkpoint: Path, episodes: int, overrides: Sequence[str]) -> dict[
     return {"rate": s.success_rate, "low": s.success_ci95[0], "high": s.success_ci95[1], "episodes": s.episodes}
 
 
-def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_episodes: int,
-            overrides: Sequence[str]) -> Run:
-    from ebrl.runtime.experiment import Experiment
+def run_config(algo: str, mode: str, seed: int, start: Path, iterations: int, overrides: Sequence[str],
+               stragglers: tuple[float, int] = (0.0, 1)) -> Any:
+    """One RL run's config; `stragglers` (fraction of the envs, slowdown): that many envs, whole GRPO groups, take
+    that many times the physics substeps per action (ebrl.bench.stragglers), so their episodes last longer."""
+    from ebrl.bench.schedulers import group_size
+    from ebrl.bench.stragglers import with_stragglers
+    from ebrl.checks import complete_benchmark_tasks
 
     cfg = compose_overrides([f"algo={algo}", f"init={start}", f"seed={seed}", f"iterations={iterations}",
                              "progress=false", "logger=none", f"checkpoint_every={iterations}", *overrides], mode)
+    fraction, slowdown = stragglers
+    if not fraction:
+        return cfg
+    complete_benchmark_tasks(cfg)
+    return with_stragglers(cfg, round(fraction * cfg.env.num_envs / group_size(cfg)), None, slowdown)
+
+
+def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_episodes: int,
+            overrides: Sequence[str], stragglers: tuple[float, int] = (0.0, 1)) -> Run:
+    from ebrl.runtime.experiment import Experiment
+
+    cfg = run_config(algo, mode, seed, start, iterations, overrides, stragglers)
     with tempfile.TemporaryDirectory(prefix="ebrl-learning-") as tmp:
         summary = Experiment.from_config(cfg, run_dir=Path(tmp)).train()
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
@@ -126,7 +146,8 @@ def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_
                episodes=[round(r.get("env/episodes", 0)) for r in rows],
                approx_kl=mean("train/approx_kl"), clipfrac=mean("train/clipfrac"),
                explained_variance=mean("train/explained_variance"),
-               env_steps_per_s=summary.rollout_steps_per_s, eval_after=after)
+               env_steps_per_s=summary.rollout_steps_per_s, eval_after=after,
+               dropped_chunks=float(np.mean([r.get("sched/dropped_chunks", 0.0) for r in rows])))
 
 
 def pct(rate: float, low: float = math.nan, high: float = math.nan) -> str:
@@ -165,15 +186,15 @@ def report(runs: list[Run], gains: Sequence[float], before: dict[str, float], ou
              f"{before['episodes']} episodes" if before else ""))
     heads = " | ".join(f"s (env steps) to +{g:.0%}" for g in gains)
     print(f"| algo | mode | seed | success first {WINDOW} it. | last {WINDOW} it. | eval after | approx KL | clipfrac "
-          f"| expl. var | env steps/s | {heads} |")
-    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gains))
+          f"| expl. var | env steps/s | stale chunk steps/it. | {heads} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gains))
     for r in runs:
         n = len(r.successes)
         after = pct(r.eval_after["rate"], r.eval_after["low"], r.eval_after["high"]) if r.eval_after else "-"
         times = " | ".join("-" if t != t else f"{t:.0f} ({k:,.0f})" for t, k in (r.to_target(x) for x in targets))
         print(f"| {r.algo} | {r.mode} | {r.seed} | {pct(*r.rate(0, WINDOW))} | {pct(*r.rate(n - WINDOW, n))} | "
               f"{after} | {r.approx_kl:.3f} | {r.clipfrac:.3f} | {r.explained_variance:.2f} | "
-              f"{r.env_steps_per_s:.1f} | {times} |")
+              f"{r.env_steps_per_s:.1f} | {r.dropped_chunks:.1f} | {times} |")
     print()
     for algo in sorted({r.algo for r in runs}):
         for mode in sorted({r.mode for r in runs if r.algo == algo}):
@@ -223,8 +244,14 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of learning.json and the plots")
     parser.add_argument("--add", type=Path, nargs="+", default=[],
                         help="runs.json or learning.json of earlier runs from the same start (more seeds) to report with")
+    parser.add_argument("--stragglers", type=float, default=0.0,
+                        help="fraction of the envs (whole GRPO groups) that take --straggler-slowdown times the "
+                             "physics substeps per action, 0..1")
+    parser.add_argument("--straggler-slowdown", type=int, default=4)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if not 0 <= args.stragglers <= 1:
+        parser.error(f"--stragglers={args.stragglers}: a fraction of the envs, 0..1")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ebrl-start-") as tmp:
         start = make_start(args.demos, args.sft_iterations, Path(tmp), args.overrides) if args.demos else args.init
@@ -239,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
         for algo in args.algos:
             for i, seed in enumerate(args.seeds):
                 for mode in round_order(args.modes, i):
-                    runs.append(run_one(algo, mode, seed, start, args.iterations, args.eval_episodes, args.overrides))
+                    runs.append(run_one(algo, mode, seed, start, args.iterations, args.eval_episodes, args.overrides,
+                                        (args.stragglers, args.straggler_slowdown)))
                     r, n = runs[-1], len(runs[-1].successes)
                     print(f"{algo} {mode} seed {seed}: success {pct(*r.rate(0, WINDOW))} -> "
                           f"{pct(*r.rate(n - WINDOW, n))} in {r.seconds[-1]:.0f} s", flush=True)

@@ -118,17 +118,10 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
 
     complete_benchmark_tasks(cfg)  # (the references build simulators from it, as a run does after validating)
     if workload.straggler_envs:
-        from omegaconf import OmegaConf
+        from ebrl.bench.stragglers import with_stragglers
 
-        # the env schema has no straggler keys: go on with the validated config as a plain one, whose env keys
-        # all reach the adapter's constructor
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        cfg.env.inner_target = cfg.env._target_
-        cfg.env._target_ = "ebrl.bench.stragglers.StragglerEnv"
-        cfg.env.straggler_envs = workload.straggler_units(group_size(cfg))
-        cfg.env.straggler_task = workload.straggler_task
-        cfg.env.straggler_slowdown = workload.straggler_slowdown
-        cfg.env.straggler_after_steps = workload.straggler_after_steps
+        cfg = with_stragglers(cfg, workload.straggler_units(group_size(cfg)), workload.straggler_task,
+                              workload.straggler_slowdown, workload.straggler_after_steps)
     return cfg
 
 

@@ -8,7 +8,8 @@ physics substeps (and controller updates) per action. robosuite's tasks differ l
 2 CPU cores: Lift 8.6, Stack 9.2, Door 7.4, NutAssemblySquare 9.0, PickPlaceCan 10.0 ms/step), so a task
 mix alone barely moves the variance; the substeps do. A straggler reports the base task's spec (its state
 vector padded with zeros or cut to the base's length, the base's instruction), so the pool's envs agree and one
-policy drives them all: the figures are throughput, not learning.
+policy drives them all: with another task the figures are throughput, not learning; with the same task (only its
+control rate lower) the learning benchmark learns on it (`python -m ebrl.bench.learning --stragglers`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ import numpy as np
 
 from ebrl.envs.base import EnvAdapter, EnvSetupError
 from ebrl.envs.process import load_adapter_class
+
+
+def with_stragglers(cfg: Any, units: int, task: str | None, slowdown: int, after_steps: int = 0) -> Any:
+    """A validated run config whose env is `StragglerEnv` around the configured one, `units` of its seeds slowed.
+    The env schema has no straggler keys, so this goes on with the config as a plain one, whose env keys all reach
+    the adapter's constructor."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    cfg.env.inner_target = cfg.env._target_
+    cfg.env._target_ = f"{__name__}.StragglerEnv"
+    cfg.env.straggler_envs, cfg.env.straggler_task = units, task
+    cfg.env.straggler_slowdown, cfg.env.straggler_after_steps = slowdown, after_steps
+    return cfg
 
 
 class StragglerEnv(EnvAdapter):

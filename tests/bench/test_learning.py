@@ -27,3 +27,17 @@ def test_success_is_pooled_over_the_windows_episodes_and_the_target_is_its_first
     assert all(math.isnan(x) for x in run.to_target(0.9))
     rate, low, high = run.rate(0, WINDOW)
     assert rate == 0.1 and low < 0.1 < high
+
+
+def test_stragglers_slow_whole_grpo_groups_of_the_same_task():
+    from ebrl.bench.learning import run_config
+    from ebrl.bench.schedulers import compose_overrides
+    from ebrl.runtime.init import shipped_for
+
+    start = shipped_for(compose_overrides([]))
+    plain = run_config("grpo", "ebrl", 0, start, 3, [])
+    assert plain.env._target_ != "ebrl.bench.stragglers.StragglerEnv"
+    cfg = run_config("grpo", "ebrl", 0, start, 3, ["scheduler.max_ahead=2", "scheduler.max_staleness=1"], (0.5, 4))
+    assert cfg.env._target_ == "ebrl.bench.stragglers.StragglerEnv" and cfg.env.inner_target == plain.env._target_
+    assert cfg.env.straggler_envs == 8 * 0.5 / 4 and cfg.env.straggler_task is None  # one group of 4, same task
+    assert (cfg.env.straggler_slowdown, cfg.scheduler.max_ahead, cfg.scheduler.max_staleness) == (4, 2, 1)
