@@ -206,9 +206,10 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
     chunk_len = len(views["actions"])
     if not 1 <= n_steps <= chunk_len:
         raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     obs, result = adapter.run_chunk(views["actions"][:n_steps, :adapter.spec.action_dim].copy())  # its own dims
     views["clock"][:] = (started, time.perf_counter())
+    cpu = time.thread_time() - cpu
     k = result.executed
     views["rewards"][:k] = result.rewards
     views["step_times"][:k] = result.step_times
@@ -217,7 +218,7 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
         _write_obs(split_views(views, "final/"), result.final_obs)
     _write_obs(split_views(views, "obs/"), obs)
     views["header"][:] = (k, result.terminated, result.truncated, result.final_obs is not None)
-    return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0))}
+    return {"episode": result.episode, "cpus": sorted(os.sched_getaffinity(0)), "cpu_s": cpu}
 
 
 def _write_obs(slots: dict[str, np.ndarray], obs: dict[str, np.ndarray]) -> None:

@@ -188,6 +188,7 @@ class ChunkReport:
     started: float = float("nan")  # perf_counter() when the chunk's first step began (same clock in every process)
     ended: float = float("nan")  # ... and when its last step ended
     cpus: tuple[int, ...] = ()  # the cores the simulator process was allowed while it ran the chunk
+    cpu_s: float = 0.0  # the simulator's CPU seconds inside the adapter's run_chunk (the rest of its process's: plumbing)
     failed: str | None = None  # the simulator died, hung or failed in this chunk (why); it was replaced
 
     @property
@@ -495,6 +496,7 @@ class SimWorker:
             started=float(slot.clock[0]),
             ended=float(slot.clock[1]),
             cpus=tuple(reply.get("cpus", ())),
+            cpu_s=float(reply.get("cpu_s", 0.0)),
         )
 
     @property

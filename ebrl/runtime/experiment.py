@@ -67,6 +67,7 @@ class RunSummary:
     success_end: Success | None = None
     stage_s: dict[str, float] = field(default_factory=dict)
     cpu_busy: float = float("nan")
+    sim_cpu_ms_per_step: float = float("nan")  # the simulators' CPU time per env step after warm-up
     # after warm-up: busy_<stage> (trace: share of the wall time a stage was running; simulate: per sim core)
     # and cpu_share_<processes> (their CPU seconds / (cores x wall))
     busy: dict[str, float] = field(default_factory=dict)
@@ -332,6 +333,8 @@ class Experiment:
             **cores_busy,
             **(gpu.read() if gpu is not None else {}),
             **{f"perf/cpu_share_{group}": share for group, share in cpu_shares.items()},
+            # the simulators' CPU seconds in this iteration (ebrl.bench.sim_speed measures the same per env step)
+            "perf/sim_cpu_s": cpu_shares.get("simulate", 0.0) * shares.cores * wall,
             **stats.metrics(),
             **train_metrics,
             **{f"perf/busy_{stage}": value for stage, value in busy.items()},
@@ -394,6 +397,7 @@ class Experiment:
                           success_start=start_success, success_end=end_success,
                           stage_s={"simulate": seconds["cores"] / cores, "generate": seconds["generate"],
                                    "train": seconds["train"]}, cpu_busy=measure.cpu_busy,
+                          sim_cpu_ms_per_step=measure.sim_cpu_ms_per_step,
                           busy=measure.stage_means(), measured=measure.measured())
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:

@@ -83,6 +83,7 @@ class Measure:
     def __init__(self, iterations: int) -> None:
         self.iterations = iterations
         self.steps, self.wall = 0, 0.0
+        self.sim_cpu = 0.0  # the simulators' CPU seconds (user + system), resets and their plumbing included
         self.busy: list[float] = []
         self.stage_busy: dict[str, list[float]] = {}
         self.per_stage: list[Measured] = []  # this rank's
@@ -94,6 +95,7 @@ class Measure:
         if it.number > 1 or self.iterations == 1:
             self.steps += int(m["perf/iteration_env_steps"])
             self.wall += m["time/iteration_s"]
+            self.sim_cpu += m.get("perf/sim_cpu_s", 0.0)
             self.busy.append(m["perf/cpu_busy"])
             if it.measured is not None:
                 self.per_stage.append(it.measured)
@@ -107,6 +109,12 @@ class Measure:
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.wall if self.wall else 0.0
+
+    @property
+    def sim_cpu_ms_per_step(self) -> float:
+        """What simulation cost the run per env step, in CPU ms (nan where the simulators share the supervisor's
+        process: env.serial)."""
+        return 1e3 * self.sim_cpu / self.steps if self.steps and self.sim_cpu else float("nan")
 
     @property
     def cpu_busy(self) -> float:

@@ -1,9 +1,11 @@
-"""The simulation-speed benchmark on one task: the stock and the fast control step, the physics inside it and a
-reset, measured in the benchmark's own process (no timings asserted)."""
+"""The simulation-speed benchmark on one task: the stock and the fast control step on the run's path, the physics
+inside it, each part's share and one simulator process's CPU time, measured in the benchmark's own processes (no
+timings asserted)."""
 from __future__ import annotations
 
 import pytest
 
+from ebrl.bench.sim_parts import PARTS
 from ebrl.bench.sim_speed import main
 
 
@@ -11,11 +13,22 @@ from ebrl.bench.sim_speed import main
     ("robosuite", "Lift", 25),  # robosuite's 500 Hz physics under a 20 Hz control step
     ("maniskill", "PushCube-v1", 5),  # PhysX at 100 Hz, timed inside the stock steps
 ])
-def test_sim_speed_measures_a_step_its_physics_and_a_reset(capsys, suite, task, substeps):
-    rows = main(["--benchmarks", suite, "--tasks", task, "--steps", "10", "--repeats", "1", "--resets", "1"])
+def test_sim_speed_measures_the_runs_step_its_physics_and_its_parts(capsys, suite, task, substeps):
+    rows = main(["--benchmarks", suite, "--tasks", task, "--steps", "48", "--repeats", "1", "policy.execute=4",
+                 "env.max_episode_steps=20"])
     assert [r["task"] for r in rows] == [task]
     row = rows[0]
-    assert row["substeps"] == substeps
-    assert row["step_ms"] > 0 and row["fast_ms"] > 0 and row["physics_ms"] > 0 and row["reset_ms"] > 0
+    assert row["substeps"] == substeps and row["execute"] == 4  # (the run's override)
+    assert row["step_ms"] > 0 and row["fast_ms"] > 0 and row["physics_ms"] > 0 and row["process_ms"] > 0
     assert row["fast_off"] == ""  # the fast step covers the task
-    assert f"| {suite} | {task} |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"| {suite} | {task} | 4 |" in out
+    if suite == "robosuite":  # parts: the robosuite family's seams
+        for way, total in (("stock", row["step_ms"]), ("fast", row["fast_ms"])):
+            parts = row["parts"][way]
+            assert set(parts) == set(PARTS) and sum(parts.values()) == pytest.approx(total)
+            assert parts["controller"] > 0 and parts["physics"] > 0 and parts["observables"] > 0
+            assert parts["reset"] > 0  # (48 steps: two resets at the 20-step limit, inside the timing)
+        assert f"| {suite} | {task} | fast |" in out
+    else:
+        assert row["parts"] == {}
