@@ -10,9 +10,8 @@ layout, and robosuite's own numba kernels (`opspace_matrices`, `nullspace_torque
 ids, index arrays, actuator bounds and the commands that are constant within a control step looked up once;
 `mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The OSC
 controller's arithmetic between policy steps runs as one compiled call (ebrl/envs/fast_kernels.py) where a
-controller's first control step shows it gives the numpy calls' bits. The observables'
-timers advance with robosuite's own float operations and the sensors run at the substep where the stock code samples
-them, after the controllers' state is written back as the stock code leaves it.
+controller's first control step shows it gives the numpy calls' bits. The observables' timers advance with
+robosuite's own float operations and the sensors run at the substep where the stock code samples them, after the controllers' state is written back as the stock code leaves it.
 
 Covered: robosuite 1.5's fixed-base arms under the BASIC controller (OSC arm, simple gripper) and wheeled robots
 under the hybrid mobile-base one (RoboCasa's PandaOmron: joint-velocity base, joint-position torso); robosuite 1.4's
@@ -32,6 +31,11 @@ import numpy as np
 from mujoco import mj_jacSite, mj_step1, mj_step2
 
 from ebrl.envs.fast_kernels import Compiled
+
+try:  # np.clip's own ufunc: what np.clip(a, low, high) computes, without the Python around it (about 1 us a call)
+    from numpy._core.umath import clip as _clip  # numpy 2
+except ImportError:
+    from numpy.core.umath import clip as _clip
 
 if hasattr(mujoco.MjData, "qM"):  # the dense mass matrix: MuJoCo < 3.4 reads qM, later ones the data
     def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
@@ -440,7 +444,7 @@ class FastStep:
         """`env.step(action)`, the stock contract and results."""
         if self._identity() != self.built_for:
             self._build()
-        env, sim, m, d, timers, clip = self.env, self.env.sim, self.model, self.data, self.timers, np.clip
+        env, sim, m, d, timers, clip = self.env, self.env.sim, self.model, self.data, self.timers, _clip
         if self.libero and env.action_dim == 4 and len(action) > 4:  # LIBERO's step: an OSC_POSITION action
             action = np.array(action)
             action = np.concatenate((action[:3], action[-1:]), axis=-1)
