@@ -47,13 +47,20 @@ def osc_kernel() -> Callable | None:
     before, folder = config.CACHE_DIR, cache_dir()
     config.CACHE_DIR = str(folder)  # (read when a function's cache is set up, i.e. at decoration)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         kernel = numba.njit(cache=True)(osc_substep)
+        lock = open(folder / "compile.lock", "w")
+    except (OSError, RuntimeError):  # no cache folder to write: compiled in this process alone
+        kernel, lock = numba.njit(osc_substep), None
     finally:
         config.CACHE_DIR = before
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "compile.lock", "w") as lock:  # one process compiles (about 10 s), the others then load it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:  # one process compiles (about 10 s), the others wait and load what it cached
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         Compiled(kernel, [0, 1], [0, 1], jacobian_order()).run(*_warm_up_inputs())
+    finally:
+        if lock is not None:
+            lock.close()
     return kernel
 
 
