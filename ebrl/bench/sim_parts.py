@@ -2,10 +2,11 @@
 
 `Parts` replaces the callables each part runs with timed ones: methods of the adapter's own simulator objects, and
 the fast step's module functions and worker classes (ebrl/envs/fast_step.py). The time inside a call is charged to
-its part (a wall clock: a CPU clock is a system call, whose cost would swamp the parts); a call inside another part's call is charged to the inner part while it runs, and everything inside a
-reset to the reset. What no part claims (run_chunk, the fast step's own loop, the adapter's obs dict) is "the rest".
-The robosuite family only (robosuite, LIBERO, RoboCasa): ManiSkill's step has no such seams. This module imports
-numpy and the simulator only: it runs under each benchmark's interpreter.
+its part (a wall clock: a CPU clock is a system call, whose cost would swamp the parts); a call inside another
+part's call is charged to the inner part while it runs, and everything inside a reset to the reset. What no part
+claims (run_chunk, the fast step's own loop, the adapter's obs dict) is "the rest". The robosuite family only
+(robosuite, LIBERO, RoboCasa): ManiSkill's step has no such seams. This module imports numpy and the simulator only:
+it runs under each benchmark's interpreter.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Parts:
         self.spent = dict.fromkeys(PARTS, 0.0)
 
     def shares(self, total_s: float) -> dict[str, float]:
-        """Each part's share of `total_s` (the timed stretch, on the same clock); "the rest" is what the others leave."""
+        """Each part's share of `total_s` (the timed stretch, on the same clock); "the rest": what the others leave."""
         out = {part: s / total_s for part, s in self.spent.items() if part != "the rest"}
         out["the rest"] = 1.0 - sum(out.values())
         return out

@@ -62,7 +62,7 @@ def measure(name: str, env_cfg: dict[str, Any], execute: int, steps: int, repeat
     per env step (this thread's), resets included; each part's share of it from a second pass with the parts timed
     (`Parts`; the robosuite family); the physics of one step (`raw_physics`; ManiSkill's timed inside the stock
     steps). Medians over repeats, the two ways' passes alternating over the same episodes and actions."""
-    from ebrl.bench.sim_parts import Parts
+    from ebrl.bench.sim_parts import PARTS, Parts
     from ebrl.envs.process import build_adapter
 
     adapters = {way: build_adapter({**env_cfg, "fast_step": way == "fast"}, seed) for way in ("stock", "fast")}
@@ -96,7 +96,8 @@ def measure(name: str, env_cfg: dict[str, Any], execute: int, steps: int, repeat
             step_ms[way].append(1e3 * elapsed / executed)
             if inside is None:
                 timer = Parts()
-                shares[way].append(timer.shares(drive(adapter, seed * 1000 + 100 * r + 50, time.perf_counter, timer)[0]))
+                elapsed = drive(adapter, seed * 1000 + 100 * r + 50, time.perf_counter, timer)[0]
+                shares[way].append(timer.shares(elapsed))
         if inside is not None:
             substeps = int(adapters["stock"].env.unwrapped._sim_steps_per_control)  # noqa: SLF001
             physics_ms.append(1e3 * inside[0] / executed)
@@ -111,8 +112,11 @@ def measure(name: str, env_cfg: dict[str, Any], execute: int, steps: int, repeat
     for adapter in adapters.values():
         adapter.close()
     step = {way: statistics.median(ms) for way, ms in step_ms.items()}
-    parts = {way: {part: step[way] * statistics.median(p[part] for p in passes) for part in passes[0]}
-             for way, passes in shares.items() if passes}
+    parts = {}
+    for way, passes in shares.items():
+        if passes:  # each part's median share of the step; the rest is what the parts' medians leave
+            parts[way] = {part: step[way] * statistics.median(p[part] for p in passes) for part in PARTS[:-1]}
+            parts[way][PARTS[-1]] = step[way] - sum(parts[way].values())
     return {"step_ms": step["stock"], "fast_ms": step["fast"], "fast_off": fast_off,
             "physics_ms": statistics.median(physics_ms), "substeps": substeps, "parts": parts}
 

@@ -11,7 +11,8 @@ ids, index arrays, actuator bounds and the commands that are constant within a c
 `mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The OSC
 controller's arithmetic between policy steps runs as one compiled call (ebrl/envs/fast_kernels.py) where a
 controller's first control step shows it gives the numpy calls' bits. The observables' timers advance with
-robosuite's own float operations and the sensors run at the substep where the stock code samples them, after the controllers' state is written back as the stock code leaves it.
+robosuite's own float operations and the sensors run at the substep where the stock code samples them, after the
+controllers' state is written back as the stock code leaves it.
 
 Covered: robosuite 1.5's fixed-base arms under the BASIC controller (OSC arm, simple gripper) and wheeled robots
 under the hybrid mobile-base one (RoboCasa's PandaOmron: joint-velocity base, joint-position torso); robosuite 1.4's
@@ -109,8 +110,8 @@ class _Osc:
         compiled, c = self.compiled, self.c
         if compiled.on is False:
             return self._numpy(keep)
-        compiled.run(*self.jac, d, self.full_mass, ref_id, base_id, c.input_ref_frame == "base", (c.goal_pos, c.goal_ori),
-                     self.gains, c.initial_joint, c.uncoupling)
+        compiled.run(*self.jac, d, self.full_mass, ref_id, base_id, c.input_ref_frame == "base",
+                     (c.goal_pos, c.goal_ori), self.gains, c.initial_joint, c.uncoupling)
         if compiled.on is None:  # (the first substeps: both ways on the same state, the numpy results used)
             self._numpy(True)
             compiled.decide(self.state)
@@ -281,8 +282,8 @@ class _Osc14:
 
     @staticmethod
     def _as_numpy(state: tuple) -> tuple:
-        ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass, _, _, torques = state
-        return ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, joint_pos, joint_vel, J_pos, J_ori, J_full, mass, torques
+        ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass, *_, tau = state
+        return ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, joint_pos, joint_vel, J_pos, J_ori, J_full, mass, tau
 
     def _numpy(self, keep: bool) -> np.ndarray:
         """`torques`'s arithmetic in the stock numpy calls on arrays of the stock memory layout, from the Jacobian and

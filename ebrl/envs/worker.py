@@ -188,7 +188,8 @@ class ChunkReport:
     started: float = float("nan")  # perf_counter() when the chunk's first step began (same clock in every process)
     ended: float = float("nan")  # ... and when its last step ended
     cpus: tuple[int, ...] = ()  # the cores the simulator process was allowed while it ran the chunk
-    cpu_s: float = 0.0  # the simulator's CPU seconds inside the adapter's run_chunk (the rest of its process's: plumbing)
+    cpu_s: float = 0.0  # the simulator's CPU seconds inside the adapter's run_chunk (the rest of its process's: the
+    # plumbing)
     failed: str | None = None  # the simulator died, hung or failed in this chunk (why); it was replaced
 
     @property
