@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,11 @@ def osc_kernel() -> Callable | None:
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         Compiled(kernel, [0, 1], [0, 1], jacobian_order()).run(*_warm_up_inputs())
+    except Exception as e:  # noqa: BLE001  (numba could not type or compile it here: the numpy arithmetic runs)
+        why = (str(e).splitlines() or [""])[0]
+        warnings.warn(f"the fast step's compiled controller is off ({type(e).__name__}: {why}); its numpy arithmetic "
+                      "runs, the same bits, slower", stacklevel=2)
+        return None
     finally:
         if lock is not None:
             lock.close()
