@@ -38,6 +38,21 @@ def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_di
     assert not differs.decide(off_by_one_ulp) and differs.on is False
 
 
+def test_a_controller_numba_cannot_build_leaves_the_numpy_arithmetic_with_one_warning(monkeypatch):
+    from ebrl.envs import fast_kernels
+
+    def untypable() -> tuple:
+        raise TypeError("no such signature\nand more lines")
+
+    monkeypatch.setattr(fast_kernels, "_warm_up_inputs", untypable)
+    fast_kernels.osc_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"compiled controller is off \(TypeError: no such signature\); its numpy"):
+            assert fast_kernels.osc_kernel() is None
+    finally:
+        fast_kernels.osc_kernel.cache_clear()
+
+
 def test_cameras_sample_where_the_stock_step_samples_them():
     make = lambda fast: RobosuiteEnv("Lift", cameras=["agentview"], image_size=32, fast_step=fast, seed=0)
     fast, stock = make(True), make(False)
