@@ -334,7 +334,7 @@ class Experiment:
             **(gpu.read() if gpu is not None else {}),
             **{f"perf/cpu_share_{group}": share for group, share in cpu_shares.items()},
             # the simulators' CPU seconds in this iteration (ebrl.bench.sim_speed measures the same per env step)
-            "perf/sim_cpu_s": cpu_shares.get("simulate", 0.0) * shares.cores * wall,
+            "perf/sim_cpu_s": cpu_shares.get("simulate", 0.0) * shares.cores * shares.wall,
             **stats.metrics(),
             **train_metrics,
             **{f"perf/busy_{stage}": value for stage, value in busy.items()},

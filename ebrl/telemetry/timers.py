@@ -52,6 +52,7 @@ class ProcessCpu:
         self.foreign = 0.0  # cores other processes kept busy in the last iteration (Placement.measured)
         self._last = self._times()  # per pid
         self._t = time.perf_counter()
+        self.wall = 0.0  # the seconds the last `shares` covered
 
     def add(self, name: str, pid: int) -> None:
         """Count `pid` in group `name` from now on (a respawned worker)."""
@@ -71,7 +72,7 @@ class ProcessCpu:
     def shares(self) -> dict[str, float]:
         """Each group's CPU seconds since the last call, over (cores x wall): {group: share}."""
         now, t = self._times(), time.perf_counter()
-        wall = max(t - self._t, 1e-9)
+        wall = self.wall = max(t - self._t, 1e-9)
         out = {}
         for name, procs in self.procs.items():
             used = sum(now[p.pid] - self._last.get(p.pid, now[p.pid]) for p in procs if p.pid in now)
