@@ -192,7 +192,6 @@ def through_a_process(env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps
                 worker.submit(execute)
                 report = worker.wait()
                 executed, inside = executed + report.executed, inside + report.cpu_s
-                worker.obs  # (the policy reads the next decision's observation)
             cpu = process_cpu_seconds(worker.pid) - cpu
             cpu_ms.append(1e3 * cpu / executed)
             outside.append(1 - inside / cpu)
