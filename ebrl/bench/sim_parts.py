@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 PARTS = ("controller", "physics", "observables", "reward and success", "reset", "the rest")
 
 
@@ -24,6 +26,7 @@ class Parts:
         self.spent = dict.fromkeys(PARTS, 0.0)
         self._stack: list[list[Any]] = []  # [part, since] of the calls running now, innermost last
         self._undo: list[tuple[Any, str, Any, bool]] = []
+        self.compiled_physics = np.zeros(1)  # what the fast step's compiled substeps spent on physics, per call
 
     def clear(self) -> None:
         self.spent = dict.fromkeys(PARTS, 0.0)
@@ -57,14 +60,31 @@ class Parts:
 
         return call
 
-    def wrap(self, owner: Any, name: str, part: str) -> None:
-        """Time `owner.name` (an object's method, a class's function or a module's) as `part`, until `remove`."""
+    def compiled(self, fn: Callable) -> Callable:
+        """`timed("controller", fn)` for the fast step's compiled substeps, whose physics (`FastStep.physics_s`, which
+        they fill) moves to the physics part."""
+        timed, physics = self.timed("controller", fn), self.compiled_physics
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            physics[0] = 0.0
+            in_reset = bool(self._stack) and self._stack[-1][0] == "reset"
+            out = timed(*args, **kwargs)
+            if not in_reset:
+                self.spent["controller"] -= physics[0]
+                self.spent["physics"] += physics[0]
+            return out
+
+        return call
+
+    def wrap(self, owner: Any, name: str, part: str, timed: Callable | None = None) -> None:
+        """Time `owner.name` (an object's method, a class's function or a module's) as `part` (or as `timed` makes
+        it), until `remove`."""
         if not hasattr(owner, name):
             return
         own = name in vars(owner)
         original = getattr(owner, name) if not isinstance(owner, type) else vars(owner).get(name, getattr(owner, name))
         self._undo.append((owner, name, original, own))
-        setattr(owner, name, self.timed(part, original))
+        setattr(owner, name, timed(original) if timed is not None else self.timed(part, original))
 
     def install(self, benchmark: str, adapter: Any) -> None:
         """Time the parts of `adapter`'s step (stock or fast) and of its resets."""
@@ -76,6 +96,10 @@ class Parts:
         for name in ("mj_step1", "mj_step2"):
             self.wrap(fast_step, name, "physics")
         self.wrap(env, "_pre_action", "controller")  # (the stock substeps, and the fast step's first)
+        self.wrap(fast_step._PolicySubstep, "__call__", "controller")  # (or the fast step's own first)
+        self.wrap(fast_step.FastStep, "_compiled_substeps", "controller", self.compiled)
+        self._undo.append((fast_step.FastStep, "physics_s", None, True))
+        fast_step.FastStep.physics_s = self.compiled_physics
         for worker in (fast_step._Osc, fast_step._Velocity, fast_step._JointPosition, fast_step._Osc14,
                        fast_step._Grip14):
             for name in ("begin", "torques", "sync"):

@@ -11,7 +11,11 @@ disagreement keeps the numpy arithmetic; tests/envs/test_fast_step.py compares w
 (The layouts matter: robosuite 1.4's Jacobians are in F order, 1.5's in C, and a C-order J_full in 1.4 moved a torque
 by one ulp in some states while the first substep agreed.)
 
-This module imports numpy, numba and robosuite only: it runs under each benchmark's interpreter.
+Once it runs alone, `osc_substeps` runs whole stretches of substeps in one call: MuJoCo's own C functions (mj_step1,
+mj_step2, mj_jacSite, mj_fullM, called through their addresses in the library the bindings loaded, on the same model
+and data) around `osc_substep`, so that no Python runs between two physics substeps where no sensor samples.
+
+This module imports numpy, numba, MuJoCo and robosuite only: it runs under each benchmark's interpreter.
 """
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ try:  # (robosuite's own kernels, which the compiled substep calls; absent outsi
     from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
 except ImportError:
     nullspace_torques = opspace_matrices = orientation_error = None
+try:
+    from numba.extending import intrinsic, register_jitable
+except ImportError:  # (no numba: the numpy arithmetic runs, `osc_kernel` is None)
+    intrinsic = None
+
+    def register_jitable(function: Callable) -> Callable:
+        return function
 
 
 @functools.cache
@@ -39,35 +50,86 @@ def osc_kernel() -> Callable | None:
     function carries the robosuite kernels it was compiled with, and LIBERO's venv has robosuite 1.4, this one 1.5."""
     try:
         import numba
-        from numba.core import config
     except ImportError:
         return None
     kernels = (opspace_matrices, nullspace_torques, orientation_error)
     if not all(isinstance(k, numba.core.registry.CPUDispatcher) for k in kernels):
         return None
+    return _compile(osc_substep, lambda kernel: Compiled(kernel, [0, 1], [0, 1], jacobian_order()).run(
+        *_warm_up_inputs()))
+
+
+_osc_substep: Callable | None = None  # osc_kernel(): what osc_substeps calls (bound before it compiles)
+
+
+@functools.cache
+def substeps_kernel() -> Callable | None:
+    """`osc_substeps` compiled (cached as `osc_kernel`'s), or None where `osc_kernel` is or MuJoCo's C functions
+    cannot be reached (`mujoco_c`)."""
+    global _osc_substep
+    kernel, c = osc_kernel(), mujoco_c()
+    if kernel is None or c is None:
+        return None
+    _osc_substep = kernel
+    return _compile(osc_substeps, lambda substeps: _warm_up_substeps(substeps, c))
+
+
+def _compile(function: Callable, warm_up: Callable[[Callable], Any]) -> Callable | None:
+    """`function` under numba, its machine code cached on disk (one process compiles, about 10 s, the others wait
+    and load it; no cache folder to write: compiled in this process alone); None, with one warning, where numba
+    cannot type or compile it here (the numpy arithmetic runs instead)."""
+    import numba
+    from numba.core import config
+
     before, folder = config.CACHE_DIR, cache_dir()
     config.CACHE_DIR = str(folder)  # (read when a function's cache is set up, i.e. at decoration)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        kernel = numba.njit(cache=True)(osc_substep)
+        kernel = numba.njit(cache=True)(function)
         lock = open(folder / "compile.lock", "w")
-    except (OSError, RuntimeError):  # no cache folder to write: compiled in this process alone
-        kernel, lock = numba.njit(osc_substep), None
+    except (OSError, RuntimeError):
+        kernel, lock = numba.njit(function), None
     finally:
         config.CACHE_DIR = before
-    try:  # one process compiles (about 10 s), the others wait and load what it cached
+    try:
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        Compiled(kernel, [0, 1], [0, 1], jacobian_order()).run(*_warm_up_inputs())
-    except Exception as e:  # noqa: BLE001  (numba could not type or compile it here: the numpy arithmetic runs)
+        warm_up(kernel)
+    except Exception as e:  # noqa: BLE001
         why = (str(e).splitlines() or [""])[0]
         warnings.warn(f"the fast step's compiled controller is off ({type(e).__name__}: {why}); its numpy arithmetic "
-                      "runs, the same bits, slower", stacklevel=2)
+                      "runs, the same bits, slower", stacklevel=3)
         return None
     finally:
         if lock is not None:
             lock.close()
     return kernel
+
+
+@functools.cache
+def mujoco_c() -> tuple | None:
+    """The addresses of mj_step1, mj_step2, mj_jacSite and mj_fullM in the libmujoco the bindings loaded (the same
+    file, so the same library and its callbacks), which `osc_substeps` calls; None where it is not found beside
+    them."""
+    import ctypes
+
+    import mujoco
+
+    found = sorted(Path(mujoco.__file__).parent.glob("libmujoco.so.*"))
+    try:
+        lib = ctypes.CDLL(str(found[-1]))
+        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                     for name in ("mj_step1", "mj_step2", "mj_jacSite", "mj_fullM"))
+    except (IndexError, OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def clock_address() -> int:
+    """clock_gettime's address (the C library's), for `osc_substeps`'s timed runs."""
+    import ctypes
+
+    return ctypes.cast(ctypes.CDLL(None).clock_gettime, ctypes.c_void_p).value
 
 
 def jacobian_order() -> str:
@@ -88,6 +150,14 @@ def _warm_up_inputs() -> tuple:
     gains = np.ones(6)
     return (jac, jac, jac, jac, Data, np.eye(2), 0, 1, True, (np.zeros(3), np.eye(3)),
             (np.array(gains[0:3]), np.array(gains[3:6]), gains[0:3], gains[3:6]), np.zeros(2), True)
+
+
+def _warm_up_substeps(kernel: Callable, c: tuple) -> None:
+    """`osc_substeps` on no substeps, with arguments of the types a run gives it (it compiles for them)."""
+    out = Compiled(osc_kernel(), [0, 1], [0, 1], jacobian_order()).inputs(*_warm_up_inputs())
+    index, bounds = np.zeros(2, np.int64), np.zeros(2)
+    kernel(0, c, 0, 0, (0, 0), *out, np.zeros(2), index, bounds, bounds, index, np.zeros((0, 2)), np.zeros(2),
+           np.zeros(2), 0, np.zeros(1))
 
 
 def cache_dir() -> Path:
@@ -151,18 +221,99 @@ def osc_substep(jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_
     torques += nullspace_torques(mass_matrix, nullspace_matrix, initial_joint, joint_pos, joint_vel)
 
 
+def osc_substeps(n: int, c: tuple, m: int, d: int, full_from: tuple,
+                 jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray,
+                 qpos: np.ndarray, qvel: np.ndarray, site_xpos: np.ndarray, site_xmat: np.ndarray,
+                 full: np.ndarray, qfrc_bias: np.ndarray, qpos_index: np.ndarray, qvel_index: np.ndarray,
+                 ref_id: int, base_id: int, base_frame: bool, goal_pos: np.ndarray, goal_ori: np.ndarray,
+                 kp_pos: np.ndarray, kp_ori: np.ndarray, kd_pos: np.ndarray, kd_ori: np.ndarray,
+                 initial_joint: np.ndarray, uncoupling: bool, out: tuple, ctrl: np.ndarray, arm: np.ndarray,
+                 low: np.ndarray, high: np.ndarray, others: np.ndarray, commands: np.ndarray,
+                 qpos_kept: np.ndarray, qvel_kept: np.ndarray, clock: int, physics_s: np.ndarray) -> None:
+    """`n` physics substeps between policy steps, none of them one where a sensor samples: each is the fast step's
+    `mj_step1`, the controller's Jacobians and mass matrix (`mj_jacSite`, `mj_fullM`: `c`, `mujoco_c`'s addresses,
+    called on MjModel `m` and MjData `d`, addresses too), `osc_substep` (from `jacp` to `out`: its arguments), the
+    arm's torques clipped into [low, high] as np.clip does and written to ctrl[arm], the other parts' `commands` row
+    (constant within a control step, or the stock code's own per substep) to ctrl[others], and `mj_step2`; the
+    last substep's qpos and qvel before its mj_step2 (what a controller's state reads) are copied to the `kept` arrays. `full_from`:
+    mj_fullM's arguments after the model (MuJoCo < 3.4: the buffer and qM; later: d and the buffer). `clock`: 0, or
+    the address of clock_gettime, and then the seconds inside mj_step1 and mj_step2 are added to physics_s[0] (the
+    benchmark's parts, ebrl/bench/sim_parts.py)."""
+    torques = out[-1]
+    step1, step2, jac_site, full_m = c
+    stamp = np.zeros(2, np.int64)  # a timespec: seconds, nanoseconds
+    for k in range(n):
+        if clock:
+            physics_s[0] -= _now(clock, stamp)
+        _void_call(step1, (m, d))
+        if clock:
+            physics_s[0] += _now(clock, stamp)
+        _void_call(jac_site, (m, d, jacp.ctypes.data, jacr.ctypes.data, np.int32(ref_id)))
+        if base_id >= 0:
+            _void_call(jac_site, (m, d, base_jacp.ctypes.data, base_jacr.ctypes.data, np.int32(base_id)))
+        _void_call(full_m, (m, full_from[0], full_from[1]))
+        _osc_substep(jacp, jacr, base_jacp, base_jacr, qpos, qvel, site_xpos, site_xmat, full, qfrc_bias,
+                     qpos_index, qvel_index, ref_id, base_id, base_frame, goal_pos, goal_ori, kp_pos, kp_ori,
+                     kd_pos, kd_ori, initial_joint, uncoupling, out)
+        for j in range(arm.shape[0]):  # numpy's clip: max then min, a NaN kept
+            x = torques[j]
+            if not np.isnan(x):
+                x = x if x > low[j] else low[j]
+                x = x if x < high[j] else high[j]
+            ctrl[arm[j]] = x
+        for j in range(others.shape[0]):
+            ctrl[others[j]] = commands[k, j]
+        if k == n - 1:
+            qpos_kept[:] = qpos
+            qvel_kept[:] = qvel
+        if clock:
+            physics_s[0] -= _now(clock, stamp)
+        _void_call(step2, (m, d))
+        if clock:
+            physics_s[0] += _now(clock, stamp)
+
+
+if intrinsic is not None:
+    @intrinsic
+    def _void_call(typingctx: Any, address: Any, args: Any) -> Any:
+        """In compiled code: call the C function at `address` with `args` (pointers as integers, ints as int32), no
+        result."""
+        from llvmlite import ir
+        from numba.core import cgutils, types
+
+        def codegen(context: Any, builder: Any, signature: Any, values: Any) -> Any:
+            address, packed = values
+            args = cgutils.unpack_tuple(builder, packed)
+            function = builder.inttoptr(address, ir.FunctionType(ir.VoidType(), [a.type for a in args]).as_pointer())
+            builder.call(function, args)
+            return context.get_dummy_value()
+
+        return types.void(address, args), codegen
+
+
+@register_jitable
+def _now(clock: int, stamp: np.ndarray) -> float:
+    """In compiled code: CLOCK_MONOTONIC (the clock of Python's perf_counter) through clock_gettime at `clock`."""
+    _void_call(clock, (np.int32(1), stamp.ctypes.data))  # (its int result, left in a register, is not read)
+    return stamp[0] + stamp[1] * 1e-9
+
 
 CHECKED = 25  # substeps a controller runs both ways before it runs compiled alone: one control step
+# What the check decided in this process, per layout (Jacobian order, joints): a controller robosuite rebuilds at a
+# reset runs the same compiled code on arrays of the same layout, and starts where the last one ended
+DECIDED: dict[tuple[str, int], bool] = {}
 
 
 class Compiled:
     """One OSC controller's compiled arithmetic: the buffers `osc_substep` writes, and whether it is on (None: not
-    decided yet: its first CHECKED substeps run both ways (`decide`), the numpy arithmetic's results used)."""
+    decided yet: its first CHECKED substeps run both ways (`decide`), the numpy arithmetic's results used; a layout
+    this process decided already (`DECIDED`) starts decided)."""
 
     def __init__(self, kernel: Callable | None, qpos_index: Any, qvel_index: Any, jacobians: str = "C") -> None:
-        self.kernel, self.on, self.checked = kernel, (None if kernel is not None else False), 0
         self.qpos_index, self.qvel_index = _index_array(qpos_index), _index_array(qvel_index)
         n = len(self.qvel_index)
+        self.layout = (jacobians, n)
+        self.kernel, self.on, self.checked = kernel, (DECIDED.get(self.layout) if kernel is not None else False), 0
         J = (lambda rows: np.zeros((rows, n))) if jacobians == "C" else (lambda rows: np.zeros((n, rows)).T)
         self.out = (np.zeros(3), np.zeros((3, 3)), np.zeros(3), np.zeros(3), J(3), J(3), J(6), np.zeros(n),
                     np.zeros(n), np.zeros((n, n)).T, np.zeros(3), np.zeros((3, 3)), np.zeros(n))
@@ -173,13 +324,17 @@ class Compiled:
         matrix is in F order in every version."""
         return cls(osc_kernel(), ctrl.qpos_index, ctrl.qvel_index, jacobians)
 
-    def run(self, jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray, d: Any,
-            full: np.ndarray, ref_id: int, base_id: int, base_frame: bool, goal: tuple, gains: tuple,
-            initial_joint: np.ndarray, uncoupling: bool) -> None:
-        """`osc_substep` on MjData `d`'s current arrays."""
-        self.kernel(jacp, jacr, base_jacp, base_jacr, d.qpos, d.qvel, d.site_xpos, d.site_xmat, full, d.qfrc_bias,
-                    self.qpos_index, self.qvel_index, ref_id, base_id, base_frame, *goal, *gains,
-                    np.asarray(initial_joint, np.float64), bool(uncoupling), self.out)
+    def inputs(self, jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray, d: Any,
+               full: np.ndarray, ref_id: int, base_id: int, base_frame: bool, goal: tuple, gains: tuple,
+               initial_joint: np.ndarray, uncoupling: bool) -> tuple:
+        """`osc_substep`'s arguments on MjData `d`'s arrays (views of its memory: they hold each substep's values)."""
+        return (jacp, jacr, base_jacp, base_jacr, d.qpos, d.qvel, d.site_xpos, d.site_xmat, full, d.qfrc_bias,
+                self.qpos_index, self.qvel_index, ref_id, base_id, base_frame, *goal, *gains,
+                np.asarray(initial_joint, np.float64), bool(uncoupling), self.out)
+
+    def run(self, *inputs: Any) -> None:
+        """`osc_substep` on `inputs`' arguments (MjData's current arrays)."""
+        self.kernel(*self.inputs(*inputs))
 
     @property
     def torques(self) -> np.ndarray:
@@ -197,6 +352,8 @@ class Compiled:
             np.shape(a) == np.shape(b) and np.array_equal(a, b) for a, b in zip(self.out, plain))
         self.checked += 1
         self.on = False if not same else (True if self.checked >= CHECKED else None)
+        if self.on is not None:
+            DECIDED[self.layout] = self.on
         return same
 
 
@@ -204,5 +361,6 @@ def _index_array(index: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(index, dtype=np.int64).reshape(-1))
 
 
-if __name__ == "__main__":  # `python -m ebrl.envs.fast_kernels`: compile (or load) it for this interpreter
-    sys.exit(0 if osc_kernel() is not None else "robosuite's kernels are not numba's here: the numpy arithmetic runs")
+if __name__ == "__main__":  # `python -m ebrl.envs.fast_kernels`: compile (or load) them for this interpreter
+    sys.exit(0 if osc_kernel() is not None and substeps_kernel() is not None else
+             "robosuite's kernels are not numba's here, or MuJoCo's library was not found: the numpy arithmetic runs")

@@ -4,21 +4,25 @@ A stock control step runs 25 physics substeps (20 Hz control, 500 Hz physics), a
 controllers run in full: name lookups, property calls that build the action limits three times, the same base pose
 read twice, a fresh Jacobian per quantity, every observable's timer, and in robosuite 1.4 (LIBERO) two `mj_forward`
 calls besides `mj_step`. Only the first substep takes the policy's action (`policy_step`); the others recompute
-torques from the same goal. `FastStep` runs the first substep with the stock code and the others with the stock
-arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order on arrays of the same memory
-layout, and robosuite's own numba kernels (`opspace_matrices`, `nullspace_torques`, `orientation_error`), with site
-ids, index arrays, actuator bounds and the commands that are constant within a control step looked up once;
+torques from the same goal. `FastStep` runs the first substep with the stock sequence (robosuite 1.5's fixed-base
+robots: the stock `set_goal` and proprioception arithmetic, the torques as below; else the stock code itself) and
+the others with the stock arithmetic alone: the same MuJoCo functions, the same numpy operations in the same order on
+arrays of the same memory layout, and robosuite's own numba kernels (`opspace_matrices`, `nullspace_torques`,
+`orientation_error`), with site ids, index arrays, actuator bounds and the commands that are constant within a control
+step looked up once;
 `mj_step1` + `mj_step2` compute each physics stage once from the state the stock forwards recompute. The OSC
 controller's arithmetic between policy steps runs as one compiled call (ebrl/envs/fast_kernels.py) where a
-controller's first control step shows it gives the numpy calls' bits. The observables' timers advance with
+controller's first control step shows it gives the numpy calls' bits, and from then on the substeps between two
+sensor samples run as one compiled loop (`osc_substeps`), the physics included. The observables' timers advance with
 robosuite's own float operations and the sensors run at the substep where the stock code samples them, after the
 controllers' state is written back as the stock code leaves it.
 
 Covered: robosuite 1.5's fixed-base arms under the BASIC controller (OSC arm, simple gripper) and wheeled robots
 under the hybrid mobile-base one (RoboCasa's PandaOmron: joint-velocity base, joint-position torso); robosuite 1.4's
 single arm under OSC with its gripper, and LIBERO's step around it. A trajectory is bit for bit the stock one: qpos,
-qvel, ctrl, observations, rewards and success at every control step (tests/envs/test_fast_step.py runs both in one
-process, in each benchmark's interpreter). An env it does not cover (another controller type, an interpolator, a
+qvel, ctrl, observations, rewards and success at every control step, and on robosuite 1.5 every array the robot's
+proprioception buffers and its controllers hold (tests/envs/test_fast_step.py runs both in one process, in each
+benchmark's interpreter). An env it does not cover (another controller type, an interpolator, a
 viewer, a task that overrides the step) gets `None` from `fast_step_for` with the reason, and runs the stock code.
 `env.fast_step=false` runs the stock code everywhere.
 """
@@ -31,7 +35,7 @@ import mujoco
 import numpy as np
 from mujoco import mj_jacSite, mj_step1, mj_step2
 
-from ebrl.envs.fast_kernels import Compiled
+from ebrl.envs.fast_kernels import Compiled, clock_address, mujoco_c, substeps_kernel
 
 try:  # np.clip's own ufunc: what np.clip(a, low, high) computes, without the Python around it (about 1 us a call)
     from numpy._core.umath import clip as _clip  # numpy 2
@@ -94,9 +98,14 @@ class _Osc:
         self.kernels = _kernels()
         self.compiled = Compiled.of(ctrl)
     def begin(self, action: np.ndarray) -> None:
-        """The goal's constants for this control step (set_goal ran in the policy substep): kp, kd (pos, ori)."""
+        """The goal's constants for this control step (set_goal ran in the policy substep): kp, kd (pos, ori), and
+        the compiled arithmetic's arguments."""
         c = self.c
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
+        if self.compiled.on is not False:
+            self.inputs = self.compiled.inputs(*self.jac, self.data, self.full_mass, *self.sites,
+                                               c.input_ref_frame == "base", (c.goal_pos, c.goal_ori), self.gains,
+                                               c.initial_joint, c.uncoupling)
 
     def torques(self, keep: bool) -> np.ndarray:
         """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic; with `keep`, the
@@ -107,11 +116,10 @@ class _Osc:
         mj_jacSite(m, d, jacp, jacr, ref_id)
         mj_jacSite(m, d, base_jacp, base_jacr, base_id)
         full_mass(m, d, self.full_mass)
-        compiled, c = self.compiled, self.c
+        compiled = self.compiled
         if compiled.on is False:
             return self._numpy(keep)
-        compiled.run(*self.jac, d, self.full_mass, ref_id, base_id, c.input_ref_frame == "base",
-                     (c.goal_pos, c.goal_ori), self.gains, c.initial_joint, c.uncoupling)
+        compiled.kernel(*self.inputs)
         if compiled.on is None:  # (the first substeps: both ways on the same state, the numpy results used)
             self._numpy(True)
             compiled.decide(self.state)
@@ -149,6 +157,10 @@ class _Osc:
             self.state = (np.array(ref_pos), np.array(ref_ori_mat), ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full,
                           joint_pos, joint_vel, mass_matrix, np.array(origin_pos), np.array(origin_ori), torques)
         return torques
+
+    def kept(self, qpos: np.ndarray, qvel: np.ndarray) -> None:
+        """The state after `osc_substeps`' last substep (qpos and qvel as that substep's `torques` read them)."""
+        self.state = self.compiled.state()
 
     def sync(self) -> None:
         """Leave the controller as the stock code leaves it (arrays it updates in place stay the same objects)."""
@@ -189,6 +201,13 @@ class _Velocity:
             d, c = self.data, self.c
             self.state = (d.qpos[c.qpos_index], d.qvel[c.qvel_index])
         return self.vels
+
+    def commands(self, n: int) -> np.ndarray:
+        """Its command at each of the next `n` substeps (`osc_substeps`)."""
+        return np.tile(self.vels, (n, 1))
+
+    def kept(self, qpos: np.ndarray, qvel: np.ndarray) -> None:
+        self.state = (qpos[self.c.qpos_index], qvel[self.c.qvel_index])
 
     def sync(self) -> None:
         c = self.c
@@ -249,10 +268,15 @@ class _Osc14:
         self.compiled = Compiled.of(self.c, jacobians="F")  # (the stock J_pos = np.array(jacp[:, qi]): F order)
 
     def begin(self, action: np.ndarray) -> None:
-        """The goal's constants for this control step: the goal pose, kp, kd (pos, ori)."""
+        """The goal's constants for this control step: the goal pose, kp, kd (pos, ori), and the compiled
+        arithmetic's arguments."""
         c = self.c
         self.goal = (np.array(c.goal_pos), np.array(c.goal_ori))
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
+        if self.compiled.on is not False:
+            jacp, jacr = self.jac
+            self.inputs = self.compiled.inputs(jacp, jacr, jacp, jacr, self.data, self.full_mass, self.eef_id, -1,
+                                               False, self.goal, self.gains, c.initial_joint, c.uncoupling)
 
     def torques(self, keep: bool) -> np.ndarray:
         """The stock `update()` after the forward and `run_controller()`."""
@@ -263,8 +287,7 @@ class _Osc14:
         compiled = self.compiled
         if compiled.on is False:
             return self._numpy(keep)
-        compiled.run(jacp, jacr, jacp, jacr, d, self.full_mass, self.eef_id, -1, False, self.goal, self.gains,
-                     self.c.initial_joint, self.c.uncoupling)
+        compiled.kernel(*self.inputs)
         if compiled.on is None:  # (the first substeps: both ways on the same state, the numpy results used)
             self._numpy(True)
             compiled.decide(self._as_compiled(self.state))
@@ -272,6 +295,9 @@ class _Osc14:
         if keep:
             self.state = self._as_numpy(compiled.state())
         return compiled.torques
+
+    def kept(self, qpos: np.ndarray, qvel: np.ndarray) -> None:
+        self.state = self._as_numpy(self.compiled.state())
 
     @staticmethod
     def _as_compiled(state: tuple) -> tuple:
@@ -335,8 +361,83 @@ class _Grip14:
     def torques(self, keep: bool) -> np.ndarray:
         return self.bias + self.weight * self.gripper.format_action(self.action)
 
+    def commands(self, n: int) -> np.ndarray:
+        """Its command at each of the next `n` substeps (`osc_substeps`): the stock calls, which read no physics."""
+        return np.array([self.torques(False) for _ in range(n)])
+
+    def kept(self, qpos: np.ndarray, qvel: np.ndarray) -> None:
+        pass
+
     def sync(self) -> None:
         pass
+
+
+class _PolicySubstep:
+    """`env._pre_action(action, policy_step=True)` for robosuite 1.5's fixed-base robot under the BASIC composite
+    controller: RobotEnv's and FixedBaseRobot.control's stock sequence with the goal set by the stock `set_goal`, each
+    part's `run_controller` as the other substeps run it (the workers, then `sync`), and the robot's proprioception
+    buffers pushed with the stock arithmetic. What the stock code works out at every policy step (the action's
+    dimension, from the action limits, twice; sensor and site names) is looked up once. A controller whose state is
+    not due an update (`new_update` false: the first policy step after a reset) runs its goal and torques from the
+    state its last update left, so that step runs the stock code."""
+
+    def __init__(self, env: Any, parts: list) -> None:
+        from robosuite.utils.transform_utils import mat2quat
+
+        robot, model = env.robots[0], env.sim.model
+        self.env, self.mat2quat = env, mat2quat
+        self.robot, self.parts, self.action_dim = robot, parts, env.action_dim
+        self.data = env.sim.data._data
+
+        def sensor(name: str) -> slice:  # (RobotEnv.get_sensor_measurement's slice of sensordata)
+            i = model.sensor_name2id(name)
+            start = np.sum(model.sensor_dim[:i])
+            return slice(start, start + model.sensor_dim[i])
+
+        self.arms = [(arm, robot.part_controllers[arm], *(sensor(robot.gripper[arm].important_sensors[name])
+                                                          for name in ("force_ee", "torque_ee"))) for arm in robot.arms]
+        self.average = np.ones(10) / 10.0  # (the acceleration's moving average)
+
+    def __call__(self, action: np.ndarray) -> None:
+        if len(action) != self.action_dim:
+            raise AssertionError(f"environment got invalid action dimension -- expected {self.action_dim}, got "
+                                 f"{len(action)}")
+        if not all(worker.c.new_update for worker, *_ in self.parts):
+            self.env._pre_action(action, policy_step=True)
+            for worker, *_ in self.parts:
+                worker.begin(action)
+            return
+        robot, d, clip, mat2quat = self.robot, self.data, _clip, self.mat2quat
+        composite = robot.composite_controller
+        composite.update_state()
+        for worker, *_ in self.parts:  # set_goal's own `update()` for the arm: its state as the other substeps get it
+            if isinstance(worker, _Osc) and hasattr(worker, "inputs"):
+                worker.torques(True)  # (and torques towards the last goal, which run_controller replaces below)
+                worker.sync()
+                worker.c.new_update = False
+        composite.set_goal(action)
+        composite.update_state()  # (run_controller's own: the same origin again)
+        for worker, *_ in self.parts:
+            worker.begin(action)
+        for worker, index, low, high in self.parts:
+            applied = worker.torques(True)
+            if low is not None:
+                applied = clip(applied, low, high)
+            d.ctrl[index] = worker.applied = applied
+            worker.sync()
+        robot.recent_qpos.push(robot._joint_positions)
+        robot.recent_actions.push(action)
+        robot.recent_torques.push(robot.torques)
+        for arm, c, force, torque in self.arms:
+            robot.recent_ee_forcetorques[arm].push(np.concatenate((np.array(d.sensordata[force]),
+                                                                   np.array(d.sensordata[torque]))))
+            robot.recent_ee_pose[arm].push(np.concatenate((c.ref_pos, mat2quat(c.ref_ori_mat))))
+            robot.recent_ee_vel[arm].push(np.concatenate((c.ref_pos_vel, c.ref_ori_vel)))
+            robot.recent_ee_vel_buffer[arm].push(np.concatenate((c.ref_pos_vel, c.ref_ori_vel)))
+            diffs = np.vstack([robot.recent_ee_acc[arm].current,
+                               robot.control_freq * np.diff(robot.recent_ee_vel_buffer[arm].buf, axis=0)])
+            robot.recent_ee_acc[arm].push(np.array([np.convolve(col, self.average, mode="valid")[0]
+                                                    for col in diffs.transpose()]))
 
 
 class _Timers:
@@ -365,13 +466,28 @@ class _Timers:
 
     def due(self, dt: float) -> list:
         """The groups that sample or wrap at the next substep."""
-        due = []
-        for group in self.groups:
-            t, sampled, period, delay, _ = group
-            t = t + dt
-            if (not sampled and period - delay >= t) or t >= period:
-                due.append(group)
-        return due
+        return [group for group in self.groups if self._samples(group, group[0] + dt)]
+
+    @staticmethod
+    def _samples(group: list, t: float) -> bool:
+        _, sampled, period, delay, _ = group
+        return (not sampled and period - delay >= t) or t >= period
+
+    def quiet(self, dt: float, limit: int) -> int:
+        """How many of the next substeps (at most `limit`) no group samples or wraps at; `skip` advances the timers
+        over them."""
+        times, n = [group[0] for group in self.groups], 0
+        while n < limit:
+            ahead = [t + dt for t in times]
+            if any(self._samples(group, t) for group, t in zip(self.groups, ahead)):
+                break
+            times, n = ahead, n + 1
+        self.ahead = times
+        return n
+
+    def skip(self) -> None:
+        for group, t in zip(self.groups, self.ahead):
+            group[0] = t
 
     def advance(self, dt: float, due: list) -> None:
         """One substep: the others' timers advance; the due groups' members update (the stock code)."""
@@ -402,6 +518,9 @@ class FastStep:
     mobile-base composite controller with OSC arms, simple grippers, a joint-velocity mobile base and a joint-position
     torso, as RoboCasa's PandaOmron; 1.4: a SingleArm's OSC controller and its gripper): substep 0 is the stock code,
     the others the stock arithmetic (see the module docstring). `libero` adds LIBERO's own step around it."""
+
+    # The benchmark's parts (ebrl/bench/sim_parts.py) set it: the compiled substeps add their physics' seconds to it
+    physics_s: np.ndarray | None = None
 
     def __init__(self, env: Any, version: tuple[int, int], libero: bool = False) -> None:
         self.env, self.version, self.libero = env, version, libero
@@ -439,7 +558,55 @@ class FastStep:
         self.parts = [(worker, _as_slice(index), low, high) for worker, index, low, high in self.parts]
         self.workers = [worker for worker, *_ in self.parts]
         self.substeps = int(env.control_timestep / env.model_timestep)
+        self.policy = _PolicySubstep(env, self.parts) if self.version >= (1, 5) and _fixed_base(robot) else None
+        self._build_compiled()
         self.built_for = self._identity()
+
+    def _build_compiled(self) -> None:
+        """The arguments of `osc_substeps` that stay for this sim: one OSC arm, the others parts whose commands
+        read no physics (`commands`); else `self.kernel` is None and every substep runs in Python."""
+        arms = [part for part in self.parts if isinstance(part[0], (_Osc, _Osc14))]
+        others = [part for part in self.parts if not isinstance(part[0], (_Osc, _Osc14))]
+        self.kernel = substeps_kernel() if len(arms) == 1 and all(hasattr(w, "commands") for w, *_ in others) else None
+        if self.kernel is None:
+            return
+        m, d = self.model, self.data
+        every = np.arange(m.nu, dtype=np.int64)
+        (self.arm, index, low, high), = arms
+        self.others = others
+        self.fixed = (m._address, d._address,
+                      (self.arm.full_mass.ctypes.data, d.qM.ctypes.data) if hasattr(d, "qM") else
+                      (d._address, self.arm.full_mass.ctypes.data))
+        self.no_time = np.zeros(1)
+        self.kept = (np.zeros(m.nq), np.zeros(m.nv))  # qpos and qvel before the last compiled substep's mj_step2
+        self.outputs = (d.ctrl, every[index], np.ascontiguousarray(low, np.float64),
+                        np.ascontiguousarray(high, np.float64),
+                        np.concatenate([every[i] for _, i, *_ in others]) if others else every[:0])
+
+    def _compiled_substeps(self, k: int, dt: float) -> int:
+        """Once the arm's compiled arithmetic is on, run the substeps from `k` in one `osc_substeps` call: up to and
+        including the next one where a sensor samples, or to the last; the workers keep the last one's state, and
+        where a sensor samples they `sync` before it runs, as the Python loop does. How many substeps ran."""
+        if self.kernel is None or self.arm.compiled.on is not True:
+            return 0
+        timers, quiet = self.timers, self.timers.quiet(dt, self.substeps - k)
+        n = min(quiet + 1, self.substeps - k)  # (the sampling substep after the quiet ones, if one is left)
+        commands = [worker.commands(n) for worker, *_ in self.others]
+        commands = [c if low is None else _clip(c, low, high) for c, (_, _, low, high) in zip(commands, self.others)]
+        timed, kept = FastStep.physics_s, self.kept
+        self.kernel(n, mujoco_c(), *self.fixed, *self.arm.inputs, *self.outputs,
+                    np.concatenate(commands, axis=1) if commands else np.zeros((n, 0)), *kept,
+                    0 if timed is None else clock_address(), self.no_time if timed is None else timed)
+        timers.skip()
+        for worker in self.workers:
+            worker.kept(*kept)
+        self.arm.applied = self.data.ctrl[self.outputs[1]]
+        if n > quiet:
+            due = timers.due(dt)
+            for worker in self.workers:
+                worker.sync()
+            timers.advance(dt, due)
+        return n
 
     def step(self, action: np.ndarray) -> tuple[dict, float, bool, dict]:
         """`env.step(action)`, the stock contract and results."""
@@ -454,14 +621,22 @@ class FastStep:
         env.timestep += 1
         timers.begin()
         dt, lite, last = env.model_timestep, getattr(env, "lite_physics", False), self.substeps - 1
-        # substep 0: the policy step, the stock code (set_goal, the controllers, the robot's proprio buffers)
+        # substep 0: the policy step (set_goal, the controllers, the robot's proprio buffers)
         sim.step1() if lite else sim.forward()
-        env._pre_action(action, policy_step=True)
+        if self.policy is not None:
+            self.policy(action)
+        else:  # (the stock code)
+            env._pre_action(action, policy_step=True)
+            for worker in self.workers:
+                worker.begin(action)
         sim.step2() if lite else sim.step()
         timers.advance(dt, timers.due(dt))
-        for worker in self.workers:
-            worker.begin(action)
-        for k in range(1, self.substeps):
+        k = 1
+        while k < self.substeps:
+            n = self._compiled_substeps(k, dt)  # (from one sensor sample to the next, in one compiled call)
+            if n:
+                k += n
+                continue
             # mj_step1 + mj_step2 is the stock forward (or forwards) + mj_step: each stage once, from the same state
             mj_step1(m, d)
             due = timers.due(dt)
@@ -477,6 +652,7 @@ class FastStep:
                 for worker in self.workers:
                     worker.sync()
             timers.advance(dt, due)
+            k += 1
         if self.substeps > 1:  # (one substep: the stock code left the controllers as they are)
             for worker in self.workers:
                 worker.sync()
@@ -487,6 +663,15 @@ class FastStep:
         if self.libero:
             done = env._check_success()
         return obs, reward, done, info
+
+
+def _fixed_base(robot: Any) -> bool:
+    """Whether `_PolicySubstep` covers robosuite 1.5's robot: a fixed base under the plain composite controller
+    (a wheeled robot's control and the hybrid mobile base's set_goal run the stock code)."""
+    from robosuite.controllers.composite.composite_controller import CompositeController
+
+    return (_method_owner(robot, "control") == ROBOTS_15[0] and type(robot.composite_controller) is CompositeController
+            and _method_owner(robot.composite_controller, "set_goal") == COMPOSITE)
 
 
 def _as_slice(index: Any) -> Any:
@@ -540,6 +725,7 @@ def _workers_15() -> dict[type, type]:
 
 
 ROBOTS_15 = ("robosuite.robots.fixed_base_robot.FixedBaseRobot", "robosuite.robots.wheeled_robot.WheeledRobot")
+COMPOSITE = "robosuite.controllers.composite.composite_controller.CompositeController"
 
 
 def _controllers_15(robot: Any) -> str:
@@ -550,7 +736,7 @@ def _controllers_15(robot: Any) -> str:
     if _method_owner(robot, "control") not in ROBOTS_15:
         return f"robot {type(robot).__name__}'s control()"
     if type(composite) not in (CompositeController, HybridMobileBase) or any(
-            _method_owner(composite, name) != "robosuite.controllers.composite.composite_controller.CompositeController"
+            _method_owner(composite, name) != COMPOSITE
             for name in ("run_controller", "update_state", "get_controller_base_pose")):
         return f"composite controller {type(composite).__name__}"
     workers = _workers_15()

@@ -53,3 +53,19 @@ def test_a_call_inside_another_is_the_inner_parts_and_a_reset_owns_what_it_runs(
     parts.clear()
     sim.control()
     assert not any(parts.spent.values())
+
+
+def test_the_compiled_substeps_physics_moves_to_physics_except_inside_a_reset():
+    clock = Clock()
+    sim, parts = Sim(clock), Parts(clock)
+
+    def substeps() -> None:  # 4 s, of which 3 in the physics it reports (as the fast step's compiled call does)
+        clock.now += 4.0
+        parts.compiled_physics[0] += 3.0
+
+    compiled = parts.compiled(substeps)
+    parts.wrap(sim, "reset", "reset", timed=lambda reset: parts.timed("reset", lambda: (reset(), compiled())))
+    compiled()
+    assert parts.spent["controller"] == 1.0 and parts.spent["physics"] == 3.0
+    sim.reset()  # 3 + 1 (its step) + 3.5 (its control) + 4 (the substeps inside it)
+    assert parts.spent["controller"] == 1.0 and parts.spent["physics"] == 3.0 and parts.spent["reset"] == 11.5

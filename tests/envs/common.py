@@ -65,7 +65,7 @@ def assert_same(a, b) -> None:
 # --- the fast control step against the stock one (test_fast_step, in each benchmark's interpreter) ---
 def trajectory(env, sim, steps: int, seeds=(5, 6), scale: float = 1.0) -> list:
     """What a run reads at every control step over two episodes (the second from a reset), and the sim's state:
-    MuJoCo's qpos, qvel and ctrl, or `sim()`'s arrays. Actions uniform in +-scale."""
+    MuJoCo's qpos, qvel and ctrl, or `sim()`'s arrays (or dicts of them). Actions uniform in +-scale."""
     state = sim if callable(sim) else lambda: (sim.data.qpos, sim.data.qvel, sim.data.ctrl)
     out = []
     for seed in seeds:
@@ -73,7 +73,9 @@ def trajectory(env, sim, steps: int, seeds=(5, 6), scale: float = 1.0) -> list:
         actions = np.random.default_rng(seed).uniform(-scale, scale, (steps, env.spec.action_dim))
         for action in actions:
             obs, reward, terminated, truncated, info = env.step(action)
-            out.append((obs, reward, terminated, truncated, info["success"], *(np.array(x) for x in state())))
+            out.append((obs, reward, terminated, truncated, info["success"],
+                        *({k: np.array(v) for k, v in x.items()} if isinstance(x, dict) else np.array(x)
+                          for x in state())))
     return out
 
 
@@ -90,3 +92,25 @@ def assert_identical(fast: list, stock: list) -> None:
                     assert np.array_equal(x[key], y[key]), (step, key, np.abs(x[key] - y[key]).max())
             else:
                 assert np.array_equal(x, y), (step, x, y)
+
+
+def robosuite_state(env) -> callable:
+    """`trajectory`'s state for a robosuite 1.5 env: MuJoCo's qpos, qvel and ctrl, then every array the robot's
+    proprioception buffers and its part controllers hold (what the stock step leaves besides the physics), by name."""
+    sim, robot = env.sim, env.robots[0]
+
+    def arrays(owner, prefix):
+        return {f"{prefix}.{name}": value for name, value in vars(owner).items() if isinstance(value, np.ndarray)}
+
+    def state():
+        out = {"qpos": sim.data.qpos, "qvel": sim.data.qvel, "ctrl": sim.data.ctrl}
+        for name, value in vars(robot).items():
+            buffers = value if isinstance(value, dict) else {"": value}
+            for part, buffer in buffers.items():
+                if name.startswith("recent_") and hasattr(buffer, "push"):
+                    out.update(arrays(buffer, f"{name}{part}"))
+        for part, controller in robot.composite_controller.part_controllers.items():
+            out.update(arrays(controller, part))
+        return (dict(sorted(out.items())),)
+
+    return state

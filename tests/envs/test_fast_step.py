@@ -4,7 +4,7 @@ import pytest
 
 from ebrl.envs.robosuite_env import RobosuiteEnv
 from ebrl.envs.setup import SETUP_COMMAND, benchmark_python
-from tests.envs.common import assert_identical, random_chunk, run_in_interpreter, trajectory
+from tests.envs.common import assert_identical, random_chunk, robosuite_state, run_in_interpreter, trajectory
 
 ROBOSUITE_TASKS = ("Lift", "Stack", "NutAssemblySquare", "Door", "PickPlaceCan")
 
@@ -14,13 +14,15 @@ def test_robosuite_fast_step_is_the_stock_step_bit_for_bit(task):
     fast = RobosuiteEnv(task, max_episode_steps=1000, seed=0)
     stock = RobosuiteEnv(task, max_episode_steps=1000, fast_step=False, seed=0)
     assert fast.fast_step_off == "" and stock.fast_step_off == "env.fast_step=false"
-    assert_identical(trajectory(fast, fast.env.sim, 40), trajectory(stock, stock.env.sim, 40))
+    # the physics, and every array the robot's proprioception buffers and its controllers hold
+    assert_identical(trajectory(fast, robosuite_state(fast.env), 40), trajectory(stock, robosuite_state(stock.env), 40))
     raw = stock.env._observables  # the observables' own clocks end where the stock code leaves them
     for name, obs in fast.env._observables.items():
         assert (obs._time_since_last_sample, obs._sampled) == (raw[name]._time_since_last_sample, raw[name]._sampled)
 
 
-def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_disagreed():
+def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_disagreed(monkeypatch):
+    from ebrl.envs import fast_kernels
     from ebrl.envs.fast_kernels import CHECKED, Compiled, osc_kernel
 
     env = RobosuiteEnv("Lift", max_episode_steps=40, seed=0)
@@ -29,13 +31,16 @@ def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_di
         env.step(action)
     arm = env._step.__self__.workers[0]  # (the fast step's OSC worker: CHECKED substeps are one control step)
     assert arm.compiled.on is True  # what the trajectory tests above compared with the stock step
+    monkeypatch.setattr(fast_kernels, "DECIDED", {})  # (a 2-joint layout this process has not decided)
     agrees, differs = (Compiled(osc_kernel(), [0, 1], [0, 1]) for _ in range(2))
     plain = agrees.state()
     for _ in range(CHECKED - 1):
         assert agrees.decide(plain) and agrees.on is None and differs.decide(plain)
     assert agrees.decide(plain) and agrees.on is True
+    assert Compiled(osc_kernel(), [0, 1], [0, 1]).on is True  # (a controller rebuilt at a reset: decided)
     off_by_one_ulp = (*plain[:-1], np.nextafter(plain[-1], 1.0))
     assert not differs.decide(off_by_one_ulp) and differs.on is False
+    assert Compiled(osc_kernel(), [0, 1], [0, 1]).on is False
 
 
 def test_a_controller_numba_cannot_build_leaves_the_numpy_arithmetic_with_one_warning(monkeypatch):
