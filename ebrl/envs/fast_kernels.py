@@ -230,15 +230,16 @@ def osc_substeps(n: int, c: tuple, m: int, d: int, full_from: tuple,
                  initial_joint: np.ndarray, uncoupling: bool, out: tuple, ctrl: np.ndarray, arm: np.ndarray,
                  low: np.ndarray, high: np.ndarray, others: np.ndarray, commands: np.ndarray,
                  qpos_kept: np.ndarray, qvel_kept: np.ndarray, clock: int, physics_s: np.ndarray) -> None:
-    """`n` physics substeps between policy steps, none of them one where a sensor samples: each is the fast step's
-    `mj_step1`, the controller's Jacobians and mass matrix (`mj_jacSite`, `mj_fullM`: `c`, `mujoco_c`'s addresses,
-    called on MjModel `m` and MjData `d`, addresses too), `osc_substep` (from `jacp` to `out`: its arguments), the
-    arm's torques clipped into [low, high] as np.clip does and written to ctrl[arm], the other parts' `commands` row
-    (constant within a control step, or the stock code's own per substep) to ctrl[others], and `mj_step2`; the
-    last substep's qpos and qvel before its mj_step2 (what a controller's state reads) are copied to the `kept` arrays. `full_from`:
-    mj_fullM's arguments after the model (MuJoCo < 3.4: the buffer and qM; later: d and the buffer). `clock`: 0, or
-    the address of clock_gettime, and then the seconds inside mj_step1 and mj_step2 are added to physics_s[0] (the
-    benchmark's parts, ebrl/bench/sim_parts.py)."""
+    """`n` physics substeps between policy steps (the fast step's, up to where a sensor samples next: it reads the
+    controllers' state after the last one). Each is `mj_step1`, the controller's Jacobians and mass matrix
+    (`mj_jacSite`, `mj_fullM`: `c`, `mujoco_c`'s addresses, called on MjModel `m` and MjData `d`, addresses too),
+    `osc_substep` (from `jacp` to `out`: its arguments), the arm's torques clipped into [low, high] as np.clip does
+    and written to ctrl[arm], the other parts' `commands` row (constant within a control step, or the stock code's
+    own per substep) to ctrl[others], and `mj_step2`. The last substep's qpos and qvel before its mj_step2 (what a
+    controller's state reads) are copied to the `kept` arrays. `full_from`: mj_fullM's arguments after the model
+    (MuJoCo < 3.4: the buffer and qM; later: d and the buffer). `clock`: 0, or the address of clock_gettime, and then
+    the seconds inside mj_step1 and mj_step2 are added to physics_s[0] (the benchmark's parts,
+    ebrl/bench/sim_parts.py)."""
     torques = out[-1]
     step1, step2, jac_site, full_m = c
     stamp = np.zeros(2, np.int64)  # a timespec: seconds, nanoseconds
