@@ -8,9 +8,10 @@ the timing. Per task: that step with the stock simulator's code and with the fas
 ebrl/envs/fast_step.py and maniskill_fast.py; where it does not cover the task, the reason), the physics of a step,
 their ratios, and each part's share of the step (ebrl/bench/sim_parts.py: controller, physics, observables, reward
 and success, reset, the rest; the robosuite family). Then the same chunks through one simulator process as a run
-runs it (SimWorker: the pipe, the shared-memory slot), as that process's CPU ms per env step: what the run's summary
-reports as "simulation, CPU per env step" (perf/sim_cpu_s); the process's CPU outside the adapter's run_chunk is the
-plumbing's share. The physics: for the robosuite family the same number of raw `mj_step` calls on the same model and
+runs it (SimWorker: the pipe, the shared-memory slot), as that process's CPU ms per env step, the process's CPU
+outside the adapter's run_chunk being the plumbing's share; and through the run's `env.num_envs` processes at once,
+sharing the machine's cores as a run's simulators do (several on a core evict each other's caches): what the run's
+summary reports as "simulation, CPU per env step" (perf/sim_cpu_s). The physics: for the robosuite family the same number of raw `mj_step` calls on the same model and
 data (x the substeps of a control step); for ManiSkill SAPIEN's `px.step` calls timed inside the stock steps, since
 PhysX puts bodies at rest to sleep (a raw loop after an episode costs 4 us a step, a moving scene 40-50 us). Each
 benchmark runs under its own interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy
@@ -167,36 +168,44 @@ def execute_of(policy_cfg: dict[str, Any], spec: Any) -> int:
     return int(build_policy(policy_cfg, spec, "meta").execute)
 
 
-def through_a_process(env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps: int, repeats: int,
+def through_processes(env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps: int, repeats: int, n: int = 1,
                       seed: int = 0) -> tuple[int, float, float]:
-    """The run's chunks through one simulator process (SimWorker, one thread): the actions written to its
-    shared-memory slot, the chunk sent down its pipe, the reply and the obs read back, as a run does. Returns the
-    chunk's executed actions, the process's CPU ms per env step, and the share of it outside the adapter's run_chunk
-    (the pipe, the slot, the worker's loop; medians over repeats)."""
+    """The run's chunks through `n` simulator processes at once (SimWorker, one thread each), as a run's simulate
+    stage drives them: each chunk's actions written to every shared-memory slot, sent down every pipe, the replies
+    and the obs read back. Returns the chunk's executed actions, the processes' CPU ms per env step, and the share of
+    it outside the adapter's run_chunk (the pipe, the slot, the worker's loop; medians over repeats). With `n` the
+    run's `env.num_envs`, the processes share the machine's cores as the run's simulators do."""
     from ebrl.envs.worker import SimWorker, process_cpu_seconds
 
-    worker = SimWorker(env_cfg, seed, process_env=ONE_THREAD)
-    worker.start(wait=False)
+    workers = [SimWorker(env_cfg, seed + i, process_env=ONE_THREAD) for i in range(n)]
     try:
-        spec = worker.receive_spec()
+        for worker in workers:
+            worker.start(wait=False)
+        spec = [worker.receive_spec() for worker in workers][0]
         execute = execute_of(policy_cfg, spec)
-        worker.attach(execute)
+        for worker in workers:
+            worker.attach(execute)
         chunks = actions_for(spec.action_dim, (spec.action_high - spec.action_low) / 2, max(1, steps // execute),
                              execute, seed)
         cpu_ms, outside = [], []
         for r in range(repeats):
-            worker.reset(seed * 1000 + 100 * r)
-            executed, inside, cpu = 0, 0.0, process_cpu_seconds(worker.pid)
+            for i, worker in enumerate(workers):
+                worker.reset(seed * 1000 + 100 * r + i)
+            executed, inside = 0, 0.0
+            cpu = sum(process_cpu_seconds(worker.pid) for worker in workers)
             for chunk in chunks:
-                worker.actions[:execute] = chunk
-                worker.submit(execute)
-                report = worker.wait()
-                executed, inside = executed + report.executed, inside + report.cpu_s
-            cpu = process_cpu_seconds(worker.pid) - cpu
+                for worker in workers:
+                    worker.actions[:execute] = chunk
+                    worker.submit(execute)
+                for worker in workers:
+                    report = worker.wait()
+                    executed, inside = executed + report.executed, inside + report.cpu_s
+            cpu = sum(process_cpu_seconds(worker.pid) for worker in workers) - cpu
             cpu_ms.append(1e3 * cpu / executed)
             outside.append(1 - inside / cpu)
     finally:
-        worker.close()
+        for worker in workers:
+            worker.close()
     return execute, statistics.median(cpu_ms), statistics.median(outside)
 
 
@@ -265,8 +274,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print(f"{args.steps} env steps x {args.repeats} passes per task as a run takes them (run_chunk, resets "
           "included), one thread, state observations (ms per env step; the median pass)")
     print("| benchmark | task | execute | stock step | fast step | physics (substeps) | stock / physics "
-          "| fast / physics | speed-up | the process (CPU) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| fast / physics | speed-up | the process (CPU) | the run's processes at once (CPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with exit_cleanly("the benchmark sim_speed"):
         for benchmark in args.benchmarks:
             for task, extra in TASKS[benchmark]:
@@ -275,19 +284,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 env_cfg, policy_cfg = run_config(benchmark, task, extra, args.overrides)
                 name = label(benchmark, env_cfg)
                 try:
-                    execute, process_ms, plumbing = through_a_process(env_cfg, policy_cfg, args.steps, args.repeats)
+                    execute, process_ms, plumbing = through_processes(env_cfg, policy_cfg, args.steps, args.repeats)
+                    run_ms = through_processes(env_cfg, policy_cfg, args.steps, args.repeats, env_cfg["num_envs"])[1]
                     r = run_task(benchmark, env_cfg, execute, args)
                 except (RuntimeError, EnvSetupError) as e:  # (a benchmark not set up: its line, and the others go on)
-                    print(f"| {benchmark} | {name} | not measured: {one_line(e)} | | | | | | | |", flush=True)
+                    print(f"| {benchmark} | {name} | not measured: {one_line(e)} | | | | | | | | |", flush=True)
                     continue
                 r.update(benchmark=benchmark, task=name, execute=execute, process_ms=process_ms, plumbing=plumbing,
-                         run_way="fast" if env_cfg.get("fast_step", True) else "stock")
+                         run_ms=run_ms, num_envs=env_cfg["num_envs"], run_way="fast" if env_cfg.get("fast_step", True) else "stock")
                 rows.append(r)
                 fast = f"{r['fast_ms']:.2f}" + (f" (stock: {r['fast_off']})" if r["fast_off"] else "")
                 physics = r["physics_ms"]
                 print(f"| {benchmark} | {name} | {execute} | {r['step_ms']:.2f} | {fast} | {physics:.2f} "
                       f"({r['substeps']}) | {r['step_ms'] / physics:.1f}x | {r['fast_ms'] / physics:.1f}x "
-                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {process_ms:.2f} |", flush=True)
+                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {process_ms:.2f} | {run_ms:.2f} ({r['num_envs']}) |",
+                      flush=True)
         print_parts(rows)
     return rows
 

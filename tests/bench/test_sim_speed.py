@@ -1,5 +1,5 @@
 """The simulation-speed benchmark on one task: the stock and the fast control step on the run's path, the physics
-inside it, each part's share and one simulator process's CPU time, measured in the benchmark's own processes (no
+inside it, each part's share, one simulator process's CPU time and the run's processes' at once, measured in the benchmark's own processes (no
 timings asserted)."""
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from ebrl.bench.sim_speed import main
 ])
 def test_sim_speed_measures_the_runs_step_its_physics_and_its_parts(capsys, suite, task, substeps):
     rows = main(["--benchmarks", suite, "--tasks", task, "--steps", "48", "--repeats", "1", "policy.execute=4",
-                 "env.max_episode_steps=20"])
+                 "env.max_episode_steps=20", "env.num_envs=2"])
     assert [r["task"] for r in rows] == [task]
     row = rows[0]
     assert row["substeps"] == substeps and row["execute"] == 4  # (the run's override)
     assert row["step_ms"] > 0 and row["fast_ms"] > 0 and row["physics_ms"] > 0 and row["process_ms"] > 0
+    assert row["num_envs"] == 2 and row["run_ms"] > 0  # (the run's simulators at once: env.num_envs of them)
     assert row["fast_off"] == ""  # the fast step covers the task
     out = capsys.readouterr().out
     assert f"| {suite} | {task} | 4 |" in out
