@@ -513,11 +513,27 @@ class _Timers:
                 obs._time_since_last_sample, obs._sampled, obs._current_delay = t, sampled, delay
 
 
+def _once_per_step(env: Any, staged_rewards: Callable[[], tuple]) -> Callable[[], tuple]:
+    """A task's `staged_rewards` (robosuite's Stack, PickPlace, NutAssembly), which its reward and its success check
+    both compute from the sim's state: once per state of the clocks (the control step, the physics' time: every
+    substep moves it, a reset sets both back), its result returned again to the next caller."""
+    last: list[Any] = [None, None]
+
+    def once() -> tuple:
+        key = (id(env.sim), env.timestep, float(env.sim.data.time))
+        if last[0] != key:
+            last[:] = [key, staged_rewards()]
+        return last[1]
+
+    return once
+
+
 class FastStep:
     """robosuite's `MujocoEnv.step` for one robot (1.5: a fixed-base or wheeled robot under the BASIC or the hybrid
     mobile-base composite controller with OSC arms, simple grippers, a joint-velocity mobile base and a joint-position
-    torso, as RoboCasa's PandaOmron; 1.4: a SingleArm's OSC controller and its gripper): substep 0 is the stock code,
-    the others the stock arithmetic (see the module docstring). `libero` adds LIBERO's own step around it."""
+    torso, as RoboCasa's PandaOmron; 1.4: a SingleArm's OSC controller and its gripper): substep 0 is the policy's
+    (`_PolicySubstep`, or the stock code), the others the stock arithmetic (see the module docstring); the reward and
+    the success check share one `staged_rewards` per state. `libero` adds LIBERO's own step around it."""
 
     # The benchmark's parts (ebrl/bench/sim_parts.py) set it: the compiled substeps add their physics' seconds to it
     physics_s: np.ndarray | None = None
@@ -526,6 +542,9 @@ class FastStep:
         self.env, self.version, self.libero = env, version, libero
         self.built_for: tuple = ()
         self.timers = _Timers(env)
+        if callable(getattr(env, "staged_rewards", None)):
+            env.staged_rewards = _once_per_step(env, env.staged_rewards)
+
 
     def _identity(self) -> tuple:
         """What a reset may rebuild: the sim (a hard reset), the robot's controllers (each reset in robosuite 1.5)."""

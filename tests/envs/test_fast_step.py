@@ -21,6 +21,21 @@ def test_robosuite_fast_step_is_the_stock_step_bit_for_bit(task):
         assert (obs._time_since_last_sample, obs._sampled) == (raw[name]._time_since_last_sample, raw[name]._sampled)
 
 
+def test_stack_computes_its_staged_rewards_once_a_step_for_reward_and_success(monkeypatch):
+    from robosuite.environments.manipulation.stack import Stack
+
+    calls = []
+    stock = Stack.staged_rewards
+    monkeypatch.setattr(Stack, "staged_rewards", lambda self: calls.append(1) or stock(self))
+    fast, plain = (RobosuiteEnv("Stack", max_episode_steps=40, fast_step=way, seed=0) for way in (True, False))
+    for env in (fast, plain):
+        env.begin_episode(1)
+        calls.clear()
+        for action in random_chunk(3, env.spec.action_dim):
+            env.step(action)
+        assert len(calls) == (3 if env is fast else 6)  # (the stock step: its reward's, then the success check's)
+
+
 def test_the_compiled_controller_runs_alone_once_it_agreed_and_never_after_it_disagreed(monkeypatch):
     from ebrl.envs import fast_kernels
     from ebrl.envs.fast_kernels import CHECKED, Compiled, osc_kernel
