@@ -11,9 +11,10 @@ and success, reset, the rest; the robosuite family). Then the same chunks throug
 runs it (SimWorker: the pipe, the shared-memory slot), as that process's CPU ms per env step, the process's CPU
 outside the adapter's run_chunk being the plumbing's share; and through the run's `env.num_envs` processes at once,
 sharing the machine's cores as a run's simulators do (several on a core evict each other's caches): what the run's
-summary reports as "simulation, CPU per env step" (perf/sim_cpu_s). The physics: for the robosuite family the same number of raw `mj_step` calls on the same model and
-data (x the substeps of a control step); for ManiSkill SAPIEN's `px.step` calls timed inside the stock steps, since
-PhysX puts bodies at rest to sleep (a raw loop after an episode costs 4 us a step, a moving scene 40-50 us). Each
+summary reports as "simulation, CPU per env step" (perf/sim_cpu_s). The physics: for the robosuite family the same
+number of raw `mj_step` calls on the same model and data (x the substeps of a control step); for ManiSkill SAPIEN's
+`px.step` calls timed inside the stock steps, since PhysX puts bodies at rest to sleep (a raw loop after an episode
+costs 4 us a step, a moving scene 40-50 us). Each
 benchmark runs under its own interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy
 and the simulator only.
 
@@ -291,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     print(f"| {benchmark} | {name} | not measured: {one_line(e)} | | | | | | | | |", flush=True)
                     continue
                 r.update(benchmark=benchmark, task=name, execute=execute, process_ms=process_ms, plumbing=plumbing,
-                         run_ms=run_ms, num_envs=env_cfg["num_envs"], run_way="fast" if env_cfg.get("fast_step", True) else "stock")
+                         run_ms=run_ms, num_envs=env_cfg["num_envs"],
+                         run_way="fast" if env_cfg.get("fast_step", True) else "stock")
                 rows.append(r)
                 fast = f"{r['fast_ms']:.2f}" + (f" (stock: {r['fast_off']})" if r["fast_off"] else "")
                 physics = r["physics_ms"]

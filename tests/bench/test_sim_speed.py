@@ -1,6 +1,6 @@
 """The simulation-speed benchmark on one task: the stock and the fast control step on the run's path, the physics
-inside it, each part's share, one simulator process's CPU time and the run's processes' at once, measured in the benchmark's own processes (no
-timings asserted)."""
+inside it, each part's share, one simulator process's CPU time and the run's processes' at once, measured in the
+benchmark's own processes (no timings asserted)."""
 from __future__ import annotations
 
 import pytest
