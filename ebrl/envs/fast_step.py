@@ -513,6 +513,44 @@ class _Timers:
                 obs._time_since_last_sample, obs._sampled, obs._current_delay = t, sampled, delay
 
 
+class _Stretch:
+    """What `osc_substeps` runs on for one sim and its controllers: one OSC arm, and the other parts, whose commands
+    read no physics (`commands`)."""
+
+    def __init__(self, kernel: Callable, model: Any, data: Any, arm: tuple, others: list) -> None:
+        every = np.arange(model.nu, dtype=np.int64)
+        (self.arm, index, low, high), self.others = arm, others
+        self.kernel, self.ctrl = kernel, data.ctrl
+        self.fixed = (model._address, data._address,  # (and mj_fullM's arguments after the model)
+                      (self.arm.full_mass.ctypes.data, data.qM.ctypes.data) if hasattr(data, "qM") else
+                      (data._address, self.arm.full_mass.ctypes.data))
+        self.outputs = (data.ctrl, every[index], np.ascontiguousarray(low, np.float64),
+                        np.ascontiguousarray(high, np.float64),
+                        np.concatenate([every[i] for _, i, *_ in others]) if others else every[:0])
+        self.kept = (np.zeros(model.nq), np.zeros(model.nv))  # qpos and qvel before the last substep's mj_step2
+        self.no_time = np.zeros(1)
+
+    @classmethod
+    def of(cls, model: Any, data: Any, parts: list) -> "_Stretch | None":
+        """For the fast step's `parts`, or None where `osc_substeps` does not cover them (or is not compiled)."""
+        arms = [part for part in parts if isinstance(part[0], (_Osc, _Osc14))]
+        others = [part for part in parts if not isinstance(part[0], (_Osc, _Osc14))]
+        kernel = substeps_kernel() if len(arms) == 1 and all(hasattr(w, "commands") for w, *_ in others) else None
+        return None if kernel is None else cls(kernel, model, data, arms[0], others)
+
+    def run(self, n: int, workers: list) -> None:
+        """`n` substeps; then each worker keeps the last one's state."""
+        commands = [worker.commands(n) for worker, *_ in self.others]
+        commands = [c if low is None else _clip(c, low, high) for c, (_, _, low, high) in zip(commands, self.others)]
+        timed, kept = FastStep.physics_s, self.kept
+        self.kernel(n, mujoco_c(), *self.fixed, *self.arm.inputs, *self.outputs,
+                    np.concatenate(commands, axis=1) if commands else np.zeros((n, 0)), *kept,
+                    0 if timed is None else clock_address(), self.no_time if timed is None else timed)
+        for worker in workers:
+            worker.kept(*kept)
+        self.arm.applied = self.ctrl[self.outputs[1]]
+
+
 def _once_per_step(env: Any, staged_rewards: Callable[[], tuple]) -> Callable[[], tuple]:
     """A task's `staged_rewards` (robosuite's Stack, PickPlace, NutAssembly), which its reward and its success check
     both compute from the sim's state: once per state of the clocks (the control step, the physics' time: every
@@ -578,48 +616,20 @@ class FastStep:
         self.workers = [worker for worker, *_ in self.parts]
         self.substeps = int(env.control_timestep / env.model_timestep)
         self.policy = _PolicySubstep(env, self.parts) if self.version >= (1, 5) and _fixed_base(robot) else None
-        self._build_compiled()
+        self.stretch = _Stretch.of(self.model, self.data, self.parts)
         self.built_for = self._identity()
-
-    def _build_compiled(self) -> None:
-        """The arguments of `osc_substeps` that stay for this sim: one OSC arm, the others parts whose commands
-        read no physics (`commands`); else `self.kernel` is None and every substep runs in Python."""
-        arms = [part for part in self.parts if isinstance(part[0], (_Osc, _Osc14))]
-        others = [part for part in self.parts if not isinstance(part[0], (_Osc, _Osc14))]
-        self.kernel = substeps_kernel() if len(arms) == 1 and all(hasattr(w, "commands") for w, *_ in others) else None
-        if self.kernel is None:
-            return
-        m, d = self.model, self.data
-        every = np.arange(m.nu, dtype=np.int64)
-        (self.arm, index, low, high), = arms
-        self.others = others
-        self.fixed = (m._address, d._address,
-                      (self.arm.full_mass.ctypes.data, d.qM.ctypes.data) if hasattr(d, "qM") else
-                      (d._address, self.arm.full_mass.ctypes.data))
-        self.no_time = np.zeros(1)
-        self.kept = (np.zeros(m.nq), np.zeros(m.nv))  # qpos and qvel before the last compiled substep's mj_step2
-        self.outputs = (d.ctrl, every[index], np.ascontiguousarray(low, np.float64),
-                        np.ascontiguousarray(high, np.float64),
-                        np.concatenate([every[i] for _, i, *_ in others]) if others else every[:0])
 
     def _compiled_substeps(self, k: int, dt: float) -> int:
         """Once the arm's compiled arithmetic is on, run the substeps from `k` in one `osc_substeps` call: up to and
         including the next one where a sensor samples, or to the last; the workers keep the last one's state, and
         where a sensor samples they `sync` before it runs, as the Python loop does. How many substeps ran."""
-        if self.kernel is None or self.arm.compiled.on is not True:
+        stretch, timers = self.stretch, self.timers
+        if stretch is None or stretch.arm.compiled.on is not True:
             return 0
-        timers, quiet = self.timers, self.timers.quiet(dt, self.substeps - k)
+        quiet = timers.quiet(dt, self.substeps - k)
         n = min(quiet + 1, self.substeps - k)  # (the sampling substep after the quiet ones, if one is left)
-        commands = [worker.commands(n) for worker, *_ in self.others]
-        commands = [c if low is None else _clip(c, low, high) for c, (_, _, low, high) in zip(commands, self.others)]
-        timed, kept = FastStep.physics_s, self.kept
-        self.kernel(n, mujoco_c(), *self.fixed, *self.arm.inputs, *self.outputs,
-                    np.concatenate(commands, axis=1) if commands else np.zeros((n, 0)), *kept,
-                    0 if timed is None else clock_address(), self.no_time if timed is None else timed)
+        stretch.run(n, self.workers)
         timers.skip()
-        for worker in self.workers:
-            worker.kept(*kept)
-        self.arm.applied = self.data.ctrl[self.outputs[1]]
         if n > quiet:
             due = timers.due(dt)
             for worker in self.workers:
