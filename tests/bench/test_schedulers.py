@@ -14,8 +14,10 @@ MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-
 
 
 def test_benchmark_reports_every_row(tmp_path, capsys):
-    result = main([*MINIMAL, "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json", str(tmp_path / "bench.json"),
-                   "--foreign-load", "1", "--foreign-pinned"])
+    # (3 iterations: with 2, a fast simulator lets the pipelined mode's rollout of the measured second iteration run
+    # entirely during the first one's update, and that iteration holds no simulation to share the CPU with)
+    result = main([*MINIMAL, "--iterations", "3", "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json",
+                   str(tmp_path / "bench.json"), "--foreign-load", "1", "--foreign-pinned"])
     rows = {r["row"]: r for r in result["rows"]}
     loaded = ["colocated +1 busy pinned", "ebrl[scheduler.groups=2] +1 busy pinned"]
     assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", *loaded, SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
