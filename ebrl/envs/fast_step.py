@@ -377,7 +377,8 @@ class _PolicySubstep:
     controller: RobotEnv's and FixedBaseRobot.control's stock sequence with the goal set by the stock `set_goal`, each
     part's `run_controller` as the other substeps run it (the workers, then `sync`), and the robot's proprioception
     buffers pushed with the stock arithmetic. What the stock code works out at every policy step (the action's
-    dimension, from the action limits, twice; sensor and site names) is looked up once. A controller whose state is
+    dimension, from the action limits, twice; the force and torque sensors' slices) is looked up once, and the arm's
+    `update()` before `set_goal` runs as the other substeps' compiled arithmetic. A controller whose state is
     not due an update (`new_update` false: the first policy step after a reset) runs its goal and torques from the
     state its last update left, so that step runs the stock code."""
 
@@ -582,7 +583,6 @@ class FastStep:
         self.timers = _Timers(env)
         if callable(getattr(env, "staged_rewards", None)):
             env.staged_rewards = _once_per_step(env, env.staged_rewards)
-
 
     def _identity(self) -> tuple:
         """What a reset may rebuild: the sim (a hard reset), the robot's controllers (each reset in robosuite 1.5)."""
