@@ -286,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 name = label(benchmark, env_cfg)
                 try:
                     execute, process_ms, plumbing = through_processes(env_cfg, policy_cfg, args.steps, args.repeats)
-                    run_ms = through_processes(env_cfg, policy_cfg, args.steps, args.repeats, env_cfg["num_envs"])[1]
+                    run_ms = process_ms if env_cfg["num_envs"] == 1 else through_processes(
+                        env_cfg, policy_cfg, args.steps, args.repeats, env_cfg["num_envs"])[1]
                     r = run_task(benchmark, env_cfg, execute, args)
                 except (RuntimeError, EnvSetupError) as e:  # (a benchmark not set up: its line, and the others go on)
                     print(f"| {benchmark} | {name} | not measured: {one_line(e)} | | | | | | | | |", flush=True)
