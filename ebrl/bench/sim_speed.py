@@ -14,9 +14,8 @@ sharing the machine's cores as a run's simulators do (several on a core evict ea
 summary reports as "simulation, CPU per env step" (perf/sim_cpu_s). The physics: for the robosuite family the same
 number of raw `mj_step` calls on the same model and data (x the substeps of a control step); for ManiSkill SAPIEN's
 `px.step` calls timed inside the stock steps, since PhysX puts bodies at rest to sleep (a raw loop after an episode
-costs 4 us a step, a moving scene 40-50 us). Each
-benchmark runs under its own interpreter (LIBERO's and RoboCasa's venvs): this module's measuring half imports numpy
-and the simulator only.
+costs 4 us a step, a moving scene 40-50 us). Each benchmark runs under its own interpreter (LIBERO's and RoboCasa's
+venvs): this module's measuring half imports numpy and the simulator only.
 
     python -m ebrl.bench.sim_speed [--benchmarks robosuite libero maniskill] [--tasks Lift ...] [--steps 400]
                                    [--repeats 3] [overrides ...]

@@ -55,8 +55,8 @@ def osc_kernel() -> Callable | None:
     kernels = (opspace_matrices, nullspace_torques, orientation_error)
     if not all(isinstance(k, numba.core.registry.CPUDispatcher) for k in kernels):
         return None
-    return _compile(osc_substep, lambda kernel: Compiled(kernel, [0, 1], [0, 1], jacobian_order()).run(
-        *_warm_up_inputs()))
+    return _compile(osc_substep, lambda kernel: kernel(*Compiled(kernel, [0, 1], [0, 1], jacobian_order()).inputs(
+        *_warm_up_inputs())))
 
 
 _osc_substep: Callable | None = None  # osc_kernel(): what osc_substeps calls (bound before it compiles)
@@ -332,10 +332,6 @@ class Compiled:
         return (jacp, jacr, base_jacp, base_jacr, d.qpos, d.qvel, d.site_xpos, d.site_xmat, full, d.qfrc_bias,
                 self.qpos_index, self.qvel_index, ref_id, base_id, base_frame, *goal, *gains,
                 np.asarray(initial_joint, np.float64), bool(uncoupling), self.out)
-
-    def run(self, *inputs: Any) -> None:
-        """`osc_substep` on `inputs`' arguments (MjData's current arrays)."""
-        self.kernel(*self.inputs(*inputs))
 
     @property
     def torques(self) -> np.ndarray:
