@@ -13,9 +13,9 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from ebrl.runtime.evaluation import Evaluation, check_mode  # after composition, so `--cfg job` needs no torch
-    from ebrl.runtime.experiment import Experiment
-    from ebrl.runtime.sft import SupervisedRun
+    from ebrl.runs.evaluation import Evaluation, check_mode  # after composition, so `--cfg job` needs no torch
+    from ebrl.runs.experiment import Experiment
+    from ebrl.runs.sft import SupervisedRun
 
     with exit_cleanly() as stop:
         check_mode(cfg)

@@ -18,7 +18,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from ebrl.runtime.sweep import trial  # after composition, so `--cfg job` needs no torch
+    from ebrl.runs.sweep import trial  # after composition, so `--cfg job` needs no torch
 
     with exit_cleanly():
         return trial(cfg)

@@ -384,7 +384,7 @@ class SweepConfig:
 # --- the whole experiment ------------------------------------------------------------------
 @dataclass
 class EvalConfig:
-    """`mode=eval`: how many episodes the loaded policy runs (ebrl/runtime/evaluation.py)."""
+    """`mode=eval`: how many episodes the loaded policy runs (ebrl/runs/evaluation.py)."""
 
     episodes: int = 20  # complete episodes; success rate with a 95% Wilson interval over them
     videos: int = 2  # episodes saved as mp4 (the first ones; needs env.cameras)
@@ -457,7 +457,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # the weights training starts from: a run folder (its checkpoints/last.pt, e.g. an algo=sft run's) or a .pt file;
     # auto: the SFT checkpoint this repository ships for the policy and env, if it has one (SHIPPED in
-    # ebrl/runtime/init.py), else none; null: the family's initialisation (or policy.checkpoint's weights)
+    # ebrl/runs/init.py), else none; null: the family's initialisation (or policy.checkpoint's weights)
     init: Optional[str] = "auto"
     demos: DemosConfig = field(default_factory=DemosConfig)
 

@@ -18,9 +18,9 @@ from hydra.errors import ConfigCompositionException
 from ebrl.checks import validate
 from ebrl.config import ConfigError
 from ebrl.node import cuda_device_count
-from ebrl.runtime.evaluation import check_mode
+from ebrl.runs.evaluation import check_mode
 from tests.conftest import compose_config
-from tests.runtime.test_run import run_py
+from tests.runs.test_run import run_py
 
 MORE_CORES = (os.cpu_count() or 1) + 1
 OTHER_POLICY = "openvla_oft"  # the run's is the default, openpi

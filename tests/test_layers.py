@@ -16,6 +16,8 @@ LAYERS = [
     {"ebrl.policies"},
     {"ebrl.rl", "ebrl.alloc"},
     {"ebrl.runtime", "ebrl.demos"},
+    {"ebrl.forecast"},
+    {"ebrl.runs"},
     {"ebrl.bench", "ebrl.export"},
 ]
 

@@ -1,6 +1,6 @@
 """A run's throughput predicted in virtual time, and checked against the real run here. `python -m ebrl.bench.at_scale`.
 
-The real `Scheduler`, `RolloutLoop`, `CorePool` and `Placement` run with modelled stages (ebrl/runtime/virtual.py):
+The real `Scheduler`, `RolloutLoop`, `CorePool` and `Placement` run with modelled stages (ebrl/forecast/virtual.py):
 every figure it prints is simulated, from the costs it names. The costs come from this machine
 (`measure_costs`): each env's control steps alone on a core (a placed wave of envs, the policy's actions), the
 policy's sampling and valuing at three batch sizes and one update at the rollout's size, on one thread and on every
@@ -12,12 +12,12 @@ core (the parallel efficiency), and a reset.
 
 `--validate` runs each mode for real too (the scheduler benchmark's `run_mode`, the same config, `--repeats` rounds in
 ABBA order, each after measuring the costs again, unless `--costs` is given) and prints the median of the rounds'
-predictions beside the median of the runs. Not modelled yet: ebrl/runtime/virtual.py's
+predictions beside the median of the runs. Not modelled yet: ebrl/forecast/virtual.py's
 `NOT_MODELLED`.
 
 On an hw with GPUs (`hw=a100x8`, `--testbed` for the paper's) nothing can be measured here: one rank per GPU is
 predicted on `ModelledCosts` (the simulators' steps given or measured here, the policy's GPU calls from
-ebrl/alloc/gpu_cost.py's roofline or gpu_check's measurements), and the output ends with what bounds a rank
+ebrl/forecast/gpu_cost.py's roofline or gpu_check's measurements), and the output ends with what bounds a rank
 (`gpu_capacity`) and the memory model's footprint per GPU (`gpu_memory`).
 """
 from __future__ import annotations
@@ -164,7 +164,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
     from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
-    from ebrl.runtime.init import init_file
+    from ebrl.runs.init import init_file
 
     # subnormals flushed before torch's first parallel work, as a run does (experiment.py): the flag is per thread,
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
@@ -296,7 +296,7 @@ class ModelledCosts:
     """The costs of a node this machine is not (see docs/at-scale.md): each simulator step drawn from a lognormal of
     `sim_mean_s` and `sim_p99_s` (each step on its own), or from `steps` (each env's, measured here: `MeasuredCosts`),
     an episode `max_episode_steps` long unless `lengths` says otherwise, a reset of `reset_s`; the GPU stages from
-    the policy's operations on `gpu`'s roofline (ebrl/alloc/gpu_cost.py), each operation at least `host_s`;
+    the policy's operations on `gpu`'s roofline (ebrl/forecast/gpu_cost.py), each operation at least `host_s`;
     `sources` name where each figure comes from."""
 
     sim_mean_s: float
@@ -306,10 +306,10 @@ class ModelledCosts:
     execute: int
     chunk_len: int
     action_dim: int
-    ops: Any  # ebrl.alloc.gpu_cost.PolicyOps
-    gpu: Any  # ebrl.alloc.gpu_cost.GpuSpec
+    ops: Any  # ebrl.forecast.gpu_cost.PolicyOps
+    gpu: Any  # ebrl.forecast.gpu_cost.GpuSpec
     host_s: float
-    shape: Any  # ebrl.alloc.gpu_cost.UpdateShape
+    shape: Any  # ebrl.forecast.gpu_cost.UpdateShape
     sources: dict[str, str] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)
     timeslice: float = 0.0
@@ -327,7 +327,7 @@ class ModelledCosts:
         return drawn_length(self.lengths, self.max_episode_steps, rng)
 
     def on_gpu(self, kind: str, rows: int, share: float, proximal: int = 0) -> Any:
-        from ebrl.alloc.gpu_cost import GpuTime, roofline, train_time
+        from ebrl.forecast.gpu_cost import GpuTime, roofline, train_time
 
         if kind == "train":
             modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s, proximal)
@@ -373,7 +373,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     FSDP."""
     from omegaconf import OmegaConf
 
-    from ebrl.alloc.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
+    from ebrl.forecast.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.bench.memory import env_spec
     from ebrl.policies.build import settle_execute
 
@@ -383,7 +383,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     ops = PolicyOps.of(policy_cfg, spec)
-    host_s, host_source = host_seconds_per_op()  # (ebrl/alloc/gpu_cost.py)
+    host_s, host_source = host_seconds_per_op()  # (ebrl/forecast/gpu_cost.py)
     if measured is not None:
         every = np.concatenate([np.asarray(s) for s in measured.steps])
         mean, p99, reset_ms = float(every.mean()), float(np.percentile(every, 99)), 1e3 * measured.reset_s
@@ -397,7 +397,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
                "GPU": gpu.source,
                "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
                          f"{cameras} cameras at 224 px: {ops.sample.count} operations per sample, traced on the meta "
-                         "device (ebrl/alloc/gpu_cost.py)",
+                         "device (ebrl/forecast/gpu_cost.py)",
                "host per operation": host_source}
     if gpu_costs is not None:
         sources["GPU"] = (f"measured on {gpu_costs['gpu']} by gpu_check ({gpu_costs['policy']}): sample and update; "
@@ -427,7 +427,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     from ebrl.node import Ranks
     from ebrl.runtime.placement import Placement
     from ebrl.runtime.schedule import Scheduler
-    from ebrl.runtime.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher,
+    from ebrl.forecast.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher,
                                       VirtualPlacement, VirtualPool, World)
 
     gpus = int(cfg.hw.gpus or 0)

@@ -23,7 +23,7 @@ MODES = ("static", "elastic")
 
 
 def run_one(workload: Workload, allocator: str, elastic: Sequence[str]) -> dict[str, Any]:
-    from ebrl.runtime.experiment import Experiment
+    from ebrl.runs.experiment import Experiment
 
     extra = [f"allocator={allocator}", *(elastic if allocator == "elastic" else [])]
     cfg = compose(Workload(**{**workload.__dict__, "overrides": [*workload.overrides, *extra]}), "ebrl")

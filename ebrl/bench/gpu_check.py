@@ -12,7 +12,7 @@ Each check runs on its own (one failure hides no other) and prints PASS, FAIL or
   policy  the openpi small preset on CUDA: ms per policy.sample and per PPO update, and the scheduler benchmark's
           limit costs on the device (generation's and training's GPU time per env step, bench.schedulers.stage_costs)
   full    pi0 at full size in bfloat16 (2 cameras at 224 px), built with given weights: build time, policy.sample at
-          batch 1, 8 and 32 (beside the roofline's, ebrl/alloc/gpu_cost.py), one PPO update (train=all) at
+          batch 1, 8 and 32 (beside the roofline's, ebrl/forecast/gpu_cost.py), one PPO update (train=all) at
           algo.micro_batch=4; the peak memory allocated against the memory model's prediction, and the CUDA
           context's size; "costs" are what `python -m ebrl.bench.at_scale --gpu-costs` reads
   capture generation's pi0 at full size (bfloat16, 2 cameras at 224 px): policy.sample's ms per chunk at batch 1, 16
@@ -533,8 +533,8 @@ def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
 
 
 def modelled_sample_ms(policy_cfg: dict, spec: Any) -> dict[str, float] | str:
-    """The roofline's sample times for this GPU (ebrl/alloc/gpu_cost.py), to set beside the measured ones."""
-    from ebrl.alloc.gpu_cost import GPUS, PolicyOps, host_seconds_per_op, roofline
+    """The roofline's sample times for this GPU (ebrl/forecast/gpu_cost.py), to set beside the measured ones."""
+    from ebrl.forecast.gpu_cost import GPUS, PolicyOps, host_seconds_per_op, roofline
 
     device = torch.cuda.get_device_name()
     name = next((k for k in GPUS if k.split("-")[0] in device), None)

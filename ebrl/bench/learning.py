@@ -85,7 +85,7 @@ def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequenc
     from ebrl.bench.schedulers import CONF
     from ebrl.config import register_configs
     from ebrl.demos.record import record
-    from ebrl.runtime.sft import SupervisedRun
+    from ebrl.runs.sft import SupervisedRun
 
     register_configs()  # the schemas the env configs' defaults name
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
@@ -100,7 +100,7 @@ def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequenc
 
 def evaluate(checkpoint: Path, episodes: int, overrides: Sequence[str]) -> dict[str, float]:
     """mode=eval of `checkpoint`: its success with the Wilson interval, deterministic sampling."""
-    from ebrl.runtime.evaluation import Evaluation
+    from ebrl.runs.evaluation import Evaluation
 
     cfg = compose_overrides(["mode=eval", f"checkpoint={checkpoint}", f"eval.episodes={episodes}", "eval.videos=0",
                              "progress=false", "logger=none", *overrides])
@@ -128,7 +128,7 @@ def run_config(algo: str, mode: str, seed: int, start: Path, iterations: int, ov
 
 def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_episodes: int,
             overrides: Sequence[str], stragglers: tuple[float, int] = (0.0, 1)) -> Run:
-    from ebrl.runtime.experiment import Experiment
+    from ebrl.runs.experiment import Experiment
 
     cfg = run_config(algo, mode, seed, start, iterations, overrides, stragglers)
     with tempfile.TemporaryDirectory(prefix="ebrl-learning-") as tmp:
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     with tempfile.TemporaryDirectory(prefix="ebrl-start-") as tmp:
         start = make_start(args.demos, args.sft_iterations, Path(tmp), args.overrides) if args.demos else args.init
         if start is None:
-            from ebrl.runtime.init import shipped_for
+            from ebrl.runs.init import shipped_for
 
             start = shipped_for(compose_overrides(list(args.overrides)))
             if start is None:

@@ -2,7 +2,7 @@
 
 1. Where a row's frozen prefix comes from (docs/design.md, "The frozen prefix"). Per family at full size (the trainer's
    copy with policy.train=action_expert on the meta device, `--cameras` at 224 px): the prefix's bytes per row, the
-   roofline's time to compute it on each GPU of ebrl/alloc/gpu_cost.py, and the time to carry it from generation to
+   roofline's time to compute it on each GPU of ebrl/forecast/gpu_cost.py, and the time to carry it from generation to
    the trainer instead: out of generation's GPU and into the trainer's over PCIe (`PCIE_BYTES_PER_S`) and twice
    through host shared memory (a copy measured here at the prefix's size).
 2. On this CPU, the small preset: one row's prefix computed (ms, one thread) against its bytes copied through shared
@@ -56,7 +56,7 @@ def policy_cfg(family: str, preset: str, *overrides: str) -> dict[str, Any]:
 
 def full_size(cameras: int) -> list[dict[str, Any]]:
     """Section 1 (see the module docstring)."""
-    from ebrl.alloc.gpu_cost import GPUS, PolicyOps, roofline
+    from ebrl.forecast.gpu_cost import GPUS, PolicyOps, roofline
     from ebrl.alloc.memory import MemoryModel
 
     spec = env_spec(cameras)

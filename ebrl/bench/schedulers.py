@@ -151,7 +151,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def run_device_type(cfg: Any) -> str:
     """"cuda" where the run's policy runs on a GPU, else "cpu"."""
-    from ebrl.runtime.experiment import run_device
+    from ebrl.runs.base import run_device
 
     return run_device(cfg).type
 
@@ -168,7 +168,7 @@ def run_mode(cfg: Any) -> tuple[float, float, dict[str, float]]:
     busy fractions and CPU shares (RunSummary.busy)."""
     import torch
 
-    from ebrl.runtime.experiment import Experiment
+    from ebrl.runs.experiment import Experiment
 
     threads = torch.get_num_threads()
     try:
@@ -345,7 +345,7 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.policies.build import build_policy, settle_execute
-    from ebrl.runtime.experiment import run_device
+    from ebrl.runs.base import run_device
 
     settle_execute(cfg)  # (the actions of each chunk a run executes, as Experiment settles them)
     conf = OmegaConf.to_container(cfg, resolve=True)

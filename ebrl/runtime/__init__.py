@@ -1,1 +1,1 @@
-"""The runtime: supervisor, schedulers, checkpoints."""
+"""The runtime: the scheduler and its stages, their processes, placement and resources, checkpoints."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -238,12 +238,16 @@ class Placement:
         return self.cfg.scheduler.trainer == "local"
 
     # --- memory ----------------------------------------------------------------------------------
-    def check_memory(self, spec: EnvSpec) -> None:
+    def check_memory(self, spec: EnvSpec, stage_shares: Callable[..., tuple[dict, str] | None] | None = None) -> None:
         """Before a trainer process and generation start (and any CUDA in this process): stop, with one line, when
         /dev/shm or the GPU cannot hold what the memory model says the run needs; on a GPU lease generation and the
         trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child), and
         settle how several ranks' trainers hold the training state (`strategy`). A local trainer shares nothing but
-        the simulators' slots, which are held already: on a GPU its one process is checked against the GPU alone."""
+        the simulators' slots, which are held already: on a GPU its one process is checked against the GPU alone.
+        `stage_shares(cfg, spec, rows, world, sharded, device_type)`: of each GPU stage's time, the share its kernels
+        keep the SMs busy, and where that comes from (or None), by which a calibrating allocator sizes the stages' SM
+        shares before it has measured any (a run cannot measure them per process under MPS: NVML counts every
+        client as the daemon's); the run passes the roofline's (ebrl/forecast/gpu_cost.py)."""
         cfg = self.cfg
         gpu = self.device.type == "cuda"
         if self.local and not gpu:
@@ -272,7 +276,10 @@ class Placement:
             if self.local:  # (one process on one copy of the weights: nothing to lease apart)
                 return
             self.budgets = budgets
-            self._size_by_kernels(spec, rows)
+            if stage_shares is not None and self.allocator is not None and self.allocator.current is None:
+                found = stage_shares(cfg, spec, rows, self.ranks.world, self.strategy == "fsdp", self.device.type)
+                if found is not None:
+                    self.allocator.size_by_kernels(*found)
             if self.pool is not None:
                 try:
                     self._lease()
@@ -285,22 +292,6 @@ class Placement:
             self.pool.on_requota("train", self._requota_trainer)
         elif gpu and self.generation == "supervisor" and "generate" in self.budgets:
             apply_memory_budget(self.budgets["generate"], 0)
-
-    def _size_by_kernels(self, spec: EnvSpec, rows: int) -> None:
-        """A calibrating allocator on a GPU node sizes the stages' SM shares by their kernel time, which a run cannot
-        measure per process under MPS (NVML counts every client as the daemon's): the roofline's, from the policy's
-        operations on hw.gpu_name's published peaks (ebrl/alloc/gpu_cost.py); a GPU without them: none."""
-        from ebrl.alloc.gpu_cost import GPUS, PolicyOps, UpdateShape, host_seconds_per_op, kernel_shares
-
-        cfg = self.cfg
-        if self.allocator is None or self.allocator.current is not None or cfg.hw.gpu_name not in GPUS:
-            return
-        ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, self.device.type)
-        shape = UpdateShape(cfg.algo, self.ranks.world, int(cfg.hw.nodes), sharded=self.strategy == "fsdp")
-        batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
-        self.allocator.size_by_kernels(kernel_shares(ops, batch, rows, shape, GPUS[cfg.hw.gpu_name],
-                                                     host_seconds_per_op()[0]),
-                                       f"the roofline's on {cfg.hw.gpu_name}'s published peaks")
 
     # --- the runtime's processes -----------------------------------------------------------------
     def take(self, runtime: Any) -> None:

@@ -154,7 +154,7 @@ class Scheduler:
         """critic_warmup: the run's first updates that train the value head alone (a run from `init`); init: the
         checkpoint file the policy's first weights came from (a trainer process reads them from it too). `stages`
         builds the trainer, generation and dispatcher (`real_stages`' arguments), `clock` stamps the trace: a run's
-        are real; the at-scale benchmark's (ebrl/runtime/virtual.py) are modelled, in virtual time."""
+        are real; the at-scale benchmark's (ebrl/forecast/virtual.py) are modelled, in virtual time."""
         self.pool, self.policy, self.placement, self.seed = pool, policy, placement, seed
         self.critic_warmup = critic_warmup
         self.schedule = s = Schedule.from_config(conf["scheduler"])

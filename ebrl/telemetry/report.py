@@ -159,7 +159,7 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def print_eval(summary: Any, run_dir: Path) -> None:
-    """The table a user reads at the end of `mode=eval` (an ebrl.runtime.evaluation.EvalSummary)."""
+    """The table a user reads at the end of `mode=eval` (an ebrl.runs.evaluation.EvalSummary)."""
     low, high = summary.success_ci95
     table = Table(title="EBRL evaluation", show_header=True)
     table.add_column("metric")

@@ -10,7 +10,7 @@ import pytest
 from ebrl.alloc.allocator import Allocator, cpu_sets, profile_key, stage_rates
 from ebrl.alloc.profile import linear_profile, profile_path
 from ebrl.config import ConfigError
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 from tests.conftest import compose_config
 
 SMALL = ["scheduler=ebrl", "env.num_envs=4", "algo.rollout_chunks=4", "progress=false", "checkpoint_every=1000"]

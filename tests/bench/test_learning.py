@@ -32,7 +32,7 @@ def test_success_is_pooled_over_the_windows_episodes_and_the_target_is_its_first
 def test_stragglers_slow_whole_grpo_groups_of_the_same_task():
     from ebrl.bench.learning import run_config
     from ebrl.bench.schedulers import compose_overrides
-    from ebrl.runtime.init import shipped_for
+    from ebrl.runs.init import shipped_for
 
     start = shipped_for(compose_overrides([]))
     plain = run_config("grpo", "ebrl", 0, start, 3, [])

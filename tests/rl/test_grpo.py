@@ -15,7 +15,7 @@ from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_see
 from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, drop_stale, stack_steps
 from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
-from tests.runtime.test_run import SMALL, metrics, run_py
+from tests.runs.test_run import SMALL, metrics, run_py
 
 LIFT_SPEC = EnvSpec(obs={"state": ArraySpec((60,), "float32")}, action_dim=7, instruction="lift the red cube",
                     max_episode_steps=24)
@@ -201,7 +201,7 @@ def test_groups_that_cannot_work(overrides, needle):
 def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_path):
     """Under any schedule (hybrid and ebrl: each of their 2 groups is one GRPO group, running and resetting on its
     own; ebrl's overlapping the update)."""
-    from ebrl.runtime.experiment import Experiment
+    from ebrl.runs.experiment import Experiment
 
     exp = Experiment.from_config(compose_config(
         f"scheduler={schedule}", "algo=grpo", "env.num_envs=4", "algo.group_size=2", "algo.minibatches=2",

@@ -9,7 +9,7 @@ import torch
 from ebrl.errors import DiskFull
 from ebrl.runtime.checkpoint import atomic_save
 from tests.conftest import REPO
-from tests.runtime.test_run import SMALL
+from tests.runs.test_run import SMALL
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from ebrl.node import Ranks, share_of_node
 from ebrl.runtime.distributed import DistributedError, combine, weights_sum
 from ebrl.telemetry.metrics import wilson_interval
 from tests.conftest import REPO, compose_config
-from tests.runtime.test_run import SMALL, metrics, run_py
+from tests.runs.test_run import SMALL, metrics, run_py
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BF16 = ["algo.optimizer_dtype=bfloat16"]

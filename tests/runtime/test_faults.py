@@ -18,7 +18,7 @@ import torch
 from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.rl.rollout import ChunkStep, RolloutStats, discard_partial_episode
 from tests.conftest import REPO
-from tests.runtime.test_run import SMALL, metrics, run_py
+from tests.runs.test_run import SMALL, metrics, run_py
 
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
 

@@ -82,8 +82,8 @@ def test_without_nvml_the_gpus_are_counted_by_the_cuda_driver(tmp_path, monkeypa
     validate(compose_config("hw=h200x1", "hw.cpu_cores=null"))  # a run with CUDA is not refused for want of NVML
 
 
-@pytest.mark.parametrize("entry", ["ebrl.runtime.experiment.Experiment", "ebrl.runtime.evaluation.Evaluation",
-                                   "ebrl.runtime.sft.SupervisedRun"])
+@pytest.mark.parametrize("entry", ["ebrl.runs.experiment.Experiment", "ebrl.runs.evaluation.Evaluation",
+                                   "ebrl.runs.sft.SupervisedRun"])
 def test_every_run_numbers_its_gpus_by_bus_before_it_counts_them(monkeypatch, entry):
     """CUDA numbers GPUs fastest first unless told otherwise, NVML by PCI bus: each kind of run sets the bus order
     first thing, so that it and every child it starts agree with NVML (checked here on a config that fails at once)."""

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 from tests.conftest import compose_config
 
 SCRATCH = ("init=null", "env.reward=dense")  # the shaped reward, from the family's initialisation

@@ -16,7 +16,7 @@ from ebrl.bench.load import foreign_load
 from ebrl.checks import _check_schedule, validate
 from ebrl.config import ConfigError
 from ebrl.rl.rollout import RolloutBatch, concat_envs, drop_stale
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 from ebrl.runtime.dispatcher import CorePool
 from ebrl.runtime.schedule import Schedule
 from ebrl.telemetry.trace import read_spans

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import group_options
-from tests.runtime.test_run import SMALL, metrics, run_py
+from tests.runs.test_run import SMALL, metrics, run_py
 
 RUNS = [[f"policy={name}"] for name in group_options("policy")] + [["policy=openpi", "policy.variant=pi05"]]
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 from ebrl.runtime.generation import GenerationError
 from ebrl.node import process_affinity
 from ebrl.runtime.resources import environment

@@ -15,7 +15,7 @@ from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSetupError
 from ebrl.envs.robosuite_env import RobosuiteEnv
 from ebrl.envs.worker import SimWorkerPool
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 from tests.conftest import compose_config
 
 RUN = ["env.num_envs=2", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=2",

@@ -11,11 +11,11 @@ from hydra import compose, initialize_config_dir
 
 from ebrl.demos.record import record
 from ebrl.runtime.checkpoint import load_checkpoint
-from ebrl.runtime.evaluation import Evaluation
-from ebrl.runtime.experiment import Experiment
-from ebrl.runtime.sft import SupervisedRun
+from ebrl.runs.evaluation import Evaluation
+from ebrl.runs.experiment import Experiment
+from ebrl.runs.sft import SupervisedRun
 from tests.conftest import CONF, compose_config
-from tests.runtime.test_run import SMALL, metrics
+from tests.runs.test_run import SMALL, metrics
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_an_sft_checkpoint_evaluates_with_the_statistics_it_was_trained_with(sft
     (("algo=sft",), False),  # SFT starts from the family's initialisation
 ])
 def test_init_auto_takes_the_shipped_checkpoint_only_for_the_policy_and_env_it_was_made_for(overrides, shipped):
-    from ebrl.runtime.init import SHIPPED, init_file
+    from ebrl.runs.init import SHIPPED, init_file
 
     found = init_file(compose_config(*overrides))
     assert (found is not None) == shipped
@@ -93,7 +93,7 @@ def test_demos_of_the_state_dims_a_policy_reads_train_the_env_it_runs():
 
     from ebrl.demos.episodes import Demos, Episode, statistics
     from ebrl.envs.base import ArraySpec, EnvSpec
-    from ebrl.runtime.sft import fit_demos
+    from ebrl.runs.sft import fit_demos
     from omegaconf import OmegaConf
 
     rng = np.random.default_rng(0)
@@ -118,7 +118,7 @@ def test_init_beside_the_checkpoint_its_run_was_made_from(tmp_path):
     """RL from an SFT run of a published checkpoint names both: the folder describes the model, the run gives the
     weights; a run made from another checkpoint (or none) still competes with it."""
     from ebrl.config import ConfigError
-    from ebrl.runtime.init import init_file
+    from ebrl.runs.init import init_file
 
     run = tmp_path / "sft"
     (run / "checkpoints").mkdir(parents=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -75,7 +76,7 @@ def gpu_spec(name: str) -> GpuSpec:
 
     if name not in GPUS:
         raise ConfigError(f"hw.gpu_name={name!r} has no published peaks here; known: {', '.join(GPUS)} "
-                          "(ebrl/alloc/gpu_cost.py, GPUS)")
+                          "(ebrl/forecast/gpu_cost.py, GPUS)")
     return GPUS[name]
 
 
@@ -338,6 +339,20 @@ def kernel_shares(ops: PolicyOps, batch: int, rows: int, shape: UpdateShape, gpu
     `rows`. The allocator sizes the stages' SM shares by it (ebrl/alloc/allocator.py)."""
     return {"generate": roofline(ops.sample, batch, gpu, 1.0, host_s).sm_busy,
             "train": train_time(ops, rows, shape, gpu, 1.0, host_s).sm_busy}
+
+
+def roofline_shares(cfg: Any, spec: EnvSpec, rows: int, world: int, sharded: bool, device_type: str,
+                    ) -> tuple[dict[str, float], str] | None:
+    """`kernel_shares` for a run's config on hw.gpu_name's published peaks, and where they come from; a GPU without
+    them: None. The run hands it to its placement (`Placement.check_memory`), whose calibrating allocator sizes the
+    stages' SM shares by it before it has measured any."""
+    if cfg.hw.gpu_name not in GPUS:
+        return None
+    ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, device_type)
+    shape = UpdateShape(cfg.algo, world, int(cfg.hw.nodes), sharded=sharded)
+    batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
+    shares = kernel_shares(ops, batch, rows, shape, GPUS[cfg.hw.gpu_name], host_seconds_per_op()[0])
+    return shares, f"the roofline's on {cfg.hw.gpu_name}'s published peaks"
 
 
 def host_seconds_per_op() -> tuple[float, str]:

@@ -19,7 +19,7 @@ process, thread or policy (docs/at-scale.md; `python -m ebrl.bench.at_scale`).
   end at their drawn length. With core rebinding the real `CorePool` hands out the cores.
 - `Gpu`: a GPU as a fluid too. A call with an SM share (an MPS client's) runs at its own pace whatever else runs;
   calls without one (the whole GPU: colocated, or before a plan) split the GPU evenly in time. A call's length at
-  its share comes from the cost model (ebrl/alloc/gpu_cost.py: a roofline per operation, with the host's time to
+  its share comes from the cost model (ebrl/forecast/gpu_cost.py: a roofline per operation, with the host's time to
   issue each), and so does the share of the SMs its kernels keep busy.
 - `ModelGeneration`, `ModelTrainer`: a batch's CPU work from the cost model, on the cores and threads the
   `Placement` gives the stage; on a GPU node a GPU call at the stage's SM share.

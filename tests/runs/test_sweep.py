@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from ebrl.alloc.profile import STAGES, StageProfile
-from ebrl.runtime.sweep import sweep_progress
+from ebrl.runs.sweep import sweep_progress
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["env.num_envs=2", "algo.rollout_chunks=2", "iterations=2"]

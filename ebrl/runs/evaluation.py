@@ -30,7 +30,7 @@ from ebrl.node import order_gpus_by_bus
 from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy, executed_line, settle_execute
-from ebrl.runtime.experiment import run_device, seed_everything
+from ebrl.runs.base import Run, run_folder
 from ebrl.telemetry.metrics import wilson_interval
 from ebrl.telemetry.report import ProgressBar, console, print_eval
 
@@ -95,13 +95,11 @@ def per_task(episodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-class Evaluation:
+class Evaluation(Run):
     """The policy of a checkpoint on a pool of simulator workers, for a fixed number of complete episodes."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
-        self.cfg = cfg
-        self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)
-        self.run_dir = run_dir
+        super().__init__(cfg, run_dir)
         self.pool: SimWorkerPool | None = None
 
     @classmethod
@@ -110,11 +108,7 @@ class Evaluation:
         order_gpus_by_bus()  # before anything counts or starts a GPU
         check_mode(cfg)
         validate(cfg)
-        if run_dir is None:
-            from hydra.core.hydra_config import HydraConfig
-
-            run_dir = HydraConfig.get().runtime.output_dir
-        evaluation = cls(cfg, Path(run_dir))
+        evaluation = cls(cfg, run_folder(cfg, run_dir, resumes=False))
         evaluation._build()
         return evaluation
 
@@ -135,15 +129,11 @@ class Evaluation:
             self.ckpt_path = Path(cfg.policy.checkpoint).expanduser()
         executes = settle_execute(cfg, self.ckpt["config"]["policy"] if self.ckpt else None)
         conf["policy"]["execute"] = cfg.policy.execute
-        seed_everything(cfg.seed)
-        self.device = run_device(cfg)
+        self.device = self.start_device()
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
-        self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=num_envs, seed=cfg.seed,
-                                  process_env=simulator_gpu_environment(cfg.hw.gpus), serial=cfg.scheduler.serial,
-                                  episode_seeds=episode_seed(cfg.seed, 0), on_gpu=cfg.hw.gpus > 0)
+        self.pool = self.start_pool(num_envs, cfg.seed, episode_seeds=episode_seed(cfg.seed, 0))
         try:
-            self.pool.start()
             self.policy = build_policy(conf["policy"], self.pool.spec, self.device,
                                        weights="given" if self.ckpt else "init")
             if self.ckpt:

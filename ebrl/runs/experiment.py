@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from ebrl.checks import rank_cores, runs_on_cuda, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment
+from ebrl.forecast.gpu_cost import roofline_shares
 from ebrl.node import Ranks, order_gpus_by_bus, visible_gpu
 from ebrl.policies.build import build_policy, executed_line, settle_execute, tokenizer_warning
 from ebrl.recipes import recipe_line
@@ -39,11 +39,12 @@ from ebrl.runtime.distributed import (
     pin_gpu,
 )
 from ebrl.runtime.errors import remove_if_only_hydra_files
-from ebrl.runtime.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan, Success
-from ebrl.runtime.init import describe, init_file
+from ebrl.runs.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan, Success
+from ebrl.runs.init import describe, init_file
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.schedule import Scheduler
 from ebrl.runtime.trainer import TrainerError
+from ebrl.runs.base import Run, run_device, run_folder, seed_everything
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
 from ebrl.telemetry.plots import write_plots
@@ -82,26 +83,11 @@ class RunSummary:
         return out
 
 
-def seed_everything(seed: int) -> None:
-    """Python's, numpy's and torch's generators from `seed` (the simulators seed themselves from it too)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def run_device(cfg: DictConfig) -> torch.device:
-    """Where the policy runs: cuda for device=cuda, or device=auto on hw with GPUs; cpu otherwise. (A rank of
-    several sees only its own GPU: `pin_gpu`.)"""
-    return torch.device("cuda" if runs_on_cuda(cfg) else "cpu")
-
-
-class Experiment:
+class Experiment(Run):
     """One training run: simulator workers, the policy, the placement of the stages and the schedule's runtime."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> None:
-        self.cfg = cfg
-        self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # plain dict across processes
-        self.run_dir = run_dir
+        super().__init__(cfg, run_dir)
         self.ranks = ranks or Ranks()
         # rank 0 writes the run's metrics, summary, checkpoints and W&B run; rank r its own metrics and trace in rank<r>
         self.out_dir = run_dir if self.ranks.leader else run_dir / f"rank{self.ranks.rank}"
@@ -127,13 +113,7 @@ class Experiment:
         if run_device(cfg).type == "cuda":
             pin_gpu(ranks)  # before anything touches CUDA
         init_supervisors(ranks, cfg.distributed.timeout_s)
-        if cfg.resume:
-            run_dir = Path(cfg.resume).expanduser()
-        elif run_dir is None:
-            from hydra.core.hydra_config import HydraConfig
-
-            run_dir = HydraConfig.get().runtime.output_dir
-        own = Path(run_dir)
+        run_dir = own = run_folder(cfg, run_dir)
         run_dir = Path(broadcast_object(str(run_dir), ranks))  # every rank writes into rank 0's run folder
         if own != run_dir:
             remove_if_only_hydra_files(own)  # (the folder Hydra made for this rank a second later)
@@ -164,8 +144,7 @@ class Experiment:
 
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
-        seed_everything(cfg.seed)
-        device = run_device(cfg)
+        device = self.start_device()
         if cfg.hw.gpus > 1 and not self.ranks.distributed:
             console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
                           f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
@@ -182,12 +161,11 @@ class Experiment:
             torch.set_num_threads(self.placement.supervisor_threads())
             group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
             s = cfg.scheduler
-            self.pool = SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=self.seed,
-                                      group_size=group_size, chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
-                                      max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
-                                      process_env=sim_env, serial=s.serial, on_gpu=cfg.hw.gpus > 0)
-            self.pool.start()  # simulators build concurrently; their spec shapes the policy
-            self.placement.check_memory(self.pool.spec)
+            self.pool = self.start_pool(cfg.env.num_envs, self.seed, group_size=group_size,
+                                        chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
+                                        max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
+                                        process_env=sim_env)
+            self.placement.check_memory(self.pool.spec, roofline_shares)
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a
             # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
             here = torch.device("cpu") if self.placement.generation == "process" else device
@@ -249,7 +227,7 @@ class Experiment:
 
     # --- running ---------------------------------------------------------------------------
     def train(self) -> RunSummary:
-        """Run the remaining iterations, each followed by the hooks (ebrl/runtime/hooks.py); always closes the
+        """Run the remaining iterations, each followed by the hooks (ebrl/runs/hooks.py); always closes the
         simulator processes."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ebrl.alloc.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, UpdateShape, count_ops, roofline, train_time
+from ebrl.forecast.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, UpdateShape, count_ops, roofline, train_time
 from ebrl.bench.memory import env_spec
 
 

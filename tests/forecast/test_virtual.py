@@ -7,7 +7,7 @@ import pytest
 
 from ebrl.bench.at_scale import predict
 from ebrl.bench.schedulers import compose_overrides
-from ebrl.runtime.virtual import Cpu, Task, World, weight
+from ebrl.forecast.virtual import Cpu, Task, World, weight
 
 
 def rates(cpu: Cpu, *tasks: Task) -> list[float]:
@@ -177,7 +177,7 @@ def test_grpo_segments_reset_and_run_in_virtual_time(mode):
 
 
 def test_a_gpu_nodes_stages_run_on_its_gpu_and_no_schedule_beats_the_bounds():
-    """hw=h200x1 on modelled costs (ebrl/alloc/gpu_cost.py's roofline of the small policy): colocated's calls take
+    """hw=h200x1 on modelled costs (ebrl/forecast/gpu_cost.py's roofline of the small policy): colocated's calls take
     the whole GPU, ebrl's the SM shares its calibrated plan leases; neither exceeds what the GPU's kernels or the
     simulators allow."""
     from ebrl.bench.at_scale import gpu_capacity, modelled_costs

@@ -10,10 +10,10 @@ import pytest
 
 from ebrl.checks import validate
 from ebrl.config import ConfigError
-from ebrl.runtime.evaluation import check_mode
+from ebrl.runs.evaluation import check_mode
 from ebrl.telemetry.metrics import Z95, wilson_interval
 from tests.conftest import compose_config
-from tests.runtime.test_run import SMALL, run_py
+from tests.runs.test_run import SMALL, run_py
 
 
 def train_one_iteration(run_dir: Path, *overrides: str) -> Path:

@@ -40,8 +40,8 @@ from ebrl.runtime.checkpoint import (
     load_policy_checkpoint,
     restore_weights,
 )
-from ebrl.runtime.experiment import run_device, seed_everything
-from ebrl.runtime.init import describe, init_file
+from ebrl.runs.base import Run, run_folder
+from ebrl.runs.init import describe, init_file
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.plots import plot_lines
 from ebrl.telemetry.report import ProgressBar, console, print_table
@@ -105,12 +105,11 @@ class SFTSummary:
     wall_s: float
 
 
-class SupervisedRun:
+class SupervisedRun(Run):
     """An `algo=sft` run: the policy, its demonstration samples and the trainer (see the module docstring)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
-        self.conf: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)
+        super().__init__(cfg, run_dir)
         self.iteration, self.samples = 0, 0
         self.writer = CheckpointWriter()
         self.first_valid = float("nan")
@@ -123,29 +122,21 @@ class SupervisedRun:
         if not cfg.demos.path:
             raise ConfigError("algo=sft trains on demonstrations: give demos.path=<folder or .hdf5> (record some with "
                               "`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=20`)")
-        if cfg.resume:
-            run_dir = Path(cfg.resume).expanduser()
-        elif run_dir is None:
-            from hydra.core.hydra_config import HydraConfig
-
-            run_dir = HydraConfig.get().runtime.output_dir
-        run = cls(cfg, Path(run_dir))
+        run = cls(cfg, run_folder(cfg, run_dir))
         run._build()
         return run
 
     def _spec(self) -> EnvSpec:
         """The env's spec, from one simulator started for it (under the env's own interpreter where it has one)."""
-        pool = SimWorkerPool(env_cfg=self.conf["env"], num_envs=1, seed=self.cfg.seed,
-                             serial=self.cfg.scheduler.serial)
+        pool = self.start_pool(1, self.cfg.seed, process_env=None, on_gpu=False)
         try:
-            return pool.start().spec
+            return pool.spec
         finally:
             pool.close()
 
     def _build(self) -> None:
         cfg, conf = self.cfg, self.conf
-        seed_everything(cfg.seed)
-        self.device = run_device(cfg)
+        self.device = self.start_device()
         torch.set_num_threads(len(rank_cores(cfg)))
         spec = self._spec()
         cameras = sorted(k[len("image/"):] for k in spec.obs if k.startswith("image/"))

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ebrl.alloc.allocator import profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
 from ebrl.checks import rank_cores
-from ebrl.runtime.experiment import Experiment
+from ebrl.runs.experiment import Experiment
 
 RATES_FILE = "stage_rates.json"
 
