@@ -241,6 +241,9 @@ def send_quietly(conn: multiprocessing.connection.Connection, message: Any) -> N
 
 def main(argv: list[str]) -> None:
     """`python -m ebrl.envs.process FD`: serve the env the parent sends on the socket FD."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: python -m ebrl.envs.process FD\n\n{__doc__.strip()}")
+        return
     conn = multiprocessing.connection.Connection(int(argv[0]))
     try:
         command, env_cfg, seed, cpus = conn.recv()
