@@ -1,5 +1,5 @@
-"""A user's own env adapter or policy class, named by `_target_` in a config file of their own (docs/design.md §7,
-"Your own classes").
+"""A user's own env adapter or policy class, named by `_target_` in a config file of their own (docs/internals/design.md
+§7, "Your own classes").
 
 Our env and policy yamls name a typed schema (`ebrl/config.py`). A yaml that names none is a user's: at validation its
 node is merged onto a schema made from the shared dataclass (EnvConfig, PolicyConfig: the keys the runtime reads) and

@@ -69,7 +69,7 @@ class EnvConfig:
 # Benchmarks whose env.reward=dense is a shaped reward that pays before success too (LIBERO's and RoboCasa's dense is
 # their success reward). An episode that ended at success would be worth less than one that hovers short of it to the
 # step limit, so there success ends the episode under the sparse reward only, as in the simulators' own RL baselines
-# (docs/environments.md, "Dense reward and success"); checks.py refuses the other way
+# (docs/use/environments.md, "Dense reward and success"); checks.py refuses the other way
 SHAPED_DENSE = ("robosuite", "maniskill")
 ENDS_AT_SUCCESS = II("equals:${.reward},sparse")  # their env.terminate_on_success
 
@@ -144,7 +144,7 @@ class PolicyConfig:
     grad_checkpoint: Optional[bool] = None  # recompute each transformer block in the backward pass; null: on for full
     # How generation runs a flow family's denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA graphs, one per
     # generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on a GPU, off on
-    # a CPU, where compiling takes longer than a run saves (docs/policies.md, "Capture")
+    # a CPU, where compiling takes longer than a run saves (docs/use/policies.md, "Capture")
     capture: str = "auto"
 
 
@@ -241,8 +241,8 @@ class SchedulerConfig:
     groups: int = 1  # env groups; generation serves whichever is ready while others simulate
     core_rebinding: bool = False  # an env runs only while it holds a sim core, handed out by core_order
     # which ready env a freed sim core goes to: longest (the longest estimated step of any group) | readiness (the
-    # group closest to its chunk boundary first, then the longest step within it; measured a tie: docs/schedules.md,
-    # "Measured choices")
+    # group closest to its chunk boundary first, then the longest step within it; measured a tie:
+    # docs/internals/schedules.md, "Measured choices")
     core_order: str = "longest"
     # where the trainer runs: process (its own; a new MPS share is a successor process) | local (the supervisor, on
     # the policy generation samples with, between two rollouts: colocated)
@@ -340,8 +340,8 @@ class AlgoConfig:
     # a negative advantage's ratio counts at most this much (dual-clip PPO, RLinf's clip_ratio_c; > 1); null: no cap
     dual_clip: Optional[float] = II("recipe:dual_clip")
     # a policy whose backbone does not train (policy.train=action_expert) runs it once per row and update, and every
-    # epoch, micro-batch and the proximal pass reuse its output (docs/design.md, "The frozen prefix"); false: every
-    # pass runs it again (the same numbers, more time)
+    # epoch, micro-batch and the proximal pass reuse its output (docs/internals/design.md, "The frozen prefix"); false:
+    # every pass runs it again (the same numbers, more time)
     cache_prefix: bool = True
     # rows a decoupled update's proximal pass values: stale (those sampled by older weights; the others take their
     # behaviour log-prob and value, which those weights gave) | all (every row: a second pass under the same weights)
@@ -406,7 +406,7 @@ class DistributedConfig:
 
 @dataclass
 class DemosConfig:
-    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout or LeRobot's (docs/demos.md)."""
+    """algo=sft: the demonstrations it trains on, in robomimic's HDF5 layout or LeRobot's (docs/use/demos.md)."""
 
     # an .hdf5 file, a LeRobot dataset folder (v2.1, v3.0), or a folder of either (`python -m ebrl.demos record`)
     path: Optional[str] = None

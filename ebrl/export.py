@@ -1,5 +1,5 @@
 """`python -m ebrl.export <run folder> [--to lerobot|openpi] [--out DIR] [--keep-heads]`: a run's trained policy
-written so that the code its checkpoint came from loads it (docs/export.md).
+written so that the code its checkpoint came from loads it (docs/use/export.md).
 
 A run that started from `policy.checkpoint` is written in that folder's layout, or in the one --to names:
 - lerobot, pi0 / pi0.5: lerobot's save_pretrained folder: config.json, model.safetensors (keys under "model."), the
@@ -384,7 +384,7 @@ def write_groot(folder: Path, source: Source, run: RunShape) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The command line; bad input is one line and exit 2, any other failure one line and exit 1."""
     parser = argparse.ArgumentParser(prog="python -m ebrl.export", description="A run's trained policy written "
-                                     "so that the code its checkpoint came from loads it (docs/export.md).")
+                                     "so that the code its checkpoint came from loads it (docs/use/export.md).")
     parser.add_argument("run", help="a run folder (its checkpoints/last.pt) or a checkpoint file of ours")
     parser.add_argument("--to", choices=("lerobot", "openpi"), help="the layout (default: the policy.checkpoint's)")
     parser.add_argument("--out", help="the folder to write (default: <run>/export/<layout>); new or empty")

@@ -280,6 +280,9 @@ def compile_fast_step(python: str | Path, prefix: str = "") -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"usage: python -m ebrl.install\n\n{__doc__.strip()}")
+        return 0
     try:
         system_packages()
         python_packages()

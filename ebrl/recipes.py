@@ -14,7 +14,7 @@ a Huber loss and the critic loss at weight 1, the entropy bonus, epochs per roll
 optimizer step and per forward pass, the log-prob a ratio is taken over (a chunk's executed actions), the actions of
 each chunk executed before the next is sampled, the critic reading detached features, the critic's warm-up, and the
 flow families' exploration: the chain's noise, where it enters and which steps enter the log-prob, and the denoising
-steps in RL. docs/recipes.md lists every key of those files with ours beside it, or why there is none.
+steps in RL. docs/use/recipes.md lists every key of those files with ours beside it, or why there is none.
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ class Recipe:
     critic_warmup: int = 0  # critic_warmup_steps
 
 
-# tiny and small: this repository's tuning on CPU (the learning figures of docs/results.md); 3e-4 gave approx KL > 1 per update
-# on tiny, 1e-4 learns
-OWN = Recipe(source="ebrl's tuning of the tiny preset (docs/results.md)", lr=1e-4, critic_lr=1e-4, epochs=4,
+# tiny and small: this repository's tuning on CPU (the learning figures of docs/results/results.md); 3e-4 gave approx
+# KL > 1 per update on tiny, 1e-4 learns
+OWN = Recipe(source="ebrl's tuning of the tiny preset (docs/results/results.md)", lr=1e-4, critic_lr=1e-4, epochs=4,
              value_clip=None, huber_delta=None, adam_betas=(0.9, 0.999), adam_eps=1e-5, weight_decay=0.0,
              logprob="flow_noise", noise_std_min=0.1, noise_std_max=0.5, chain_logprob="sum", denoise_steps=None,
              execute=None, logprob_level="action", detach_critic_input=False, value_coef=0.5, dual_clip=None,

@@ -110,7 +110,7 @@ def fake_mps_control(tmp_path, monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def foreign_load_beside_the_tests():
     """EBRL_TEST_FOREIGN_LOAD=N: every test of the session runs beside N busy processes at nice 0 (a shared node's
-    other load; docs/testing.md), e.g. the fault tests, which must lose nothing and say each fault in one line."""
+    other load; docs/use/testing.md), e.g. the fault tests, which must lose nothing and say each fault in one line."""
     n = int(os.environ.get("EBRL_TEST_FOREIGN_LOAD", "0") or 0)
     if not n:
         yield

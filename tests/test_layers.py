@@ -1,5 +1,6 @@
 """The package's modules import each other in one direction: no circle, lazy imports included, and each layer
-imports only the layers below it (docs/design.md, "Layers"). Read from the source (ast), nothing is imported."""
+imports only the layers below it (docs/internals/design.md, "Layers"). Read from the source (ast), nothing is
+imported."""
 from __future__ import annotations
 
 import ast

@@ -1,5 +1,5 @@
-"""A user's own env, policy and node, from a folder outside the package: docs/own-classes.md's example as written there, and
-one line for a class that breaks its contract or a field its constructor does not take."""
+"""A user's own env, policy and node, from a folder outside the package: docs/extend/own-classes.md's example as written
+there, and one line for a class that breaks its contract or a field its constructor does not take."""
 import re
 import subprocess
 import sys
@@ -56,9 +56,10 @@ class NoEvaluate(MLPPolicy):
 
 @pytest.fixture(scope="module")
 def my_robot(tmp_path_factory) -> Path:
-    """docs/own-classes.md's example files, written where a user would keep them, and a module of broken variants."""
+    """docs/extend/own-classes.md's example files, written where a user would keep them, and a module of broken
+    variants."""
     root = tmp_path_factory.mktemp("user")
-    section = (REPO / "docs" / "own-classes.md").read_text()
+    section = (REPO / "docs" / "extend" / "own-classes.md").read_text()
     blocks = BLOCK.findall(section)
     assert {name for name, _ in blocks} >= {"my_robot/reacher_env.py", "my_robot/mlp_policy.py",
                                            "my_robot/conf/env/reacher.yaml", "my_robot/conf/policy/mlp.yaml",

@@ -27,7 +27,7 @@ from ebrl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
-# first-call allocations; docs/schedules.md, "Measured choices")
+# first-call allocations; docs/internals/schedules.md, "Measured choices")
 CALIBRATE_AT = 2
 
 
@@ -93,7 +93,7 @@ def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
     """Core sets per stage from the amounts. Simulate: the first ceil(x_sim) cores. On CPU, train the last
     ceil(x_train) cores and generate the ceil(x_gen) before them: the two are on every env's critical path and
     must not queue behind each other on one core, while the simulators, niced, yield any core they share with
-    them (docs/schedules.md, "Measured choices"). On
+    them (docs/internals/schedules.md, "Measured choices"). On
     a GPU node generate and train run on the GPU and need cores for their CPU side: train gets the last
     gpu_stage_cores cores, generate the others simulate leaves, its own and the supervisor's (whose process
     generates, unless generation has one of its own); with too few left the two share them."""
@@ -132,7 +132,7 @@ FOREIGN_CORES = 0.25  # other processes' load on the run's cores below this many
 def held_cores(foreign: float) -> int:
     """The cores other processes hold, of their measured load (`foreign`, in cores): a thread team of ours leaves
     them these, since a thread that shares a core with another process holds up every barrier of the team
-    (docs/schedules.md, "Measured choices")."""
+    (docs/internals/schedules.md, "Measured choices")."""
     return round(foreign) if foreign >= FOREIGN_CORES else 0
 
 

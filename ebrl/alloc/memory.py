@@ -1,12 +1,13 @@
-"""What each stage of a run holds in memory, predicted from the policy built on the meta device (docs/design.md,
-"Placement"): `python -m ebrl.bench.memory` sets it against measured peaks and says what fits which GPU.
+"""What each stage of a run holds in memory, predicted from the policy built on the meta device
+(docs/internals/design.md, "Placement"): `python -m ebrl.bench.memory` sets it against measured peaks and says what fits
+which GPU.
 
 Trainer: the weights (float32 masters of what `policy.train` trains, policy.dtype for the frozen rest), their
 gradients (float32), Adam's two moments (algo.optimizer_dtype), autocast's bfloat16 copies of the float32 weights a
 bfloat16 forward pass reads (held until the pass ends), the activations of one micro-batch (the tensors autograd
 saves, traced on the meta device with the run's checkpointing, plus the block that backward recomputes and its
 gradients), the rollout it trains on, moved to its device, and a frozen prefix's output for each of its rows (computed
-once per update: docs/design.md, "The frozen prefix").
+once per update: docs/internals/design.md, "The frozen prefix").
 Generation: the weights in policy.dtype and, per env of its batch, the prefix cache (or the family's conditioning)
 and the denoising chain.
 Publication: the channel's slots (two payloads in policy.dtype; on one GPU they are on the device and the host

@@ -76,8 +76,8 @@ def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence
 
     Throughput is the least stage rate, capped by the closed network asymptotic bound of the G = num_envs / batch
     groups that cycle through simulate and generate, G / (1/rate_simulate + 1/rate_generate): generation overlaps
-    simulation only across groups, so one group serialises them (docs/schedules.md, "Measured choices"; from 2 groups on the
-    bound is at least the slower stage's rate and never binds).
+    simulation only across groups, so one group serialises them (docs/internals/schedules.md, "Measured choices"; from 2
+    groups on the bound is at least the slower stage's rate and never binds).
 
     CPU-only node: all three take core shares (multiples of core_granule; simulate at least 1 core) summing to at
     most `cores`: shares time-slice cores, so few cores still host every stage, and the simulators, which run

@@ -168,7 +168,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
 
     # subnormals flushed before torch's first parallel work, as a run does (experiment.py): the flag is per thread,
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
-    # made with (docs/schedules.md, "Measured choices")
+    # made with (docs/internals/schedules.md, "Measured choices")
     flush = torch.set_flush_denormal(True)
     settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
@@ -293,11 +293,11 @@ def lognormal(mean: float, p99: float) -> tuple[float, float]:
 
 @dataclass
 class ModelledCosts:
-    """The costs of a node this machine is not (see docs/at-scale.md): each simulator step drawn from a lognormal of
-    `sim_mean_s` and `sim_p99_s` (each step on its own), or from `steps` (each env's, measured here: `MeasuredCosts`),
-    an episode `max_episode_steps` long unless `lengths` says otherwise, a reset of `reset_s`; the GPU stages from
-    the policy's operations on `gpu`'s roofline (ebrl/forecast/gpu_cost.py), each operation at least `host_s`;
-    `sources` name where each figure comes from."""
+    """The costs of a node this machine is not (see docs/internals/at-scale.md): each simulator step drawn from a
+    lognormal of `sim_mean_s` and `sim_p99_s` (each step on its own), or from `steps` (each env's, measured here:
+    `MeasuredCosts`), an episode `max_episode_steps` long unless `lengths` says otherwise, a reset of `reset_s`; the
+    GPU stages from the policy's operations on `gpu`'s roofline (ebrl/forecast/gpu_cost.py), each operation at least
+    `host_s`; `sources` name where each figure comes from."""
 
     sim_mean_s: float
     sim_p99_s: float

@@ -1,5 +1,5 @@
 """The folder that carries what `python -m ebrl.bench.gpu_check` needs to a GPU machine that reaches no package
-registry: `python -m ebrl.bench.gpu_check --kit DIR` (docs/full-size.md, "The GPU check on a machine without a
+registry: `python -m ebrl.bench.gpu_check --kit DIR` (docs/use/full-size.md, "The GPU check on a machine without a
 registry").
 
 Such a machine (the lent single-GPU H100 or H200) has Python 3.12, torch 2.11 (CUDA 13), numpy 2 and the packages the

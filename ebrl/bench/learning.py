@@ -1,8 +1,8 @@
 """Does RL raise an SFT checkpoint's success, and how fast under each schedule? `python -m ebrl.bench.learning`.
 
 The start is an SFT checkpoint: by default the one the repository ships for the run's policy and env (made by the
-docs/demos.md's record and `algo=sft` commands from 5 demos); `--demos N` makes one from nothing first (the recorder's N
-episodes, then `--sft-iterations` of algo=sft), `--init <run folder>` takes yours. From it, every algorithm
+docs/use/demos.md's record and `algo=sft` commands from 5 demos); `--demos N` makes one from nothing first (the
+recorder's N episodes, then `--sft-iterations` of algo=sft), `--init <run folder>` takes yours. From it, every algorithm
 (`--algos`), seed (`--seeds`) and mode (`--modes`, any `scheduler=` option; ABBA over the seeds, so a drift of the
 machine favours none) runs `--iterations` of RL with the same seeds, so each mode sees the same env steps. Extra
 arguments are Hydra overrides for every RL run (e.g. env.reward=dense). `--stragglers F` slows a fraction of the envs
@@ -78,8 +78,8 @@ class Run:
 
 
 def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequence[str]) -> Path:
-    """Record `demos` episodes of the expert and run algo=sft on them: docs/demos.md's commands, in this process, with
-    the env overrides among `overrides` (all of them for SFT)."""
+    """Record `demos` episodes of the expert and run algo=sft on them: docs/use/demos.md's commands, in this process,
+    with the env overrides among `overrides` (all of them for SFT)."""
     from hydra import compose, initialize_config_dir
 
     from ebrl.bench.schedulers import CONF

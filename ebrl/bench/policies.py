@@ -2,7 +2,7 @@
 
 For each policy family and preset: sampling latency per chunk against batch size, and the time per sample of one
 PPO-style training step (evaluate + backward + Adam) at a fixed batch. These are the figures the allocator's stage
-profiles start from (docs/design.md, "Placement"); `--json` writes them for that.
+profiles start from (docs/internals/design.md, "Placement"); `--json` writes them for that.
 
 `--capture off compile` compares `policy.capture` settings instead (the flow families): sampling latency under each,
 the settings alternated within each round, and each one's first call per batch (its compile or capture).

@@ -1,10 +1,10 @@
 """The frozen prefix and the proximal pass, measured: `python -m ebrl.bench.prefix`.
 
-1. Where a row's frozen prefix comes from (docs/design.md, "The frozen prefix"). Per family at full size (the trainer's
-   copy with policy.train=action_expert on the meta device, `--cameras` at 224 px): the prefix's bytes per row, the
-   roofline's time to compute it on each GPU of ebrl/forecast/gpu_cost.py, and the time to carry it from generation to
-   the trainer instead: out of generation's GPU and into the trainer's over PCIe (`PCIE_BYTES_PER_S`) and twice
-   through host shared memory (a copy measured here at the prefix's size).
+1. Where a row's frozen prefix comes from (docs/internals/design.md, "The frozen prefix"). Per family at full size
+   (the trainer's copy with policy.train=action_expert on the meta device, `--cameras` at 224 px): the prefix's bytes
+   per row, the roofline's time to compute it on each GPU of ebrl/forecast/gpu_cost.py, and the time to carry it from
+   generation to the trainer instead: out of generation's GPU and into the trainer's over PCIe (`PCIE_BYTES_PER_S`) and
+   twice through host shared memory (a copy measured here at the prefix's size).
 2. On this CPU, the small preset: one row's prefix computed (ms, one thread) against its bytes copied through shared
    memory; and one PPO update of the rollout (`--envs` x `--chunks` rows, decoupled, half the rows sampled by older
    weights) with the prefix recomputed in every pass and the proximal pass over every row (before), with the prefix

@@ -24,6 +24,10 @@ def _record(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"{USAGE}\nRecords a scripted expert's successful episodes; `record --help` lists conf/record.yaml's "
+              "options.")
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] != "record":
         print(USAGE, file=sys.stderr)
         sys.exit(2)

@@ -1,5 +1,5 @@
-"""Demonstrations in robomimic's HDF5 layout, the one robosuite's and LIBERO's datasets come in (docs/design.md,
-"Demonstrations, SFT, RL").
+"""Demonstrations in robomimic's HDF5 layout, the one robosuite's and LIBERO's datasets come in
+(docs/internals/design.md, "Demonstrations, SFT, RL").
 
     data                 attrs: total (steps), env_args (JSON: env_name, env_kwargs), problem_info (JSON:
                          language_instruction, as LIBERO writes it), ebrl (JSON: how the file was recorded)

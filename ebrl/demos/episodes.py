@@ -1,5 +1,5 @@
 """What every demonstration format reads into: `Episode`s of one file or dataset folder (`DemoSet`), gathered into
-the `Demos` SFT trains on (docs/demos.md). The formats' readers (robomimic's HDF5 in dataset.py, LeRobot's layout
+the `Demos` SFT trains on (docs/use/demos.md). The formats' readers (robomimic's HDF5 in dataset.py, LeRobot's layout
 in lerobot.py) share the key mapping (`episode_obs`), the held-out rule (`held_out`) and the statistics here."""
 from __future__ import annotations
 

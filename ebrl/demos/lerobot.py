@@ -1,5 +1,5 @@
 """Demonstrations in LeRobot's dataset layout (lerobot's `LeRobotDataset`): codebase versions v2.1 and v3.0 read into
-our `Episode`s, v3.0 written by `python -m ebrl.demos record format=lerobot` (docs/demos.md).
+our `Episode`s, v3.0 written by `python -m ebrl.demos record format=lerobot` (docs/use/demos.md).
 
     meta/info.json   codebase_version, fps, features ({key: {dtype, shape, names}}: float32 vectors, `image`, `video`),
                      data_path and video_path (format strings), chunks_size, splits ({"train": "0:N"})

@@ -1,6 +1,6 @@
 """`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=N`: a scripted expert's successful episodes
 (ebrl/envs/experts.py), written to `<out>/demo.hdf5` in robomimic's layout, or with format=lerobot as the LeRobot
-dataset `<out>` (docs/design.md, "Demonstrations, SFT, RL"; docs/demos.md).
+dataset `<out>` (docs/internals/design.md, "Demonstrations, SFT, RL"; docs/use/demos.md).
 
 The simulator is the adapter RL runs (same config, same action space), built in this process because the expert
 reads its state. Attempt j resets with seed SEED_BASE + 1000 x `seed` + j, apart from the seeds RL's envs draw, and

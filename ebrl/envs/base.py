@@ -1,4 +1,4 @@
-"""The one interface every simulator adapter implements (docs/design.md, "Policies and simulators").
+"""The one interface every simulator adapter implements (docs/internals/design.md, "Policies and simulators").
 
 This module, and every adapter, imports numpy and the simulator only: simulator workers may run
 under a benchmark's own interpreter that has no torch.
@@ -39,7 +39,7 @@ def describe(value: Any) -> str:
 
 
 # Offscreen OpenGL for MuJoCo on headless machines: EGL and OSMesa tie on CPU, and EGL also drives the NVIDIA
-# driver on GPU machines, so it is the default (docs/schedules.md, "Measured choices").
+# driver on GPU machines, so it is the default (docs/internals/schedules.md, "Measured choices").
 HEADLESS_GL = "egl"
 
 

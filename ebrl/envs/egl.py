@@ -1,4 +1,4 @@
-"""Which EGL device renders a simulator's cameras (docs/environments.md, "Rendering on a GPU").
+"""Which EGL device renders a simulator's cameras (docs/use/environments.md, "Rendering on a GPU").
 
 EGL lists every device of every vendor library (NVIDIA's, then Mesa's, which `python -m ebrl.install` installs) in an
 order of its own, and robosuite's EGL context (1.4 in LIBERO, 1.5, RoboCasa's fork) takes MUJOCO_EGL_DEVICE_ID as an
@@ -6,7 +6,8 @@ index into that list. A CUDA index is no such index: NVIDIA's devices say which 
 EGL_NV_device_cuda's attribute EGL_CUDA_DEVICE_NV (counted among the CUDA devices the querying process sees, its
 CUDA_VISIBLE_DEVICES), and Mesa's software renderer (llvmpipe) says it is one (EGL_MESA_device_software).
 
-ctypes over libEGL and the standard library only: the simulator side imports no torch (docs/design.md, "Layers").
+ctypes over libEGL and the standard library only: the simulator side imports no torch (docs/internals/design.md,
+"Layers").
 """
 from __future__ import annotations
 

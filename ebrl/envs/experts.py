@@ -1,5 +1,5 @@
-"""Scripted experts that record demonstrations (`python -m ebrl.demos record`; docs/design.md, "Demonstrations, SFT,
-RL").
+"""Scripted experts that record demonstrations (`python -m ebrl.demos record`; docs/internals/design.md,
+"Demonstrations, SFT, RL").
 
 An expert reads its simulator's state (privileged: the object poses a policy sees only through its observation) and
 returns one action at a time in the adapter's own action space, the one RL trains in: robosuite's OSC_POSE and

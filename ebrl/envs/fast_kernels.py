@@ -359,5 +359,9 @@ def _index_array(index: Any) -> np.ndarray:
 
 
 if __name__ == "__main__":  # `python -m ebrl.envs.fast_kernels`: compile (or load) them for this interpreter
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: python -m ebrl.envs.fast_kernels  (compiles the fast step's kernels for this interpreter, "
+              "or loads them from the disk cache)")
+        sys.exit(0)
     sys.exit(0 if osc_kernel() is not None and substeps_kernel() is not None else
              "robosuite's kernels are not numba's here, or MuJoCo's library was not found: the numpy arithmetic runs")

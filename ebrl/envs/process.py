@@ -1,4 +1,5 @@
-"""A simulator process (docs/design.md, "Processes and what crosses between them"): one env, served over a socket.
+"""A simulator process (docs/internals/design.md, "Processes and what crosses between them"): one env, served over a
+socket.
 
 `python -m ebrl.envs.process FD` builds the env its parent sends, then answers tuple notices; observations, actions
 and per-step results live in the env's shared-memory slot (ebrl/envs/slots.py). This side imports numpy, the
@@ -102,8 +103,8 @@ KEEP_BUILD_MEMORY = "EBRL_KEEP_BUILD_MEMORY"  # the benchmark's control: set, a 
 def release_build_memory(keep_compile_cache: bool = False) -> None:
     """Give back what building a simulator left behind: MuJoCo's compile cache (decoded meshes and textures, kept for
     a later compile of the same files) unless the adapter recompiles at each reset, and the heap pages glibc's malloc
-    holds free. About 200-260 MiB per process (docs/environments.md, `python -m ebrl.bench.sim_memory`, whose control sets
-    KEEP_BUILD_MEMORY to keep them)."""
+    holds free. About 200-260 MiB per process (docs/use/environments.md, `python -m ebrl.bench.sim_memory`, whose
+    control sets KEEP_BUILD_MEMORY to keep them)."""
     if os.environ.get(KEEP_BUILD_MEMORY):
         return
     mujoco = sys.modules.get("mujoco")
@@ -241,6 +242,9 @@ def send_quietly(conn: multiprocessing.connection.Connection, message: Any) -> N
 
 def main(argv: list[str]) -> None:
     """`python -m ebrl.envs.process FD`: serve the env the parent sends on the socket FD."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: python -m ebrl.envs.process FD\n\n{__doc__.strip()}")
+        return
     conn = multiprocessing.connection.Connection(int(argv[0]))
     try:
         command, env_cfg, seed, cpus = conn.recv()

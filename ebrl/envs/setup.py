@@ -213,11 +213,12 @@ def setup(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args:
+    if not args or args[:1] in (["-h"], ["--help"]):
+        asked = bool(args)  # --help is an answer; no benchmark at all is a mistake
         print(f"usage: {SETUP_COMMAND.format(name='<benchmark> [<benchmark> ...]')}  "
               f"(benchmarks: {', '.join(sorted(BENCHMARKS))}; references: {', '.join(sorted(REFERENCES))}; images: "
-              f"{', '.join(sorted(IMAGES))})", file=sys.stderr)
-        return 2
+              f"{', '.join(sorted(IMAGES))})", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     try:
         for name in args:
             setup(name)

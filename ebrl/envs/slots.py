@@ -1,4 +1,4 @@
-"""The shared-memory slot of one simulator (docs/design.md, "Processes and what crosses between them"): its
+"""The shared-memory slot of one simulator (docs/internals/design.md, "Processes and what crosses between them"): its
 observation, the chunk's actions and each step's results in one block, laid out alike by the supervisor and the
 simulator process. This module imports numpy and the standard library only (it runs under a benchmark's interpreter).
 """

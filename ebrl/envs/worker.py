@@ -1,5 +1,5 @@
-"""Simulator worker processes, the supervisor's side (docs/design.md, "Processes and what crosses between them"): one
-process per environment (ebrl/envs/process.py, its protocol), its shared-memory slot (ebrl/envs/slots.py).
+"""Simulator worker processes, the supervisor's side (docs/internals/design.md, "Processes and what crosses between
+them"): one process per environment (ebrl/envs/process.py, its protocol), its shared-memory slot (ebrl/envs/slots.py).
 
 A simulator that dies, hangs past its chunk timeout or fails inside a chunk is replaced
 (`SimWorkerPool.wait_chunk`): the process is killed, a fresh one with a new seed takes its slot and

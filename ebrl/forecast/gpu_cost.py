@@ -1,5 +1,5 @@
 """What a policy's GPU stages cost, from its operations and a GPU's published peaks (a roofline per operation): the
-at-scale benchmark's GPU side (docs/at-scale.md), where no GPU has been measured.
+at-scale benchmark's GPU side (docs/internals/at-scale.md), where no GPU has been measured.
 
 The policy is built on the meta device, as the memory model builds it (ebrl/alloc/memory.py), and one call is traced
 operation by operation (`count_ops`): each ATen operation's FLOPs (torch's own formulas, `flop_counter`) and the bytes

@@ -1,5 +1,5 @@
 """The runtime in virtual time: the real `Scheduler`, `RolloutLoop` and `CorePool` driven by modelled stages, with no
-process, thread or policy (docs/at-scale.md; `python -m ebrl.bench.at_scale`).
+process, thread or policy (docs/internals/at-scale.md; `python -m ebrl.bench.at_scale`).
 
 `Scheduler` takes its trainer, generation and dispatcher from a factory and stamps its trace with a clock
 (ebrl/runtime/schedule.py); here those are modelled and the clock is a `World`'s:

@@ -1,4 +1,4 @@
-"""What RL needs from every policy family (docs/design.md, "Policies and simulators").
+"""What RL needs from every policy family (docs/internals/design.md, "Policies and simulators").
 
 Observation batches are dicts of tensors:
   "state"        (B, S) float32       proprio + object state, S = env_spec.obs["state"].shape[0]
@@ -208,7 +208,7 @@ class Policy(nn.Module):
     def frozen_prefix(self) -> bool:
         """`prefix(obs)` is a constant of the observation: the family has one and none of its parameters trains
         (policy.train=action_expert), so a trainer computes it once per row and every pass over the row reuses it
-        (docs/design.md, "The frozen prefix")."""
+        (docs/internals/design.md, "The frozen prefix")."""
         return bool(self.PREFIX) and not any(p.requires_grad for name, p in self.named_parameters()
                                              if name.startswith(self.PREFIX))
 

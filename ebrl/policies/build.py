@@ -1,6 +1,6 @@
-"""A policy as a run builds it (docs/design.md, "Policies and simulators"): in `policy.dtype`, on its device, its
-weights initialised by the family or left for the caller to load, its blocks checkpointed, and, for the trainer, what
-`policy.train` trains held in float32.
+"""A policy as a run builds it (docs/internals/design.md, "Policies and simulators"): in `policy.dtype`, on its device,
+its weights initialised by the family or left for the caller to load, its blocks checkpointed, and, for the trainer,
+what `policy.train` trains held in float32.
 
 With weights to come (a checkpoint, the published weights, a predecessor's state), the policy is built on the meta
 device and allocated once, in its dtype, without initialisation: no random init of billions of weights and no fit of

@@ -1,4 +1,4 @@
-"""Generation's denoising loop without its per-kernel overhead (`policy.capture`; docs/policies.md, "Capture").
+"""Generation's denoising loop without its per-kernel overhead (`policy.capture`; docs/use/policies.md, "Capture").
 
 After the prefix, a chunk is K velocity steps of small kernels, each launched from Python. `FlowPolicy.walk` is that
 loop as a function of tensors that draws no random numbers and branches on no tensor, so it can be recorded once:
@@ -8,7 +8,7 @@ loop as a function of tensors that draws no random numbers and branches on no te
   channel's pull, an optimizer step, load_state_dict) are seen; a policy moved or cast drops its graphs
   (`FlowPolicy._apply`). A signature whose capture fails runs the loop as it is, after one warning.
 - compile: torch.compile of the loop, specialised per signature up to dynamo's recompile limit (then as it is).
-- off: the loop as it is. auto: graph on CUDA, off on a CPU (where compile did not pay: docs/policies.md).
+- off: the loop as it is. auto: graph on CUDA, off on a CPU (where compile did not pay: docs/use/policies.md).
 """
 from __future__ import annotations
 

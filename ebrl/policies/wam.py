@@ -1,4 +1,4 @@
-"""A world-action model: one DiT jointly denoises latent future frames and the action chunk (docs/design.md,
+"""A world-action model: one DiT jointly denoises latent future frames and the action chunk (docs/internals/design.md,
 "Policies and simulators"), at the shapes of Cosmos Policy's video model (Kim et al. 2026, "Cosmos Policy:
 Fine-Tuning Video Models for Visuomotor Control and Planning", arXiv 2601.16163), Cosmos-Predict2-2B (NVIDIA 2025,
 nvidia-cosmos/cosmos-predict2).

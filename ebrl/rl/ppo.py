@@ -69,7 +69,7 @@ def by_level(log_prob: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[to
     """(B, H) per-action log-probs and executed-action mask as the units one ratio is taken over: as they are
     (action); or (B, 1), one per chunk that executed any action: the sum over its executed actions (chunk), or over
     all H actions of the chain, the ones the env never ran included (chain: the density the chain was sampled
-    from, which was drawn jointly over all H; docs/design.md, "The chain's log-prob")."""
+    from, which was drawn jointly over all H; docs/internals/design.md, "The chain's log-prob")."""
     if level == "action":
         return log_prob, mask
     if level == "chunk":
@@ -313,8 +313,8 @@ class PPOTrainer:
     @torch.no_grad()
     def prefixes(self, obs: dict[str, torch.Tensor], rows: int) -> Any:
         """Every row's frozen prefix (`Policy.prefix`), computed once for the update, `rows` at a time: every epoch,
-        micro-batch and the proximal pass reuse it (docs/design.md, "The frozen prefix"). None where the policy
-        trains its prefix or algo.cache_prefix is off: each pass runs it again."""
+        micro-batch and the proximal pass reuse it (docs/internals/design.md, "The frozen prefix"). None where the
+        policy trains its prefix or algo.cache_prefix is off: each pass runs it again."""
         if not self.cfg.get("cache_prefix", True) or not self.policy.frozen_prefix():
             return None
         with self.policy.precision():
@@ -523,7 +523,7 @@ class _Evaluate(torch.nn.Module):
 def evaluate(policy: Policy, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
              prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`policy.evaluate`, given the rows' frozen prefix where there is one (a user's own policy class may take no
-    `prefix`: docs/own-classes.md)."""
+    `prefix`: docs/extend/own-classes.md)."""
     if prefix is None:
         return policy.evaluate(obs, chunk, extras)
     return policy.evaluate(obs, chunk, extras, prefix=prefix)

@@ -10,7 +10,7 @@ shared slots (`batch_obs`), and an iteration's observations once more, straight 
 (`stack_group_obs`). Where a process reads them (generation's, the trainer's) they are allocated in shared memory
 (`new_tensor`), so that sending one passes a handle instead of a copy.
 
-Every schedule builds its batches with these functions (docs/design.md, "Data").
+Every schedule builds its batches with these functions (docs/internals/design.md, "Data").
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints (docs/design.md,
-"A run")."""
+"""The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints
+(docs/internals/design.md, "A run")."""
 from __future__ import annotations
 
 import dataclasses
@@ -149,7 +149,7 @@ class Experiment(Run):
             console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
                           f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
-        # (docs/schedules.md, "Measured choices")
+        # (docs/internals/schedules.md, "Measured choices")
         torch.set_flush_denormal(True)
         # the simulators render on this rank's GPU, and its telemetry samples its own GPUs (by their node's numbers):
         # read before an MPS client's environment replaces this process's

@@ -1,5 +1,5 @@
 """What runs after each iteration of `Experiment.train`, one small object per concern, called in order on the
-iteration's `Finished` record (docs/design.md, "A run"):
+iteration's `Finished` record (docs/internals/design.md, "A run"):
 
 1. `Replan`: the allocator reads the iteration's measurements, and the placement applies a new plan before the next
    iteration;

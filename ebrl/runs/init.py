@@ -1,4 +1,4 @@
-"""Where a run's first weights come from (`init=`, docs/design.md, "Demonstrations, SFT, RL").
+"""Where a run's first weights come from (`init=`, docs/internals/design.md, "Demonstrations, SFT, RL").
 
 - a run folder (its checkpoints/last.pt) or a .pt file: an earlier run's weights, typically an `algo=sft` run's;
   training starts from them with a fresh optimizer at iteration 0. The policy must be built alike (family, preset,
@@ -21,7 +21,7 @@ from ebrl.config import ConfigError, REPO
 from ebrl.runtime.checkpoint import checkpoint_file, load_checkpoint, policy_identity
 
 # (policy.name, policy.preset, policy.variant, env.name, env.task) -> the SFT checkpoint the repository ships, made by
-# docs/demos.md's commands ("Learning from demonstrations": record, then algo=sft)
+# docs/use/demos.md's commands ("Learning from demonstrations": record, then algo=sft)
 SHIPPED: dict[tuple[str, str, str | None, str, str], str] = {
     ("openpi", "tiny", "pi0", "robosuite", "Lift"): "ebrl/assets/openpi-tiny_robosuite-Lift_sft.pt",
 }

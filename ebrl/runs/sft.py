@@ -1,4 +1,4 @@
-"""`algo=sft`: supervised fine-tuning on demonstrations (`demos.path`), the step before RL (docs/design.md,
+"""`algo=sft`: supervised fine-tuning on demonstrations (`demos.path`), the step before RL (docs/internals/design.md,
 "Demonstrations, SFT, RL").
 
 One simulator is started to read the env's spec (the policy is built for the env RL will run it on, and the demos
@@ -176,7 +176,8 @@ class SupervisedRun(Run):
         self.valid_set = demo_samples(self.demos, self.demos.valid, self.policy.chunk_len, tokens, mask) \
             if self.demos.valid else None
         self.generator = torch.Generator().manual_seed(int(cfg.seed) + self.iteration)
-        torch.set_flush_denormal(True)  # (docs/schedules.md, "Measured choices"; after h5py and numpy have read their float info)
+        # (docs/internals/schedules.md, "Measured choices"; after h5py and numpy have read their float info)
+        torch.set_flush_denormal(True)
 
     def train(self) -> SFTSummary:
         """Run the remaining iterations; checkpoints every `checkpoint_every` and at the end."""

@@ -1,5 +1,5 @@
-"""Weight publication (docs/design.md, "Processes and what crosses between them"): the trainer's newest weights,
-with their version, for generation to copy in at a chunk boundary.
+"""Weight publication (docs/internals/design.md, "Processes and what crosses between them"): the trainer's newest
+weights, with their version, for generation to copy in at a chunk boundary.
 
 The payload is the policy in policy.dtype (bfloat16 at full size: half the bytes of the trainer's float32 masters),
 in the family's own layout (LoRA folded in, ebrl/policies/training.py), packed in one flat buffer per slot. Two

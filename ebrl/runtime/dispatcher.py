@@ -1,5 +1,5 @@
-"""Step-level orchestration (docs/design.md, "The loop"): the thread that runs the simulators' chunks, and the pool
-of simulation cores it hands out.
+"""Step-level orchestration (docs/internals/design.md, "The loop"): the thread that runs the simulators' chunks, and the
+pool of simulation cores it hands out.
 
 Inside a chunk every env steps on its own, in its own process, without a barrier; a chunk that ends frees its core
 at once, even while the main thread generates. With core rebinding (`CorePool`) an env runs its chunk only while it

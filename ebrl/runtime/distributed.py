@@ -1,6 +1,6 @@
-"""Several ranks on torch.distributed (docs/design.md, "Processes and what crosses between them"): one rank per
-GPU (per node on CPU), each with its own rollout runtime (simulators, generation) feeding its own trainer; the trainers
-are data-parallel (DDP).
+"""Several ranks on torch.distributed (docs/internals/design.md, "Processes and what crosses between them"): one rank
+per GPU (per node on CPU), each with its own rollout runtime (simulators, generation) feeding its own trainer; the
+trainers are data-parallel (DDP).
 
 Launch with torchrun, one process per rank: `torchrun --nnodes N --nproc-per-node G run.py hw=...`. torchrun sets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python run.py` is one rank.

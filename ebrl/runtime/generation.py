@@ -1,5 +1,5 @@
 """Generation: the policy that samples the next chunk of every ready group, and values the observations an episode
-was cut off on or a segment ends on (docs/design.md, "Processes and what crosses
+was cut off on or a segment ends on (docs/internals/design.md, "Processes and what crosses
 between them").
 
 It runs in one of two places behind one interface:

@@ -1,4 +1,5 @@
-"""The rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/design.md, "The loop").
+"""The rollout's bookkeeping as a state machine: no threads, no processes, no policy (docs/internals/design.md, "The
+loop").
 
 Every schedule runs this one loop; its switches make the schedule. The envs are split into groups. A group
 collects one segment at a time: an iteration's `chunks` chunk steps per env, or, `episodic` (GRPO), one whole

@@ -1,4 +1,4 @@
-"""Placement (docs/design.md, "Placement"): which stage runs where, with how much. One object per run owns the
+"""Placement (docs/internals/design.md, "Placement"): which stage runs where, with how much. One object per run owns the
 map stage -> cores / GPU / SM share / memory budget and everything that changes it; the rest of the runtime asks it.
 
 - A schedule's split: every stage on every core (colocated, hybrid), or `scheduler.train_share` of the cores (and,
@@ -127,9 +127,9 @@ class Placement:
         """Torch threads of a stage's process. The supervisor (generation; a local trainer's training too): every
         core where it runs alone (a local trainer takes turns with the rollout) or on a GPU; beside the simulators on
         CPU one, since OpenMP threads of a stage that shares its cores wait for each other (spinning) whenever one is
-        preempted (docs/schedules.md, "Measured choices"). A trainer process: its cores where it trains alone (its own
-        share, on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads and
-        train_threads say otherwise."""
+        preempted (docs/internals/schedules.md, "Measured choices"). A trainer process: its cores where it trains alone
+        (its own share, on a GPU, or without overlap, when the rollout waits for it), else one. scheduler.torch_threads
+        and train_threads say otherwise."""
         s, cuda = self.cfg.scheduler, self.device.type == "cuda"
         if stage == "train" and not self.local:
             alone = self.split["train"] != self.cores or cuda or not s.overlap
@@ -139,7 +139,7 @@ class Placement:
     def supervisor_threads(self, foreign: float | None = None) -> int:
         """The supervisor's torch threads now: `threads("generate")`, less the cores other processes hold on CPU
         (`foreign`, their load in cores; None: a short look at the cores, before the run starts anything). Two
-        threads beside one busy core ran a step 25x slower than alone, one thread as fast (docs/schedules.md,
+        threads beside one busy core ran a step 25x slower than alone, one thread as fast (docs/internals/schedules.md,
         "Measured choices"). scheduler.torch_threads fixes the count."""
         n = self.threads("generate")
         if n == 1 or self.cfg.scheduler.torch_threads or self.device.type != "cpu":
@@ -153,7 +153,8 @@ class Placement:
         machine; where other processes hold cores (`held_cores` of `foreign`, their load in cores), every env at
         once, spread over the simulation and spare cores, as without core rebinding. A simulator at
         scheduler.sim_nice gets about a tenth of a core that a nice-0 process holds: one env per core left ebrl 9% of
-        its quiet throughput beside two busy processes on two cores (docs/schedules.md, "Measured choices")."""
+        its quiet throughput beside two busy processes on two cores (docs/internals/schedules.md, "Measured
+        choices")."""
         if not held_cores(foreign):
             return 1
         return math.ceil(self.cfg.env.num_envs / len(self.cpus("simulate") + self.spare()))
@@ -304,7 +305,7 @@ class Placement:
         for worker in runtime.pool.workers:
             worker.bind(self.cpus("simulate") + self.spare())
             # generation and training are on the critical path of every env: when they want a shared core they get
-            # it first, and the simulators fill what is left (docs/schedules.md, "Measured choices")
+            # it first, and the simulators fill what is left (docs/internals/schedules.md, "Measured choices")
             worker.renice(self.cfg.scheduler.sim_nice)
         if self.pool is not None:
             for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):

@@ -1,4 +1,4 @@
-"""One interface for the CPU cores, GPU SM shares and device-memory budgets of every stage (docs/design.md,
+"""One interface for the CPU cores, GPU SM shares and device-memory budgets of every stage (docs/internals/design.md,
 "Placement").
 
 Cores are real: the affinity of every thread of a stage's processes. SM shares come from NVIDIA MPS (set in a

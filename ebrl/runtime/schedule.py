@@ -1,4 +1,4 @@
-"""The one runtime of the five schedules (docs/design.md, "The schedules" and "The loop").
+"""The one runtime of the five schedules (docs/internals/design.md, "The schedules" and "The loop").
 
 `scheduler=colocated | disaggregated | hybrid | async | ebrl` are settings of this one driver, read into a
 `Schedule`:

@@ -1,5 +1,5 @@
-"""The trainer stage of every schedule (docs/design.md, "Processes and what crosses between them"), in one of two
-places behind one interface (`Trainer`):
+"""The trainer stage of every schedule (docs/internals/design.md, "Processes and what crosses between them"), in one of
+two places behind one interface (`Trainer`):
 
 - `LocalTrainer`: in the supervisor, on the very policy generation samples with (colocated: the stages take turns,
   so one copy of the weights serves both, an update is the next version at once, and training uses every core);
@@ -64,8 +64,9 @@ class TrainerThreads:
     (`follow`), since a thread count is the calling thread's own, and `most` is the largest an update trained with.
     The process says how many it runs on (`running`; 0 between updates, `rest`): the supervisor moves it back onto
     fewer cores only once it runs no more threads than they are (`leaving` until then), since OpenMP threads stacked
-    on one core wait for each other at every barrier (docs/schedules.md, "Measured choices"). And `stopping`, which
-    the supervisor sets as the run stops: the update in progress ends at its next optimizer step (one rank alone)."""
+    on one core wait for each other at every barrier (docs/internals/schedules.md, "Measured choices"). And `stopping`,
+    which the supervisor sets as the run stops: the update in progress ends at its next optimizer step (one rank
+    alone)."""
 
     def __init__(self, ctx: Any, n: int, lent: int | None = None) -> None:
         self.shared = ctx.RawValue("i", n)

@@ -1,5 +1,5 @@
 """Under the dense (shaped) reward, succeeding is worth more than hovering just short of success: the real simulators'
-rewards, driven by the scripted expert, as the run's config builds them (docs/environments.md, "Dense reward and
+rewards, driven by the scripted expert, as the run's config builds them (docs/use/environments.md, "Dense reward and
 success")."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def test_full_size_defaults_are_the_published_recipe_and_tiny_keeps_its_own() ->
     assert (algo["clip"], algo["clip_high"], algo["value_clip"], algo["huber_delta"], algo["epochs"]) == \
         (0.2, None, 0.2, 10.0, 4)
     assert (policy["logprob"], policy["sde_noise_level"]) == ("flow_sde", 0.5)
-    tiny = resolved("env=libero")  # the tuning docs/results.md's learning figures were measured with
+    tiny = resolved("env=libero")  # the tuning docs/results/results.md's learning figures were measured with
     assert (tiny["algo"]["lr"], tiny["algo"]["critic_lr"], tiny["algo"]["value_clip"], tiny["policy"]["logprob"]) == \
         (1e-4, 1e-4, None, "flow_noise")
     # the variant, the benchmark and the algorithm pick the recipe; a value given on the command line wins

@@ -18,7 +18,8 @@ TINY = ["env.num_envs=2", "algo.rollout_chunks=2", "iterations=2"]
 def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     profiles, sweep_dir = tmp_path / "profiles", tmp_path / "sweep"
     out = subprocess.run(
-        [sys.executable, "sweep.py", "-m", *TINY, "hydra.sweeper.n_trials=2",  # as docs/allocation.md types it
+        # as docs/internals/allocation.md types it
+        [sys.executable, "sweep.py", "-m", *TINY, "hydra.sweeper.n_trials=2",
          "scheduler.groups=choice(1,2)",  # replaces the sweep's choice(1,2,4): 4 groups of 2 envs cannot be
          f"allocator.profiles_dir={profiles}", f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
