@@ -75,7 +75,7 @@ def test_every_algorithm_has_its_schema_and_its_check():
 def test_schemas_are_no_options_of_their_groups():
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         loader = GlobalHydra.instance().config_loader()
-        for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger", "experiment"):
+        for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger", "experiment", "debug"):
             assert loader.get_group_options(group) == group_options(group), group  # the yaml files, no *_schema
     with pytest.raises(MissingConfigException):
         compose_config("scheduler=scheduler_schema")
