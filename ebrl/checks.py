@@ -10,8 +10,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ebrl.config import (CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHAPED_DENSE, SHARED_OBSERVATION,
-                         TRAINER_PLACES, ConfigError, EnvConfig, PolicyConfig)
+from ebrl.config import (ALGO_SCHEMAS, CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHAPED_DENSE,
+                         SHARED_OBSERVATION, TRAINER_PLACES, ConfigError, EnvConfig, PolicyConfig)
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
@@ -35,7 +35,7 @@ def cfg_get(cfg: Any, dotted: str, default: Any = MISSING) -> Any:
 
 SCHEDULERS = ("colocated", "disaggregated", "hybrid", "async", "ebrl")
 ALLOCATORS = ("static", "elastic")
-ALGOS = ("ppo", "grpo", "sft")
+ALGOS = tuple(ALGO_SCHEMAS)  # ppo, grpo, sft: conf/algo, each checked by its ALGO_CHECKS entry
 LOGGERS = ("none", "wandb")
 LOGPROBS = ("flow_noise", "flow_sde")
 CHAIN_LOGPROBS = ("sum", "mean", "one_step")
@@ -74,23 +74,6 @@ def rank_cores(cfg: Any) -> list[int]:
     """The CPU cores this rank may use: its share (ranks of one node split them) of the node's hw.cpu_cores, taken
     from those this process may run on (all of them when null). One rank, as `python run.py` is: all of them."""
     return share_of_node(sorted(os.sched_getaffinity(0))[: cfg.hw.cpu_cores or available_cpu_cores()], Ranks.from_env())
-
-
-
-
-
-def _check_groups(cfg: DictConfig) -> None:
-    """algo=grpo: the envs split into groups of algo.group_size, and the minibatches split the envs."""
-    n, k, m = cfg.env.num_envs, cfg.algo.group_size, cfg.algo.minibatches
-    if k < 2:
-        raise ConfigError(f"algo.group_size={k} must be at least 2: a group compares its episodes' returns")
-    if n % k:
-        raise ConfigError(
-            f"env.num_envs={n} is not a multiple of algo.group_size={k}; with algo=grpo use "
-            f"env.num_envs={k}, {2 * k}, {3 * k}, ... or a group size that divides {n}"
-        )
-    if n % m:  # the rollout batch is env.num_envs x the chunks of one episode
-        raise ConfigError(f"algo.minibatches={m} does not divide env.num_envs={n} (algo=grpo batches whole episodes)")
 
 
 def complete_user_classes(cfg: DictConfig) -> None:
@@ -177,12 +160,8 @@ def validate(cfg: DictConfig) -> None:
     complete_user_classes(cfg)
     complete_benchmark_tasks(cfg)
     _check_mappings(cfg)
-    for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every",
-                "algo.rollout_chunks", "algo.epochs", "algo.minibatches", "algo.lr", "algo.max_nonfinite_updates"):
+    for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every"):
         _positive(cfg, key)
-    if cfg_get(cfg, "algo.critic_warmup", 0) < 0:
-        raise ConfigError(f"algo.critic_warmup={cfg.algo.critic_warmup} must be >= 0 (updates that train the value "
-                          "head alone after init; 0: none)")
     for key in ("policy.chunk", "policy.execute", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
@@ -191,8 +170,6 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "algo.name", ALGOS)
     _one_of(cfg, "logger.name", LOGGERS)
     _one_of(cfg, "policy.preset", PRESETS)
-    _one_of(cfg, "algo.logprob_level", LOGPROB_LEVELS)
-    _one_of(cfg, "algo.proximal", PROXIMAL)
     if "logprob" in cfg.policy:  # the flow families
         _one_of(cfg, "policy.logprob", LOGPROBS)
         _one_of(cfg, "policy.chain_logprob", CHAIN_LOGPROBS)
@@ -214,29 +191,8 @@ def validate(cfg: DictConfig) -> None:
     _check_numbers(cfg)
     _check_failures(cfg)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
-    training = cfg_get(cfg, "mode", "train") != "eval"  # mode=eval runs no update, so the algorithm's batch is moot
-    if training and cfg.algo.name == "grpo":
-        _check_groups(cfg)
-    elif training and cfg.algo.name == "sft":
-        for key in ("algo.batch_size", "algo.steps_per_iteration"):
-            _positive(cfg, key)
-        if not 0 <= cfg.demos.valid < 1:
-            raise ConfigError(f"demos.valid={cfg.demos.valid} must be in [0, 1) (the share of episodes held out)")
-    elif training:
-        batch = cfg.env.num_envs * cfg.algo.rollout_chunks
-        if cfg.algo.global_batch is not None:
-            world = Ranks.from_env().world  # (each rank collects its own rollout)
-            total = batch * world
-            if total > cfg.algo.global_batch and total % cfg.algo.global_batch:
-                raise ConfigError(
-                    f"algo.global_batch={cfg.algo.global_batch} does not divide the rollout batch of {total} chunk "
-                    f"steps (env.num_envs x algo.rollout_chunks x {world} rank(s)): give a divisor, or null to split "
-                    "by algo.minibatches")
-        elif batch % cfg.algo.minibatches:
-            raise ConfigError(
-                f"algo.minibatches={cfg.algo.minibatches} does not divide the rollout batch "
-                f"env.num_envs x algo.rollout_chunks = {batch}"
-            )
+    # mode=eval runs no update, so the algorithm's batch is moot
+    ALGO_CHECKS[cfg.algo.name](cfg, training=cfg_get(cfg, "mode", "train") != "eval")
     if cfg.hw.gpus > 0 or cfg.device == "cuda":
         have = cuda_device_count()
         need = max(cfg.hw.gpus, 1)
@@ -302,31 +258,16 @@ def _check_launch(cfg: DictConfig) -> int:
 
 def _check_numbers(cfg: DictConfig) -> None:
     """Numbers with a range that compose (they have the right type) but mean nothing outside it."""
-    a = cfg.algo
-    checks = [
+    _check_ranges([
         ("seed", cfg.seed, 0 <= cfg.seed < 2**32, "between 0 and 2**32 - 1"),
         ("hw.gpus", cfg.hw.gpus, cfg.hw.gpus >= 0, ">= 0"),
-        ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
-        ("algo.clip_high", a.clip_high, a.clip_high is None or a.clip_high > 0, "> 0 (0.28 in DAPO), or null (clip)"),
-        ("algo.value_clip", a.value_clip, a.value_clip is None or a.value_clip > 0, "> 0, or null (no value clip)"),
-        ("algo.huber_delta", a.huber_delta, a.huber_delta is None or a.huber_delta > 0,
-         "> 0, or null (a squared-error value loss)"),
-        ("algo.critic_lr", a.critic_lr, a.critic_lr > 0, "> 0 (the value head's learning rate)"),
-        ("algo.adam_betas", list(a.adam_betas), len(a.adam_betas) == 2 and all(0 <= b < 1 for b in a.adam_betas),
-         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
-        ("algo.adam_eps", a.adam_eps, a.adam_eps > 0, "> 0"),
-        ("algo.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0 (AdamW's decoupled decay; 0: Adam)"),
-        ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
-        ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
-        ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
-        ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
-        ("algo.dual_clip", a.dual_clip, a.dual_clip is None or a.dual_clip > 1,
-         "> 1 (3.0 in RLinf's recipes), or null (no cap)"),
-        ("algo.global_batch", a.global_batch, a.global_batch is None or a.global_batch > 0,
-         "> 0 (chunk steps per optimizer step), or null (algo.minibatches)"),
         ("distributed.timeout_s", cfg.distributed.timeout_s, cfg.distributed.timeout_s > 0,
          "> 0 (seconds a rank waits for the others at a collective)"),
-    ]
+    ])
+
+
+def _check_ranges(checks: list[tuple[str, Any, bool, str]]) -> None:
+    """(key, value, whether it is in range, what it must be): the first out of range raises its line."""
     for key, value, ok, want in checks:
         if not ok:
             raise ConfigError(f"{key}={value} must be {want}")
@@ -354,16 +295,115 @@ def _check_mappings(cfg: DictConfig) -> None:
 
 
 def _check_precision(cfg: DictConfig) -> None:
-    """policy.dtype, what is trained, and how the trainer batches and stores its optimizer state."""
+    """policy.dtype and what is trained (how the trainer batches and stores its optimizer state: _check_optimizer)."""
     if cfg.policy.dtype is not None:
         _one_of(cfg, "policy.dtype", DTYPES)
     _one_of(cfg, "policy.train", TRAIN_OPTIONS)
-    _one_of(cfg, "algo.optimizer_dtype", DTYPES)
     if cfg.policy.train == "lora":
         for key in ("policy.lora_rank", "policy.lora_alpha"):
             _positive(cfg, key)
-    if cfg.algo.micro_batch is not None:
+
+
+# --- the algorithms: a check per schema of ebrl/config.py (ALGO_SCHEMAS), each over the keys that schema has -------
+def _check_optimizer(cfg: DictConfig) -> None:
+    """AlgoConfig's keys, which every algorithm has: AdamW, its gradient clip, the trainer's batches."""
+    a = cfg.algo
+    _positive(cfg, "algo.lr")
+    _one_of(cfg, "algo.optimizer_dtype", DTYPES)
+    if a.micro_batch is not None:
         _positive(cfg, "algo.micro_batch")
+    _check_ranges([
+        ("algo.adam_betas", list(a.adam_betas), len(a.adam_betas) == 2 and all(0 <= b < 1 for b in a.adam_betas),
+         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+        ("algo.adam_eps", a.adam_eps, a.adam_eps > 0, "> 0"),
+        ("algo.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0 (AdamW's decoupled decay; 0: Adam)"),
+        ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
+    ])
+
+
+def _check_rl(cfg: DictConfig) -> None:
+    """RLAlgoConfig's keys, PPO's and GRPO's: the clipped loss, its epochs and minibatches."""
+    a = cfg.algo
+    _check_optimizer(cfg)
+    for key in ("algo.epochs", "algo.minibatches", "algo.max_nonfinite_updates"):
+        _positive(cfg, key)
+    _one_of(cfg, "algo.logprob_level", LOGPROB_LEVELS)
+    _one_of(cfg, "algo.proximal", PROXIMAL)
+    _check_ranges([
+        ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
+        ("algo.clip_high", a.clip_high, a.clip_high is None or a.clip_high > 0, "> 0 (0.28 in DAPO), or null (clip)"),
+        ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
+        ("algo.dual_clip", a.dual_clip, a.dual_clip is None or a.dual_clip > 1,
+         "> 1 (3.0 in RLinf's recipes), or null (no cap)"),
+        ("algo.global_batch", a.global_batch, a.global_batch is None or a.global_batch > 0,
+         "> 0 (chunk steps per optimizer step), or null (algo.minibatches)"),
+    ])
+
+
+def check_ppo(cfg: DictConfig, training: bool = True) -> None:
+    """PPOConfig: the rollout's length, the critic and GAE; training: the minibatches (or algo.global_batch) split the
+    rollout batch."""
+    a = cfg.algo
+    _check_rl(cfg)
+    _positive(cfg, "algo.rollout_chunks")
+    if a.critic_warmup < 0:
+        raise ConfigError(f"algo.critic_warmup={a.critic_warmup} must be >= 0 (updates that train the value head alone "
+                          "after init; 0: none)")
+    _check_ranges([
+        ("algo.value_clip", a.value_clip, a.value_clip is None or a.value_clip > 0, "> 0, or null (no value clip)"),
+        ("algo.huber_delta", a.huber_delta, a.huber_delta is None or a.huber_delta > 0,
+         "> 0, or null (a squared-error value loss)"),
+        ("algo.critic_lr", a.critic_lr, a.critic_lr > 0, "> 0 (the value head's learning rate)"),
+        ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
+        ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
+    ])
+    if not training:
+        return
+    batch = cfg.env.num_envs * a.rollout_chunks
+    if a.global_batch is not None:
+        world = Ranks.from_env().world  # (each rank collects its own rollout)
+        total = batch * world
+        if total > a.global_batch and total % a.global_batch:
+            raise ConfigError(
+                f"algo.global_batch={a.global_batch} does not divide the rollout batch of {total} chunk steps "
+                f"(env.num_envs x algo.rollout_chunks x {world} rank(s)): give a divisor, or null to split by "
+                "algo.minibatches")
+    elif batch % a.minibatches:
+        raise ConfigError(
+            f"algo.minibatches={a.minibatches} does not divide the rollout batch "
+            f"env.num_envs x algo.rollout_chunks = {batch}"
+        )
+
+
+def check_grpo(cfg: DictConfig, training: bool = True) -> None:
+    """GRPOConfig; training: the envs split into groups of algo.group_size, and the minibatches split the envs."""
+    _check_rl(cfg)
+    if not training:
+        return
+    n, k, m = cfg.env.num_envs, cfg.algo.group_size, cfg.algo.minibatches
+    if k < 2:
+        raise ConfigError(f"algo.group_size={k} must be at least 2: a group compares its episodes' returns")
+    if n % k:
+        raise ConfigError(
+            f"env.num_envs={n} is not a multiple of algo.group_size={k}; with algo=grpo use "
+            f"env.num_envs={k}, {2 * k}, {3 * k}, ... or a group size that divides {n}"
+        )
+    if n % m:  # the rollout batch is env.num_envs x the chunks of one episode
+        raise ConfigError(f"algo.minibatches={m} does not divide env.num_envs={n} (algo=grpo batches whole episodes)")
+
+
+def check_sft(cfg: DictConfig, training: bool = True) -> None:
+    """SFTConfig; training: its batches, and the share of the demonstrations held out."""
+    _check_optimizer(cfg)
+    if not training:
+        return
+    for key in ("algo.batch_size", "algo.steps_per_iteration"):
+        _positive(cfg, key)
+    if not 0 <= cfg.demos.valid < 1:
+        raise ConfigError(f"demos.valid={cfg.demos.valid} must be in [0, 1) (the share of episodes held out)")
+
+
+ALGO_CHECKS = {"ppo": check_ppo, "grpo": check_grpo, "sft": check_sft}  # by algo.name, as ALGO_SCHEMAS
 
 
 FAULTS = ("hang", "error", "exit", "slow")

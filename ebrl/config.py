@@ -231,7 +231,7 @@ class HwConfig:
     sm_partition: Optional[str] = None  # mps | green | none: how SM shares are enforced; null: mps if hw.mps else none
 
 
-# --- scheduler, allocator, algorithm, logger ----------------------------------------------
+# --- scheduler, allocator ----------------------------------------------------------------
 @dataclass
 class SchedulerConfig:
     name: str = MISSING
@@ -299,38 +299,35 @@ class AllocatorConfig:
     train: Optional[float] = None
 
 
+# --- algorithm: a schema per algorithm (conf/algo/<name>.yaml names its own), each with only the keys it reads -----
+# ebrl/checks.py checks each (ALGO_CHECKS, by the same names)
 @dataclass
 class AlgoConfig:
-    name: str = MISSING  # ppo | grpo
-    rollout_chunks: int = 10  # chunks each env collects per iteration (ppo; grpo runs one whole episode per env)
-    group_size: int = 4  # grpo: K envs that start from the same seeded reset form a group (ignored by ppo)
+    """What every algorithm takes: AdamW over what policy.train trains, its batches and its gradient clip."""
+
+    name: str = MISSING  # ppo | grpo | sft
     # The keys set to ${recipe:...} default to the run's recipe (ebrl/recipes.py): this repository's tuning for
     # the tiny and small presets, RLinf's / piRL's published configs for the model and benchmark at full size
     lr: float = II("recipe:lr")  # AdamW's for the policy
-    critic_lr: float = II("recipe:critic_lr")  # AdamW's for the value head
     adam_betas: List[float] = II("recipe:adam_betas")
     adam_eps: float = II("recipe:adam_eps")
     weight_decay: float = II("recipe:weight_decay")  # AdamW's decoupled decay
-    gamma: float = 0.99  # discount per chunk (ppo; grpo's return is the undiscounted episode return)
-    gae_lambda: float = 0.95
-    # ppo: an episode cut off by env.max_episode_steps is bootstrapped from the value of its last observation (the
-    # limit is the env's, the task would go on); false: it ends there with nothing more to come (the task is to
-    # succeed within the limit: a failure's return is 0). By default true with env.reward=dense, false with sparse
-    bootstrap_truncated: bool = II("equals:${env.reward},dense")
-    reward_scale: float = 1.0  # ppo: rewards are multiplied by it before GAE (the critic's targets keep a scale near 1)
-    epochs: int = II("recipe:epochs")
-    minibatches: int = 4
-    clip: float = II("recipe:clip")  # the ratio's clip below 1 (and above, unless clip_high)
-    clip_high: Optional[float] = II("recipe:clip_high")  # the clip above 1 (DAPO's clip-higher); null: clip
-    # ppo: the value moves at most this far from the rollout's per update (PPO2's value clip); null: unclipped
-    value_clip: Optional[float] = II("recipe:value_clip")
-    huber_delta: Optional[float] = II("recipe:huber_delta")  # ppo: the value loss is Huber at this delta; null: squared
-    value_coef: float = II("recipe:value_coef")  # ppo; grpo has no critic
-    entropy_coef: float = II("recipe:entropy_coef")
     max_grad_norm: float = II("recipe:max_grad_norm")
     # rows per forward/backward pass; their gradients accumulate to the minibatch, which stays one optimizer step
     # (also the rows of the trainer's proximal pass); null: the whole minibatch in one pass
     micro_batch: Optional[int] = II("recipe:micro_batch")
+    optimizer_dtype: str = "float32"  # Adam's moments: float32 | bfloat16 (half their memory)
+
+
+@dataclass
+class RLAlgoConfig(AlgoConfig):
+    """PPO's and GRPO's shared keys: epochs of the clipped loss over minibatches of one rollout."""
+
+    epochs: int = II("recipe:epochs")
+    minibatches: int = 4
+    clip: float = II("recipe:clip")  # the ratio's clip below 1 (and above, unless clip_high)
+    clip_high: Optional[float] = II("recipe:clip_high")  # the clip above 1 (DAPO's clip-higher); null: clip
+    entropy_coef: float = II("recipe:entropy_coef")
     # chunk steps per optimizer step over all ranks (RLinf's global_batch_size), in place of algo.minibatches; a
     # rollout smaller than it is one step; null: the rollout batch / algo.minibatches
     global_batch: Optional[int] = II("recipe:global_batch")
@@ -346,21 +343,60 @@ class AlgoConfig:
     # rows a decoupled update's proximal pass values: stale (those sampled by older weights; the others take their
     # behaviour log-prob and value, which those weights gave) | all (every row: a second pass under the same weights)
     proximal: str = "stale"
-    optimizer_dtype: str = "float32"  # Adam's moments: float32 | bfloat16 (half their memory)
     normalize_advantages: bool = True
     target_kl: Optional[float] = None  # stop the epochs of an update once approx KL per action exceeds it
     # A step whose gradient holds NaN/inf is skipped and counted (train/nonfinite_steps); after this many updates in a
     # row with such steps the run stops, its checkpoint the last one written before them
     max_nonfinite_updates: int = 3
-    # ppo from `init` (an SFT checkpoint, whose value head never learned): the first critic_warmup updates train the
+
+
+@dataclass
+class PPOConfig(RLAlgoConfig):
+    """algo=ppo: GAE over chunk steps and a value loss beside the clipped ratio (ebrl/rl/ppo.py)."""
+
+    name: str = "ppo"
+    rollout_chunks: int = 10  # chunks each env collects per iteration
+    critic_lr: float = II("recipe:critic_lr")  # AdamW's for the value head
+    gamma: float = 0.99  # discount per chunk
+    gae_lambda: float = 0.95
+    # an episode cut off by env.max_episode_steps is bootstrapped from the value of its last observation (the limit
+    # is the env's, the task would go on); false: it ends there with nothing more to come (the task is to succeed
+    # within the limit: a failure's return is 0). By default true with env.reward=dense, false with sparse
+    bootstrap_truncated: bool = II("equals:${env.reward},dense")
+    reward_scale: float = 1.0  # rewards are multiplied by it before GAE (the critic's targets keep a scale near 1)
+    # the value moves at most this far from the rollout's per update (PPO2's value clip); null: unclipped
+    value_clip: Optional[float] = II("recipe:value_clip")
+    huber_delta: Optional[float] = II("recipe:huber_delta")  # the value loss is Huber at this delta; null: squared
+    value_coef: float = II("recipe:value_coef")
+    # from `init` (an SFT checkpoint, whose value head never learned): the first critic_warmup updates train the
     # value head alone on the rollouts, the policy loss counts from the next; 0: from the first. Ignored from scratch
     critic_warmup: int = II("recipe:critic_warmup")
-    # sft (algo=sft, on demos.path): (observation, action chunk) samples per optimizer step, and the steps of one
-    # iteration (the held-out loss is measured after each)
+
+
+@dataclass
+class GRPOConfig(RLAlgoConfig):
+    """algo=grpo: every env runs one whole episode per iteration, advantages relative to its group's returns, no
+    critic (ebrl/rl/grpo.py): no value head learning rate, value loss, discount or rollout length."""
+
+    name: str = "grpo"
+    group_size: int = 4  # K envs that start from the same seeded reset form a group; env.num_envs a multiple of it
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    """algo=sft, on demos.path (ebrl/runs/sft.py): the family's supervised loss, no rollout."""
+
+    name: str = "sft"
+    # (observation, action chunk) samples per optimizer step, and the steps of one iteration (the held-out loss is
+    # measured after each)
     batch_size: int = 64
     steps_per_iteration: int = 100
 
 
+ALGO_SCHEMAS = {"ppo": PPOConfig, "grpo": GRPOConfig, "sft": SFTConfig}
+
+
+# --- logger, sweep ------------------------------------------------------------------------
 @dataclass
 class LoggerConfig:
     name: str = MISSING
@@ -443,7 +479,7 @@ class Config:
     scheduler: SchedulerConfig = MISSING
     allocator: AllocatorConfig = MISSING
     sweep: Optional[SweepConfig] = None  # set by sweep=stages (sweep.py)
-    algo: AlgoConfig = MISSING
+    algo: AlgoConfig = MISSING  # its algorithm's schema (PPOConfig, GRPOConfig, SFTConfig), which conf/algo names
     logger: LoggerConfig = MISSING
     seed: int = 0
     iterations: int = 30
@@ -489,5 +525,6 @@ def register_configs() -> None:
     cs.store(group="schema/hw", name="hw_schema", node=HwConfig)
     cs.store(group="schema/scheduler", name="scheduler_schema", node=SchedulerConfig)
     cs.store(group="schema/allocator", name="allocator_schema", node=AllocatorConfig)
-    cs.store(group="schema/algo", name="algo_schema", node=AlgoConfig)
+    for name, node in ALGO_SCHEMAS.items():
+        cs.store(group="schema/algo", name=f"{name}_schema", node=node)
     cs.store(group="schema/logger", name="logger_schema", node=LoggerConfig)

@@ -142,13 +142,15 @@ def recipe_line(cfg: Any) -> str:
     p, a = cfg.policy, cfg.algo
     _, source = recipe_for(p.name, p.get("variant"), p.preset, cfg.env.name, a.name)
     clip = f"{a.clip:g}" if a.clip_high in (None, a.clip) else f"{a.clip:g}/{a.clip_high:g}"
-    parts = [f"lr {a.lr:g}", f"critic_lr {a.critic_lr:g}", f"clip {clip}", f"epochs {a.epochs}",
+    critic = "critic_lr" in a  # (PPO's; GRPO has no critic)
+    parts = [f"lr {a.lr:g}", *([f"critic_lr {a.critic_lr:g}"] if critic else []), f"clip {clip}", f"epochs {a.epochs}",
              f"AdamW betas ({a.adam_betas[0]:g}, {a.adam_betas[1]:g}) eps {a.adam_eps:g} wd {a.weight_decay:g}"]
-    if a.value_clip is not None:
+    if critic and a.value_clip is not None:
         parts.append(f"value clip {a.value_clip:g}")
     if a.get("dual_clip") is not None:
         parts.append(f"dual clip {a.dual_clip:g}")
-    parts.append(f"value coef {a.value_coef:g}, a ratio per {a.logprob_level}")
+    parts.append(f"value coef {a.value_coef:g}, a ratio per {a.logprob_level}" if critic else
+                 f"a ratio per {a.logprob_level}")
     if a.get("global_batch") is not None:
         parts.append(f"{a.global_batch} chunk steps per optimizer step")
     if a.get("micro_batch") is not None:

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from ebrl.checks import _check_allocator, validate
-from ebrl.config import ConfigError
+from ebrl.config import ALGO_SCHEMAS, ConfigError
 from tests.conftest import CONF, compose_config, group_options
 
 POLICIES, ENVS, HWS = group_options("policy"), group_options("env"), group_options("hw")
@@ -50,10 +50,32 @@ def test_composition_errors(override, error):
         compose_config(override)
 
 
+@pytest.mark.parametrize("algo,key", [("grpo", "critic_lr=1e-3"), ("grpo", "rollout_chunks=4"), ("grpo", "gamma=0.9"),
+                                      ("sft", "epochs=2"), ("sft", "clip=0.1"), ("sft", "group_size=2"),
+                                      ("ppo", "group_size=2"), ("ppo", "batch_size=8")])
+def test_a_key_of_another_algorithm_fails_at_composition_as_a_misspelled_one(algo, key):
+    """Each algorithm has a schema of its own (ebrl/config.py, ALGO_SCHEMAS): GRPO has no critic nor rollout length,
+    SFT no rollout at all, PPO no groups nor demonstration batches."""
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_config(f"algo={algo}", f"algo.{key}")
+    assert f"Key '{key.split('=')[0]}' not in '{ALGO_SCHEMAS[algo].__name__}'" in str(e.value.__cause__)
+
+
+def test_every_algorithm_has_its_schema_and_its_check():
+    from ebrl.checks import ALGO_CHECKS, ALGOS
+
+    assert list(ALGO_SCHEMAS) == list(ALGO_CHECKS) == list(ALGOS) and set(ALGOS) == set(group_options("algo"))
+    for algo, schema in ALGO_SCHEMAS.items():
+        cfg = compose_config(f"algo={algo}")
+        assert OmegaConf.get_type(cfg, "algo") is schema and cfg.algo.name == algo
+        assert f"/schema/algo/{algo}_schema@_here_" in (CONF / "algo" / f"{algo}.yaml").read_text()
+        validate(cfg)  # (the defaults: each algorithm's check passes them)
+
+
 def test_schemas_are_no_options_of_their_groups():
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         loader = GlobalHydra.instance().config_loader()
-        for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger"):
+        for group in ("env", "policy", "hw", "scheduler", "allocator", "algo", "logger", "experiment", "debug"):
             assert loader.get_group_options(group) == group_options(group), group  # the yaml files, no *_schema
     with pytest.raises(MissingConfigException):
         compose_config("scheduler=scheduler_schema")

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ebrl.bench.schedulers import (bench_cores, group_size, placed_sim_cpu, policy_batch, process_cpu_s,
-                                   torch_threads)
+                                   reference_algo, torch_threads)
 
 LABEL = "simulated"
 ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO's, robosuite's, ManiSkill's: 7
@@ -173,7 +173,8 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
-    n, chunks = cfg.env.num_envs, chunks or int(cfg.algo.rollout_chunks)
+    algo = reference_algo(cfg)  # (PPO's shape of the update, whatever the run's algorithm)
+    n, chunks = cfg.env.num_envs, chunks or int(algo.rollout_chunks)
     cores = sorted(os.sched_getaffinity(0))[: bench_cores(cfg)]
     init = init_file(cfg)  # the run's first weights act here too: its actions set the physics' cost and episodes
     with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp, \
@@ -236,7 +237,7 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    trainer = PPOTrainer(policy, cfg.algo)
+    trainer = PPOTrainer(policy, algo)
     sizes = sorted({1, max(1, n // 2), n})
     batches = {b: policy_batch({k: v[:b] for k, v in obs.items()}, tokens[:b], mask[:b]) for b in sizes}
     out = {}
@@ -445,7 +446,7 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), device, tmp, Ranks())
         s = cfg.scheduler
         if gpus and placement.allocator is not None:  # (what a run's placement takes from the roofline)
-            batch, rows = n // int(s.groups), n * int(cfg.algo.rollout_chunks)
+            batch, rows = n // int(s.groups), n * int(reference_algo(cfg).rollout_chunks)
             placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", batch, 1.0).sm_busy,
                                                  "train": costs.on_gpu("train", rows, 1.0).sm_busy},
                                                 "the cost model's")
@@ -623,7 +624,7 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
-    chunks = int(cfg.algo.rollout_chunks)  # (a sample per chunk step; values once an iteration, for the bootstrap)
+    chunks = int(reference_algo(cfg).rollout_chunks)  # (a sample per chunk step; values once an iteration)
     decisions = envs * chunks
     calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
              "train": [costs.on_gpu("train", decisions, 1.0)]}
@@ -663,7 +664,7 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                            cache_prefix=cfg.algo.cache_prefix)
-    chunks = int(cfg.algo.rollout_chunks)
+    chunks = int(reference_algo(cfg).rollout_chunks)
     ranks = int(cfg.hw.gpus) * int(cfg.hw.get("nodes") or 1)
     mb = minibatch_rows(cfg.algo, envs * chunks, ranks)
     micro = min(cfg.algo.micro_batch or mb, mb)

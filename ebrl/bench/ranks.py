@@ -78,13 +78,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     except HydraException as e:
         cause = f": {str(e.__cause__).splitlines()[0]}" if e.__cause__ else ""
         sys.exit(f"ebrl.bench.ranks: {' '.join(str(e).split())}{cause}")
-    total, chunks, minibatches = cfg.env.num_envs, cfg.algo.rollout_chunks, cfg.algo.minibatches
+    total, minibatches = cfg.env.num_envs, cfg.algo.minibatches
+    chunks = cfg.algo.get("rollout_chunks")  # (none under GRPO: its batch is whole episodes, split by env)
     for n in args.ranks:
         if n < 1 or total % n:
             sys.exit(f"--ranks {n}: env.num_envs={total} (the total over ranks) must split evenly over the ranks")
-        if (total // n * chunks) % minibatches:
-            sys.exit(f"--ranks {n}: algo.minibatches={minibatches} does not divide a rank's rollout batch "
-                     f"env.num_envs x algo.rollout_chunks = {total // n} x {chunks}")
+        if (total // n * (chunks or 1)) % minibatches:
+            batch = f"env.num_envs x algo.rollout_chunks = {total // n} x {chunks}" if chunks else \
+                f"env.num_envs = {total // n} (algo=grpo batches whole episodes)"
+            sys.exit(f"--ranks {n}: algo.minibatches={minibatches} does not divide a rank's rollout batch {batch}")
     common = [o for o in args.overrides if not o.startswith("env.num_envs=")]
     common += ["progress=false", "logger=none", "checkpoint_every=1000000", f"iterations={args.iterations}"]
     rows = [run_one(n, repeat, [*common, f"env.num_envs={total // n}"])

@@ -130,6 +130,23 @@ def group_size(cfg: Any) -> int:
     return int(cfg.algo.group_size) if cfg.algo.name == "grpo" else 1
 
 
+def reference_algo(cfg: Any) -> Any:
+    """The algo config the yardsticks take (the simulators alone for its rollout_chunks chunks, one PPO update on a
+    rollout of that size): the run's under PPO. Under GRPO, whose schema has neither a rollout length nor a critic,
+    the run's values of the keys both have over PPO's schema, PPO's defaults (from the run's recipe) for the rest
+    and the value loss at weight 0, as GRPO's union config had before each algorithm had a schema of its own."""
+    from omegaconf import OmegaConf
+
+    if "rollout_chunks" in cfg.algo:
+        return cfg.algo
+    from ebrl.config import PPOConfig
+
+    ppo = OmegaConf.to_container(OmegaConf.structured(PPOConfig))
+    run = OmegaConf.create(OmegaConf.to_container(cfg))  # (interpolations kept: the recipe is the run's)
+    run.algo = {**ppo, **{k: v for k, v in run.algo.items() if k in ppo}, "value_coef": 0.0}
+    return OmegaConf.create(OmegaConf.to_container(run.algo, resolve=True))
+
+
 def split_mode(spec: str) -> tuple[str, list[str]]:
     """"ebrl[a=1,b=2]" -> ("ebrl", ["a=1", "b=2"])."""
     name, _, rest = spec.partition("[")
@@ -365,8 +382,9 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
                 batch = {k: v.to(device) for k, v in policy_batch(obs, tokens, mask).items()}
                 return policy.sample(batch).chunk[:, : policy.execute].float().cpu().numpy()
 
-        rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, cfg.algo.rollout_chunks, iterations, act)
-    costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, cfg.algo, device), seen, device)}
+        algo = reference_algo(cfg)
+        rate, sim_cpu, parent_cpu, seen, latency = sim_only(pool, algo.rollout_chunks, iterations, act)
+    costs = {"simulate": sim_cpu, **stage_costs(policy, PPOTrainer(policy, algo, device), seen, device)}
     return rate, costs, parent_cpu, latency, pool.spec
 
 
@@ -400,7 +418,8 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
         torch.manual_seed(cfg.seed)
         obs, _ = venv.reset(seed=[cfg.seed * 1000 + i for i in range(n)])
         policy = build_policy(conf["policy"], spec, train=True)
-        trainer = PPOTrainer(policy, cfg.algo)
+        algo = reference_algo(cfg)
+        trainer = PPOTrainer(policy, algo)
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
         H = policy.execute  # (the env runs these of each chunk)
         executed = (torch.arange(policy.chunk_len) < H).expand(n, -1)
@@ -408,7 +427,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
         for it in range(max(iterations, 2)):
             t0 = time.perf_counter()
             steps: list[dict] = []
-            for _ in range(cfg.algo.rollout_chunks):
+            for _ in range(algo.rollout_chunks):
                 batch = policy_batch(obs, tokens, mask)
                 out = policy.sample(batch)
                 actions = out.chunk.float().numpy()
@@ -426,7 +445,7 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
             trainer.update(rollout)
             t2 = time.perf_counter()
             if it > 0:
-                steps_n += cfg.algo.rollout_chunks * n * H
+                steps_n += algo.rollout_chunks * n * H
                 rollout_s += t1 - t0
                 total_s += t2 - t0
     finally:

@@ -181,10 +181,11 @@ CRITIC = "value_head."  # every family's value head (Policy.value): the critic
 
 def param_groups(policy: Policy, cfg: AlgoConfig) -> list[dict]:
     """The trained parameters as AdamW groups: the policy's at algo.lr, the value head's at algo.critic_lr (RLinf's
-    value_lr), each group only where it has parameters."""
+    value_lr), each group only where it has parameters. An algorithm without a critic (GRPO, SFT: no critic_lr) gives
+    the value head no gradient, so its group, at algo.lr, never steps; it is kept for the optimizer state's layout."""
     named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
     groups = [{"params": [p for name, p in named if not name.startswith(CRITIC)], "lr": cfg.lr},
-              {"params": [p for name, p in named if name.startswith(CRITIC)], "lr": cfg.critic_lr}]
+              {"params": [p for name, p in named if name.startswith(CRITIC)], "lr": cfg.get("critic_lr", cfg.lr)}]
     return [g for g in groups if g["params"]]
 
 
@@ -470,13 +471,14 @@ class PPOTrainer:
                 pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
                                           None if behaviour_lp is None else behaviour_lp[part], is_clip, units,
                                           cfg.clip_high, level, cfg.get("dual_clip"))
-                v_loss = pg_loss.new_zeros(())
-                if critic is not None:
-                    rows_loss = value_loss(value, critic[0][part], critic[1][part], cfg.value_clip, cfg.huber_delta)
-                    v_loss = (rows_loss * pm.amax(-1)).sum() / value_rows
                 ent = (entropy * pm).sum() / actions
                 actor = 0.0 if critic_only else 1.0
-                (actor * (pg_loss - cfg.entropy_coef * ent) + cfg.value_coef * v_loss).backward()
+                loss = actor * (pg_loss - cfg.entropy_coef * ent)
+                if critic is not None:  # (GRPO's config has no value keys: it has no critic)
+                    rows_loss = value_loss(value, critic[0][part], critic[1][part], cfg.value_clip, cfg.huber_delta)
+                    v_loss = (rows_loss * pm.amax(-1)).sum() / value_rows
+                    loss = loss + cfg.value_coef * v_loss
+                loss.backward()
             terms = {"losses/policy": pg_loss.detach(), "losses/entropy": ent.detach(), **stats}
             if critic is not None:
                 terms["losses/value"] = v_loss.detach()

@@ -130,6 +130,24 @@ def test_under_grpo_a_straggler_is_a_whole_group_in_the_run_and_its_references()
     validate(compose(Workload(num_envs=4, stragglers=0.5), "ebrl"))  # (a plain config: every policy key a known one)
 
 
+def test_the_references_time_ppos_update_under_grpo_too():
+    """GRPO's schema has neither a rollout length nor a critic; the yardsticks (the simulators alone for
+    algo.rollout_chunks chunks, one PPO update) take the run's values over PPO's schema: what the one algo schema
+    of every algorithm gave them, the value loss at GRPO's weight 0."""
+    from omegaconf import OmegaConf
+
+    from ebrl.bench.schedulers import reference_algo
+    from tests.conftest import compose_config
+
+    ppo = compose_config()
+    assert reference_algo(ppo) is ppo.algo
+    grpo = compose_config("algo=grpo", "algo.epochs=3")
+    ref = OmegaConf.to_container(reference_algo(grpo))
+    assert (ref["rollout_chunks"], ref["gamma"], ref["value_coef"], ref["epochs"]) == (10, 0.99, 0.0, 3)
+    assert ref["critic_lr"] == OmegaConf.to_container(compose_config("algo=ppo").algo, resolve=True)["critic_lr"]
+    assert ref["normalize_advantages"] is False  # (GRPO's own value)
+
+
 def test_a_workload_the_config_refuses_is_one_line_from_the_command_line():
     """`python -m ebrl.bench.*` stops as run.py does: the config's line, exit 2 (before any simulator starts)."""
     import subprocess

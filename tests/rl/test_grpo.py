@@ -15,7 +15,7 @@ from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_see
 from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, drop_stale, stack_steps
 from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
-from tests.runs.test_run import SMALL, metrics, run_py
+from tests.runs.test_run import SMALL_GRPO, metrics, run_py
 
 LIFT_SPEC = EnvSpec(obs={"state": ArraySpec((60,), "float32")}, action_dim=7, instruction="lift the red cube",
                     max_episode_steps=24)
@@ -230,7 +230,7 @@ def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_
 
 def test_grpo_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "r"
-    proc = run_py(*SMALL, "algo=grpo", "env.num_envs=4", "algo.group_size=2", "env.max_episode_steps=16",
+    proc = run_py(*SMALL_GRPO, "algo=grpo", "env.num_envs=4", "algo.group_size=2", "env.max_episode_steps=16",
                   "iterations=2", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL run summary" in proc.stdout

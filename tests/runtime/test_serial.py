@@ -66,3 +66,15 @@ def test_serial_takes_a_schedule_that_runs_in_this_process_and_an_env_of_this_in
     with pytest.raises(EnvSetupError, match="runs the simulators in this process .* and this env's run under "
                                             "/usr/bin/python3; serially, run an env of this interpreter"):
         pool.start()
+
+
+@pytest.mark.parametrize("overrides,envs", [((), 2), (("algo=grpo",), 4), (("algo=sft",), 2),
+                                            (("experiment=lift_ebrl",), 2)])
+def test_debug_serial_turns_the_serial_mode_on(overrides, envs):
+    """`python run.py debug=serial` (conf/debug/serial.yaml): scheduler.serial on the colocated schedule, no progress
+    bar, two envs or one GRPO group; over an experiment too (lift_ebrl's schedule gives way to colocated)."""
+    cfg = compose_config(*overrides, "debug=serial")
+    assert (cfg.scheduler.name, cfg.scheduler.serial, cfg.progress, cfg.env.num_envs) == ("colocated", True, False,
+                                                                                         envs)
+    validate(cfg)
+    assert compose_config(*overrides, "debug=serial", "env.num_envs=8").env.num_envs == 8  # the command line wins
