@@ -519,6 +519,12 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
                           "training; scheduler.overlap=false runs none ahead)")
     if s.max_staleness < 0:
         raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
+    if cfg.algo.name == "grpo" and s.overlap and s.max_staleness < s.max_ahead:
+        # the stale steps are those of the quick episodes, mostly successes, which still count in their group's
+        # baseline: the loss learns from the slow failures (docs/results/results.md, "After the objective's fixes")
+        raise ConfigError(f"scheduler.max_staleness={s.max_staleness} below scheduler.max_ahead={s.max_ahead} drops "
+                          "the quick episodes' steps from GRPO's loss while their group's baseline counts them; with "
+                          "algo=grpo keep scheduler.max_staleness at scheduler.max_ahead (the default)")
     if not 0 <= s.sim_nice <= 19:
         raise ConfigError(f"scheduler.sim_nice={s.sim_nice} must be a nice value from 0 (none) to 19")
     if s.generation is not None:

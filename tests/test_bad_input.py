@@ -64,6 +64,8 @@ BAD_INPUTS: list = [
     # staleness and the pipelined schedules
     (("scheduler=ebrl", "scheduler.max_staleness=-1"), "scheduler.max_staleness=-1 must be >= 0"),
     (("scheduler=ebrl", "scheduler.max_ahead=0"), "scheduler.max_ahead=0 must be >= 1"),
+    (("scheduler=ebrl", "algo=grpo", "scheduler.max_ahead=2", "scheduler.max_staleness=1"),
+     "scheduler.max_staleness=1 below scheduler.max_ahead=2 drops the quick episodes' steps from GRPO's loss"),
     (("scheduler=ebrl", "scheduler.sim_nice=-1"), "scheduler.sim_nice=-1 must be a nice value from 0 (none) to 19"),
     (("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"),
      "scheduler.groups=3 must be between 1 and 2 with algo=grpo: a group of the schedule holds whole GRPO groups"),
