@@ -41,6 +41,7 @@ class InProcess:
         self._answers: deque[tuple[str, Any]] = deque()
         self._make, self._simulator = build, None
         self._closing: Future | None = None  # the env's close, once asked for
+        self._pipe_lock, self._pipe_open = threading.Lock(), True  # no notice is written once the pipe is closed
         self._run(self._build, dict(env_cfg), int(seed))
 
     # --- the simulators' thread
@@ -64,22 +65,27 @@ class InProcess:
             self._simulator = None
 
     def _run(self, work: Any, *args: Any) -> Future:
+        closing = work == self._close  # (a bound method is a new object at each access: `is` never holds)
         try:
             future = simulators_thread().submit(work, *args)
         except RuntimeError:  # the interpreter is exiting and its thread has stopped: a close runs here, at once
-            if work is not self._close:
+            if not closing:
                 raise OSError("the interpreter is exiting: the in-process simulator serves no more") from None
             future = Future()
             future.set_result(work())
             return future
-        if work is not self._close:
+        if not closing:  # (a close sends no answer)
             future.add_done_callback(self._answered)
         return future
 
     def _answered(self, future: Future) -> None:
         error = future.exception()
         self._answers.append(("error", one_line(error)) if error is not None else future.result())
-        os.write(self._signal, b"!")  # (the pipe is open: `close` waits for every notice sent before it)
+        # `close` waits for every notice sent before it, except where the interpreter's exit ran it at once, ahead of
+        # the thread's queue: an answer that comes after it has nobody to read it (and its descriptor may be reused)
+        with self._pipe_lock:
+            if self._pipe_open:
+                os.write(self._signal, b"!")
 
     # --- the SimWorker's side: a multiprocessing Connection's methods
     def send(self, message: tuple) -> None:
@@ -107,6 +113,8 @@ class InProcess:
         if self._closing is None:
             self._closing = self._run(self._close)
         self._closing.result()
+        with self._pipe_lock:
+            self._pipe_open = False
         for fd in (self._readable, self._signal):
             try:
                 os.close(fd)

@@ -78,3 +78,29 @@ def test_debug_serial_turns_the_serial_mode_on(overrides, envs):
                                                                                          envs)
     validate(cfg)
     assert compose_config(*overrides, "debug=serial", "env.num_envs=8").env.num_envs == 8  # the command line wins
+
+
+def test_an_answer_that_comes_after_a_close_at_exit_writes_nothing(monkeypatch, caplog):
+    """At the interpreter's exit the simulators' thread takes no new work, so a close runs at once, ahead of what is
+    still queued there; those answers find the pipe closed and must not write to it (its descriptor may be another
+    file's by then; it was logged as 'Bad file descriptor' at the end of serial runs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omegaconf import OmegaConf
+
+    from ebrl.envs import serial
+    from ebrl.envs.process import Simulator
+
+    thread = ThreadPoolExecutor(1, thread_name_prefix="ebrl-simulators")
+    monkeypatch.setattr(serial, "_thread", thread)
+    conn = serial.InProcess(Simulator, OmegaConf.to_container(compose_config(*RUN).env, resolve=True), 0)
+    assert conn.recv()[0] == "spec"
+    busy = threading.Event()
+    thread.submit(busy.wait)  # the thread is busy, and a notice waits behind it ...
+    conn.send(("reset",))
+    thread.shutdown(wait=False)  # ... when the interpreter's exit stops the thread from taking more
+    with caplog.at_level("ERROR", logger="concurrent.futures"):
+        conn.close()  # (at once, here)
+        busy.set()
+        thread.shutdown(wait=True)  # the queued notice is answered after the close
+    assert [r.getMessage() for r in caplog.records] == []
