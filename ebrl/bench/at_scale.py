@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.bench.schedulers import (bench_cores, group_size, placed_sim_cpu, policy_batch, process_cpu_s,
-                                   torch_threads)
+from ebrl.bench.schedulers import bench_cores, placed_sim_cpu, policy_batch, process_cpu_s, torch_threads
+from ebrl.shape import RolloutShape, group_size
 
 LABEL = "simulated"
 ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO's, robosuite's, ManiSkill's: 7
@@ -445,9 +445,9 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), device, tmp, Ranks())
         s = cfg.scheduler
         if gpus and placement.allocator is not None:  # (what a run's placement takes from the roofline)
-            batch, rows = n // int(s.groups), n * int(cfg.algo.rollout_chunks)
-            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", batch, 1.0).sm_busy,
-                                                 "train": costs.on_gpu("train", rows, 1.0).sm_busy},
+            shape = RolloutShape.of(cfg, ranks, costs.max_episode_steps, costs.execute, envs=n)
+            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", shape.envs_per_group, 1.0).sm_busy,
+                                                 "train": costs.on_gpu("train", shape.rows, 1.0).sm_busy},
                                                 "the cost model's")
         pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
                            placement.cpus("simulate") + placement.spare(), s.sim_nice)
@@ -623,8 +623,9 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
-    chunks = int(cfg.algo.rollout_chunks)  # (a sample per chunk step; values once an iteration, for the bootstrap)
-    decisions = envs * chunks
+    shape = RolloutShape.of(cfg, envs=envs, max_episode_steps=costs.max_episode_steps, execute=costs.execute)
+    chunks = shape.chunks  # (a sample per chunk step; values once an iteration, for the bootstrap)
+    decisions = shape.rows
     calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
              "train": [costs.on_gpu("train", decisions, 1.0)]}
     per = {"generate": decisions * costs.execute, "train": decisions * costs.execute}
@@ -658,15 +659,13 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
     from ebrl.alloc.memory import GiB, MemoryModel, fitting_strategy
     from ebrl.bench.memory import env_spec
     from ebrl.config import ConfigError
-    from ebrl.rl.ppo import minibatch_rows
 
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                            cache_prefix=cfg.algo.cache_prefix)
-    chunks = int(cfg.algo.rollout_chunks)
     ranks = int(cfg.hw.gpus) * int(cfg.hw.get("nodes") or 1)
-    mb = minibatch_rows(cfg.algo, envs * chunks, ranks)
-    micro = min(cfg.algo.micro_batch or mb, mb)
+    shape = RolloutShape.of(cfg, ranks, int(cfg.env.max_episode_steps), model.execute, envs=envs)
+    chunks, micro = shape.chunks, shape.micro_rows  # (micro-batches of the trainer's size)
     have = int(cfg.hw.gpu_memory_gb * GiB)
     try:
         strategy, _ = fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks,

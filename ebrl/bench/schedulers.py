@@ -46,6 +46,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ebrl.shape import group_size  # the envs built from one seed (SimWorkerPool's group_size, as Experiment gives it)
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SIM_ONLY, GYM_ROLLOUT, GYM_E2E = "sim-only", "gym AsyncVectorEnv (rollout)", "gym AsyncVectorEnv + PPO"
 STAGES = ("simulate", "generate", "train")
@@ -123,11 +125,6 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
         cfg = with_stragglers(cfg, workload.straggler_units(group_size(cfg)), workload.straggler_task,
                               workload.straggler_slowdown, workload.straggler_after_steps)
     return cfg
-
-
-def group_size(cfg: Any) -> int:
-    """The envs built from one seed: a GRPO group's, else 1 (SimWorkerPool's group_size, as Experiment gives it)."""
-    return int(cfg.algo.group_size) if cfg.algo.name == "grpo" else 1
 
 
 def split_mode(spec: str) -> tuple[str, list[str]]:
