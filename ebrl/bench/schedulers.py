@@ -197,7 +197,7 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
     warm-up iteration (the per-stage costs run on them), and the step latencies (ms: mean, p99, slowest env's
     mean / fastest env's mean) with both CPU figures (ms per env step: lockstep, placed).
     """
-    n, H = len(pool.workers), pool.chunk_len
+    n, H = len(pool.workers), pool.execute
     zeros = np.zeros((n, H, pool.spec.action_dim), np.float32)
     pids = [w.pid for w in pool.workers]
     seen: list[dict[str, np.ndarray]] = []
@@ -242,7 +242,7 @@ def placed_sim_cpu(pool: Any, replay: list[np.ndarray]) -> float:
     all envs are runnable at once and the OS time-slices them over the cores, which costs CPU (switches, cold
     caches); a schedule that hands each env a core of its own does not pay it, so the limit takes the lesser."""
     cores = sorted(os.sched_getaffinity(0))
-    workers, H = pool.workers, pool.chunk_len
+    workers, H = pool.workers, pool.execute
     pids = [w.pid for w in workers]
     try:
         for i, worker in enumerate(workers):
