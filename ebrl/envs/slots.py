@@ -23,9 +23,10 @@ class SlotLayout:
 
     Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
     actions (k, action_dim) float32, rewards (k,) float32, step_times (k,) float64,
-    successes (k,) bool (k: the actions of a chunk the env executes, policy.execute), header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
+    successes (k,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
     float64: time.perf_counter() when the chunk's first step began and its last ended (CLOCK_MONOTONIC,
-    one clock for every process of the node, so a trace can set envs side by side).
+    one clock for every process of the node, so a trace can set envs side by side). k: `execute`, the actions of
+    a chunk the env executes (policy.execute).
     """
 
     fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
