@@ -185,7 +185,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg_get(cfg, "algo.critic_warmup", 0) < 0:
         raise ConfigError(f"algo.critic_warmup={cfg.algo.critic_warmup} must be >= 0 (updates that train the value "
                           "head alone after init; 0: none)")
-    for key in ("policy.chunk", "policy.execute", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
+    # (policy.execute: checked once against the policy's chunk, as it is built: ebrl/policies/build.py)
+    for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
     _one_of(cfg, "scheduler.name", SCHEDULERS)

@@ -153,14 +153,14 @@ def read_gpu_costs(path: str) -> dict[str, Any]:
 
 # --- measuring here --------------------------------------------------------------------------
 def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
-    """The workload's costs on this machine (see the module docstring)."""
+    """The workload's costs on this machine (see the module docstring); `cfg`: policy.execute settled."""
     import os
 
     import torch
     from omegaconf import OmegaConf
 
     from ebrl.envs.worker import SimWorkerPool
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
     from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
@@ -170,7 +170,6 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
     # made with (docs/internals/schedules.md, "Measured choices")
     flush = torch.set_flush_denormal(True)
-    settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     n, chunks = cfg.env.num_envs, chunks or int(cfg.algo.rollout_chunks)
@@ -367,19 +366,18 @@ class ModelledCosts:
 def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, cameras: int,
                    measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None,
                    sim_label: str = "--sim-step-ms", sharded: bool = False) -> ModelledCosts:
-    """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`; the simulators' steps,
-    episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label` says they come from),
-    sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the training state under
-    FSDP."""
+    """A GPU node's costs for `cfg` (its policy, policy.execute settled, algo and hw.gpu_name): see `ModelledCosts`;
+    the simulators' steps, episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label`
+    says they come from), sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the
+    training state under FSDP."""
     from omegaconf import OmegaConf
 
     from ebrl.forecast.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.bench.memory import env_spec
-    from ebrl.policies.build import settle_execute
+    from ebrl.policies.build import executed_actions
 
     gpu = gpu_spec(cfg.hw.gpu_name)
     nodes = int(cfg.hw.get("nodes") or 1)
-    settle_execute(cfg)
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     ops = PolicyOps.of(policy_cfg, spec)
@@ -404,7 +402,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
                           f"values and SM occupancy from {gpu.source}")
     return ModelledCosts(sim_mean_s=mean, sim_p99_s=p99, reset_s=reset_ms / 1e3,
                          max_episode_steps=int(cfg.env.max_episode_steps),
-                         execute=int(cfg.policy.execute or ops.chunk_len),
+                         execute=executed_actions(policy_cfg, ops.chunk_len),
                          chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
                          shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes, sharded=sharded),
                          sources=sources,
@@ -567,6 +565,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
     capacity line: the env steps/s the GPU bounds a rank to, and the cores and envs it takes to reach it."""
     from ebrl.bench.schedulers import compose_overrides
     from ebrl.config import ConfigError
+    from ebrl.policies.build import settle_execute
 
     if args.validate or args.costs or args.save_costs:
         raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
@@ -581,6 +580,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
                           "--sim-costs FILE (--save-costs on hw=cpu)")
     t0 = time.perf_counter()
     gpu_costs = read_gpu_costs(args.gpu_costs) if args.gpu_costs else None
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     strategy, memory_line = gpu_memory(cfg, max(args.envs or [int(cfg.env.num_envs)]), args.cameras)
     costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label,
                            sharded=strategy == "fsdp")
@@ -703,11 +703,13 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     """The scheduler benchmark's workload: costs measured here (or read back), every mode predicted, and with
     --validate run for real beside."""
     from ebrl.bench.schedulers import Workload, compose, round_order, run_mode
+    from ebrl.policies.build import settle_execute
 
     workload = Workload(preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
                         iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     cfg = compose(workload)
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     # with --validate, each round measures the costs again right before its runs (this machine's speed varies
     # through a day: a prediction is checked against runs made minutes after its own costs), and a prediction is the
     # median of the rounds'

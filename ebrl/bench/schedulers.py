@@ -335,16 +335,16 @@ def limits_of(cost: dict[str, float], cores: int, gpu: bool) -> dict[str, float]
 
 def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], float, dict[str, float], Any]:
     """The sim-only rate, the three stages' CPU-seconds per env step, the parent's orchestration CPU per env
-    step and the step latencies, on this workload's envs and policy; and the envs' EnvSpec."""
+    step and the step latencies, on this workload's envs and policy (`cfg`, policy.execute settled); and the envs'
+    EnvSpec."""
     import torch
     from omegaconf import OmegaConf
 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
     from ebrl.runs.base import run_device
 
-    settle_execute(cfg)  # (the actions of each chunk a run executes, as Experiment settles them)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     device = run_device(cfg)  # generation and training are measured where the run puts them
@@ -370,8 +370,8 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
 # --- the external reference: gymnasium's AsyncVectorEnv ------------------------------------
 def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     """The same policy driving gymnasium.vector.AsyncVectorEnv over the same adapters: env steps/s of the
-    rollout alone and with the same PPO update per iteration (the first iteration warms up). `spec`: the envs'
-    EnvSpec, which shapes the policy as in Experiment."""
+    rollout alone and with the same PPO update per iteration (the first iteration warms up). `cfg`: policy.execute
+    settled; `spec`: the envs' EnvSpec, which shapes the policy as in Experiment."""
     import gymnasium
     import torch
     from omegaconf import OmegaConf
@@ -382,9 +382,8 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
 
-    settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
     fns = [partial(make_adapter_env, conf["env"], env_seed(cfg.seed, i, group_size(cfg))) for i in range(n)]
@@ -453,6 +452,7 @@ class Load:
 def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = Load()) -> Round:
     """Every row once: the modes in the order given (each quiet, then beside `load` if any), then the references."""
     from ebrl.bench.load import foreign_load
+    from ebrl.policies.build import settle_execute
 
     out = Round()
     for mode in modes:
@@ -462,6 +462,7 @@ def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = 
             with foreign_load(load.processes, cores):
                 out.rates[load.row(mode)], out.cpu_busy[load.row(mode)], _ = run_mode(compose(workload, mode))
     cfg = compose(workload)
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
         cfg, workload.iterations)
     if gym:
