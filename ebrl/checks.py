@@ -15,6 +15,7 @@ from ebrl.config import (ALGO_SCHEMAS, CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENER
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
+from ebrl.shape import RolloutShape
 
 
 def _positive(cfg: DictConfig, key: str) -> None:
@@ -162,7 +163,8 @@ def validate(cfg: DictConfig) -> None:
     _check_mappings(cfg)
     for key in ("env.num_envs", "env.max_episode_steps", "env.image_size", "iterations", "checkpoint_every"):
         _positive(cfg, key)
-    for key in ("policy.chunk", "policy.execute", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
+    # (policy.execute: checked once against the policy's chunk, as it is built: ebrl/policies/build.py)
+    for key in ("policy.chunk", "policy.denoise_steps", "scheduler.torch_threads", "hw.cpu_cores"):
         if cfg_get(cfg, key, None) is not None:
             _positive(cfg, key)
     _one_of(cfg, "scheduler.name", SCHEDULERS)
@@ -219,9 +221,10 @@ def _check_tasks(cfg: DictConfig) -> None:
     from ebrl.envs.tasks import assign_tasks
 
     env = OmegaConf.to_container(cfg.env, resolve=True)
-    grpo = cfg_get(cfg, "algo.name", "") == "grpo" and cfg_get(cfg, "mode", "train") != "eval"
+    shape = RolloutShape.of(cfg)
+    training = cfg_get(cfg, "mode", "train") != "eval"  # (mode=eval runs no GRPO groups)
     try:
-        assign_tasks(env, cfg.env.num_envs, cfg.algo.group_size if grpo else 1)
+        assign_tasks(env, shape.envs, shape.group_size if training else 1)
     except BadInput as e:
         raise ConfigError(str(e)) from None
 
@@ -359,9 +362,10 @@ def check_ppo(cfg: DictConfig, training: bool = True) -> None:
     ])
     if not training:
         return
-    batch = cfg.env.num_envs * a.rollout_chunks
+    shape = RolloutShape.of(cfg, Ranks.from_env().world)
+    batch = shape.rows
     if a.global_batch is not None:
-        world = Ranks.from_env().world  # (each rank collects its own rollout)
+        world = shape.ranks  # (each rank collects its own rollout)
         total = batch * world
         if total > a.global_batch and total % a.global_batch:
             raise ConfigError(
@@ -380,7 +384,8 @@ def check_grpo(cfg: DictConfig, training: bool = True) -> None:
     _check_rl(cfg)
     if not training:
         return
-    n, k, m = cfg.env.num_envs, cfg.algo.group_size, cfg.algo.minibatches
+    shape = RolloutShape.of(cfg)
+    n, k, m = shape.envs, shape.group_size, cfg.algo.minibatches
     if k < 2:
         raise ConfigError(f"algo.group_size={k} must be at least 2: a group compares its episodes' returns")
     if n % k:
@@ -502,9 +507,9 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
     _one_of(cfg, "scheduler.core_order", CORE_ORDERS)
     if not 1 <= s.groups <= cfg.env.num_envs:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
-    if cfg.algo.name == "grpo" and s.groups > cfg.env.num_envs // cfg.algo.group_size:
-        units = cfg.env.num_envs // cfg.algo.group_size
-        raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and {units} with algo=grpo: a group of "
+    shape = RolloutShape.of(cfg)
+    if cfg.algo.name == "grpo" and s.groups > shape.units:
+        raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and {shape.units} with algo=grpo: a group of "
                           f"the schedule holds whole GRPO groups (env.num_envs={cfg.env.num_envs} / "
                           f"algo.group_size={cfg.algo.group_size})")
     if s.serial and (s.trainer != "local" or s.core_rebinding):

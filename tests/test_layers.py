@@ -13,7 +13,7 @@ LAYERS = [
     {"ebrl.errors", "ebrl.classes", "ebrl.telemetry", "ebrl.recipes", "ebrl.install"},
     {"ebrl.node"},
     {"ebrl.envs"},
-    {"ebrl.config", "ebrl.checks"},
+    {"ebrl.config", "ebrl.checks", "ebrl.shape"},
     {"ebrl.policies"},
     {"ebrl.rl", "ebrl.alloc"},
     {"ebrl.runtime", "ebrl.demos"},

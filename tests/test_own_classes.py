@@ -135,7 +135,7 @@ def test_an_adapter_that_sets_no_spec_is_one_line(my_robot, monkeypatch):
 def test_a_step_or_reset_that_breaks_the_contract_stops_at_once_in_a_real_worker(my_robot, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(my_robot))
     cfg = {"_target_": "bad.FourValues", "name": "reacher", "task": "Reacher-v5", "max_episode_steps": 50}
-    worker = SimWorker(cfg, seed=0, chunk_len=4)
+    worker = SimWorker(cfg, seed=0, execute=4)
     try:
         worker.start()
         worker.reset()
@@ -145,7 +145,7 @@ def test_a_step_or_reset_that_breaks_the_contract_stops_at_once_in_a_real_worker
             worker.wait(60)  # not a SimFailure: no fresh simulator would do better
     finally:
         worker.close()
-    worker = SimWorker({**cfg, "_target_": "bad.GymReset"}, seed=0, chunk_len=4)
+    worker = SimWorker({**cfg, "_target_": "bad.GymReset"}, seed=0, execute=4)
     try:
         worker.start()
         with pytest.raises(AdapterContractError, match=r"^GymReset.reset returned 2 values \(dict, dict\), not the"):

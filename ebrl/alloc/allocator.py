@@ -24,6 +24,7 @@ from ebrl.alloc.planner import (CYCLE, GPU_STAGE_CORES, Decision, ElasticControl
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
 from ebrl.checks import rank_cores
 from ebrl.config import ConfigError
+from ebrl.shape import RolloutShape
 
 REPO = Path(__file__).resolve().parents[2]
 # the iteration whose costs calibrate a run without a profile: the first one pays for warm-up (process start,
@@ -173,8 +174,7 @@ class Allocator:
         self.cfg, self.cores = cfg, list(cores)
         self.gpu = bool(cfg.hw.gpus)
         self.totals = totals_of(cfg, len(self.cores))
-        self.num_envs = int(cfg.env.num_envs)
-        self.batch = self.num_envs // int(cfg.scheduler.groups)
+        self.shape = RolloutShape.of(cfg)  # (its envs and generation batch: num_envs / scheduler.groups)
         self.fixed = {s: float(cfg.allocator[s]) for s in STAGES if cfg.allocator[s] is not None}
         self.profile, self.source = (None, "every amount pinned") if len(self.fixed) == 3 else find_profile(cfg)
         self.controller: ElasticController | StaticController | None = None
@@ -187,7 +187,8 @@ class Allocator:
         self.kernel: dict[str, float] = {}
         self.kernel_source = ""
         if len(self.fixed) == 3:
-            self.current = Plan(x=dict(self.fixed), batch=self.batch, groups=self.num_envs // self.batch,
+            self.current = Plan(x=dict(self.fixed), batch=self.shape.envs_per_group,
+                                groups=self.shape.envs // self.shape.envs_per_group,
                                 rates={s: math.nan for s in STAGES})
         elif self.profile is not None:
             self._start(self.profile)
@@ -200,8 +201,8 @@ class Allocator:
         try:
             # a profile measured at several generation batches (a sweep over scheduler.groups) lets the plan pick
             # the batch too; otherwise it stays num_envs / scheduler.groups
-            batches = None if len(profile.batches("generate")) > 1 else [self.batch]
-            self.controller = kind(profile, self.totals, self.num_envs, batches=batches, fixed=self.fixed, **extra)
+            batches = None if len(profile.batches("generate")) > 1 else [self.shape.envs_per_group]
+            self.controller = kind(profile, self.totals, self.shape.envs, batches=batches, fixed=self.fixed, **extra)
         except PlanError as e:
             raise ConfigError(str(e)) from None
         self.current = self.controller.current
@@ -231,7 +232,8 @@ class Allocator:
             if len(costs) < len(STAGES) or self.observations < CALIBRATE_AT:
                 return None, {}
             kernel = self.kernel if self.gpu else {}
-            self.profile = linear_profile(costs, [self.batch], resource, profile_key(self.cfg), every, kernel)
+            self.profile = linear_profile(costs, [self.shape.envs_per_group], resource, profile_key(self.cfg), every,
+                                          kernel)
             self._start(self.profile)
             unit = "CPU ms per env step of simulate, GPU ms of the others" if self.gpu else "CPU ms per env step"
             line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "

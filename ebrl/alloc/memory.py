@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.build import build_policy, policy_dtype
+from ebrl.policies.build import build_policy, executed_actions, policy_dtype
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.layers import Block, map_tensors
 
@@ -185,13 +185,13 @@ class MemoryModel:
                 with torch.no_grad(), MetaAutocast(dtype, list(policy.parameters())):
                     cache = _bytes(policy.encode(meta_obs(policy, spec, 1)))
         obs = sum(v.numel() * v.element_size() for v in meta_obs(policy, spec, 1).values())
+        execute = executed_actions(policy_cfg, policy.chunk_len)  # (the config's, the whole chunk where it is null)
         return cls(parameters=parameters, trained=trained, frozen_bytes=frozen,
                    payload_bytes=(parameters - lora) * dtype.itemsize, dtype=dtype,
                    moment_bytes=MOMENT_BYTES[optimizer_dtype], activations_per_row=activations,
                    block_per_row=math.ceil(whole / max(len(blocks), 1)), cache_per_env=cache, prefix_per_row=prefix,
                    chain_per_row=_bytes(meta_extras(policy, 1)), obs_per_row=obs,
-                   sim_slot=SlotLayout.build(spec, policy.execute).size, checkpointing=checkpointing,
-                   execute=policy.execute)
+                   sim_slot=SlotLayout.build(spec, execute).size, checkpointing=checkpointing, execute=execute)
 
     # --- a run's stages ---------------------------------------------------------------------
     def trainer(self, micro_batch: int, rollout_rows: int = 0, shards: int = 1) -> Footprint:

@@ -33,8 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.bench.schedulers import (bench_cores, group_size, placed_sim_cpu, policy_batch, process_cpu_s,
-                                   reference_algo, torch_threads)
+from ebrl.bench.schedulers import (bench_cores, placed_sim_cpu, policy_batch, process_cpu_s, reference_algo,
+                                   torch_threads)
+from ebrl.shape import RolloutShape, group_size
 
 LABEL = "simulated"
 ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO's, robosuite's, ManiSkill's: 7
@@ -153,14 +154,14 @@ def read_gpu_costs(path: str) -> dict[str, Any]:
 
 # --- measuring here --------------------------------------------------------------------------
 def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
-    """The workload's costs on this machine (see the module docstring)."""
+    """The workload's costs on this machine (see the module docstring); `cfg`: policy.execute settled."""
     import os
 
     import torch
     from omegaconf import OmegaConf
 
     from ebrl.envs.worker import SimWorkerPool
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
     from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
@@ -170,7 +171,6 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
     # made with (docs/internals/schedules.md, "Measured choices")
     flush = torch.set_flush_denormal(True)
-    settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     algo = reference_algo(cfg)  # (PPO's shape of the update, whatever the run's algorithm)
@@ -368,19 +368,18 @@ class ModelledCosts:
 def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, cameras: int,
                    measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None,
                    sim_label: str = "--sim-step-ms", sharded: bool = False) -> ModelledCosts:
-    """A GPU node's costs for `cfg` (its policy, algo and hw.gpu_name): see `ModelledCosts`; the simulators' steps,
-    episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label` says they come from),
-    sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the training state under
-    FSDP."""
+    """A GPU node's costs for `cfg` (its policy, policy.execute settled, algo and hw.gpu_name): see `ModelledCosts`;
+    the simulators' steps, episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label`
+    says they come from), sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the
+    training state under FSDP."""
     from omegaconf import OmegaConf
 
     from ebrl.forecast.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.bench.memory import env_spec
-    from ebrl.policies.build import settle_execute
+    from ebrl.policies.build import executed_actions
 
     gpu = gpu_spec(cfg.hw.gpu_name)
     nodes = int(cfg.hw.get("nodes") or 1)
-    settle_execute(cfg)
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     ops = PolicyOps.of(policy_cfg, spec)
@@ -405,7 +404,7 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
                           f"values and SM occupancy from {gpu.source}")
     return ModelledCosts(sim_mean_s=mean, sim_p99_s=p99, reset_s=reset_ms / 1e3,
                          max_episode_steps=int(cfg.env.max_episode_steps),
-                         execute=int(cfg.policy.execute or ops.chunk_len),
+                         execute=executed_actions(policy_cfg, ops.chunk_len),
                          chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
                          shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes, sharded=sharded),
                          sources=sources,
@@ -446,9 +445,9 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         placement = type("Placement", (VirtualPlacement, Placement), {})(cfg, list(range(k)), device, tmp, Ranks())
         s = cfg.scheduler
         if gpus and placement.allocator is not None:  # (what a run's placement takes from the roofline)
-            batch, rows = n // int(s.groups), n * int(reference_algo(cfg).rollout_chunks)
-            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", batch, 1.0).sm_busy,
-                                                 "train": costs.on_gpu("train", rows, 1.0).sm_busy},
+            shape = RolloutShape.of(cfg, ranks, costs.max_episode_steps, costs.execute, envs=n)
+            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", shape.envs_per_group, 1.0).sm_busy,
+                                                 "train": costs.on_gpu("train", shape.rows, 1.0).sm_busy},
                                                 "the cost model's")
         pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
                            placement.cpus("simulate") + placement.spare(), s.sim_nice)
@@ -568,6 +567,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
     capacity line: the env steps/s the GPU bounds a rank to, and the cores and envs it takes to reach it."""
     from ebrl.bench.schedulers import compose_overrides
     from ebrl.config import ConfigError
+    from ebrl.policies.build import settle_execute
 
     if args.validate or args.costs or args.save_costs:
         raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
@@ -582,6 +582,7 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
                           "--sim-costs FILE (--save-costs on hw=cpu)")
     t0 = time.perf_counter()
     gpu_costs = read_gpu_costs(args.gpu_costs) if args.gpu_costs else None
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     strategy, memory_line = gpu_memory(cfg, max(args.envs or [int(cfg.env.num_envs)]), args.cameras)
     costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label,
                            sharded=strategy == "fsdp")
@@ -624,8 +625,9 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     MPS overlap their hosts' gaps."""
     envs = max(r[LABEL]["envs"] for r in rows)
     cores = rows[0][LABEL]["cores"]
-    chunks = int(reference_algo(cfg).rollout_chunks)  # (a sample per chunk step; values once an iteration)
-    decisions = envs * chunks
+    shape = RolloutShape.of(cfg, envs=envs, max_episode_steps=costs.max_episode_steps, execute=costs.execute)
+    chunks = shape.chunks  # (a sample per chunk step; values once an iteration, for the bootstrap)
+    decisions = shape.rows
     calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
              "train": [costs.on_gpu("train", decisions, 1.0)]}
     per = {"generate": decisions * costs.execute, "train": decisions * costs.execute}
@@ -659,15 +661,13 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
     from ebrl.alloc.memory import GiB, MemoryModel, fitting_strategy
     from ebrl.bench.memory import env_spec
     from ebrl.config import ConfigError
-    from ebrl.rl.ppo import minibatch_rows
 
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
     model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                            cache_prefix=cfg.algo.cache_prefix)
-    chunks = int(reference_algo(cfg).rollout_chunks)
     ranks = int(cfg.hw.gpus) * int(cfg.hw.get("nodes") or 1)
-    mb = minibatch_rows(cfg.algo, envs * chunks, ranks)
-    micro = min(cfg.algo.micro_batch or mb, mb)
+    shape = RolloutShape.of(cfg, ranks, int(cfg.env.max_episode_steps), model.execute, envs=envs)
+    chunks, micro = shape.chunks, shape.micro_rows  # (micro-batches of the trainer's size)
     have = int(cfg.hw.gpu_memory_gb * GiB)
     try:
         strategy, _ = fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks,
@@ -705,11 +705,13 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     """The scheduler benchmark's workload: costs measured here (or read back), every mode predicted, and with
     --validate run for real beside."""
     from ebrl.bench.schedulers import Workload, compose, round_order, run_mode
+    from ebrl.policies.build import settle_execute
 
     workload = Workload(preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
                         iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
                         straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
     cfg = compose(workload)
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     # with --validate, each round measures the costs again right before its runs (this machine's speed varies
     # through a day: a prediction is checked against runs made minutes after its own costs), and a prediction is the
     # median of the rounds'

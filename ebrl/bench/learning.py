@@ -113,9 +113,9 @@ def run_config(algo: str, mode: str, seed: int, start: Path, iterations: int, ov
                stragglers: tuple[float, int] = (0.0, 1)) -> Any:
     """One RL run's config; `stragglers` (fraction of the envs, slowdown): that many envs, whole GRPO groups, take
     that many times the physics substeps per action (ebrl.bench.stragglers), so their episodes last longer."""
-    from ebrl.bench.schedulers import group_size
     from ebrl.bench.stragglers import with_stragglers
     from ebrl.checks import complete_benchmark_tasks
+    from ebrl.shape import group_size
 
     cfg = compose_overrides([f"algo={algo}", f"init={start}", f"seed={seed}", f"iterations={iterations}",
                              "progress=false", "logger=none", f"checkpoint_every={iterations}", *overrides], mode)

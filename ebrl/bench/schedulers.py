@@ -46,6 +46,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ebrl.shape import group_size  # the envs built from one seed (SimWorkerPool's group_size, as Experiment gives it)
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SIM_ONLY, GYM_ROLLOUT, GYM_E2E = "sim-only", "gym AsyncVectorEnv (rollout)", "gym AsyncVectorEnv + PPO"
 STAGES = ("simulate", "generate", "train")
@@ -123,11 +125,6 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
         cfg = with_stragglers(cfg, workload.straggler_units(group_size(cfg)), workload.straggler_task,
                               workload.straggler_slowdown, workload.straggler_after_steps)
     return cfg
-
-
-def group_size(cfg: Any) -> int:
-    """The envs built from one seed: a GRPO group's, else 1 (SimWorkerPool's group_size, as Experiment gives it)."""
-    return int(cfg.algo.group_size) if cfg.algo.name == "grpo" else 1
 
 
 def reference_algo(cfg: Any) -> Any:
@@ -217,7 +214,7 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
     warm-up iteration (the per-stage costs run on them), and the step latencies (ms: mean, p99, slowest env's
     mean / fastest env's mean) with both CPU figures (ms per env step: lockstep, placed).
     """
-    n, H = len(pool.workers), pool.chunk_len
+    n, H = len(pool.workers), pool.execute
     zeros = np.zeros((n, H, pool.spec.action_dim), np.float32)
     pids = [w.pid for w in pool.workers]
     seen: list[dict[str, np.ndarray]] = []
@@ -262,7 +259,7 @@ def placed_sim_cpu(pool: Any, replay: list[np.ndarray]) -> float:
     all envs are runnable at once and the OS time-slices them over the cores, which costs CPU (switches, cold
     caches); a schedule that hands each env a core of its own does not pay it, so the limit takes the lesser."""
     cores = sorted(os.sched_getaffinity(0))
-    workers, H = pool.workers, pool.chunk_len
+    workers, H = pool.workers, pool.execute
     pids = [w.pid for w in workers]
     try:
         for i, worker in enumerate(workers):
@@ -355,16 +352,16 @@ def limits_of(cost: dict[str, float], cores: int, gpu: bool) -> dict[str, float]
 
 def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], float, dict[str, float], Any]:
     """The sim-only rate, the three stages' CPU-seconds per env step, the parent's orchestration CPU per env
-    step and the step latencies, on this workload's envs and policy; and the envs' EnvSpec."""
+    step and the step latencies, on this workload's envs and policy (`cfg`, policy.execute settled); and the envs'
+    EnvSpec."""
     import torch
     from omegaconf import OmegaConf
 
     from ebrl.envs.worker import SimWorkerPool
     from ebrl.rl.ppo import PPOTrainer
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
     from ebrl.runs.base import run_device
 
-    settle_execute(cfg)  # (the actions of each chunk a run executes, as Experiment settles them)
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     device = run_device(cfg)  # generation and training are measured where the run puts them
@@ -391,8 +388,8 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
 # --- the external reference: gymnasium's AsyncVectorEnv ------------------------------------
 def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     """The same policy driving gymnasium.vector.AsyncVectorEnv over the same adapters: env steps/s of the
-    rollout alone and with the same PPO update per iteration (the first iteration warms up). `spec`: the envs'
-    EnvSpec, which shapes the policy as in Experiment."""
+    rollout alone and with the same PPO update per iteration (the first iteration warms up). `cfg`: policy.execute
+    settled; `spec`: the envs' EnvSpec, which shapes the policy as in Experiment."""
     import gymnasium
     import torch
     from omegaconf import OmegaConf
@@ -403,9 +400,8 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.runtime.resources import environment
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
-    from ebrl.policies.build import build_policy, settle_execute
+    from ebrl.policies.build import build_policy
 
-    settle_execute(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
     fns = [partial(make_adapter_env, conf["env"], env_seed(cfg.seed, i, group_size(cfg))) for i in range(n)]
@@ -475,6 +471,7 @@ class Load:
 def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = Load()) -> Round:
     """Every row once: the modes in the order given (each quiet, then beside `load` if any), then the references."""
     from ebrl.bench.load import foreign_load
+    from ebrl.policies.build import settle_execute
 
     out = Round()
     for mode in modes:
@@ -484,6 +481,7 @@ def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = 
             with foreign_load(load.processes, cores):
                 out.rates[load.row(mode)], out.cpu_busy[load.row(mode)], _ = run_mode(compose(workload, mode))
     cfg = compose(workload)
+    settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
         cfg, workload.iterations)
     if gym:

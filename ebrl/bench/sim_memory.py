@@ -41,7 +41,7 @@ def uss_mib(pid: int) -> float:
 
 
 def measure(env_cfg: dict[str, Any], keep: bool) -> float:
-    worker = SimWorker(env_cfg, seed=0, chunk_len=8, process_env={KEEP_BUILD_MEMORY: "1"} if keep else None)
+    worker = SimWorker(env_cfg, seed=0, execute=8, process_env={KEEP_BUILD_MEMORY: "1"} if keep else None)
     try:
         worker.start()
         worker.reset()

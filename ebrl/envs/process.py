@@ -6,7 +6,7 @@ and per-step results live in the env's shared-memory slot (ebrl/envs/slots.py). 
 standard library and the adapter's module only, never torch: it may run under a benchmark's own interpreter.
 
 Protocol, parent -> child after the child sent ("spec", EnvSpec):
-    ("attach", shm_name, chunk_len) -> ("ok", None)
+    ("attach", shm_name, execute)   -> ("ok", None)
     ("reset", seed | None)          -> obs written to shm; ("ok", None)
     ("chunk", n_steps)              -> actions[:n] read from shm, results written; ("ok", {"episode": ...})
     ("close",)                      -> the child closes its env and exits
@@ -155,9 +155,9 @@ class Simulator:
         command = message[0]
         try:
             if command == "attach":  # (a multi-task run's slot is laid out by the pool's joint spec)
-                _, shm_name, chunk_len, slot_spec = message
+                _, shm_name, execute, slot_spec = message
                 self.shm = attach_shared_memory(shm_name)
-                self.views = SlotLayout.build(slot_spec or self.adapter.spec, chunk_len).views(self.shm.buf)
+                self.views = SlotLayout.build(slot_spec or self.adapter.spec, execute).views(self.shm.buf)
                 return "ok", None
             if command == "reset":
                 _write_obs(split_views(self.views, "obs/"), self.adapter.begin_episode(message[1]))
@@ -204,9 +204,9 @@ def _inject(fault: dict[str, Any]) -> None:
 
 
 def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) -> dict[str, Any]:
-    chunk_len = len(views["actions"])
-    if not 1 <= n_steps <= chunk_len:
-        raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{chunk_len}")
+    execute = len(views["actions"])
+    if not 1 <= n_steps <= execute:
+        raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{execute}")
     started, cpu = time.perf_counter(), time.thread_time()
     obs, result = adapter.run_chunk(views["actions"][:n_steps, :adapter.spec.action_dim].copy())  # its own dims
     views["clock"][:] = (started, time.perf_counter())

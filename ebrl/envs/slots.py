@@ -22,25 +22,26 @@ class SlotLayout:
     """Where each array of one environment's slot lies in its shared-memory block.
 
     Arrays: obs/<key> and final/<key> (the obs an episode ended on) per observation key,
-    actions (H, action_dim) float32, rewards (H,) float32, step_times (H,) float64,
-    successes (H,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
+    actions (k, action_dim) float32, rewards (k,) float32, step_times (k,) float64,
+    successes (k,) bool, header (4,) int32: executed, terminated, truncated, has_final, clock (2,)
     float64: time.perf_counter() when the chunk's first step began and its last ended (CLOCK_MONOTONIC,
-    one clock for every process of the node, so a trace can set envs side by side).
+    one clock for every process of the node, so a trace can set envs side by side). k: `execute`, the actions of
+    a chunk the env executes (policy.execute).
     """
 
     fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # name, shape, dtype, byte offset
     size: int
 
     @classmethod
-    def build(cls, spec: EnvSpec, chunk_len: int) -> "SlotLayout":
+    def build(cls, spec: EnvSpec, execute: int) -> "SlotLayout":
         arrays: list[tuple[str, tuple[int, ...], str]] = [("header", (len(HEADER),), "int32")]
         arrays += [(f"obs/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
         arrays += [(f"final/{key}", tuple(a.shape), a.dtype) for key, a in spec.obs.items()]
         arrays += [
-            ("actions", (chunk_len, spec.action_dim), "float32"),
-            ("rewards", (chunk_len,), "float32"),
-            ("step_times", (chunk_len,), "float64"),
-            ("successes", (chunk_len,), "bool"),
+            ("actions", (execute, spec.action_dim), "float32"),
+            ("rewards", (execute,), "float32"),
+            ("step_times", (execute,), "float64"),
+            ("successes", (execute,), "bool"),
             ("clock", (2,), "float64"),
         ]
         fields, offset = [], 0

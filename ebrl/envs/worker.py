@@ -267,18 +267,19 @@ class _Resources:
 class SimWorker:
     """Main-process handle of one simulator process and its shared-memory slot."""
 
-    def __init__(self, env_cfg: dict[str, Any], seed: int, chunk_len: int | None = None, index: int = 0,
+    def __init__(self, env_cfg: dict[str, Any], seed: int, execute: int | None = None, index: int = 0,
                  cpus: Sequence[int] | None = None, start_timeout: float = 600.0,
                  process_env: Mapping[str, str] | None = None, serial: bool = False) -> None:
-        if chunk_len is not None and chunk_len < 1:
-            raise ValueError(f"chunk_len={chunk_len} must be >= 1")
+        if execute is not None and execute < 1:
+            raise ValueError(f"execute={execute} must be >= 1")
         self.launch = Launch(worker_python(env_cfg.get("name", ""), env_cfg.get("python")), dict(process_env or {}),
                              start_timeout, serial)
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.replacements = 0  # processes that took over this env after one failed
         self.nice: int | None = None  # applied to every process of this env
-        self.chunk_len = chunk_len  # actions one chunk may hold; may be given at `attach` instead
+        # the actions of a chunk the env executes (policy.execute): what its slot holds; may be given at `attach`
+        self.execute = execute
         self.index = index
         self.cpus = list(cpus) if cpus else None
         self.spec: EnvSpec | None = None  # set once the slot is attached
@@ -328,9 +329,9 @@ class SimWorker:
         self._send(("init", self.env_cfg, self.seed, self.cpus))
 
     def connect(self) -> EnvSpec:
-        """Receive the spec and attach a slot of `chunk_len` actions (both steps of a started process)."""
+        """Receive the spec and attach a slot of `execute` actions (both steps of a started process)."""
         self.receive_spec()
-        return self.attach(self.chunk_len)
+        return self.attach(self.execute)
 
     def receive_spec(self) -> EnvSpec:
         """The env's spec, sent by the child once its simulator is built (blocks until then)."""
@@ -341,19 +342,19 @@ class SimWorker:
             self._received_spec = self._receive("spec")
         return self._received_spec
 
-    def attach(self, chunk_len: int | None) -> EnvSpec:
-        """Create the shared slot for chunks of up to `chunk_len` actions and attach the child to it."""
+    def attach(self, execute: int | None) -> EnvSpec:
+        """Create the shared slot for chunks of up to `execute` actions and attach the child to it."""
         if self.spec is not None:
             return self.spec
-        if chunk_len is None or chunk_len < 1:
-            raise ValueError(f"chunk_len={chunk_len} must be >= 1")
+        if execute is None or execute < 1:
+            raise ValueError(f"execute={execute} must be >= 1")
         spec = self.receive_spec()
-        self.chunk_len = int(chunk_len)
-        layout = SlotLayout.build(self.slot_spec or spec, self.chunk_len)
+        self.execute = int(execute)
+        layout = SlotLayout.build(self.slot_spec or spec, self.execute)
         self._res.shm = SharedMemory(create=True, size=layout.size)
         _BLOCKS[self._res.shm.name] = self._res.shm
         self.slot = Slot.of(layout.views(self._res.shm.buf))
-        self._send(("attach", self._res.shm.name, self.chunk_len, self.slot_spec))
+        self._send(("attach", self._res.shm.name, self.execute, self.slot_spec))
         self._receive("ok")
         self.spec = spec
         return spec
@@ -381,7 +382,7 @@ class SimWorker:
             self.renice(self.nice)
         if self.receive_spec() != spec:
             raise EnvSetupError(f"sim worker {self.index}'s replacement reports {self._received_spec}, not {spec}")
-        self.attach(self.chunk_len)
+        self.attach(self.execute)
         self.reset()
 
     def renice(self, nice: int) -> None:
@@ -437,8 +438,8 @@ class SimWorker:
         episode must not go on, e.g. one GRPO episode per env per rollout).
         """
         self._check_idle()
-        if not 0 <= n_steps <= self.chunk_len:
-            raise ValueError(f"n_steps={n_steps}: this worker's slot holds 0..{self.chunk_len} actions")
+        if not 0 <= n_steps <= self.execute:
+            raise ValueError(f"n_steps={n_steps}: this worker's slot holds 0..{self.execute} actions")
         lost = None
         if n_steps:
             try:
@@ -561,7 +562,7 @@ class SimWorkerPool:
     model, once per process): equal reset seeds then give them equal initial states.
     """
 
-    def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, chunk_len: int | None = None,
+    def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, execute: int | None = None,
                  cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
                  chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
                  process_env: Mapping[str, str] | None = None, serial: bool = False,
@@ -576,7 +577,7 @@ class SimWorkerPool:
             raise ValueError(f"group_size={group_size} must divide num_envs={num_envs}")
         self.num_envs = num_envs
         self.group_size = group_size
-        self.chunk_len = chunk_len  # most actions one chunk may hold; may be given at `attach` instead
+        self.execute = execute  # the actions of a chunk the envs execute (policy.execute); may be given at `attach`
         self.chunk_timeout_s = chunk_timeout_s  # a chunk without a result for this long: the simulator hung
         self.max_failures, self.failure_window_s = max_failures, failure_window_s
         self.started_episodes = False  # reset_all succeeded once: a failure in a later one is a simulator failure
@@ -590,7 +591,7 @@ class SimWorkerPool:
                 cfg_i["episode_seeds"] = [episode_seeds + i, num_envs]
         self.workers = [
             SimWorker(task_config(own[i], self.tasks[i]) if self.tasks else own[i],
-                      env_seed(seed, i, group_size), chunk_len, index=i, cpus=cpus[i] if cpus else None,
+                      env_seed(seed, i, group_size), execute, index=i, cpus=cpus[i] if cpus else None,
                       process_env=process_env, serial=serial)
             for i in range(num_envs)
         ]
@@ -600,8 +601,8 @@ class SimWorkerPool:
     def start(self) -> "SimWorkerPool":
         """Spawn every process first, then collect the specs: the simulators build concurrently.
 
-        With `chunk_len` known the slots are attached too; otherwise call `attach` once the policy
-        (built from `spec`) says how long its chunks are.
+        With `execute` known the slots are attached too; otherwise call `attach` once the policy
+        (built from `spec`) says how many actions of its chunks run.
         """
         try:
             for worker in self.workers:
@@ -621,18 +622,18 @@ class SimWorkerPool:
                 from ebrl.telemetry.report import console  # (parent side only: the worker side imports no rich)
 
                 console.print(f"simulators render on the CPU, not on the run's GPU: {software}", soft_wrap=True)
-            if self.chunk_len is not None:
-                self.attach(self.chunk_len)
+            if self.execute is not None:
+                self.attach(self.execute)
         except BaseException:
             self.close()
             raise
         return self
 
-    def attach(self, chunk_len: int) -> None:
-        """Give every worker its shared slot for chunks of up to `chunk_len` actions."""
-        self.chunk_len = chunk_len
+    def attach(self, execute: int) -> None:
+        """Give every worker its shared slot for chunks of up to `execute` actions."""
+        self.execute = execute
         for worker in self.workers:
-            worker.attach(chunk_len)
+            worker.attach(execute)
 
     def __enter__(self) -> "SimWorkerPool":
         return self.start() if self.spec is None else self

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from ebrl.envs.base import EnvSpec
+from ebrl.shape import RolloutShape, micro_rows, minibatch_rows
 
 
 @dataclass(frozen=True)
@@ -287,11 +288,10 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     micro-batches' forward and backward (and a recomputed forward with checkpointing), AdamW per optimizer step, the
     gradients' ring all-reduce over ranks."""
     from ebrl.alloc.memory import MOMENT_BYTES
-    from ebrl.rl.ppo import minibatch_rows
 
     algo = shape.algo
     per_step = minibatch_rows(algo, rows, shape.ranks)
-    micro = min(algo.get("micro_batch") or per_step, per_step)
+    micro = micro_rows(algo, per_step)
     minibatches = _split(rows, per_step)
     passes = Counter(size for mb in minibatches for size in _split(mb, micro))  # (the last of each smaller)
     steps = algo.epochs * len(minibatches)
@@ -341,17 +341,18 @@ def kernel_shares(ops: PolicyOps, batch: int, rows: int, shape: UpdateShape, gpu
             "train": train_time(ops, rows, shape, gpu, 1.0, host_s).sm_busy}
 
 
-def roofline_shares(cfg: Any, spec: EnvSpec, rows: int, world: int, sharded: bool, device_type: str,
+def roofline_shares(cfg: Any, spec: EnvSpec, rollout: RolloutShape, sharded: bool, device_type: str,
                     ) -> tuple[dict[str, float], str] | None:
-    """`kernel_shares` for a run's config on hw.gpu_name's published peaks, and where they come from; a GPU without
-    them: None. The run hands it to its placement (`Placement.check_memory`), whose calibrating allocator sizes the
-    stages' SM shares by it before it has measured any."""
+    """`kernel_shares` for a run's config and its rollout's shape (generation's batch, the update's rows over the
+    ranks) on hw.gpu_name's published peaks, and where they come from; a GPU without them: None. The run hands it
+    to its placement (`Placement.check_memory`), whose calibrating allocator sizes the stages' SM shares by it
+    before it has measured any."""
     if cfg.hw.gpu_name not in GPUS:
         return None
     ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, device_type)
-    shape = UpdateShape(cfg.algo, world, int(cfg.hw.nodes), sharded=sharded)
-    batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
-    shares = kernel_shares(ops, batch, rows, shape, GPUS[cfg.hw.gpu_name], host_seconds_per_op()[0])
+    shape = UpdateShape(cfg.algo, rollout.ranks, int(cfg.hw.nodes), sharded=sharded)
+    shares = kernel_shares(ops, rollout.envs_per_group, rollout.rows, shape, GPUS[cfg.hw.gpu_name],
+                           host_seconds_per_op()[0])
     return shares, f"the roofline's on {cfg.hw.gpu_name}'s published peaks"
 
 

@@ -475,7 +475,7 @@ class VirtualWorker:
 
     index: int
     spec: EnvSpec
-    chunk_len: int
+    execute: int  # the actions of a chunk it executes (SimWorker's)
     obs: dict[str, np.ndarray] = field(default_factory=dict)
     actions: np.ndarray | None = None
     step: int = 0  # of its episode
@@ -492,14 +492,14 @@ class VirtualWorker:
 class VirtualPool:
     """`SimWorkerPool`'s face to the Scheduler, the envs' chunks modelled (`VirtualDispatcher` runs them)."""
 
-    def __init__(self, world: World, costs: Costs, spec: EnvSpec, num_envs: int, chunk_len: int, seed: int,
+    def __init__(self, world: World, costs: Costs, spec: EnvSpec, num_envs: int, execute: int, seed: int,
                  sim_cores: Sequence[int], sim_nice: int) -> None:
-        self.world, self.costs, self.spec, self.chunk_len = world, costs, spec, chunk_len
+        self.world, self.costs, self.spec, self.execute = world, costs, spec, execute
         self.rng = np.random.default_rng(seed)
         self.sim_nice = sim_nice
         zeros = {k: np.zeros(v.shape, v.dtype) for k, v in spec.obs.items()}
-        self.workers = [VirtualWorker(i, spec, chunk_len, obs=zeros, cpus=tuple(sim_cores),
-                                      actions=np.zeros((chunk_len, spec.action_dim), np.float32))
+        self.workers = [VirtualWorker(i, spec, execute, obs=zeros, cpus=tuple(sim_cores),
+                                      actions=np.zeros((execute, spec.action_dim), np.float32))
                         for i in range(num_envs)]
         for w in self.workers:
             w.length = costs.episode_length(w.index, self.rng)
@@ -527,7 +527,7 @@ class VirtualPool:
     def chunk(self, env: int, cores: tuple[int, ...], done: Callable[[ChunkReport], None]) -> Task:
         """Env `env`'s next chunk as a task; `done` gets its report."""
         w = self.workers[env]
-        n = min(self.chunk_len, w.length - w.step)
+        n = min(self.execute, w.length - w.step)
         costs = self.costs.sim_steps(env, n, self.rng)
         work = float(costs.sum()) + (self.costs.reset() if w.step + n >= w.length else 0.0)  # (the auto-reset)
         started = self.world.now

@@ -89,8 +89,10 @@ def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dic
 def settle_execute(cfg: Any, trained: dict[str, Any] | None = None) -> str:
     """Set `policy.execute` in the composed config `cfg` where it is null, and say where the number came from: the
     run's recipe at full size (RLinf's num_action_chunks), else the checkpoint folder's lerobot n_action_steps, else
-    the whole chunk (null stays). mode=eval takes the evaluated run's own setting (`trained`: its policy config) and
-    then the folder's before the recipe's, so a published checkpoint is measured as its folder says it acts."""
+    the whole chunk (null stays: `executed_actions`). mode=eval takes the evaluated run's own setting (`trained`: its
+    policy config) and then the folder's before the recipe's, so a published checkpoint is measured as its folder
+    says it acts. Part of a run's completion: called once per config, by the run kinds (and the benchmarks that
+    compose one) before anything reads it or copies it to another process."""
     p = cfg.policy
     if p.get("execute") is not None:
         return "policy.execute"
@@ -107,6 +109,19 @@ def settle_execute(cfg: Any, trained: dict[str, Any] | None = None) -> str:
             p.execute = int(value)
             return why
     return "the whole chunk"
+
+
+def executed_actions(policy_cfg: dict[str, Any], chunk_len: int) -> int:
+    """The actions of each chunk of `chunk_len` (H) the env executes: the settled `policy.execute` (settle_execute),
+    or the whole chunk where it is null. The one check of its range, against H as the built policy resolves it (its
+    preset's, policy.chunk or a checkpoint folder's): one line where it is not in 1..H."""
+    execute = policy_cfg.get("execute")
+    if execute is None:
+        return chunk_len
+    if not 1 <= int(execute) <= chunk_len:
+        raise ConfigError(f"policy.execute={execute} must be in 1..{chunk_len}, the policy's chunk of {chunk_len} "
+                          "actions")
+    return int(execute)
 
 
 def executed_line(policy: Policy, source: str) -> str | None:
@@ -161,11 +176,7 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
         raise ContractError(f"policy._target_={policy_cfg['_target_']!r} set no self.{missing[0]} (an int) in its "
                             f"constructor: a policy implements {POLICY_CONTRACT}")
     policy.compute_dtype = dtype
-    execute = policy_cfg.get("execute")
-    if execute is not None and not 1 <= int(execute) <= policy.chunk_len:
-        raise ConfigError(f"policy.execute={execute} must be in 1..{policy.chunk_len}, the policy's chunk of "
-                          f"{policy.chunk_len} actions")
-    policy.execute = policy.chunk_len if execute is None else int(execute)
+    policy.execute = executed_actions(policy_cfg, policy.chunk_len)  # (policy.execute as the config settled it)
     if policy_cfg.get("capture") is not None:  # the flow families' denoising loop (ebrl/policies/capture.py)
         capture_on(policy_cfg["capture"], torch.device(device))  # one line for a setting this device cannot run
         policy.capture = policy_cfg["capture"]

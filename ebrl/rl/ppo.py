@@ -34,6 +34,7 @@ from ebrl.policies.layers import cat_rows, map_tensors
 from ebrl.policies.training import is_sharded, trained_parameters
 from ebrl.rl.optim import make_optimizer
 from ebrl.rl.rollout import RolloutBatch
+from ebrl.shape import micro_rows, minibatch_rows
 
 
 def compute_gae(
@@ -149,15 +150,6 @@ def proximal_rows(batch: RolloutBatch, decoupled: bool, version: int | None, how
     if how == "all" or version is None or batch.version is None:
         return torch.ones(rows, dtype=torch.bool)
     return _flat(batch.version) != version
-
-
-def minibatch_rows(cfg: AlgoConfig, rows: int, ranks: int = 1) -> int:
-    """Rows of one optimizer step on this rank: the rank's share of algo.global_batch (all of its `rows` when the
-    rollout is smaller), else `rows` / algo.minibatches."""
-    global_batch = cfg.get("global_batch")
-    if global_batch is None:
-        return max(1, rows // cfg.minibatches)
-    return max(1, min(rows, global_batch // ranks))
 
 
 def value_loss(value: torch.Tensor, ret: torch.Tensor, old_value: torch.Tensor, clip: float | None,
@@ -377,7 +369,7 @@ class PPOTrainer:
         B = chunk.shape[0]
         mb = minibatch_rows(cfg, B, 1 if self.group is None else dist.get_world_size(self.group))
         steps = math.ceil(B / mb)
-        rows = min(cfg.get("micro_batch") or mb, mb)  # per forward/backward pass
+        rows = micro_rows(cfg, mb)  # per forward/backward pass
         self.policy.train()
         prefix = self.prefixes(obs, rows)
         behaviour_lp = old_lp if decoupled else None  # (decoupled: the ratio's weight to the behaviour policy)

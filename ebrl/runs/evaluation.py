@@ -108,27 +108,28 @@ class Evaluation(Run):
         order_gpus_by_bus()  # before anything counts or starts a GPU
         check_mode(cfg)
         validate(cfg)
+        # a run's checkpoint; none: the published weights of policy.checkpoint
+        path = checkpoint_file(cfg.checkpoint) if cfg.checkpoint else Path(cfg.policy.checkpoint).expanduser()
+        ckpt = load_policy_checkpoint(path, OmegaConf.to_container(cfg.policy, resolve=True),
+                                      f"checkpoint={cfg.checkpoint}", resume=False) if cfg.checkpoint else None
+        # (before the config is copied: the evaluated run's own policy.execute, else the folder's or the recipe's)
+        executes = settle_execute(cfg, ckpt["config"]["policy"] if ckpt else None)
         evaluation = cls(cfg, run_folder(cfg, run_dir, resumes=False))
-        evaluation._build()
+        evaluation._build(path, ckpt, executes)
         return evaluation
 
-    def _build(self) -> None:
+    def _build(self, path: Path, ckpt: dict[str, Any] | None, executes: str) -> None:
+        """The simulators and the policy, its weights from `ckpt` (a run's checkpoint, read from `path`; None: the
+        published weights of policy.checkpoint, `path`); `executes`: where policy.execute came from."""
         cfg, conf = self.cfg, self.conf
-        self.ckpt = None  # a run's checkpoint; none: the published weights of policy.checkpoint
-        if cfg.checkpoint:
-            self.ckpt_path = checkpoint_file(cfg.checkpoint)
-            self.ckpt = load_policy_checkpoint(self.ckpt_path, conf["policy"], f"checkpoint={cfg.checkpoint}",
-                                               resume=False)
+        self.ckpt_path, self.ckpt = path, ckpt
+        if ckpt is not None:
             adopt_norm_stats(self.ckpt, conf, self.run_dir)  # (the statistics its weights were trained with)
             trained_on = self.ckpt["config"]["env"]
             if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
                 console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task="
                               f"{trained_on['task']}; evaluating on env={cfg.env.name} env.task={cfg.env.task}",
                               soft_wrap=True)
-        else:
-            self.ckpt_path = Path(cfg.policy.checkpoint).expanduser()
-        executes = settle_execute(cfg, self.ckpt["config"]["policy"] if self.ckpt else None)
-        conf["policy"]["execute"] = cfg.policy.execute
         self.device = self.start_device()
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run

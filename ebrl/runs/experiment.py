@@ -45,6 +45,7 @@ from ebrl.runtime.placement import Placement
 from ebrl.runtime.schedule import Scheduler
 from ebrl.runtime.trainer import TrainerError
 from ebrl.runs.base import Run, run_device, run_folder, seed_everything
+from ebrl.shape import RolloutShape
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
 from ebrl.telemetry.plots import write_plots
@@ -159,9 +160,9 @@ class Experiment(Run):
             # the allocator's first plan and the leases, and MPS daemons when hw asks for them, before any process
             self.placement = Placement(cfg, rank_cores(cfg), device, self.out_dir, self.ranks)
             torch.set_num_threads(self.placement.supervisor_threads())
-            group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1  # a group's envs are built alike
+            shape = RolloutShape.of(cfg, self.ranks.world)  # (a GRPO group's envs are built alike: group_size)
             s = cfg.scheduler
-            self.pool = self.start_pool(cfg.env.num_envs, self.seed, group_size=group_size,
+            self.pool = self.start_pool(shape.envs, self.seed, group_size=shape.group_size,
                                         chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
                                         max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
                                         process_env=sim_env)

@@ -19,6 +19,7 @@ from ebrl.alloc.allocator import profile_key, profiles_root
 from ebrl.alloc.profile import STAGES, Point, StageProfile, profile_path
 from ebrl.checks import rank_cores
 from ebrl.runs.experiment import Experiment
+from ebrl.shape import RolloutShape
 
 RATES_FILE = "stage_rates.json"
 
@@ -42,8 +43,7 @@ def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
     run = Experiment.from_config(cfg, run_dir)
     summary = run.train()
     rates = summary.measured.rates(amounts, cores, bool(cfg.hw.gpus))
-    batch = int(cfg.env.num_envs) // int(cfg.scheduler.groups)
-    record = {"key": profile_key(cfg), "batch": batch, "amounts": amounts, "rates": rates,
+    record = {"key": profile_key(cfg), "batch": RolloutShape.of(cfg).envs_per_group, "amounts": amounts, "rates": rates,
               "env_steps_per_s": summary.rollout_steps_per_s,
               "resource": {s: "cores" if s == "simulate" or not cfg.hw.gpus else "sm" for s in STAGES}}
     (run.run_dir / RATES_FILE).write_text(json.dumps(record, indent=2))

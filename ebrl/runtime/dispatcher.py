@@ -288,7 +288,7 @@ class Dispatcher:
             worker = self.pool.workers[env]
             if core is not None:
                 worker.bind([core])
-            worker.submit(worker.chunk_len)
+            worker.submit(worker.execute)
             self._running[worker.connection] = env
 
     def _until_overdue(self) -> float | None:

@@ -35,7 +35,7 @@ from ebrl.config import ConfigError
 from ebrl.node import cuda_device_count
 from ebrl.envs.base import EnvSpec
 from ebrl.node import Ranks, set_process_affinity
-from ebrl.rl.ppo import minibatch_rows
+from ebrl.shape import RolloutShape
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool, apply_memory_budget, visible_gpu
 from ebrl.telemetry.monitor import gpu_free_bytes
 from ebrl.telemetry.report import console
@@ -245,8 +245,9 @@ class Placement:
         trainer their budgets (MPS: a pinned-memory limit; otherwise torch's per-process cap, set in the child), and
         settle how several ranks' trainers hold the training state (`strategy`). A local trainer shares nothing but
         the simulators' slots, which are held already: on a GPU its one process is checked against the GPU alone.
-        `stage_shares(cfg, spec, rows, world, sharded, device_type)`: of each GPU stage's time, the share its kernels
-        keep the SMs busy, and where that comes from (or None), by which a calibrating allocator sizes the stages' SM
+        The sizes are the rollout's shape (ebrl/shape.py), the trainer's micro-batch among them.
+        `stage_shares(cfg, spec, shape, sharded, device_type)`: of each GPU stage's time, the share its kernels keep
+        the SMs busy, and where that comes from (or None), by which a calibrating allocator sizes the stages' SM
         shares before it has measured any (a run cannot measure them per process under MPS: NVML counts every
         client as the daemon's); the run passes the roofline's (ebrl/forecast/gpu_cost.py)."""
         cfg = self.cfg
@@ -255,17 +256,14 @@ class Placement:
             return
         model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
                                self.device.type, trace=gpu, cache_prefix=cfg.algo.cache_prefix)
-        chunks = (math.ceil(spec.max_episode_steps / model.execute) if cfg.algo.name == "grpo"
-                  else cfg.algo.rollout_chunks)
-        rows = cfg.env.num_envs * chunks
+        shape = RolloutShape.of(cfg, self.ranks.world, spec.max_episode_steps, model.execute)
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
         if not self.local:  # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
-            check_shared_memory(model.shared_memory(0, rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader))
+            check_shared_memory(model.shared_memory(0, shape.rows, channel_on_device=one_gpu,
+                                                    checkpoint=self.ranks.leader))
         memory = self.pool.gpu_memory_bytes if self.pool is not None else int(cfg.hw.gpu_memory_gb * GiB)
         if gpu and memory:
-            mb = minibatch_rows(cfg.algo, rows, self.ranks.world)
-            micro = min(cfg.algo.micro_batch or mb, mb)  # (per pass, as the trainer takes it)
-            strategy, budgets = fitting_strategy(model, memory, cfg.env.num_envs, micro, chunks,
+            strategy, budgets = fitting_strategy(model, memory, shape.envs, shape.micro_rows, shape.chunks,
                                                  render_contexts(cfg.env), f"hw={cfg.hw.name}",
                                                  self.ranks.world if self.ranks.distributed else 1,
                                                  cfg.distributed.strategy, trainer_process=not self.local)
@@ -278,7 +276,7 @@ class Placement:
                 return
             self.budgets = budgets
             if stage_shares is not None and self.allocator is not None and self.allocator.current is None:
-                found = stage_shares(cfg, spec, rows, self.ranks.world, self.strategy == "fsdp", self.device.type)
+                found = stage_shares(cfg, spec, shape, self.strategy == "fsdp", self.device.type)
                 if found is not None:
                     self.allocator.size_by_kernels(*found)
             if self.pool is not None:

@@ -31,7 +31,6 @@ rewards and dones cross through each env's shared-memory slot.
 """
 from __future__ import annotations
 
-import math
 import queue
 import time
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from ebrl.runtime.loop import Group, RolloutLoop, Rules, Serving, Shipment
 from ebrl.runtime.messages import State, Trained
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.trainer import make_trainer_stage
+from ebrl.shape import RolloutShape
 from ebrl.telemetry.trace import Trace
 
 
@@ -158,12 +158,11 @@ class Scheduler:
         self.pool, self.policy, self.placement, self.seed = pool, policy, placement, seed
         self.critic_warmup = critic_warmup
         self.schedule = s = Schedule.from_config(conf["scheduler"])
-        algo = conf["algo"]
-        episodic = algo["name"] == "grpo"  # one whole episode per env from its group's seeded reset
-        chunks = math.ceil(pool.spec.max_episode_steps / policy.execute) if episodic else int(algo["rollout_chunks"])
-        self.loop = RolloutLoop(len(pool.workers), s.groups, Rules(
-            chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
-            episodic, int(algo["group_size"]) if episodic else 1), shared_obs=s.trainer == "process")
+        episodic = conf["algo"]["name"] == "grpo"  # one whole episode per env from its group's seeded reset
+        shape = RolloutShape.of(conf, placement.ranks.world, pool.spec.max_episode_steps, policy.execute)
+        self.loop = RolloutLoop(shape.envs, s.groups, Rules(
+            shape.chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
+            episodic, shape.group_size), shared_obs=s.trainer == "process")
         self.observations = Observations(policy, pool, shared=placement.generation == "process")
         self.trace = Trace(clock)
         self.ledger = Ledger()

@@ -112,8 +112,8 @@ def test_libero_and_robosuite_15_workers_side_by_side():
     libero_cfg = dict(_target_="ebrl.envs.libero_env.LiberoEnv", name="libero", task="0", suite="libero_spatial",
                       num_envs=1, max_episode_steps=20, cameras=[], image_size=64, reward="dense",
                       terminate_on_success=True, python=None)
-    with SimWorkerPool(libero_cfg, num_envs=1, seed=0, chunk_len=4) as libero, \
-            SimWorkerPool(LIFT, num_envs=1, seed=0, chunk_len=4) as robosuite:
+    with SimWorkerPool(libero_cfg, num_envs=1, seed=0, execute=4) as libero, \
+            SimWorkerPool(LIFT, num_envs=1, seed=0, execute=4) as robosuite:
         for pool, python in ((libero, str(PYTHON)), (robosuite, sys.executable)):
             with open(f"/proc/{pool.workers[0].pid}/cmdline", "rb") as f:
                 assert f.read().split(b"\0")[0].decode() == python

@@ -62,7 +62,7 @@ def test_the_joint_spec_is_the_widest_and_refuses_other_keys():
 
 
 def test_a_pool_of_two_tasks_pads_the_narrower_state_and_reports_each_task():
-    with SimWorkerPool({**ROBOSUITE, "tasks": ["Lift", "Stack"]}, num_envs=2, seed=0, chunk_len=4) as pool:
+    with SimWorkerPool({**ROBOSUITE, "tasks": ["Lift", "Stack"]}, num_envs=2, seed=0, execute=4) as pool:
         lift, stack = (w.spec for w in pool.workers)
         assert lift.obs["state"].shape[0] < stack.obs["state"].shape[0] == pool.spec.obs["state"].shape[0]
         assert lift.instruction != stack.instruction
@@ -104,7 +104,7 @@ def test_robosuite_and_libero_envs_run_side_by_side_under_their_own_interpreters
     cfg = compose_config("env.num_envs=2", "env.max_episode_steps=6",
                          "env.tasks=[Lift,{env:libero,task:'0',max_episode_steps:6}]")
     validate(cfg)
-    with SimWorkerPool(OmegaConf.to_container(cfg.env), num_envs=2, seed=0, chunk_len=4) as pool:
+    with SimWorkerPool(OmegaConf.to_container(cfg.env), num_envs=2, seed=0, execute=4) as pool:
         lift, libero = (w.spec for w in pool.workers)
         assert pool.workers[1].launch.python == str(LIBERO_PYTHON) != pool.workers[0].launch.python
         widths = sorted(s.obs["state"].shape[0] for s in (lift, libero))

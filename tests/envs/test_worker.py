@@ -35,7 +35,7 @@ def close_within(closable, seconds=60.0):
 
 def test_pool_runs_chunks_in_child_processes_and_reports_episode_ends():
     before = shm_segments()
-    pool = SimWorkerPool(LIFT, num_envs=2, seed=3, chunk_len=5)
+    pool = SimWorkerPool(LIFT, num_envs=2, seed=3, execute=5)
     with pool:
         pids = [w.pid for w in pool.workers]
         assert len(set(pids)) == 2 and os.getpid() not in pids
@@ -72,7 +72,7 @@ def test_grouped_seeded_resets_share_initial_states_and_a_0_step_chunk_leaves_an
     from ebrl.rl.grpo import group_seeds
 
     # groups {0, 1} and {2, 3}, each built from one seed (Lift's cube size is drawn when the model is built)
-    with SimWorkerPool(LIFT, num_envs=4, seed=0, chunk_len=4, group_size=2) as pool:
+    with SimWorkerPool(LIFT, num_envs=4, seed=0, execute=4, group_size=2) as pool:
         pool.reset_all(group_seeds(0, 0, 4, 2))
         first = pool.stacked_obs()["state"]
         assert np.array_equal(first[0], first[1]) and np.array_equal(first[2], first[3])
@@ -105,7 +105,7 @@ def _alive(pid):
 
 def test_construction_error_arrives_as_one_line():
     before = shm_segments()
-    worker = SimWorker(dict(LIFT, task="Lfit"), seed=0, chunk_len=4)
+    worker = SimWorker(dict(LIFT, task="Lfit"), seed=0, execute=4)
     with pytest.raises(EnvSetupError) as info:
         worker.start()
     worker.close()
@@ -117,7 +117,7 @@ def test_construction_error_arrives_as_one_line():
 
 def test_camera_worker_survives_sigint_its_render_threads_follow_bind_and_a_killed_worker_does_not_hang_close():
     before = shm_segments()
-    worker = SimWorker(dict(LIFT, cameras=["agentview"]), seed=0, chunk_len=4)
+    worker = SimWorker(dict(LIFT, cameras=["agentview"]), seed=0, execute=4)
     worker.start()
     try:
         worker.reset(seed=1)
@@ -154,7 +154,7 @@ def test_camera_worker_survives_sigint_its_render_threads_follow_bind_and_a_kill
 
 def test_a_failed_simulator_is_replaced_in_its_slot_and_repeated_failures_stop():
     before = shm_segments()
-    with SimWorkerPool(LIFT, num_envs=2, seed=0, chunk_len=4, max_failures=1) as pool:
+    with SimWorkerPool(LIFT, num_envs=2, seed=0, execute=4, max_failures=1) as pool:
         pool.reset_all()
         old_pid, old_shm = pool.workers[1].pid, pool.workers[1].shm_name
         os.kill(old_pid, signal.SIGKILL)
@@ -196,7 +196,7 @@ def test_a_simulator_slowed_past_the_timeout_is_waited_for_and_a_stopped_one_is_
     so that its chunk takes longer than chunk_timeout_s in wall-clock: it advances, and is waited for. Env 1 is
     stopped for good: replaced."""
     fault = dict(kind="slow", env=0, chunk=1, seconds=1.5)
-    with SimWorkerPool({**LIFT, "fault": fault}, num_envs=2, seed=0, chunk_len=4, chunk_timeout_s=2.5) as pool:
+    with SimWorkerPool({**LIFT, "fault": fault}, num_envs=2, seed=0, execute=4, chunk_timeout_s=2.5) as pool:
         pool.reset_all()
         slow, stopped = pool.workers[0].pid, pool.workers[1].pid
         done = threading.Event()
@@ -236,7 +236,7 @@ def test_a_pool_whose_simulators_do_not_exit_kills_them_after_one_shared_wait(mo
     monkeypatch.setattr(worker_module._Resources, "release",
                         lambda self, timeout=5.0: (waits.append(timeout), release(self, timeout))[1])
     before = shm_segments()
-    pool = SimWorkerPool(LIFT, num_envs=3, seed=0, chunk_len=4)
+    pool = SimWorkerPool(LIFT, num_envs=3, seed=0, execute=4)
     pool.start()
     for worker in pool.workers:
         os.kill(worker.pid, signal.SIGSTOP)
@@ -249,7 +249,7 @@ def test_a_pool_whose_simulators_do_not_exit_kills_them_after_one_shared_wait(mo
 def test_a_simulator_that_dies_before_a_seeded_reset_is_replaced_and_reset_from_its_seed():
     """GRPO resets every env each iteration from its group's seed: a simulator that died since its last chunk is a
     simulator failure there too (replaced, counted), and its replacement starts the group's episode."""
-    pool = SimWorkerPool(LIFT, num_envs=2, seed=0, chunk_len=4, group_size=2)  # one group of two
+    pool = SimWorkerPool(LIFT, num_envs=2, seed=0, execute=4, group_size=2)  # one group of two
     try:
         pool.start()
         pool.reset_all(seeds=[3, 3])
@@ -270,7 +270,7 @@ def test_slot_layout_is_aligned_and_disjoint():
 
     spec = EnvSpec(obs={"state": ArraySpec((9,), "float32"), "image/cam": ArraySpec((8, 8, 3), "uint8")},
                    action_dim=7, instruction="x", max_episode_steps=10)
-    layout = SlotLayout.build(spec, chunk_len=5)
+    layout = SlotLayout.build(spec, execute=5)
     spans = sorted((offset, offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
                    for _, shape, dtype, offset in layout.fields)
     assert all(offset % 64 == 0 for offset, _ in spans)
@@ -292,7 +292,7 @@ def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / "venv")],
                    check=True)
     python = str(tmp_path / "venv" / "bin" / "python")
-    worker = SimWorker(dict(LIFT, python=python), seed=0, chunk_len=4)
+    worker = SimWorker(dict(LIFT, python=python), seed=0, execute=4)
     try:
         worker.start()
         with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
@@ -307,7 +307,7 @@ def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
 
 
 def test_missing_interpreter_is_one_line():
-    worker = SimWorker(dict(LIFT, python="/nonexistent/bin/python"), seed=0, chunk_len=4)
+    worker = SimWorker(dict(LIFT, python="/nonexistent/bin/python"), seed=0, execute=4)
     with pytest.raises(EnvSetupError) as info:
         worker.start()
     worker.close()
@@ -359,7 +359,7 @@ def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
     extra = simulator_gpu_environment(gpus=1)
     assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}  # (this machine's one EGL device)
     assert simulator_gpu_environment(gpus=0) == {}
-    pool = SimWorkerPool(LIFT, num_envs=1, seed=0, chunk_len=4, process_env=extra)
+    pool = SimWorkerPool(LIFT, num_envs=1, seed=0, execute=4, process_env=extra)
     worker = pool.workers[0]
     worker.start(wait=False)  # (the environment is the process's from exec on: no need to wait for Lift)
     try:  # (read again until the image that runs is the interpreter's: a launcher in between may exec it anew)
@@ -441,7 +441,7 @@ def test_simulators_that_render_on_the_cpu_on_a_gpu_node_say_so_once(monkeypatch
     if egl_devices() is None:
         pytest.skip("no libEGL here: python -m ebrl.install installs Mesa's")
     cfg = dict(LIFT, cameras=["agentview"])
-    with SimWorkerPool(cfg, num_envs=2, seed=0, chunk_len=2, process_env=simulator_gpu_environment(gpus=1),
+    with SimWorkerPool(cfg, num_envs=2, seed=0, execute=2, process_env=simulator_gpu_environment(gpus=1),
                        on_gpu=True) as pool:
         pool.reset_all()
         assert pool.stacked_obs()["image/agentview"].shape == (2, 64, 64, 3)

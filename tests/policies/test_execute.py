@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ebrl.config import ConfigError
-from ebrl.policies.build import build_policy, settle_execute
+from ebrl.policies.build import build_policy, executed_actions, settle_execute
 from tests.conftest import compose_config
 from tests.policies.test_families import make_spec
 
@@ -49,3 +49,11 @@ def test_the_policy_takes_one_to_its_chunk() -> None:
     assert build_policy({**policy_cfg, "execute": None}, make_spec()).execute == 8  # tiny's whole chunk
     with pytest.raises(ConfigError, match=r"policy.execute=9 must be in 1..8"):
         build_policy({**policy_cfg, "execute": 9}, make_spec())
+
+
+def test_the_config_says_what_runs_of_a_chunk_of_any_length() -> None:
+    """What the memory model and the cost models read, without a policy of their own to ask: the settled number, or
+    the whole chunk; the range is the one build_policy checks."""
+    assert executed_actions({"execute": 3}, 8) == 3 and executed_actions({"execute": None}, 8) == 8
+    with pytest.raises(ConfigError, match=r"policy.execute=0 must be in 1..8"):
+        executed_actions({"execute": 0}, 8)
