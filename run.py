@@ -1,5 +1,6 @@
 """Train a robot policy with RL in simulation: `python run.py policy=openpi env=robosuite hw=cpu`;
 evaluate one: `python run.py mode=eval checkpoint=<run folder> eval.episodes=50`."""
+
 from __future__ import annotations
 
 import hydra

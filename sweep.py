@@ -3,6 +3,7 @@
 Hydra multirun with the Optuna sweeper over each stage's share of the node (conf/sweep/stages.yaml); writes the
 stage profile that run.py's allocator loads, and Optuna's optimization_results.yaml in the sweep folder.
 """
+
 from __future__ import annotations
 
 import sys

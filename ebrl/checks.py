@@ -2,6 +2,7 @@
 the benchmark: every value that composes but makes no sense is rejected with one line naming the key and what would be
 right (`ConfigError`, ebrl/config.py's schemas hold the types).
 """
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,19 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ebrl.config import (ALGO_SCHEMAS, CONF_DIR, CORE_ORDERS, ENV_SCHEMAS, GENERATION_PLACES, SHAPED_DENSE,
-                         SHARED_OBSERVATION, TRAINER_PLACES, ConfigError, EnvConfig, PolicyConfig)
+from ebrl.config import (
+    ALGO_SCHEMAS,
+    CONF_DIR,
+    CORE_ORDERS,
+    ENV_SCHEMAS,
+    GENERATION_PLACES,
+    SHAPED_DENSE,
+    SHARED_OBSERVATION,
+    TRAINER_PLACES,
+    ConfigError,
+    EnvConfig,
+    PolicyConfig,
+)
 from ebrl.envs.base import REWARDS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
@@ -88,8 +100,10 @@ def complete_user_classes(cfg: DictConfig) -> None:
 
         target = cfg_get(cfg, "env._target_", None)
         if not target:
-            raise ConfigError("env has no _target_: name your adapter class (_target_: my_module.MyEnv) in your env "
-                              "yaml, or pick one of ours (env=robosuite, maniskill, libero, robocasa)")
+            raise ConfigError(
+                "env has no _target_: name your adapter class (_target_: my_module.MyEnv) in your env "
+                "yaml, or pick one of ours (env=robosuite, maniskill, libero, robocasa)"
+            )
         try:
             cls = load_adapter_class(target)
         except BadInput as e:
@@ -98,8 +112,10 @@ def complete_user_classes(cfg: DictConfig) -> None:
     if OmegaConf.get_type(cfg, "policy") is dict:
         target = cfg_get(cfg, "policy._target_", None)
         if not target:
-            raise ConfigError("policy has no _target_: name your policy class (_target_: my_module.MyPolicy) in your "
-                              "policy yaml, or pick one of ours (policy=openpi, openvla_oft, gr00t, wam)")
+            raise ConfigError(
+                "policy has no _target_: name your policy class (_target_: my_module.MyPolicy) in your "
+                "policy yaml, or pick one of ours (policy=openpi, openvla_oft, gr00t, wam)"
+            )
         cls = load_class(target, "policy._target_")
         base = base_named(cls, "ebrl.policies.base.Policy")  # by name: this layer does not import the policies
         if base is None:
@@ -110,9 +126,11 @@ def complete_user_classes(cfg: DictConfig) -> None:
         if cfg_get(cfg, "algo.name", "") == "sft":
             needed.append("supervised_loss")
         for method in missing_methods(cls, base, needed):
-            raise ContractError(f"policy._target_={target!r} does not implement {method}, which "
-                                f"{'algo=sft' if method == 'supervised_loss' else 'the runtime'} calls: a policy "
-                                f"implements {POLICY_CONTRACT}")
+            raise ContractError(
+                f"policy._target_={target!r} does not implement {method}, which "
+                f"{'algo=sft' if method == 'supervised_loss' else 'the runtime'} calls: a policy "
+                f"implements {POLICY_CONTRACT}"
+            )
         cfg.policy = complete(cfg.policy, cls, PolicyConfig, "policy", ("env_spec",), POLICY_RUNTIME_KEYS)
 
 
@@ -130,8 +148,10 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
             continue
         option = entry.get("env")
         if option not in ENV_SCHEMAS:
-            raise ConfigError(f"env.tasks entry {OmegaConf.to_container(entry)} must name a benchmark as env: one of "
-                              f"{', '.join(ENV_SCHEMAS)} (with its task: {{env: libero, task: '0'}})")
+            raise ConfigError(
+                f"env.tasks entry {OmegaConf.to_container(entry)} must name a benchmark as env: one of "
+                f"{', '.join(ENV_SCHEMAS)} (with its task: {{env: libero, task: '0'}})"
+            )
         own = OmegaConf.load(CONF_DIR / "env" / f"{option}.yaml")
         own.pop("defaults", None)
         keys = {k: v for k, v in entry.items() if k != "env"}
@@ -140,8 +160,10 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
         try:
             node = OmegaConf.merge(schema, own, shared, keys)
         except ConfigKeyError as e:
-            raise ConfigError(f"env.tasks entry of env={option}: {e.key} is not one of its keys ("
-                              f"{', '.join(k for k in schema if k != 'fault')})") from None
+            raise ConfigError(
+                f"env.tasks entry of env={option}: {e.key} is not one of its keys ("
+                f"{', '.join(k for k in schema if k != 'fault')})"
+            ) from None
         except ValidationError as e:
             raise ConfigError(f"env.tasks entry of env={option}: {str(e).splitlines()[0]}") from None
         done.append(OmegaConf.to_container(node, resolve=True))
@@ -150,10 +172,22 @@ def complete_benchmark_tasks(cfg: DictConfig) -> None:
 
 
 # policy.* keys the runtime applies (ebrl/policies/build.py); the rest are the family constructor's arguments
-POLICY_RUNTIME_KEYS = ("_target_", "name", "checkpoint", "dtype", "train", "lora_rank", "lora_alpha",
-                       "grad_checkpoint", "execute", "capture")
-POLICY_CONTRACT = ("__init__(env_spec, ...) setting chunk_len, sample(obs) -> PolicySample, evaluate(obs, chunk, "
-                   "extras) -> (log_prob, entropy, value), value(obs) -> (B,), tokenize(texts) -> (tokens, mask)")
+POLICY_RUNTIME_KEYS = (
+    "_target_",
+    "name",
+    "checkpoint",
+    "dtype",
+    "train",
+    "lora_rank",
+    "lora_alpha",
+    "grad_checkpoint",
+    "execute",
+    "capture",
+)
+POLICY_CONTRACT = (
+    "__init__(env_spec, ...) setting chunk_len, sample(obs) -> PolicySample, evaluate(obs, chunk, "
+    "extras) -> (log_prob, entropy, value), value(obs) -> (B,), tokenize(texts) -> (tokens, mask)"
+)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -185,10 +219,12 @@ def validate(cfg: DictConfig) -> None:
     _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
     if cfg.env.name in SHAPED_DENSE and cfg.env.reward == "dense" and cfg_get(cfg, "env.terminate_on_success", False):
-        raise ConfigError(f"env.terminate_on_success=True with env.reward=dense: {cfg.env.name}'s shaped reward pays "
-                          "before success too, so an episode that ends at success is worth less than one that hovers "
-                          "short of it; use env.terminate_on_success=false (the default under dense) or "
-                          "env.reward=sparse")
+        raise ConfigError(
+            f"env.terminate_on_success=True with env.reward=dense: {cfg.env.name}'s shaped reward pays "
+            "before success too, so an episode that ends at success is worth less than one that hovers "
+            "short of it; use env.terminate_on_success=false (the default under dense) or "
+            "env.reward=sparse"
+        )
     _check_tasks(cfg)
     _check_numbers(cfg)
     _check_failures(cfg)
@@ -202,11 +238,15 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("device=cuda needs a CUDA GPU and this machine has none; use device=auto or device=cpu")
         if have < need:
             have_text = "none" if have == 0 else str(have)
-            raise ConfigError(f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}")
+            raise ConfigError(
+                f"hw={cfg.hw.name} needs {need} CUDA GPU{'s' if need > 1 else ''} and this machine has {have_text}"
+            )
     cores = available_cpu_cores()
     if cfg.hw.cpu_cores is not None and cfg.hw.cpu_cores > cores:
-        raise ConfigError(f"hw.cpu_cores={cfg.hw.cpu_cores} (hw={cfg.hw.name}) is more than the {cores} CPU cores this "
-                          f"machine gives; use hw.cpu_cores={cores} or fewer, or null for all of them")
+        raise ConfigError(
+            f"hw.cpu_cores={cfg.hw.cpu_cores} (hw={cfg.hw.name}) is more than the {cores} CPU cores this "
+            f"machine gives; use hw.cpu_cores={cores} or fewer, or null for all of them"
+        )
     cores = _check_launch(cfg)
     _check_schedule(cfg, cores)
     _check_allocator(cfg, cores)
@@ -237,36 +277,52 @@ def _check_launch(cfg: DictConfig) -> int:
     per_node = hw.gpus or ranks.local_world  # one rank per GPU; on CPU as many as were started
     command = f"torchrun --nnodes {hw.nodes} --nproc-per-node {per_node} run.py hw={hw.name} ..."
     if hw.nodes > 1 and not ranks.distributed:
-        raise ConfigError(f"hw={hw.name} spans {hw.nodes} nodes and this is one process; launch one per node: {command}")
+        raise ConfigError(
+            f"hw={hw.name} spans {hw.nodes} nodes and this is one process; launch one per node: {command}"
+        )
     if ranks.distributed:
         if ranks.nodes != hw.nodes or (hw.gpus and ranks.local_world != hw.gpus):
-            raise ConfigError(f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
-                              f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}")
+            raise ConfigError(
+                f"torchrun started {ranks.nodes} node(s) x {ranks.local_world} rank(s) and hw={hw.name} "
+                f"describes {hw.nodes} node(s) x {per_node} (one rank per GPU); launch {command}"
+            )
         if cfg.distributed.strategy == "fsdp" and cfg.scheduler.trainer == "local":
-            raise ConfigError(f"distributed.strategy=fsdp shards the trainer process's weights and "
-                              f"scheduler={cfg.scheduler.name} trains in the process that generates "
-                              "(scheduler.trainer=local); use scheduler=ebrl (or async, hybrid, disaggregated) or "
-                              "distributed.strategy=ddp")
+            raise ConfigError(
+                f"distributed.strategy=fsdp shards the trainer process's weights and "
+                f"scheduler={cfg.scheduler.name} trains in the process that generates "
+                "(scheduler.trainer=local); use scheduler=ebrl (or async, hybrid, disaggregated) or "
+                "distributed.strategy=ddp"
+            )
         if cfg_get(cfg, "mode", "train") == "eval":
             raise ConfigError("mode=eval runs as one process: python run.py mode=eval checkpoint=<run folder> ...")
         if cfg.device == "cuda" and not hw.gpus:
-            raise ConfigError(f"device=cuda with several ranks needs hw with GPUs (one rank per GPU); hw={hw.name} has none")
+            raise ConfigError(
+                f"device=cuda with several ranks needs hw with GPUs (one rank per GPU); hw={hw.name} has none"
+            )
     cores = len(rank_cores(cfg))
     if cores == 0:
         node = cfg.hw.cpu_cores or available_cpu_cores()
-        raise ConfigError(f"{ranks.local_world} ranks on one node share its {node} CPU cores: at most {node} ranks per "
-                          "node (torchrun --nproc-per-node)")
+        raise ConfigError(
+            f"{ranks.local_world} ranks on one node share its {node} CPU cores: at most {node} ranks per "
+            "node (torchrun --nproc-per-node)"
+        )
     return cores
 
 
 def _check_numbers(cfg: DictConfig) -> None:
     """Numbers with a range that compose (they have the right type) but mean nothing outside it."""
-    _check_ranges([
-        ("seed", cfg.seed, 0 <= cfg.seed < 2**32, "between 0 and 2**32 - 1"),
-        ("hw.gpus", cfg.hw.gpus, cfg.hw.gpus >= 0, ">= 0"),
-        ("distributed.timeout_s", cfg.distributed.timeout_s, cfg.distributed.timeout_s > 0,
-         "> 0 (seconds a rank waits for the others at a collective)"),
-    ])
+    _check_ranges(
+        [
+            ("seed", cfg.seed, 0 <= cfg.seed < 2**32, "between 0 and 2**32 - 1"),
+            ("hw.gpus", cfg.hw.gpus, cfg.hw.gpus >= 0, ">= 0"),
+            (
+                "distributed.timeout_s",
+                cfg.distributed.timeout_s,
+                cfg.distributed.timeout_s > 0,
+                "> 0 (seconds a rank waits for the others at a collective)",
+            ),
+        ]
+    )
 
 
 def _check_ranges(checks: list[tuple[str, Any, bool, str]]) -> None:
@@ -277,9 +333,11 @@ def _check_ranges(checks: list[tuple[str, Any, bool, str]]) -> None:
 
 
 # the keys that hold a mapping (typed Any, see PolicyConfig.cameras): key, its values' type, null values allowed, e.g.
-MAPPINGS = (("policy.cameras", str, True, "{base_0_rgb: agentview, right_wrist_0_rgb: null}"),
-            ("policy.dims", int, False, "{width: 1024, depth: 18}"),
-            ("demos.image_keys", str, False, "{agentview: agentview_image}"))
+MAPPINGS = (
+    ("policy.cameras", str, True, "{base_0_rgb: agentview, right_wrist_0_rgb: null}"),
+    ("policy.dims", int, False, "{width: 1024, depth: 18}"),
+    ("demos.image_keys", str, False, "{agentview: agentview_image}"),
+)
 
 
 def _check_mappings(cfg: DictConfig) -> None:
@@ -290,11 +348,14 @@ def _check_mappings(cfg: DictConfig) -> None:
             continue
         fits = isinstance(value, DictConfig) and all(
             isinstance(k, str) and ((isinstance(v, kind) and not isinstance(v, bool)) or (nullable and v is None))
-            for k, v in value.items())
+            for k, v in value.items()
+        )
         if not fits:
             shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-            raise ConfigError(f"{key}={shown} must be a mapping of names to {kind.__name__}s"
-                              f"{' or null' if nullable else ''}, e.g. \"{key}={example}\", or null")
+            raise ConfigError(
+                f"{key}={shown} must be a mapping of names to {kind.__name__}s"
+                f'{" or null" if nullable else ""}, e.g. "{key}={example}", or null'
+            )
 
 
 def _check_precision(cfg: DictConfig) -> None:
@@ -315,13 +376,19 @@ def _check_optimizer(cfg: DictConfig) -> None:
     _one_of(cfg, "algo.optimizer_dtype", DTYPES)
     if a.micro_batch is not None:
         _positive(cfg, "algo.micro_batch")
-    _check_ranges([
-        ("algo.adam_betas", list(a.adam_betas), len(a.adam_betas) == 2 and all(0 <= b < 1 for b in a.adam_betas),
-         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
-        ("algo.adam_eps", a.adam_eps, a.adam_eps > 0, "> 0"),
-        ("algo.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0 (AdamW's decoupled decay; 0: Adam)"),
-        ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
-    ])
+    _check_ranges(
+        [
+            (
+                "algo.adam_betas",
+                list(a.adam_betas),
+                len(a.adam_betas) == 2 and all(0 <= b < 1 for b in a.adam_betas),
+                "two numbers in [0, 1), e.g. [0.9, 0.999]",
+            ),
+            ("algo.adam_eps", a.adam_eps, a.adam_eps > 0, "> 0"),
+            ("algo.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0 (AdamW's decoupled decay; 0: Adam)"),
+            ("algo.max_grad_norm", a.max_grad_norm, a.max_grad_norm > 0, "> 0 (the gradient norm it clips to)"),
+        ]
+    )
 
 
 def _check_rl(cfg: DictConfig) -> None:
@@ -332,15 +399,30 @@ def _check_rl(cfg: DictConfig) -> None:
         _positive(cfg, key)
     _one_of(cfg, "algo.logprob_level", LOGPROB_LEVELS)
     _one_of(cfg, "algo.proximal", PROXIMAL)
-    _check_ranges([
-        ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
-        ("algo.clip_high", a.clip_high, a.clip_high is None or a.clip_high > 0, "> 0 (0.28 in DAPO), or null (clip)"),
-        ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
-        ("algo.dual_clip", a.dual_clip, a.dual_clip is None or a.dual_clip > 1,
-         "> 1 (3.0 in RLinf's recipes), or null (no cap)"),
-        ("algo.global_batch", a.global_batch, a.global_batch is None or a.global_batch > 0,
-         "> 0 (chunk steps per optimizer step), or null (algo.minibatches)"),
-    ])
+    _check_ranges(
+        [
+            ("algo.clip", a.clip, a.clip > 0, "> 0 (0.2 is usual)"),
+            (
+                "algo.clip_high",
+                a.clip_high,
+                a.clip_high is None or a.clip_high > 0,
+                "> 0 (0.28 in DAPO), or null (clip)",
+            ),
+            ("algo.target_kl", a.target_kl, a.target_kl is None or a.target_kl > 0, "> 0, or null (no early stop)"),
+            (
+                "algo.dual_clip",
+                a.dual_clip,
+                a.dual_clip is None or a.dual_clip > 1,
+                "> 1 (3.0 in RLinf's recipes), or null (no cap)",
+            ),
+            (
+                "algo.global_batch",
+                a.global_batch,
+                a.global_batch is None or a.global_batch > 0,
+                "> 0 (chunk steps per optimizer step), or null (algo.minibatches)",
+            ),
+        ]
+    )
 
 
 def check_ppo(cfg: DictConfig, training: bool = True) -> None:
@@ -350,16 +432,24 @@ def check_ppo(cfg: DictConfig, training: bool = True) -> None:
     _check_rl(cfg)
     _positive(cfg, "algo.rollout_chunks")
     if a.critic_warmup < 0:
-        raise ConfigError(f"algo.critic_warmup={a.critic_warmup} must be >= 0 (updates that train the value head alone "
-                          "after init; 0: none)")
-    _check_ranges([
-        ("algo.value_clip", a.value_clip, a.value_clip is None or a.value_clip > 0, "> 0, or null (no value clip)"),
-        ("algo.huber_delta", a.huber_delta, a.huber_delta is None or a.huber_delta > 0,
-         "> 0, or null (a squared-error value loss)"),
-        ("algo.critic_lr", a.critic_lr, a.critic_lr > 0, "> 0 (the value head's learning rate)"),
-        ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
-        ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
-    ])
+        raise ConfigError(
+            f"algo.critic_warmup={a.critic_warmup} must be >= 0 (updates that train the value head alone "
+            "after init; 0: none)"
+        )
+    _check_ranges(
+        [
+            ("algo.value_clip", a.value_clip, a.value_clip is None or a.value_clip > 0, "> 0, or null (no value clip)"),
+            (
+                "algo.huber_delta",
+                a.huber_delta,
+                a.huber_delta is None or a.huber_delta > 0,
+                "> 0, or null (a squared-error value loss)",
+            ),
+            ("algo.critic_lr", a.critic_lr, a.critic_lr > 0, "> 0 (the value head's learning rate)"),
+            ("algo.gamma", a.gamma, 0 < a.gamma <= 1, "in (0, 1]"),
+            ("algo.gae_lambda", a.gae_lambda, 0 <= a.gae_lambda <= 1, "in [0, 1]"),
+        ]
+    )
     if not training:
         return
     shape = RolloutShape.of(cfg, Ranks.from_env().world)
@@ -371,7 +461,8 @@ def check_ppo(cfg: DictConfig, training: bool = True) -> None:
             raise ConfigError(
                 f"algo.global_batch={a.global_batch} does not divide the rollout batch of {total} chunk steps "
                 f"(env.num_envs x algo.rollout_chunks x {world} rank(s)): give a divisor, or null to split by "
-                "algo.minibatches")
+                "algo.minibatches"
+            )
     elif batch % a.minibatches:
         raise ConfigError(
             f"algo.minibatches={a.minibatches} does not divide the rollout batch "
@@ -428,8 +519,9 @@ def _check_failures(cfg: DictConfig) -> None:
         return
     _one_of(cfg, "env.fault.kind", FAULTS)
     if not 0 <= fault.env < cfg.env.num_envs or fault.chunk < 1:
-        raise ConfigError(f"env.fault.env={fault.env} must be in 0..{cfg.env.num_envs - 1} and env.fault.chunk="
-                          f"{fault.chunk} >= 1")
+        raise ConfigError(
+            f"env.fault.env={fault.env} must be in 0..{cfg.env.num_envs - 1} and env.fault.chunk={fault.chunk} >= 1"
+        )
 
 
 def generation_place(cfg: Any) -> str:
@@ -449,30 +541,42 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
         _one_of(cfg, "hw.sm_partition", PARTITIONS)
     partition = sm_partition(hw)
     if partition != "none" and hw.gpus == 0:
-        raise ConfigError(f"hw.sm_partition={partition} shares the SMs of a GPU and hw={hw.name} has none; "
-                          "use hw.sm_partition=none (and hw.mps=false)")
+        raise ConfigError(
+            f"hw.sm_partition={partition} shares the SMs of a GPU and hw={hw.name} has none; "
+            "use hw.sm_partition=none (and hw.mps=false)"
+        )
     if partition == "green":  # (torch's contexts also all start at the first SMs: ResourcePool's GreenPartition)
-        raise ConfigError("hw.sm_partition=green splits SMs between the streams of one process, and a run generates "
-                          "and trains in two (colocated: one after the other), which without MPS take turns on the "
-                          "GPU; use hw.sm_partition=mps (or none)")
+        raise ConfigError(
+            "hw.sm_partition=green splits SMs between the streams of one process, and a run generates "
+            "and trains in two (colocated: one after the other), which without MPS take turns on the "
+            "GPU; use hw.sm_partition=mps (or none)"
+        )
     if a.name == "elastic" and cfg.scheduler.trainer == "local":
-        raise ConfigError("allocator=elastic moves resources between the stages' processes and scheduler=colocated "
-                          "runs every stage in one; use scheduler=ebrl (or async)")
+        raise ConfigError(
+            "allocator=elastic moves resources between the stages' processes and scheduler=colocated "
+            "runs every stage in one; use scheduler=ebrl (or async)"
+        )
     if a.name == "elastic" and cfg.scheduler.train_share is not None:
         share = cfg.scheduler.train_share
-        raise ConfigError(f"allocator=elastic would move the cores that scheduler.train_share={share} fixes (the "
-                          "split that defines disaggregated); use scheduler=ebrl or async")
+        raise ConfigError(
+            f"allocator=elastic would move the cores that scheduler.train_share={share} fixes (the "
+            "split that defines disaggregated); use scheduler=ebrl or async"
+        )
     if a.name == "elastic" and not cfg.scheduler.overlap:
-        raise ConfigError(f"allocator=elastic moves resources between stages that run side by side and "
-                          f"scheduler={cfg.scheduler.name} runs rollout and training one after the other, each on "
-                          "every core; use scheduler=ebrl or async")
+        raise ConfigError(
+            f"allocator=elastic moves resources between stages that run side by side and "
+            f"scheduler={cfg.scheduler.name} runs rollout and training one after the other, each on "
+            "every core; use scheduler=ebrl or async"
+        )
     for key, low in (("window", 1), ("cooldown", 0)):
         if a[key] < low:
             raise ConfigError(f"allocator.{key}={a[key]} must be >= {low}")
     if a.min_gain < 0:
         raise ConfigError(f"allocator.min_gain={a.min_gain} must be >= 0 (a relative throughput gain; 0.1 is 10%)")
     if not 0 < a.ema <= 1:
-        raise ConfigError(f"allocator.ema={a.ema} must be in (0, 1] (the latest measurement's weight; 1 trusts it alone)")
+        raise ConfigError(
+            f"allocator.ema={a.ema} must be in (0, 1] (the latest measurement's weight; 1 trusts it alone)"
+        )
     for stage in ("simulate", "generate", "train"):
         amount = a[stage]
         if amount is None:
@@ -486,13 +590,20 @@ def _check_allocator(cfg: DictConfig, cores: int) -> None:
 def _check_local_trainer(cfg: DictConfig) -> None:
     """scheduler.trainer=local trains in the supervisor between two rollouts, on the policy it generates with."""
     s = cfg.scheduler
-    for key, value, why in (("overlap", s.overlap, "overlaps training with the rollout, which needs a trainer of its "
-                             "own"), ("train_share", s.train_share, "gives training cores of its own"),
-                            ("generation", s.generation if s.generation == "process" else None,
-                             "generates in a process of its own, and a local trainer trains the supervisor's policy")):
+    for key, value, why in (
+        ("overlap", s.overlap, "overlaps training with the rollout, which needs a trainer of its own"),
+        ("train_share", s.train_share, "gives training cores of its own"),
+        (
+            "generation",
+            s.generation if s.generation == "process" else None,
+            "generates in a process of its own, and a local trainer trains the supervisor's policy",
+        ),
+    ):
         if value:
-            raise ConfigError(f"scheduler.trainer=local trains in the supervisor between two rollouts and "
-                              f"scheduler.{key}={value} {why}; use scheduler.trainer=process (or scheduler=ebrl)")
+            raise ConfigError(
+                f"scheduler.trainer=local trains in the supervisor between two rollouts and "
+                f"scheduler.{key}={value} {why}; use scheduler.trainer=process (or scheduler=ebrl)"
+            )
 
 
 def train_core_count(share: float, cores: int) -> int:
@@ -509,27 +620,37 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and env.num_envs={cfg.env.num_envs}")
     shape = RolloutShape.of(cfg)
     if cfg.algo.name == "grpo" and s.groups > shape.units:
-        raise ConfigError(f"scheduler.groups={s.groups} must be between 1 and {shape.units} with algo=grpo: a group of "
-                          f"the schedule holds whole GRPO groups (env.num_envs={cfg.env.num_envs} / "
-                          f"algo.group_size={cfg.algo.group_size})")
+        raise ConfigError(
+            f"scheduler.groups={s.groups} must be between 1 and {shape.units} with algo=grpo: a group of "
+            f"the schedule holds whole GRPO groups (env.num_envs={cfg.env.num_envs} / "
+            f"algo.group_size={cfg.algo.group_size})"
+        )
     if s.serial and (s.trainer != "local" or s.core_rebinding):
         why = "trains in a process of its own" if s.trainer != "local" else "pins each simulator process to a core"
-        raise ConfigError(f"scheduler.serial=true runs every stage in this process, one after another, and "
-                          f"scheduler={name} {why}; use scheduler=colocated scheduler.serial=true")
+        raise ConfigError(
+            f"scheduler.serial=true runs every stage in this process, one after another, and "
+            f"scheduler={name} {why}; use scheduler=colocated scheduler.serial=true"
+        )
     if s.trainer == "local":
         _check_local_trainer(cfg)
         return
     if s.max_ahead < 1:
-        raise ConfigError(f"scheduler.max_ahead={s.max_ahead} must be >= 1 (iterations the rollout may run ahead of "
-                          "training; scheduler.overlap=false runs none ahead)")
+        raise ConfigError(
+            f"scheduler.max_ahead={s.max_ahead} must be >= 1 (iterations the rollout may run ahead of "
+            "training; scheduler.overlap=false runs none ahead)"
+        )
     if s.max_staleness < 0:
-        raise ConfigError(f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)")
+        raise ConfigError(
+            f"scheduler.max_staleness={s.max_staleness} must be >= 0 (0: only data of the current weights)"
+        )
     if cfg.algo.name == "grpo" and s.overlap and s.max_staleness < s.max_ahead:
         # the stale steps are those of the quick episodes, mostly successes, which still count in their group's
         # baseline: the loss learns from the slow failures (docs/results/results.md, "After the objective's fixes")
-        raise ConfigError(f"scheduler.max_staleness={s.max_staleness} below scheduler.max_ahead={s.max_ahead} drops "
-                          "the quick episodes' steps from GRPO's loss while their group's baseline counts them; with "
-                          "algo=grpo keep scheduler.max_staleness at scheduler.max_ahead (the default)")
+        raise ConfigError(
+            f"scheduler.max_staleness={s.max_staleness} below scheduler.max_ahead={s.max_ahead} drops "
+            "the quick episodes' steps from GRPO's loss while their group's baseline counts them; with "
+            "algo=grpo keep scheduler.max_staleness at scheduler.max_ahead (the default)"
+        )
     if not 0 <= s.sim_nice <= 19:
         raise ConfigError(f"scheduler.sim_nice={s.sim_nice} must be a nice value from 0 (none) to 19")
     if s.generation is not None:
@@ -540,23 +661,31 @@ def _check_schedule(cfg: DictConfig, cores: int) -> None:
         # the stale rows' behaviour log-probs exist only as generation's bfloat16 numbers, which differ from any
         # trainer pass by about 0.1 per action: the plain ratio would start off 1 on every row
         why = "policy.dtype=bfloat16" if cfg.policy.dtype else "policy.dtype=null: bfloat16 on a GPU or the full preset"
-        raise ConfigError(f"scheduler.decoupled={s.decoupled} with scheduler.overlap={s.overlap} clips around the "
-                          f"stale behaviour policy, and a bfloat16 policy ({why}) has no exact log-probs of it; use "
-                          "scheduler.decoupled=true or policy.dtype=float32")
+        raise ConfigError(
+            f"scheduler.decoupled={s.decoupled} with scheduler.overlap={s.overlap} clips around the "
+            f"stale behaviour policy, and a bfloat16 policy ({why}) has no exact log-probs of it; use "
+            "scheduler.decoupled=true or policy.dtype=float32"
+        )
     for key in ("queue_size", "train_threads"):
         if s[key] is not None and s[key] < 1:
             raise ConfigError(f"scheduler.{key}={s[key]} must be >= 1 or null")
     if cores < 2 and s.train_share is None:  # the allocator's smallest plan: 1 core to simulate, a share for the rest
         ranks = Ranks.from_env()
         where = f" (this node's cores split over its {ranks.local_world} ranks)" if ranks.local_world > 1 else ""
-        raise ConfigError(f"scheduler={name} simulates, generates and trains side by side and needs at least 2 CPU "
-                          f"cores; this rank has {cores}{where}; use scheduler=colocated, or fewer ranks per node")
+        raise ConfigError(
+            f"scheduler={name} simulates, generates and trains side by side and needs at least 2 CPU "
+            f"cores; this rank has {cores}{where}; use scheduler=colocated, or fewer ranks per node"
+        )
     if s.train_share is not None:
         if cfg.hw.gpus == 1:
-            raise ConfigError(f"scheduler={name} trains on a device of its own and hw={cfg.hw.name} has one GPU; "
-                              "use hw with 2+ GPUs or scheduler=hybrid")
+            raise ConfigError(
+                f"scheduler={name} trains on a device of its own and hw={cfg.hw.name} has one GPU; "
+                "use hw with 2+ GPUs or scheduler=hybrid"
+            )
         if not 0 < s.train_share < 1 or not 1 <= train_core_count(s.train_share, cores) < cores:
             low, high = f"{1 / cores:.2f}", f"{1 - 1 / cores:.2f}"
             allowed = f"on {cores} cores: {low}" if low == high else f"between {low} and {high}"
-            raise ConfigError(f"scheduler.train_share={s.train_share} must give training at least one of the {cores} "
-                              f"CPU cores and leave rollout at least one ({allowed})")
+            raise ConfigError(
+                f"scheduler.train_share={s.train_share} must give training at least one of the {cores} "
+                f"CPU cores and leave rollout at least one ({allowed})"
+            )

@@ -9,6 +9,7 @@ but its default, it is an error, since it would have no effect. The contract (th
 checked by the callers: `ebrl/checks.py` and `ebrl/envs/process.py`. Only `complete` imports omegaconf: simulator
 workers, which may run under a benchmark's own interpreter, use the rest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ def load_class(target: str, key: str) -> type:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as e:
         text = " ".join(str(e).split()) or type(e).__name__
-        raise ContractError(f"{key}={target!r} cannot be imported ({type(e).__name__}: {text}); give "
-                            "package.module.Class of a module on the Python path (the folder you run from is)") from e
+        raise ContractError(
+            f"{key}={target!r} cannot be imported ({type(e).__name__}: {text}); give "
+            "package.module.Class of a module on the Python path (the folder you run from is)"
+        ) from e
     if not isinstance(cls, type):
         raise ContractError(f"{key}={target!r} is not a class")
     return cls
@@ -76,13 +79,15 @@ def class_schema(cls: type, base: type, given: Iterable[str]) -> type:
     other constructor parameter but those the runtime passes itself (`given`, e.g. seed)."""
     params, _ = parameters(cls)
     shared, given = {f.name for f in dataclasses.fields(base)}, set(given)
-    fields = [_field(p) for name, p in params.items()
-              if name not in given and not (name in shared and p.default is p.empty)]  # (required: the base's MISSING)
+    fields = [
+        _field(p) for name, p in params.items() if name not in given and not (name in shared and p.default is p.empty)
+    ]  # (required: the base's MISSING)
     return dataclasses.make_dataclass(f"{cls.__name__}Config", fields, bases=(base,))
 
 
-def complete(node: DictConfig, cls: type, base: type, group: str, given: Iterable[str],
-             runtime_keys: Iterable[str]) -> DictConfig:
+def complete(
+    node: DictConfig, cls: type, base: type, group: str, given: Iterable[str], runtime_keys: Iterable[str]
+) -> DictConfig:
     """`node` (a user's `group` config) merged onto `class_schema`: one line for a key that is neither the runtime's
     nor a constructor parameter, for a value of the wrong type, for a required parameter left unset, and for a
     shared key set though the constructor does not take it."""
@@ -95,9 +100,11 @@ def complete(node: DictConfig, cls: type, base: type, group: str, given: Iterabl
     accepted = {f.name for f in dataclasses.fields(schema)}
     unknown = [k for k in node if k not in accepted]
     if unknown and not var_kw:
-        raise ContractError(f"{group}.{unknown[0]} is not a field of {group} {name}: its constructor takes "
-                            f"{', '.join(p for p in params if p not in set(given)) or 'nothing'}; the runtime's "
-                            f"{group} keys: {', '.join(sorted(runtime_keys))}")
+        raise ContractError(
+            f"{group}.{unknown[0]} is not a field of {group} {name}: its constructor takes "
+            f"{', '.join(p for p in params if p not in set(given)) or 'nothing'}; the runtime's "
+            f"{group} keys: {', '.join(sorted(runtime_keys))}"
+        )
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in node.items() if k not in unknown})
         if unknown:  # **kwargs: the extra keys go to the constructor as they are
@@ -115,8 +122,10 @@ def complete(node: DictConfig, cls: type, base: type, group: str, given: Iterabl
         if key in runtime_keys or key in params or var_kw or key not in node:
             continue
         if OmegaConf.select(defaults, key, default=MISSING) != merged[key]:
-            raise ContractError(f"{group}.{key}={OmegaConf.to_container(merged)[key]!r} has no effect: {name}'s "
-                                f"constructor takes no {key}")
+            raise ContractError(
+                f"{group}.{key}={OmegaConf.to_container(merged)[key]!r} has no effect: {name}'s "
+                f"constructor takes no {key}"
+            )
     return merged
 
 

@@ -3,6 +3,7 @@
 A misspelled key or a wrong type fails at composition with Hydra's own message; values that
 compose but make no sense are rejected by `ebrl.checks.validate` with one line naming the key.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -111,8 +112,12 @@ class RoboCasaEnvConfig(EnvConfig):
     robot: str = "PandaOmron"  # RoboCasa's mobile manipulator
 
 
-ENV_SCHEMAS = {"robosuite": RobosuiteEnvConfig, "maniskill": ManiSkillEnvConfig, "libero": LiberoEnvConfig,
-               "robocasa": RoboCasaEnvConfig}
+ENV_SCHEMAS = {
+    "robosuite": RobosuiteEnvConfig,
+    "maniskill": ManiSkillEnvConfig,
+    "libero": LiberoEnvConfig,
+    "robocasa": RoboCasaEnvConfig,
+}
 # what every task of a run observes alike (the policy's batch): a task of another benchmark takes the run's
 SHARED_OBSERVATION = ("cameras", "image_size", "render_every_step")
 
@@ -142,9 +147,9 @@ class PolicyConfig:
     lora_rank: int = 16  # policy.train=lora: rank of the adapters
     lora_alpha: float = 16.0  # policy.train=lora: the adapters' update is scaled by lora_alpha / lora_rank
     grad_checkpoint: Optional[bool] = None  # recompute each transformer block in the backward pass; null: on for full
-    # How generation runs a flow family's denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA graphs, one per
-    # generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on a GPU, off on
-    # a CPU, where compiling takes longer than a run saves (docs/use/policies.md, "Capture")
+    # How generation runs a flow family's denoising loop after the prefix (ebrl/policies/capture.py): graph (CUDA
+    # graphs, one per generation batch size) | compile (torch.compile, a compile per batch size) | off | auto: graph on
+    # a GPU, off on a CPU, where compiling takes longer than a run saves (docs/use/policies.md, "Capture")
     capture: str = "auto"
 
 

@@ -9,6 +9,7 @@
 `ebrl.runtime.errors.exit_cleanly` catches these two. Each error also keeps the builtin base it had (ValueError,
 RuntimeError), so code that catches those still does.
 """
+
 from __future__ import annotations
 
 
@@ -44,8 +45,9 @@ def is_disk_full(error: BaseException) -> bool:
     while error is not None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(error, RuntimeError) and any(sign in str(error) for sign in ("unexpected pos",
-                                                                                     "file write failed")):
+        if isinstance(error, RuntimeError) and any(
+            sign in str(error) for sign in ("unexpected pos", "file write failed")
+        ):
             return True
         error = error.__cause__ or error.__context__
     return False

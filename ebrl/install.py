@@ -8,6 +8,7 @@ Standard library only: it runs before anything else is installed. Two steps, eac
 2. `pip install -r requirements.txt` into this interpreter.
 Prints one line per step; exits non-zero with one line on failure.
 """
+
 from __future__ import annotations
 
 import glob
@@ -55,8 +56,12 @@ class AptSource:
 
     def deb822(self) -> str:
         """This entry as a deb822 paragraph, its key file kept (an inline key block and other options are not)."""
-        lines = [f"Types: {' '.join(self.types)}", f"URIs: {' '.join(self.uris)}", f"Suites: {' '.join(self.suites)}",
-                 f"Components: {' '.join(self.components)}"]
+        lines = [
+            f"Types: {' '.join(self.types)}",
+            f"URIs: {' '.join(self.uris)}",
+            f"Suites: {' '.join(self.suites)}",
+            f"Components: {' '.join(self.components)}",
+        ]
         signed_by = self.options.get("signed-by")
         if signed_by and "\n" not in signed_by:
             lines.append(f"Signed-By: {signed_by}")
@@ -79,13 +84,15 @@ def parse_deb822(text: str) -> list[AptSource]:
         if fields.get("enabled", "yes").lower() == "no" or "uris" not in fields:
             continue
         options = {k: v for k, v in fields.items() if k not in ("types", "uris", "suites", "components")}
-        sources.append(AptSource(
-            types=fields.get("types", "").split(),
-            uris=fields["uris"].split(),
-            suites=fields.get("suites", "").split(),
-            components=fields.get("components", "").split(),
-            options=options,
-        ))
+        sources.append(
+            AptSource(
+                types=fields.get("types", "").split(),
+                uris=fields["uris"].split(),
+                suites=fields.get("suites", "").split(),
+                components=fields.get("components", "").split(),
+                options=options,
+            )
+        )
     return sources
 
 
@@ -124,8 +131,9 @@ def parse_one_line(text: str) -> list[AptSource]:
         parts = line.split()
         if len(parts) < 3 or parts[0] not in ("deb", "deb-src"):
             continue
-        sources.append(AptSource(types=[parts[0]], uris=[parts[1]], suites=[parts[2]], components=parts[3:],
-                                 options=options))
+        sources.append(
+            AptSource(types=[parts[0]], uris=[parts[1]], suites=[parts[2]], components=parts[3:], options=options)
+        )
     return sources
 
 
@@ -158,8 +166,9 @@ def backports_entry(sources: list[AptSource], codename: str) -> str | None:
 # --- packages ----------------------------------------------------------------------------
 def run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
     """Run a command quietly with stdin closed (nothing may stop to ask); on failure raise with its last output line."""
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, cwd=cwd)
+    proc = subprocess.run(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
+    )
     if proc.returncode != 0:
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else f"exit status {proc.returncode}"
@@ -168,8 +177,12 @@ def run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path 
 
 
 def installed_version(package: str) -> str | None:
-    proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}\t${Version}", package],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}\t${Version}", package],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     if proc.returncode != 0 or "\t" not in proc.stdout:
         return None
     status, version = proc.stdout.split("\t", 1)
@@ -181,8 +194,9 @@ def version_at_least(version: str, minimum: str) -> bool:
 
 
 def candidate_version(package: str) -> str | None:
-    out = subprocess.run(["apt-cache", "policy", package], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True).stdout
+    out = subprocess.run(
+        ["apt-cache", "policy", package], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    ).stdout
     for line in out.splitlines():
         if line.strip().startswith("Candidate:"):
             value = line.split(":", 1)[1].strip()
@@ -210,8 +224,10 @@ def system_packages() -> None:
     want_vulkan = not nvidia_vulkan_present()
     wanted = list(RENDER_PACKAGES) + (list(VULKAN_PACKAGES) if want_vulkan else [])
     if shutil.which("dpkg-query") is None or shutil.which("apt-get") is None:
-        say("system packages: no apt-get here; install EGL/OSMesa and a Vulkan driver "
-            f"(Mesa >= {MIN_MESA_VULKAN} lavapipe on CPU machines) with your package manager")
+        say(
+            "system packages: no apt-get here; install EGL/OSMesa and a Vulkan driver "
+            f"(Mesa >= {MIN_MESA_VULKAN} lavapipe on CPU machines) with your package manager"
+        )
         return
     missing = [p for p in wanted if installed_version(p) is None]
     mesa = installed_version("mesa-vulkan-drivers")
@@ -223,8 +239,10 @@ def system_packages() -> None:
         say(f"system packages: all present ({note})")
         return
     if os.geteuid() != 0:
-        say("system packages: not root; run: sudo apt-get install -y --no-install-recommends "
-            f"{' '.join(missing)} (mesa-vulkan-drivers >= {MIN_MESA_VULKAN}: from <codename>-backports on Debian 12)")
+        say(
+            "system packages: not root; run: sudo apt-get install -y --no-install-recommends "
+            f"{' '.join(missing)} (mesa-vulkan-drivers >= {MIN_MESA_VULKAN}: from <codename>-backports on Debian 12)"
+        )
         return
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     say("system packages: apt-get update")
@@ -240,7 +258,9 @@ def system_packages() -> None:
     if want_vulkan:
         version = installed_version("mesa-vulkan-drivers")
         if version is None or not version_at_least(version, MIN_MESA_VULKAN):
-            raise InstallError(f"mesa-vulkan-drivers is {version} after installing; ManiSkill needs >= {MIN_MESA_VULKAN}")
+            raise InstallError(
+                f"mesa-vulkan-drivers is {version} after installing; ManiSkill needs >= {MIN_MESA_VULKAN}"
+            )
 
 
 def mesa_vulkan_target(env: dict[str, str]) -> list[str]:
@@ -250,8 +270,10 @@ def mesa_vulkan_target(env: dict[str, str]) -> list[str]:
     if candidate is not None and version_at_least(candidate, MIN_MESA_VULKAN) and "~bpo" not in candidate:
         return []
     if codename is None:
-        raise InstallError(f"cannot tell this release's codename from /etc/os-release; install "
-                           f"mesa-vulkan-drivers >= {MIN_MESA_VULKAN} by hand")
+        raise InstallError(
+            f"cannot tell this release's codename from /etc/os-release; install "
+            f"mesa-vulkan-drivers >= {MIN_MESA_VULKAN} by hand"
+        )
     entry = backports_entry(read_apt_sources(), codename)
     if entry is not None:
         BACKPORTS_FILE.write_text(entry)
@@ -264,8 +286,10 @@ def mesa_vulkan_target(env: dict[str, str]) -> list[str]:
 def python_packages() -> None:
     """pip install -r requirements.txt into this interpreter (step 2)."""
     say(f"python packages: pip install -r {REQUIREMENTS.name}")
-    run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQUIREMENTS)],
-        "pip install")
+    run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQUIREMENTS)],
+        "pip install",
+    )
 
 
 def compile_fast_step(python: str | Path, prefix: str = "") -> None:

@@ -6,6 +6,7 @@ threads' own. The bottom of the package's layers: the config checks, the resourc
 the simulator workers' handles all read it. It imports the standard library only (the simulator workers import it
 under a benchmark's own interpreter).
 """
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,7 @@ class Ranks:
 def share_of_node(cores: list[int], ranks: Ranks) -> list[int]:
     """This rank's contiguous slice of its node's cores (ranks of a node split them as evenly as they can)."""
     n, k, i = len(cores), ranks.local_world, ranks.local_rank
-    return cores[i * n // k: (i + 1) * n // k]
+    return cores[i * n // k : (i + 1) * n // k]
 
 
 def visible_gpu(index: int) -> str:

@@ -16,6 +16,7 @@ each chunk executed before the next is sampled, the critic reading detached feat
 flow families' exploration: the chain's noise, where it enters and which steps enter the log-prob, and the denoising
 steps in RL. docs/use/recipes.md lists every key of those files with ours beside it, or why there is none.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,17 +62,43 @@ class Recipe:
 
 # tiny and small: this repository's tuning on CPU (the learning figures of docs/results/results.md); 3e-4 gave approx
 # KL > 1 per update on tiny, 1e-4 learns
-OWN = Recipe(source="ebrl's tuning of the tiny preset (docs/results/results.md)", lr=1e-4, critic_lr=1e-4, epochs=4,
-             value_clip=None, huber_delta=None, adam_betas=(0.9, 0.999), adam_eps=1e-5, weight_decay=0.0,
-             logprob="flow_noise", noise_std_min=0.1, noise_std_max=0.5, chain_logprob="sum", denoise_steps=None,
-             execute=None, logprob_level="action", detach_critic_input=False, value_coef=0.5, dual_clip=None,
-             global_batch=None, micro_batch=None, critic_warmup=2)
+OWN = Recipe(
+    source="ebrl's tuning of the tiny preset (docs/results/results.md)",
+    lr=1e-4,
+    critic_lr=1e-4,
+    epochs=4,
+    value_clip=None,
+    huber_delta=None,
+    adam_betas=(0.9, 0.999),
+    adam_eps=1e-5,
+    weight_decay=0.0,
+    logprob="flow_noise",
+    noise_std_min=0.1,
+    noise_std_max=0.5,
+    chain_logprob="sum",
+    denoise_steps=None,
+    execute=None,
+    logprob_level="action",
+    detach_critic_input=False,
+    value_coef=0.5,
+    dual_clip=None,
+    global_batch=None,
+    micro_batch=None,
+    critic_warmup=2,
+)
 
 _PI0_LIBERO = dict(lr=5e-6, critic_lr=1e-4)  # pi0 and pi0.5 on LIBERO, GR00T on LIBERO, pi0 on RoboCasa
 # pi0.5's LIBERO configs: 3 denoising steps, its value head after the VLM with detach_critic_input unset (model/pi0_5)
 _PI05_LIBERO = dict(_PI0_LIBERO, denoise_steps=3, detach_critic_input=False)
-_MANISKILL = dict(lr=7.91e-6, critic_lr=1.55e-4, entropy_coef=0.005, logprob="flow_noise", chain_logprob="mean",
-                  global_batch=5120, micro_batch=32)
+_MANISKILL = dict(
+    lr=7.91e-6,
+    critic_lr=1.55e-4,
+    entropy_coef=0.005,
+    logprob="flow_noise",
+    chain_logprob="mean",
+    global_batch=5120,
+    micro_batch=32,
+)
 _OFT = dict(clip_high=0.28, adam_betas=(0.9, 0.999))
 
 # (model, env, algo) -> the recipe; model is pi0 | pi05 | gr00t | openvla_oft
@@ -81,23 +108,44 @@ RECIPES: dict[tuple[str, str, str], Recipe] = {
     ("pi05", "libero", "ppo"): Recipe(RLINF + "libero_spatial_ppo_openpi_pi05.yaml", epochs=1, **_PI05_LIBERO),
     ("pi05", "libero", "grpo"): Recipe(RLINF + "libero_spatial_grpo_openpi_pi05.yaml", epochs=1, **_PI05_LIBERO),
     # pi0 on ManiSkill takes a ratio per action dim (logprob_type token_level), which ours do not give: per action
-    ("pi0", "maniskill", "ppo"): Recipe(RLINF + "maniskill_ppo_openpi.yaml", epochs=4, logprob_level="action",
-                                        **_MANISKILL),
-    ("pi05", "maniskill", "ppo"): Recipe(RLINF + "maniskill_ppo_openpi_pi05.yaml", epochs=5, detach_critic_input=False,
-                                         **_MANISKILL),
-    ("pi0", "robocasa", "ppo"): Recipe(RLINF + "robocasa_closedrawer_ppo_openpi.yaml", epochs=4, denoise_steps=5,
-                                       **_PI0_LIBERO),
-    ("gr00t", "libero", "ppo"): Recipe(RLINF + "libero_spatial_ppo_gr00t.yaml", epochs=4, global_batch=1024,
-                                       **_PI0_LIBERO),
+    ("pi0", "maniskill", "ppo"): Recipe(
+        RLINF + "maniskill_ppo_openpi.yaml", epochs=4, logprob_level="action", **_MANISKILL
+    ),
+    ("pi05", "maniskill", "ppo"): Recipe(
+        RLINF + "maniskill_ppo_openpi_pi05.yaml", epochs=5, detach_critic_input=False, **_MANISKILL
+    ),
+    ("pi0", "robocasa", "ppo"): Recipe(
+        RLINF + "robocasa_closedrawer_ppo_openpi.yaml", epochs=4, denoise_steps=5, **_PI0_LIBERO
+    ),
+    ("gr00t", "libero", "ppo"): Recipe(
+        RLINF + "libero_spatial_ppo_gr00t.yaml", epochs=4, global_batch=1024, **_PI0_LIBERO
+    ),
     # RLinf's OFT samples discrete action tokens at a temperature, ours a Gaussian around its L1 head: the optimiser
     # and clip settings carry over; update_epoch is unset there (RLinf's default, 1)
     # and a ratio per action token (token_level), ours per action; OFT executes its whole 8-action chunk
-    ("openvla_oft", "libero", "grpo"): Recipe(RLINF + "libero_spatial_grpo_openvlaoft.yaml", lr=2e-5, critic_lr=3e-3,
-                                              epochs=1, execute=None, logprob_level="action", global_batch=16384,
-                                              micro_batch=32, **_OFT),
-    ("openvla_oft", "maniskill", "ppo"): Recipe(RLINF + "maniskill_ppo_openvlaoft.yaml", lr=1e-4, critic_lr=3e-3,
-                                                epochs=1, max_grad_norm=10.0, execute=None, logprob_level="action",
-                                                global_batch=640, micro_batch=40, **_OFT),
+    ("openvla_oft", "libero", "grpo"): Recipe(
+        RLINF + "libero_spatial_grpo_openvlaoft.yaml",
+        lr=2e-5,
+        critic_lr=3e-3,
+        epochs=1,
+        execute=None,
+        logprob_level="action",
+        global_batch=16384,
+        micro_batch=32,
+        **_OFT,
+    ),
+    ("openvla_oft", "maniskill", "ppo"): Recipe(
+        RLINF + "maniskill_ppo_openvlaoft.yaml",
+        lr=1e-4,
+        critic_lr=3e-3,
+        epochs=1,
+        max_grad_norm=10.0,
+        execute=None,
+        logprob_level="action",
+        global_batch=640,
+        micro_batch=40,
+        **_OFT,
+    ),
 }
 
 # where no recipe is published: the nearest that is, and why
@@ -119,8 +167,9 @@ def recipe_for(policy: str, variant: Optional[str], preset: str, env: str, algo:
         env = NEAREST_ENV[env]
     key = (model, env, algo)
     if key not in RECIPES:
-        near = [k for k in RECIPES if k[:2] == (model, env)] or [k for k in RECIPES if k[0] == model and
-                                                                 k[1] == "libero"]
+        near = [k for k in RECIPES if k[:2] == (model, env)] or [
+            k for k in RECIPES if k[0] == model and k[1] == "libero"
+        ]
         if not near:  # (every model has a LIBERO recipe; a policy family added later may not)
             return OWN, f"{OWN.source} (no published recipe for {policy} at full size)"
         notes.append(f"no {algo} recipe for {model} on {env}: {near[0][2]}'s on {near[0][1]}")
@@ -143,14 +192,20 @@ def recipe_line(cfg: Any) -> str:
     _, source = recipe_for(p.name, p.get("variant"), p.preset, cfg.env.name, a.name)
     clip = f"{a.clip:g}" if a.clip_high in (None, a.clip) else f"{a.clip:g}/{a.clip_high:g}"
     critic = "critic_lr" in a  # (PPO's; GRPO has no critic)
-    parts = [f"lr {a.lr:g}", *([f"critic_lr {a.critic_lr:g}"] if critic else []), f"clip {clip}", f"epochs {a.epochs}",
-             f"AdamW betas ({a.adam_betas[0]:g}, {a.adam_betas[1]:g}) eps {a.adam_eps:g} wd {a.weight_decay:g}"]
+    parts = [
+        f"lr {a.lr:g}",
+        *([f"critic_lr {a.critic_lr:g}"] if critic else []),
+        f"clip {clip}",
+        f"epochs {a.epochs}",
+        f"AdamW betas ({a.adam_betas[0]:g}, {a.adam_betas[1]:g}) eps {a.adam_eps:g} wd {a.weight_decay:g}",
+    ]
     if critic and a.value_clip is not None:
         parts.append(f"value clip {a.value_clip:g}")
     if a.get("dual_clip") is not None:
         parts.append(f"dual clip {a.dual_clip:g}")
-    parts.append(f"value coef {a.value_coef:g}, a ratio per {a.logprob_level}" if critic else
-                 f"a ratio per {a.logprob_level}")
+    parts.append(
+        f"value coef {a.value_coef:g}, a ratio per {a.logprob_level}" if critic else f"a ratio per {a.logprob_level}"
+    )
     if a.get("global_batch") is not None:
         parts.append(f"{a.global_batch} chunk steps per optimizer step")
     if a.get("micro_batch") is not None:

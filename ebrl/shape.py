@@ -5,6 +5,7 @@ its sizes from here rather than working them out again.
 
 A config here is the composed one or its resolved plain copy (`conf`): both are read by key.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,14 @@ class RolloutShape:
         return self.envs // self.group_size
 
     @classmethod
-    def of(cls, cfg: Any, ranks: int = 1, max_episode_steps: int | None = None, execute: int | None = None,
-           envs: int | None = None) -> "RolloutShape":
+    def of(
+        cls,
+        cfg: Any,
+        ranks: int = 1,
+        max_episode_steps: int | None = None,
+        execute: int | None = None,
+        envs: int | None = None,
+    ) -> "RolloutShape":
         """The shape of `cfg`'s rollout on one of `ranks` ranks; a GRPO run's chunks need the episode's length (the
         env spec's max_episode_steps) and the actions executed of each chunk (policy.execute). `envs`: this rank's
         envs where they are not env.num_envs (a benchmark's prediction at other counts)."""
@@ -75,6 +82,13 @@ class RolloutShape:
             chunks = math.ceil(max_episode_steps / execute)
         rows = None if chunks is None else envs * chunks
         minibatch = None if rows is None else minibatch_rows(algo, rows, ranks)
-        return cls(envs=envs, group_size=group_size(cfg), groups=int(cfg["scheduler"]["groups"]), ranks=ranks,
-                   chunks=chunks, rows=rows, minibatch_rows=minibatch,
-                   micro_rows=None if minibatch is None else micro_rows(algo, minibatch))
+        return cls(
+            envs=envs,
+            group_size=group_size(cfg),
+            groups=int(cfg["scheduler"]["groups"]),
+            ranks=ranks,
+            chunks=chunks,
+            rows=rows,
+            minibatch_rows=minibatch,
+            micro_rows=None if minibatch is None else micro_rows(algo, minibatch),
+        )

@@ -1,4 +1,5 @@
 """Shared helpers: compose the real configs with Hydra's compose API; lerobot's pi0 / pi0.5 reference folders."""
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,13 @@ def lerobot_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
         pytest.skip("lerobot's interpreter is not set up: python -m ebrl.envs.setup lerobot")
     root = tmp_path_factory.mktemp("lerobot")
     model = train_sentencepiece(root / "paligemma_tokenizer.model")
-    subprocess.run([str(python), str(REFERENCE), "reference", str(root), str(model), *LEROBOT_VARIANTS], check=True,
-                   capture_output=True, timeout=600, env=ONE_THREAD)
+    subprocess.run(
+        [str(python), str(REFERENCE), "reference", str(root), str(model), *LEROBOT_VARIANTS],
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env=ONE_THREAD,
+    )
     for variant in LEROBOT_VARIANTS:
         shutil.copy(model, root / variant / model.name)
     return {variant: root / variant for variant in LEROBOT_VARIANTS}

@@ -5,6 +5,7 @@ Hydra's own message), then `check_mode` and `validate` (ConfigError, one line). 
 builds the run (the env in its workers, the resume folder, the allocator's stage profile): those go through run.py.
 `python -m tests.test_bad_input` prints the table with the real messages as markdown.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ BAD_INPUTS: list = [
     (("hw.nodes=0",), "hw.nodes=0 must be a positive number"),
     (("scheduler=ebrl", "scheduler.groups=0"), "scheduler.groups=0 must be between 1 and env.num_envs=8"),
     (("scheduler=ebrl", "scheduler.queue_size=0"), "scheduler.queue_size=0 must be >= 1 or null"),
-    (("scheduler=ebrl", "scheduler.generation=gpu"),
-     "scheduler.generation='gpu' is not available; accepted: supervisor, process"),
+    (
+        ("scheduler=ebrl", "scheduler.generation=gpu"),
+        "scheduler.generation='gpu' is not available; accepted: supervisor, process",
+    ),
     (("mode=eval", "checkpoint={tmp}", "eval.episodes=0"), "eval.episodes=0 must be at least 1"),
     (("hw.gpus=-1",), "hw.gpus=-1 must be >= 0"),
     (("algo.max_nonfinite_updates=0",), "algo.max_nonfinite_updates=0 must be a positive number"),
@@ -56,44 +59,70 @@ BAD_INPUTS: list = [
     ((f"hw.cpu_cores={MORE_CORES}",), f"hw.cpu_cores={MORE_CORES} (hw=cpu) is more than the"),
     pytest.param(("hw=a100x8",), "hw=a100x8 needs 8 CUDA GPUs and this machine has none", marks=on_cpu),
     pytest.param(("hw=h200x1",), "hw=h200x1 needs 1 CUDA GPU and this machine has none", marks=on_cpu),
-    pytest.param(("device=cuda",), "device=cuda needs a CUDA GPU and this machine has none; use device=auto or "
-                 "device=cpu", marks=on_cpu),
-    (("hw.cpu_cores=1", "scheduler=ebrl"), "scheduler=ebrl simulates, generates and trains side by side and needs at "
-                                           "least 2 CPU cores; this rank has 1"),
+    pytest.param(
+        ("device=cuda",),
+        "device=cuda needs a CUDA GPU and this machine has none; use device=auto or device=cpu",
+        marks=on_cpu,
+    ),
+    (
+        ("hw.cpu_cores=1", "scheduler=ebrl"),
+        "scheduler=ebrl simulates, generates and trains side by side and needs at least 2 CPU cores; this rank has 1",
+    ),
     (("hw.nodes=2",), "hw=cpu spans 2 nodes and this is one process; launch one per node: torchrun --nnodes 2"),
     # staleness and the pipelined schedules
     (("scheduler=ebrl", "scheduler.max_staleness=-1"), "scheduler.max_staleness=-1 must be >= 0"),
     (("scheduler=ebrl", "scheduler.max_ahead=0"), "scheduler.max_ahead=0 must be >= 1"),
-    (("scheduler=ebrl", "algo=grpo", "scheduler.max_ahead=2", "scheduler.max_staleness=1"),
-     "scheduler.max_staleness=1 below scheduler.max_ahead=2 drops the quick episodes' steps from GRPO's loss"),
+    (
+        ("scheduler=ebrl", "algo=grpo", "scheduler.max_ahead=2", "scheduler.max_staleness=1"),
+        "scheduler.max_staleness=1 below scheduler.max_ahead=2 drops the quick episodes' steps from GRPO's loss",
+    ),
     (("scheduler=ebrl", "scheduler.sim_nice=-1"), "scheduler.sim_nice=-1 must be a nice value from 0 (none) to 19"),
-    (("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"),
-     "scheduler.groups=3 must be between 1 and 2 with algo=grpo: a group of the schedule holds whole GRPO groups"),
-    (("scheduler=colocated", "scheduler.overlap=true"), "scheduler.trainer=local trains in the supervisor between two "
-                                                        "rollouts and scheduler.overlap=True overlaps training"),
-    (("scheduler=ebrl", "scheduler.decoupled=false", "policy.dtype=bfloat16"),
-     "scheduler.decoupled=False with scheduler.overlap=True clips around the stale behaviour policy, and a bfloat16 "
-     "policy (policy.dtype=bfloat16) has no exact log-probs of it; use scheduler.decoupled=true or "
-     "policy.dtype=float32"),
-    (("scheduler=ebrl", "scheduler.decoupled=false", "policy.preset=full"),
-     "a bfloat16 policy (policy.dtype=null: bfloat16 on a GPU or the full preset) has no exact log-probs of it"),
+    (
+        ("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"),
+        "scheduler.groups=3 must be between 1 and 2 with algo=grpo: a group of the schedule holds whole GRPO groups",
+    ),
+    (
+        ("scheduler=colocated", "scheduler.overlap=true"),
+        "scheduler.trainer=local trains in the supervisor between two "
+        "rollouts and scheduler.overlap=True overlaps training",
+    ),
+    (
+        ("scheduler=ebrl", "scheduler.decoupled=false", "policy.dtype=bfloat16"),
+        "scheduler.decoupled=False with scheduler.overlap=True clips around the stale behaviour policy, and a bfloat16 "
+        "policy (policy.dtype=bfloat16) has no exact log-probs of it; use scheduler.decoupled=true or "
+        "policy.dtype=float32",
+    ),
+    (
+        ("scheduler=ebrl", "scheduler.decoupled=false", "policy.preset=full"),
+        "a bfloat16 policy (policy.dtype=null: bfloat16 on a GPU or the full preset) has no exact log-probs of it",
+    ),
     (("scheduler=ebrl", "scheduler.trainer=gpu"), "scheduler.trainer='gpu' is not available; accepted: process, local"),
-    (("scheduler=ebrl", "scheduler.core_order=random"),
-     "scheduler.core_order='random' is not available; accepted: longest, readiness"),
-    (("scheduler=disaggregated", "scheduler.train_share=1.5"), "scheduler.train_share=1.5 must give training at "
-                                                               "least one of the"),
+    (
+        ("scheduler=ebrl", "scheduler.core_order=random"),
+        "scheduler.core_order='random' is not available; accepted: longest, readiness",
+    ),
+    (
+        ("scheduler=disaggregated", "scheduler.train_share=1.5"),
+        "scheduler.train_share=1.5 must give training at least one of the",
+    ),
     # batch sizes that cannot divide
-    (("algo.minibatches=3",), "algo.minibatches=3 does not divide the rollout batch env.num_envs x "
-                              "algo.rollout_chunks = 80"),
-    (("algo=grpo", "env.num_envs=6", "algo.group_size=4"), "env.num_envs=6 is not a multiple of algo.group_size=4; "
-                                                           "with algo=grpo use env.num_envs=4, 8, 12"),
+    (
+        ("algo.minibatches=3",),
+        "algo.minibatches=3 does not divide the rollout batch env.num_envs x algo.rollout_chunks = 80",
+    ),
+    (
+        ("algo=grpo", "env.num_envs=6", "algo.group_size=4"),
+        "env.num_envs=6 is not a multiple of algo.group_size=4; with algo=grpo use env.num_envs=4, 8, 12",
+    ),
     (("algo=grpo", "algo.minibatches=3"), "algo.minibatches=3 does not divide env.num_envs=8"),
     (("algo=grpo", "algo.group_size=1"), "algo.group_size=1 must be at least 2"),
     # options that do not exist: a group's (Hydra's own message, at composition) or a value's
     (("scheduler=pipelined",), "Could not find 'scheduler/pipelined'"),
     (("algo=a2c",), "Could not find 'algo/a2c'"),
-    (("scheduler.name=pipelined",), "scheduler.name='pipelined' is not available; accepted: colocated, disaggregated, "
-                                    "hybrid, async, ebrl"),
+    (
+        ("scheduler.name=pipelined",),
+        "scheduler.name='pipelined' is not available; accepted: colocated, disaggregated, hybrid, async, ebrl",
+    ),
     (("algo.name=a2c",), "algo.name='a2c' is not available; accepted: ppo, grpo, sft"),
     (("policy.preset=huge",), "policy.preset='huge' is not available; accepted: tiny, small, full"),
     (("policy.dtype=float16",), "policy.dtype='float16' is not available; accepted: float32, bfloat16"),
@@ -103,15 +132,20 @@ BAD_INPUTS: list = [
     (("algo.micro_batch=0",), "algo.micro_batch=0 must be a positive number"),
     (("device=tpu",), "device='tpu' is not available; accepted: auto, cpu, cuda"),
     (("env.reward=shaped",), "env.reward='shaped' is not available; accepted: dense, sparse"),
-    (("env.reward=dense", "env.terminate_on_success=true"),
-     "env.terminate_on_success=True with env.reward=dense: robosuite's shaped reward pays before success too"),
+    (
+        ("env.reward=dense", "env.terminate_on_success=true"),
+        "env.terminate_on_success=True with env.reward=dense: robosuite's shaped reward pays before success too",
+    ),
     (("mode=test",), "mode='test' is not available; accepted: train, eval"),
     # the allocator
     (("allocator.ema=0",), "allocator.ema=0.0 must be in (0, 1]"),
     (("scheduler=ebrl", "allocator.window=0"), "allocator.window=0 must be >= 1"),
     (("allocator.min_gain=-0.1",), "allocator.min_gain=-0.1 must be >= 0"),
-    (("allocator=elastic",), "allocator=elastic moves resources between the stages' processes and "
-                             "scheduler=colocated runs every stage in one; use scheduler=ebrl"),
+    (
+        ("allocator=elastic",),
+        "allocator=elastic moves resources between the stages' processes and "
+        "scheduler=colocated runs every stage in one; use scheduler=ebrl",
+    ),
     # checkpoints
     (("mode=eval",), "mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>"),
     (("mode=eval", "checkpoint={tmp}/no-such-run"), "checkpoint={tmp}/no-such-run does not exist; give a run folder"),
@@ -138,14 +172,20 @@ BAD_INPUTS: list = [
 AT_RUN = [
     (("env.task=NoSuchTask",), "env.task='NoSuchTask' is not a robosuite task; choose one of: Door, Lift"),
     (("resume={tmp}/no-such-run",), "resume={tmp}/no-such-run is not a run folder"),
-    (("scheduler=ebrl", f"allocator.profile={OTHER_POLICY_PROFILE}"),
-     f"was measured for policy={OTHER_POLICY}, and this run has policy=openpi; run python sweep.py -m"),
-    (("scheduler=ebrl", "allocator.profile={tmp}/no-such-profile.yaml"),
-     "allocator.profile={tmp}/no-such-profile.yaml: no such file; give a stage profile written by sweep.py"),
+    (
+        ("scheduler=ebrl", f"allocator.profile={OTHER_POLICY_PROFILE}"),
+        f"was measured for policy={OTHER_POLICY}, and this run has policy=openpi; run python sweep.py -m",
+    ),
+    (
+        ("scheduler=ebrl", "allocator.profile={tmp}/no-such-profile.yaml"),
+        "allocator.profile={tmp}/no-such-profile.yaml: no such file; give a stage profile written by sweep.py",
+    ),
     (("algo=sft",), "algo=sft trains on demonstrations: give demos.path=<folder or .hdf5>"),
     (("algo=sft", "demos.path={tmp}/no-demos"), "demos.path={tmp}/no-demos does not exist; give an .hdf5 file"),
-    (("init={tmp}/no-such-run",), "init={tmp}/no-such-run is neither a run folder with checkpoints/last.pt nor a "
-                                  "checkpoint file"),
+    (
+        ("init={tmp}/no-such-run",),
+        "init={tmp}/no-such-run is neither a run folder with checkpoints/last.pt nor a checkpoint file",
+    ),
     (("init={tmp}", "policy.checkpoint={tmp}"), "init={tmp} and policy.checkpoint={tmp} both give the first weights"),
 ]
 BAD_INPUTS += AT_RUN
@@ -165,9 +205,13 @@ def in_folder(tmp: Path, overrides: tuple[str, ...], needle: str) -> tuple[list[
         from ebrl.alloc.profile import linear_profile
 
         key = profile_key(compose_config("scheduler=ebrl", f"policy={OTHER_POLICY}"))  # this run's key, another policy
-        linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [4],
-                       {"simulate": "cores", "generate": "core_share", "train": "core_share"}, key,
-                       {"simulate": 2.0, "generate": 2.0, "train": 2.0}).save(OTHER_POLICY_PROFILE.format(tmp=tmp))
+        linear_profile(
+            {"simulate": 0.015, "generate": 0.001, "train": 0.002},
+            [4],
+            {"simulate": "cores", "generate": "core_share", "train": "core_share"},
+            key,
+            {"simulate": 2.0, "generate": 2.0, "train": 2.0},
+        ).save(OTHER_POLICY_PROFILE.format(tmp=tmp))
     return [o.format(tmp=tmp) for o in overrides], needle.format(tmp=tmp)
 
 

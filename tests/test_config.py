@@ -1,4 +1,5 @@
 """Every config composes; typos fail in Hydra; values that cannot work fail with one line."""
+
 import itertools
 import re
 
@@ -50,9 +51,19 @@ def test_composition_errors(override, error):
         compose_config(override)
 
 
-@pytest.mark.parametrize("algo,key", [("grpo", "critic_lr=1e-3"), ("grpo", "rollout_chunks=4"), ("grpo", "gamma=0.9"),
-                                      ("sft", "epochs=2"), ("sft", "clip=0.1"), ("sft", "group_size=2"),
-                                      ("ppo", "group_size=2"), ("ppo", "batch_size=8")])
+@pytest.mark.parametrize(
+    "algo,key",
+    [
+        ("grpo", "critic_lr=1e-3"),
+        ("grpo", "rollout_chunks=4"),
+        ("grpo", "gamma=0.9"),
+        ("sft", "epochs=2"),
+        ("sft", "clip=0.1"),
+        ("sft", "group_size=2"),
+        ("ppo", "group_size=2"),
+        ("ppo", "batch_size=8"),
+    ],
+)
 def test_a_key_of_another_algorithm_fails_at_composition_as_a_misspelled_one(algo, key):
     """Each algorithm has a schema of its own (ebrl/config.py, ALGO_SCHEMAS): GRPO has no critic nor rollout length,
     SFT no rollout at all, PPO no groups nor demonstration batches."""
@@ -91,11 +102,16 @@ def test_schemas_are_no_options_of_their_groups():
         (["policy.noise_std_min=0.9"], "must satisfy 0 < min <= max"),
         (["policy.logprob=ddim"], "policy.logprob='ddim' is not available; accepted: flow_noise, flow_sde"),
         (["policy.variant=pi1"], "policy.variant='pi1' is not available; accepted: pi0, pi05"),
-        (["scheduler=disaggregated", "allocator=elastic"], "allocator=elastic would move the cores that "
-                                                             "scheduler.train_share=0.5 fixes"),
-        (["scheduler=hybrid", "allocator=elastic"], "allocator=elastic moves resources between stages that run "
-                                                      "side by side and scheduler=hybrid runs rollout and training "
-                                                      "one after the other"),
+        (
+            ["scheduler=disaggregated", "allocator=elastic"],
+            "allocator=elastic would move the cores that scheduler.train_share=0.5 fixes",
+        ),
+        (
+            ["scheduler=hybrid", "allocator=elastic"],
+            "allocator=elastic moves resources between stages that run "
+            "side by side and scheduler=hybrid runs rollout and training "
+            "one after the other",
+        ),
         (["scheduler=ebrl", "allocator.simulate=64"], "allocator.simulate=64 must be in (0, "),
         (["hw.sm_partition=green"], "hw.sm_partition=green shares the SMs of a GPU and hw=cpu has none"),
         (["hw.sm_partition=slices"], "hw.sm_partition='slices' is not available; accepted: none, mps, green"),
@@ -122,14 +138,17 @@ def test_green_contexts_are_refused_for_a_run_of_two_processes():
 
 def test_mapping_keys_take_a_dict_from_the_command_line_and_check_it():
     # the README's forms: OmegaConf could not merge them into a null Optional[Dict] node (a 40-line traceback)
-    cfg = compose_config("policy.cameras={base_0_rgb: agentview, left_wrist_0_rgb: null}",
-                         "policy.dims={width: 64, depth: 2}", "demos.image_keys={agentview: agentview_image}")
+    cfg = compose_config(
+        "policy.cameras={base_0_rgb: agentview, left_wrist_0_rgb: null}",
+        "policy.dims={width: 64, depth: 2}",
+        "demos.image_keys={agentview: agentview_image}",
+    )
     assert OmegaConf.to_container(cfg.policy.cameras) == {"base_0_rgb": "agentview", "left_wrist_0_rgb": None}
     assert OmegaConf.to_container(cfg.policy.dims) == {"width": 64, "depth": 2}
     assert OmegaConf.to_container(cfg.demos.image_keys) == {"agentview": "agentview_image"}
-    for override, line in [("policy.dims={width: abc}", "policy.dims={'width': 'abc'} must be a mapping of names to "
-                                                          "ints"),
-                           ("policy.cameras=[agentview]", "policy.cameras=['agentview'] must be a mapping of names to "
-                                                          "strs or null")]:
+    for override, line in [
+        ("policy.dims={width: abc}", "policy.dims={'width': 'abc'} must be a mapping of names to ints"),
+        ("policy.cameras=[agentview]", "policy.cameras=['agentview'] must be a mapping of names to strs or null"),
+    ]:
         with pytest.raises(ConfigError, match=re.escape(line)):
             validate(compose_config(override))

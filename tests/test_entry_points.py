@@ -1,6 +1,7 @@
 """Every entry point answers `--help` with its usage and exit status 0, and does nothing else (no install, no
 compile, no run). The entry points are found in the source: run.py, sweep.py and every ebrl module with a
 `__main__` block or a `__main__.py`. Each runs in this process (runpy), so the whole file costs seconds."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """conf/experiment: every published run is `python run.py experiment=NAME`. Each file composes (as `--cfg job` does,
 no simulator started), passes the checks this CPU machine can satisfy, and is the command line it replaced."""
+
 import re
 
 import pytest
@@ -11,17 +12,30 @@ from tests.conftest import REPO, compose_config, group_options
 EXPERIMENTS = group_options("experiment")
 # what each experiment replaced on the command line (README.md, docs/results/results.md)
 PUBLISHED = {
-    "pi0_libero": ["policy=openpi", "policy.preset=full", "env=libero", "env.suite=libero_spatial", "env.task=0",
-                   "env.cameras=[agentview,robot0_eye_in_hand]", "env.image_size=224",
-                   "policy.cameras={base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, "
-                   "right_wrist_0_rgb: null}",
-                   "policy.state_dims=[0,1,2,3,4,5,6,7]", "hw=h200x1"],
+    "pi0_libero": [
+        "policy=openpi",
+        "policy.preset=full",
+        "env=libero",
+        "env.suite=libero_spatial",
+        "env.task=0",
+        "env.cameras=[agentview,robot0_eye_in_hand]",
+        "env.image_size=224",
+        "policy.cameras={base_0_rgb: agentview, left_wrist_0_rgb: robot0_eye_in_hand, right_wrist_0_rgb: null}",
+        "policy.state_dims=[0,1,2,3,4,5,6,7]",
+        "hw=h200x1",
+    ],
     "lift_stock_step": ["env.fast_step=false"],
     "lift_ebrl": ["scheduler=ebrl"],
     "lift_scratch_ppo": ["init=null", "env.reward=dense"],
     "lift_scratch_grpo": ["init=null", "env.reward=dense", "algo=grpo"],
-    "lift_scratch_ppo_30min": ["init=null", "env.reward=dense", "iterations=2000", "seed=0", "progress=false",
-                               "checkpoint_every=100"],
+    "lift_scratch_ppo_30min": [
+        "init=null",
+        "env.reward=dense",
+        "iterations=2000",
+        "seed=0",
+        "progress=false",
+        "checkpoint_every=100",
+    ],
 }
 # an experiment for hardware this machine lacks is checked on this machine's hw=cpu (its composition as it is)
 HERE = {"pi0_libero": ["hw=cpu"]}

@@ -18,6 +18,7 @@ loader, given the exported folder, must act as the run did.
 - pi0 from lerobot 0.6.1's layout (test_lerobot_parity.lerobot_061_layout: lm_head and embed_tokens both saved, as
   two tensors); written as lerobot's (both names, two copies) and as openpi's (lm_head alone).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,15 @@ from tests.runtime.test_disk_full import small_disk  # noqa: F401  (a fixture: a
 
 TOLERANCE = 1e-4
 # case -> (run, --to, --keep-heads); the lerobot cases act in lerobot in the default suite, the others slow
-EXPORTS = {"pi0_lerobot": ("pi0", None, True), "pi0_openpi": ("pi0", "openpi", False),
-           "pi05_openpi": ("pi05", None, False), "pi05_lerobot": ("pi05", "lerobot", False),
-           "pi0feb_lerobot_slow": ("pi0feb", None, False), "pi0v061_lerobot": ("pi0v061", None, False),
-           "pi0v061_openpi": ("pi0v061", "openpi", False)}
+EXPORTS = {
+    "pi0_lerobot": ("pi0", None, True),
+    "pi0_openpi": ("pi0", "openpi", False),
+    "pi05_openpi": ("pi05", None, False),
+    "pi05_lerobot": ("pi05", "lerobot", False),
+    "pi0feb_lerobot_slow": ("pi0feb", None, False),
+    "pi0v061_lerobot": ("pi0v061", None, False),
+    "pi0v061_openpi": ("pi0v061", "openpi", False),
+}
 LEROBOT_DEFAULT = ["pi0_lerobot", "pi05_lerobot", "pi0v061_lerobot"]
 
 
@@ -62,9 +68,13 @@ def one_thread_here():
 def observations(policy: torch.nn.Module, ref: dict[str, torch.Tensor], tasks: list[str]) -> dict[str, torch.Tensor]:
     """The reference's batch as our env gives it (its third camera slot has no env camera)."""
     tokens, mask = policy.tokenize(tasks)
-    return {"state": ref["state"], "image/agentview": ref["image/base_0_rgb"],
-            "image/wrist": ref["image/left_wrist_0_rgb"], "tokens": torch.from_numpy(tokens),
-            "token_mask": torch.from_numpy(mask)}
+    return {
+        "state": ref["state"],
+        "image/agentview": ref["image/base_0_rgb"],
+        "image/wrist": ref["image/left_wrist_0_rgb"],
+        "tokens": torch.from_numpy(tokens),
+        "token_mask": torch.from_numpy(mask),
+    }
 
 
 def act(policy: torch.nn.Module, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +89,15 @@ def other_stats(folder: Path, path: Path) -> str:
     """An openpi norm_stats.json unlike the reference folder's: what the pi0 run normalised with instead."""
     rng = np.random.default_rng(3)
     meta = json.loads((folder / "reference.json").read_text())
-    table = {name: {"mean": rng.normal(size=n).tolist(), "std": (rng.random(n) + 0.3).tolist(),
-                    "q01": (-1 - rng.random(n)).tolist(), "q99": (1 + rng.random(n)).tolist()}
-             for name, n in (("state", meta["state_dim"]), ("actions", meta["action_dim"]))}
+    table = {
+        name: {
+            "mean": rng.normal(size=n).tolist(),
+            "std": (rng.random(n) + 0.3).tolist(),
+            "q01": (-1 - rng.random(n)).tolist(),
+            "q99": (1 + rng.random(n)).tolist(),
+        }
+        for name, n in (("state", meta["state_dim"]), ("actions", meta["action_dim"]))
+    }
     path.write_text(json.dumps({"norm_stats": table}))
     return str(path)
 
@@ -94,7 +110,9 @@ def make_run(folder: Path, run: Path, layout: str, **overrides) -> tuple[torch.T
     policy = build_policy(cfg, spec, train=True)
     with torch.no_grad():
         for name, p in policy.named_parameters():
-            if p.requires_grad and ("lora_B" in name or "action_out_proj" in name or "lora" not in (cfg.get("train") or "")):
+            if p.requires_grad and (
+                "lora_B" in name or "action_out_proj" in name or "lora" not in (cfg.get("train") or "")
+            ):
                 p.add_(torch.randn_like(p) * 0.02)
     conf = {"policy": cfg, "env": {"name": "libero", "cameras": ["agentview", "wrist"]}}
     atomic_save(checkpoint_record(conf, policy.state_dict(), {}, 1, 100, None), run / "checkpoints" / "last.pt")
@@ -111,34 +129,64 @@ def exported(lerobot_references, tmp_path_factory) -> dict[str, dict]:
     for f in (pi0 / "lerobot_feb2025_base").glob("policy_*"):  # (that layout has no processors: no statistics)
         f.unlink()
     lerobot_061_layout(pi0)
-    runs = {"pi0": make_run(pi0, root / "pi0_run", "lerobot", train="lora", lora_rank=2, lora_alpha=4, execute=3,
-                            norm_stats=other_stats(pi0, root / "norm_stats.json")),
-            "pi05": make_run(pi05, root / "pi05_run", "openpi", denoise_steps=3, prompt_style="lerobot"),
-            "pi0feb": make_run(pi0, root / "pi0feb_run", "lerobot_feb2025_base"),
-            "pi0v061": make_run(pi0, root / "pi0v061_run", "lerobot_0.6.1")}
-    return {case: {"variant": "pi05" if run == "pi05" else "pi0", "run": runs[run],
-                   "folder": export(root / f"{run}_run", to, root / case, keep_heads),
-                   "reference": pi05 if run == "pi05" else pi0}
-            for case, (run, to, keep_heads) in EXPORTS.items()}
+    runs = {
+        "pi0": make_run(
+            pi0,
+            root / "pi0_run",
+            "lerobot",
+            train="lora",
+            lora_rank=2,
+            lora_alpha=4,
+            execute=3,
+            norm_stats=other_stats(pi0, root / "norm_stats.json"),
+        ),
+        "pi05": make_run(pi05, root / "pi05_run", "openpi", denoise_steps=3, prompt_style="lerobot"),
+        "pi0feb": make_run(pi0, root / "pi0feb_run", "lerobot_feb2025_base"),
+        "pi0v061": make_run(pi0, root / "pi0v061_run", "lerobot_0.6.1"),
+    }
+    return {
+        case: {
+            "variant": "pi05" if run == "pi05" else "pi0",
+            "run": runs[run],
+            "folder": export(root / f"{run}_run", to, root / case, keep_heads),
+            "reference": pi05 if run == "pi05" else pi0,
+        }
+        for case, (run, to, keep_heads) in EXPORTS.items()
+    }
 
 
 def lerobot_acts(exported: dict[str, dict], cases: list[str]) -> dict[str, dict]:
     """What lerobot acts from each case's folder, in one run of its interpreter: (model chunk, actions) and the
     record of the tensors it holds otherwise than the file."""
     root = next(iter(exported.values()))["folder"].parent
-    job = {"tokenizer": str(exported[cases[0]]["reference"] / "paligemma_tokenizer.model"),
-           "cases": [{"variant": exported[c]["variant"], "folder": str(exported[c]["folder"]),
-                      "reference": str(exported[c]["reference"]), "out": str(root / f"{c}.safetensors")}
-                     for c in cases]}
+    job = {
+        "tokenizer": str(exported[cases[0]]["reference"] / "paligemma_tokenizer.model"),
+        "cases": [
+            {
+                "variant": exported[c]["variant"],
+                "folder": str(exported[c]["folder"]),
+                "reference": str(exported[c]["reference"]),
+                "out": str(root / f"{c}.safetensors"),
+            }
+            for c in cases
+        ],
+    }
     (root / "job.json").write_text(json.dumps(job))
-    done = subprocess.run([str(benchmark_python("lerobot")), str(REFERENCE), "act", str(root / "job.json")],
-                          capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    done = subprocess.run(
+        [str(benchmark_python("lerobot")), str(REFERENCE), "act", str(root / "job.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ONE_THREAD,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = {}
     for case in cases:
         with safe_open(str(root / f"{case}.safetensors"), "pt") as handle:
-            out[case] = {"acts": (handle.get_tensor("model_chunk"), handle.get_tensor("actions")),
-                         "meta": handle.metadata()}
+            out[case] = {
+                "acts": (handle.get_tensor("model_chunk"), handle.get_tensor("actions")),
+                "meta": handle.metadata(),
+            }
     return out
 
 
@@ -189,7 +237,8 @@ def test_what_the_folders_hold(exported) -> None:
     source = set(safe_open(str(pi0["reference"] / "lerobot" / "model.safetensors"), "pt").keys())
     assert set(safe_open(str(pi0["folder"] / "model.safetensors"), "pt").keys()) == source
     assert set(safe_open(str(as_openpi["folder"] / "model.safetensors"), "pt").keys()) == {
-        k.removeprefix("model.") for k in source}
+        k.removeprefix("model.") for k in source
+    }
     heads = load_file(str(pi0["folder"] / HEADS))  # (--keep-heads)
     assert {k.split(".")[0] for k in heads} == {"value_head", "noise_std_head"}
     assert not (as_openpi["folder"] / HEADS).exists()
@@ -202,16 +251,18 @@ def test_a_lerobot_061_source_is_written_with_both_names_for_lerobot_and_lm_head
     the second name of the pair."""
     embed, head = OpenPIPolicy.TIED
     as_lerobot = load_file(str(exported["pi0v061_lerobot"]["folder"] / "model.safetensors"))
-    assert set(as_lerobot) == set(safe_open(str(exported["pi0v061_lerobot"]["reference"] / "lerobot_0.6.1" /
-                                                 "model.safetensors"), "pt").keys())
+    assert set(as_lerobot) == set(
+        safe_open(str(exported["pi0v061_lerobot"]["reference"] / "lerobot_0.6.1" / "model.safetensors"), "pt").keys()
+    )
     assert torch.equal(as_lerobot["model." + embed], as_lerobot["model." + head])  # the run's embedding, twice
     as_openpi = set(safe_open(str(exported["pi0v061_openpi"]["folder"] / "model.safetensors"), "pt").keys())
     assert head in as_openpi and embed not in as_openpi
 
 
 def test_bad_input_is_one_line_and_exit_2(exported, tmp_path, capsys) -> None:
-    done = subprocess.run([sys.executable, "-m", "ebrl.export", str(tmp_path)], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ebrl.export", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "holds no checkpoint" in done.stderr
     run = exported["pi0_lerobot"]["folder"].parent / "pi0_run"
     record = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
@@ -224,15 +275,18 @@ def test_bad_input_is_one_line_and_exit_2(exported, tmp_path, capsys) -> None:
     broken = tmp_path / "broken"
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / "model.safetensors").write_bytes(b"not a safetensors file")
-    record["config"]["policy"].update(name="openpi", _target_="ebrl.policies.openpi.OpenPIPolicy",
-                                      checkpoint=str(tmp_path / "garbage"))
+    record["config"]["policy"].update(
+        name="openpi", _target_="ebrl.policies.openpi.OpenPIPolicy", checkpoint=str(tmp_path / "garbage")
+    )
     atomic_save(record, broken / "checkpoints" / "last.pt")
     (tmp_path / "a_file").write_text("")
-    for argv, line in (([str(run), "--out", str(exported["pi0_lerobot"]["folder"])], "exists and is not empty"),
-                       ([str(scratch)], "trained from no published checkpoint"),
-                       ([str(oft)], "policy.name=openvla_oft cannot be exported"),
-                       ([str(broken)], "model.safetensors, a file of policy.checkpoint="),
-                       ([str(run), "--out", str(tmp_path / "a_file" / "out")], "cannot be made there")):
+    for argv, line in (
+        ([str(run), "--out", str(exported["pi0_lerobot"]["folder"])], "exists and is not empty"),
+        ([str(scratch)], "trained from no published checkpoint"),
+        ([str(oft)], "policy.name=openvla_oft cannot be exported"),
+        ([str(broken)], "model.safetensors, a file of policy.checkpoint="),
+        ([str(run), "--out", str(tmp_path / "a_file" / "out")], "cannot be made there"),
+    ):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         err = capsys.readouterr().err
@@ -275,15 +329,21 @@ def groot(groot_reference, tmp_path_factory) -> dict[str, dict]:
         patch.setitem(PRESETS, "parity", dataclasses.replace(PRESETS["small"], embodiments=SLOTS))
         d = PRESETS["parity"]
         spec = make_spec(("front",), size=d.image_size, state_dim=d.max_state_dim)
-        tokens = io["input_ids"][:, (d.image_size // d.patch_size) ** 2:]
+        tokens = io["input_ids"][:, (d.image_size // d.patch_size) ** 2 :]
 
         def chunk(policy: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 vl, mask = policy.backbone_features(io["pixel_values"], tokens, torch.ones_like(tokens, dtype=bool))
                 return chain(policy, policy.encode_features(vl, mask, io["state"])[0], x, t)[1]
 
-        cfg = {"_target_": "ebrl.policies.gr00t.GR00TPolicy", "name": "gr00t", "preset": "parity", "dtype": "float32",
-               "embodiment_id": GROOT_EMBODIMENT, "denoise_steps": 4}
+        cfg = {
+            "_target_": "ebrl.policies.gr00t.GR00TPolicy",
+            "name": "gr00t",
+            "preset": "parity",
+            "dtype": "float32",
+            "embodiment_id": GROOT_EMBODIMENT,
+            "denoise_steps": 4,
+        }
         runs = {}
         for source, train in (("lerobot_tied", {"train": "lora", "lora_rank": 2, "lora_alpha": 4}), ("nvidia", {})):
             run_cfg = {**cfg, "checkpoint": str(ref / source), **train}
@@ -294,15 +354,31 @@ def groot(groot_reference, tmp_path_factory) -> dict[str, dict]:
                     if p.requires_grad and (not train or "lora_B" in name or name.startswith("action_head.")):
                         p.add_(torch.randn_like(p) * 0.02)
             conf = {"policy": {**run_cfg, "execute": 8}, "env": {"name": "libero", "cameras": ["front"]}}
-            atomic_save(checkpoint_record(conf, policy.state_dict(), {}, 1, 100, None),
-                        root / source / "checkpoints" / "last.pt")
+            atomic_save(
+                checkpoint_record(conf, policy.state_dict(), {}, 1, 100, None),
+                root / source / "checkpoints" / "last.pt",
+            )
             runs[source] = {"policy": policy, "folder": export(root / source)}
-        job = {"io": str(ref / "io.safetensors"),
-               "cases": [{"folder": str(r["folder"]), "embodiment_id": GROOT_EMBODIMENT, "seed": 5,
-                          "out": str(root / f"{source}.safetensors")} for source, r in runs.items()]}
+        job = {
+            "io": str(ref / "io.safetensors"),
+            "cases": [
+                {
+                    "folder": str(r["folder"]),
+                    "embodiment_id": GROOT_EMBODIMENT,
+                    "seed": 5,
+                    "out": str(root / f"{source}.safetensors"),
+                }
+                for source, r in runs.items()
+            ],
+        }
         (root / "job.json").write_text(json.dumps(job))
-        done = subprocess.run([str(LEROBOT), str(GROOT_REFERENCE), "act", str(ref / "spec.json"),
-                               str(root / "job.json")], capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+        done = subprocess.run(
+            [str(LEROBOT), str(GROOT_REFERENCE), "act", str(ref / "spec.json"), str(root / "job.json")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=ONE_THREAD,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         for source, r in runs.items():
             with safe_open(str(root / f"{source}.safetensors"), "pt") as handle:
@@ -340,8 +416,13 @@ def test_a_groot_run_from_nvidias_layout_reads_back(tmp_path, monkeypatch) -> No
     from tests.policies.test_groot_parity import published, save_sharded
 
     monkeypatch.setitem(PRESETS, "tiny3", dataclasses.replace(PRESETS["tiny"], embodiments=3))
-    cfg = {"_target_": "ebrl.policies.gr00t.GR00TPolicy", "name": "gr00t", "preset": "tiny3", "dtype": "float32",
-           "embodiment_id": GROOT_EMBODIMENT}
+    cfg = {
+        "_target_": "ebrl.policies.gr00t.GR00TPolicy",
+        "name": "gr00t",
+        "preset": "tiny3",
+        "dtype": "float32",
+        "embodiment_id": GROOT_EMBODIMENT,
+    }
     spec = make_spec(("front",))
     torch.manual_seed(0)
     base = build_policy(cfg, spec)
@@ -354,12 +435,15 @@ def test_a_groot_run_from_nvidias_layout_reads_back(tmp_path, monkeypatch) -> No
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     conf = {"policy": cfg, "env": {"name": "robosuite", "cameras": ["front"]}}
-    atomic_save(checkpoint_record(conf, trained.state_dict(), {}, 1, 100, None), tmp_path / "run" / "checkpoints" /
-                "last.pt")
+    atomic_save(
+        checkpoint_record(conf, trained.state_dict(), {}, 1, 100, None), tmp_path / "run" / "checkpoints" / "last.pt"
+    )
     folder = export(tmp_path / "run")
     assert folder == tmp_path / "run" / "export" / "lerobot"
     names = set(safe_open(str(folder / "model.safetensors"), "pt").keys())
-    assert all(k.startswith("_groot_model.") for k in names) and {f"_groot_model.{k}" for k in GR00TPolicy.TIED} <= names
+    assert (
+        all(k.startswith("_groot_model.") for k in names) and {f"_groot_model.{k}" for k in GR00TPolicy.TIED} <= names
+    )
     config = json.loads((folder / "config.json").read_text())
     assert config["type"] == "groot" and config["base_model_path"] == str((tmp_path / "nvidia").resolve())
     assert config["embodiment_tag"] == "so100" and list(config["input_features"]) == ["observation.images.front"]

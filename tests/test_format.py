@@ -1,5 +1,6 @@
 """The code is as the formatter and the import sorter leave it (pyproject.toml's [tool.ruff], 120 columns): a style
 fix is `ruff format . && ruff check --fix .`, never a commit of its own."""
+
 from __future__ import annotations
 
 import shutil

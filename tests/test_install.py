@@ -1,4 +1,5 @@
 """The installer derives the backports source from the machine's own apt sources (no host names in the repo)."""
+
 import pytest
 
 from ebrl.install import InstallError, backports_entry, parse_deb822, parse_one_line, read_apt_sources
@@ -38,8 +39,10 @@ def test_backports_entry_from_deb822_sources():
 
 
 def test_backports_entry_from_one_line_sources():
-    text = ("deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main contrib  # comment\n"
-            "deb-src http://mirror.example/debian bookworm main\n")
+    text = (
+        "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main contrib  # comment\n"
+        "deb-src http://mirror.example/debian bookworm main\n"
+    )
     entry = backports_entry(parse_one_line(text), "bookworm")
     assert "URIs: http://mirror.example/debian\n" in entry and "Signed-By: /k.gpg" in entry
 

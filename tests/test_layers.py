@@ -1,6 +1,7 @@
 """The package's modules import each other in one direction: no circle, lazy imports included, and each layer
 imports only the layers below it (docs/internals/design.md, "Layers"). Read from the source (ast), nothing is
 imported."""
+
 from __future__ import annotations
 
 import ast
@@ -37,8 +38,9 @@ def imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ebrl"):
                 # `from ebrl.policies import layers` names a module; `from ebrl.rl.ppo import X` a name in one
-                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                          for a in node.names}
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith("ebrl")}
         out[name] = {m for m in found if m in files and m != name}
@@ -66,7 +68,7 @@ def test_no_import_circle():
         state[module] = 1
         for dep in sorted(graph[module]):
             if state.get(dep) == 1:
-                circles.append(path[path.index(dep):] + [dep])
+                circles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[module] = 2
@@ -84,11 +86,19 @@ def attributes(cls: ast.ClassDef) -> set[str]:
     """The names a class assigns on `self` anywhere in its body."""
     out = set()
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         for target in targets:
-            out |= {e.attr for e in ast.walk(target)
-                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+            out |= {
+                e.attr
+                for e in ast.walk(target)
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"
+            }
     return out
 
 

@@ -1,5 +1,6 @@
 """A user's own env, policy and node, from a folder outside the package: docs/extend/own-classes.md's example as written
 there, and one line for a class that breaks its contract or a field its constructor does not take."""
+
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from ebrl.envs.worker import SimWorker
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"```(?:python|yaml)\n# (my_robot/[^\n]+)\n(.*?)```", re.S)
-BAD = '''
+BAD = """
 from reacher_env import ReacherEnv
 from mlp_policy import MLPPolicy
 from ebrl.envs.base import EnvAdapter
@@ -51,7 +52,7 @@ class NeedsArm(ReacherEnv):
 
 class NoEvaluate(MLPPolicy):
     evaluate = Policy.evaluate
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,13 @@ def my_robot(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user")
     section = (REPO / "docs" / "extend" / "own-classes.md").read_text()
     blocks = BLOCK.findall(section)
-    assert {name for name, _ in blocks} >= {"my_robot/reacher_env.py", "my_robot/mlp_policy.py",
-                                           "my_robot/conf/env/reacher.yaml", "my_robot/conf/policy/mlp.yaml",
-                                           "my_robot/conf/hw/laptop.yaml"}
+    assert {name for name, _ in blocks} >= {
+        "my_robot/reacher_env.py",
+        "my_robot/mlp_policy.py",
+        "my_robot/conf/env/reacher.yaml",
+        "my_robot/conf/policy/mlp.yaml",
+        "my_robot/conf/hw/laptop.yaml",
+    }
     for name, text in blocks:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -78,8 +83,13 @@ def test_the_documented_example_trains_under_ebrl_from_its_own_folder(my_robot):
     args = (my_robot.parent / "command").read_text().split()
     # (the allocator calibrates from the first iteration from the second on in which every stage measured a rate;
     # on a loaded machine an update can land outside iteration 2's window, so one iteration more)
-    out = subprocess.run([sys.executable, str(REPO / "run.py"), *args, "iterations=4", "progress=false"],
-                         cwd=my_robot, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args, "iterations=4", "progress=false"],
+        cwd=my_robot,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "plan simulate" in out.stdout + out.stderr  # the ebrl schedule's allocator planned the stages
     metrics = next((my_robot / "runs").rglob("metrics.jsonl")).read_text().splitlines()
@@ -93,10 +103,19 @@ def composed(my_robot, monkeypatch):
 
     def make(*overrides: str):
         with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-            cfg = compose("config", [f"hydra.searchpath=[file://{my_robot / 'conf'}]", "env=reacher", "policy=mlp",
-                                     "hw=laptop", *overrides])
+            cfg = compose(
+                "config",
+                [
+                    f"hydra.searchpath=[file://{my_robot / 'conf'}]",
+                    "env=reacher",
+                    "policy=mlp",
+                    "hw=laptop",
+                    *overrides,
+                ],
+            )
         validate(cfg)
         return cfg
+
     return make
 
 
@@ -107,19 +126,29 @@ def test_fields_come_from_the_constructor(composed):
     assert cfg.hw.cpu_cores == 2
 
 
-@pytest.mark.parametrize("override, line", [
-    ("+env.goal_raduis=0.1", "env.goal_raduis is not a field of env reacher_env.ReacherEnv: its constructor takes "
-                             "task, max_episode_steps, goal_radius;"),
-    ("env.goal_radius=abc", "env: Value 'abc' of type 'str' could not be converted to Float"),
-    ("env.cameras=[agentview]", "env.cameras=['agentview'] has no effect: reacher_env.ReacherEnv's constructor "
-                                "takes no cameras"),
-    ("env._target_=bad.NeedsArm", "env.arm is not set; bad.NeedsArm needs it (no default in its constructor)"),
-    ("policy.train=lora", "policy._target_='mlp_policy.MLPPolicy' does not implement rl_heads, which the runtime"),
-    ("env._target_=bad.NoStep", "env._target_='bad.NoStep' does not implement step: an adapter implements"),
-    ("policy._target_=bad.NoEvaluate", "policy._target_='bad.NoEvaluate' does not implement evaluate, which the "
-                                       "runtime calls"),
-    ("policy._target_=bad.Nothing", "policy._target_='bad.Nothing' cannot be imported (AttributeError"),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "+env.goal_raduis=0.1",
+            "env.goal_raduis is not a field of env reacher_env.ReacherEnv: its constructor takes "
+            "task, max_episode_steps, goal_radius;",
+        ),
+        ("env.goal_radius=abc", "env: Value 'abc' of type 'str' could not be converted to Float"),
+        (
+            "env.cameras=[agentview]",
+            "env.cameras=['agentview'] has no effect: reacher_env.ReacherEnv's constructor takes no cameras",
+        ),
+        ("env._target_=bad.NeedsArm", "env.arm is not set; bad.NeedsArm needs it (no default in its constructor)"),
+        ("policy.train=lora", "policy._target_='mlp_policy.MLPPolicy' does not implement rl_heads, which the runtime"),
+        ("env._target_=bad.NoStep", "env._target_='bad.NoStep' does not implement step: an adapter implements"),
+        (
+            "policy._target_=bad.NoEvaluate",
+            "policy._target_='bad.NoEvaluate' does not implement evaluate, which the runtime calls",
+        ),
+        ("policy._target_=bad.Nothing", "policy._target_='bad.Nothing' cannot be imported (AttributeError"),
+    ],
+)
 def test_a_field_or_class_that_breaks_the_contract_is_one_line(composed, override, line):
     with pytest.raises((ConfigError, TypeError)) as info:
         composed(override)

@@ -1,5 +1,6 @@
 """The rollout's shape (ebrl/shape.py): its sizes worked out once from the config, and the memory check, the GPU cost
 model and the trainer taking the same micro-batch from it."""
+
 from __future__ import annotations
 
 import torch
@@ -10,13 +11,27 @@ from tests.conftest import compose_config
 from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout
 
 # 4 envs x 3 chunks: 12 rows, 2 minibatches of 6; a micro-batch of 10 is more than a minibatch holds
-OVERSIZED = ("policy=openpi", "scheduler=colocated", "hw=h200x1", "env.num_envs=4", "algo.rollout_chunks=3",
-             "algo.minibatches=2", "algo.epochs=1", "algo.micro_batch=10")
+OVERSIZED = (
+    "policy=openpi",
+    "scheduler=colocated",
+    "hw=h200x1",
+    "env.num_envs=4",
+    "algo.rollout_chunks=3",
+    "algo.minibatches=2",
+    "algo.epochs=1",
+    "algo.micro_batch=10",
+)
 
 
 def test_ppo_sizes_come_from_the_config() -> None:
-    cfg = compose_config("env.num_envs=8", "scheduler=ebrl", "scheduler.groups=2", "algo.rollout_chunks=5",
-                         "algo.minibatches=4", "algo.micro_batch=3")
+    cfg = compose_config(
+        "env.num_envs=8",
+        "scheduler=ebrl",
+        "scheduler.groups=2",
+        "algo.rollout_chunks=5",
+        "algo.minibatches=4",
+        "algo.micro_batch=3",
+    )
     shape = RolloutShape.of(cfg)
     assert (shape.envs, shape.group_size, shape.groups, shape.envs_per_group) == (8, 1, 2, 4)
     assert (shape.chunks, shape.rows, shape.minibatch_rows, shape.micro_rows) == (5, 40, 10, 3)
@@ -24,8 +39,9 @@ def test_ppo_sizes_come_from_the_config() -> None:
 
 
 def test_grpo_chunks_wait_for_the_episode() -> None:
-    cfg = compose_config("algo=grpo", "algo.group_size=2", "env.num_envs=4", "algo.minibatches=1",
-                         "algo.micro_batch=null")
+    cfg = compose_config(
+        "algo=grpo", "algo.group_size=2", "env.num_envs=4", "algo.minibatches=1", "algo.micro_batch=null"
+    )
     before = RolloutShape.of(cfg)  # (the checks: no env spec yet)
     assert (before.group_size, before.units, before.chunks, before.rows, before.micro_rows) == (2, 2, None, None, None)
     after = RolloutShape.of(cfg, max_episode_steps=24, execute=5)

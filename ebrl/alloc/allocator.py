@@ -10,6 +10,7 @@ cost = CPU-seconds the stage's processes used per env step, rate = amount / cost
 for a full queue, is not read as slow). On a GPU node generate and train are GPU work: rate = env steps/s / the
 stage's busy fraction of the wall time (from the trace), at its SM share (the whole GPU while calibrating).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,18 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
-from ebrl.alloc.planner import (CYCLE, GPU_STAGE_CORES, Decision, ElasticController, Plan, PlanError, StaticController,
-                                Totals, evaluate, groups_text)
+from ebrl.alloc.planner import (
+    CYCLE,
+    GPU_STAGE_CORES,
+    Decision,
+    ElasticController,
+    Plan,
+    PlanError,
+    StaticController,
+    Totals,
+    evaluate,
+    groups_text,
+)
 from ebrl.alloc.profile import STAGES, ProfileError, StageProfile, linear_profile, profile_path
 from ebrl.checks import rank_cores
 from ebrl.config import ConfigError
@@ -35,9 +46,15 @@ CALIBRATE_AT = 2
 def profile_key(cfg: Any) -> dict[str, Any]:
     """What a stage profile was measured for: policy and preset, env and task, hw and the cores it gave (hw=cpu
     is whatever machine runs it), env count."""
-    return {"policy": cfg.policy.name, "preset": cfg.policy.get("preset", ""), "env": cfg.env.name,
-            "task": run_tasks(cfg), "hw": cfg.hw.name, "cores": len(rank_cores(cfg)),
-            "num_envs": int(cfg.env.num_envs)}
+    return {
+        "policy": cfg.policy.name,
+        "preset": cfg.policy.get("preset", ""),
+        "env": cfg.env.name,
+        "task": run_tasks(cfg),
+        "hw": cfg.hw.name,
+        "cores": len(rank_cores(cfg)),
+        "num_envs": int(cfg.env.num_envs),
+    }
 
 
 def run_tasks(cfg: Any) -> str:
@@ -60,13 +77,17 @@ def find_profile(cfg: Any) -> tuple[StageProfile | None, str]:
     if cfg.allocator.profile:
         path = Path(cfg.allocator.profile).expanduser()
         if not path.is_file():
-            raise ConfigError(f"allocator.profile={cfg.allocator.profile}: no such file; give a stage profile "
-                              f"written by sweep.py, or null to look in {profiles_root(cfg)}")
+            raise ConfigError(
+                f"allocator.profile={cfg.allocator.profile}: no such file; give a stage profile "
+                f"written by sweep.py, or null to look in {profiles_root(cfg)}"
+            )
     else:
         path = profile_path(profiles_root(cfg), key)
         if not path.is_file():
-            return None, (f"no stage profile at {path}: planning from the costs measured in iteration {CALIBRATE_AT} "
-                          "(python sweep.py -m measures one)")
+            return None, (
+                f"no stage profile at {path}: planning from the costs measured in iteration {CALIBRATE_AT} "
+                "(python sweep.py -m measures one)"
+            )
     try:
         profile = StageProfile.load(path)
     except ProfileError as e:
@@ -75,8 +96,10 @@ def find_profile(cfg: Any) -> tuple[StageProfile | None, str]:
     if differ:
         have = ", ".join(f"{k}={profile.key.get(k)}" for k in differ)
         want = ", ".join(f"{k}={key[k]}" for k in differ)
-        raise ConfigError(f"stage profile {path} was measured for {have}, and this run has {want}; run "
-                          "python sweep.py -m with this run's overrides, or set allocator.profile to a matching file")
+        raise ConfigError(
+            f"stage profile {path} was measured for {have}, and this run has {want}; run "
+            "python sweep.py -m with this run's overrides, or set allocator.profile to a matching file"
+        )
     return profile, f"stage profile: {path}"
 
 
@@ -89,8 +112,9 @@ def totals_of(cfg: Any, cores: int) -> Totals:
     return Totals(cores=cores, gpus=int(cfg.hw.gpus), sm_granule=0.01, gpu_stage_cores=stage_cores)
 
 
-def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
-             gpu_stage_cores: int = GPU_STAGE_CORES) -> dict[str, list[int]]:
+def cpu_sets(
+    x: Mapping[str, float], cores: Sequence[int], gpu: bool = False, gpu_stage_cores: int = GPU_STAGE_CORES
+) -> dict[str, list[int]]:
     """Core sets per stage from the amounts. Simulate: the first ceil(x_sim) cores. On CPU, train the last
     ceil(x_train) cores and generate the ceil(x_gen) before them: the two are on every env's critical path and
     must not queue behind each other on one core, while the simulators, niced, yield any core they share with
@@ -108,12 +132,18 @@ def cpu_sets(x: Mapping[str, float], cores: Sequence[int], gpu: bool = False,
         return {"simulate": cores[:n_sim], "generate": rest[:-n_train], "train": rest[-n_train:]}
     n_train, n_gen = ceil(x["train"]), ceil(x["generate"])
     end = len(cores) - n_train  # generate ends where train starts, or shares train's cores when none are left
-    generate = cores[end - n_gen: end] if end >= n_gen else cores[len(cores) - n_gen:]
-    return {"simulate": cores[:n_sim], "generate": generate, "train": cores[len(cores) - n_train:]}
+    generate = cores[end - n_gen : end] if end >= n_gen else cores[len(cores) - n_gen :]
+    return {"simulate": cores[:n_sim], "generate": generate, "train": cores[len(cores) - n_train :]}
 
 
-def stage_rates(x: Mapping[str, float], steps_per_s: float, cpu_share: Mapping[str, float],
-                busy: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
+def stage_rates(
+    x: Mapping[str, float],
+    steps_per_s: float,
+    cpu_share: Mapping[str, float],
+    busy: Mapping[str, float],
+    cores: int,
+    gpu: bool,
+) -> dict[str, float]:
     """Each stage's measured rate at its amount x (see the module docstring). cpu_share: each stage's processes'
     CPU-seconds / (cores x wall); busy: the trace's busy fractions."""
     rates = {}
@@ -152,12 +182,17 @@ class Measured:
     @classmethod
     def mean(cls, parts: Sequence["Measured"], steps_per_s: float) -> "Measured":
         """The parts' shares averaged, at the run's rate."""
+
         def avg(get: Any) -> dict[str, float]:
             keys = {k for p in parts for k in get(p)}
             return {k: sum(get(p).get(k, 0.0) for p in parts) / len(parts) for k in keys} if parts else {}
 
-        return cls(steps_per_s, avg(lambda p: p.cpu_share), avg(lambda p: p.busy),
-                   sum(p.foreign for p in parts) / len(parts) if parts else 0.0)
+        return cls(
+            steps_per_s,
+            avg(lambda p: p.cpu_share),
+            avg(lambda p: p.busy),
+            sum(p.foreign for p in parts) / len(parts) if parts else 0.0,
+        )
 
     def rates(self, x: Mapping[str, float], cores: int, gpu: bool) -> dict[str, float]:
         return stage_rates(x, self.steps_per_s, self.cpu_share, self.busy, cores, gpu)
@@ -187,17 +222,23 @@ class Allocator:
         self.kernel: dict[str, float] = {}
         self.kernel_source = ""
         if len(self.fixed) == 3:
-            self.current = Plan(x=dict(self.fixed), batch=self.shape.envs_per_group,
-                                groups=self.shape.envs // self.shape.envs_per_group,
-                                rates={s: math.nan for s in STAGES})
+            self.current = Plan(
+                x=dict(self.fixed),
+                batch=self.shape.envs_per_group,
+                groups=self.shape.envs // self.shape.envs_per_group,
+                rates={s: math.nan for s in STAGES},
+            )
         elif self.profile is not None:
             self._start(self.profile)
 
     def _start(self, profile: StageProfile) -> None:
         kind = ElasticController if self.cfg.allocator.name == "elastic" else StaticController
         a = self.cfg.allocator
-        extra = (dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown, ema=a.ema)
-                 if kind is ElasticController else {})
+        extra = (
+            dict(window=a.window, min_gain=a.min_gain, cooldown=a.cooldown, ema=a.ema)
+            if kind is ElasticController
+            else {}
+        )
         try:
             # a profile measured at several generation batches (a sweep over scheduler.groups) lets the plan pick
             # the batch too; otherwise it stays num_envs / scheduler.groups
@@ -232,17 +273,23 @@ class Allocator:
             if len(costs) < len(STAGES) or self.observations < CALIBRATE_AT:
                 return None, {}
             kernel = self.kernel if self.gpu else {}
-            self.profile = linear_profile(costs, [self.shape.envs_per_group], resource, profile_key(self.cfg), every,
-                                          kernel)
+            self.profile = linear_profile(
+                costs, [self.shape.envs_per_group], resource, profile_key(self.cfg), every, kernel
+            )
             self._start(self.profile)
             unit = "CPU ms per env step of simulate, GPU ms of the others" if self.gpu else "CPU ms per env step"
-            line = (f"allocator: calibrated from iteration {self.observations} ({unit}: "
-                    + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items()) + f"); plan {describe(self.current)}"
-                    + (f"; other processes kept {m.foreign:.1f} of the {len(self.cores)} cores busy (measured beside "
-                       "them; the supervisor's and a lent trainer's thread teams leave them their cores)"
-                       if m.foreign >= FOREIGN_CORES else "")
-                    + (f"; SM shares by kernel time: {kernel_text(costs, kernel)} ({self.kernel_source})"
-                       if kernel else ""))
+            line = (
+                f"allocator: calibrated from iteration {self.observations} ({unit}: "
+                + ", ".join(f"{s} {1e3 * c:.2f}" for s, c in costs.items())
+                + f"); plan {describe(self.current)}"
+                + (
+                    f"; other processes kept {m.foreign:.1f} of the {len(self.cores)} cores busy (measured beside "
+                    "them; the supervisor's and a lent trainer's thread teams leave them their cores)"
+                    if m.foreign >= FOREIGN_CORES
+                    else ""
+                )
+                + (f"; SM shares by kernel time: {kernel_text(costs, kernel)} ({self.kernel_source})" if kernel else "")
+            )
             return line, self._metrics(rates)
         rates = m.rates(self.current.x, len(self.cores), self.gpu)
         if self.controller is not None:
@@ -257,21 +304,32 @@ class Allocator:
         out = {f"alloc/{s}": float(self.current.x[s]) for s in STAGES}
         out.update({f"alloc/rate_{s}": float(r) for s, r in rates.items() if math.isfinite(r)})
         if self.profile is not None:
-            out["alloc/predicted_steps_per_s"] = evaluate(self.profile, self.current.x, self.current.batch,
-                                                          self.current.groups).throughput
+            out["alloc/predicted_steps_per_s"] = evaluate(
+                self.profile, self.current.x, self.current.batch, self.current.groups
+            ).throughput
         out["alloc/replans"] = float(len(self.decisions))
         return out
 
 
 def kernel_text(costs: Mapping[str, float], kernel: Mapping[str, float]) -> str:
     """'generate's kernels 2.68 of its 5.05 GPU ms per env step, train's ...': what sized the SM shares."""
-    return ", ".join(f"{s}'s kernels {1e3 * costs[s] * k:.2f} of its {1e3 * costs[s]:.2f} GPU ms per env step"
-                     for s, k in kernel.items() if s in costs)
+    return ", ".join(
+        f"{s}'s kernels {1e3 * costs[s] * k:.2f} of its {1e3 * costs[s]:.2f} GPU ms per env step"
+        for s, k in kernel.items()
+        if s in costs
+    )
 
 
 def describe(p: Plan) -> str:
-    limit = (f"limited by {CYCLE}: {groups_text(p.groups)}" if p.limited_by == CYCLE
-             else f"{p.bottleneck} the bottleneck")
-    return ", ".join(f"{s} {p.x[s]:g}" for s in STAGES) + f", generation batch {p.batch}" + (
-        f" (predicted {p.throughput:.1f} env steps/s, {limit})" if all(math.isfinite(r) for r in p.rates.values())
-        else "")
+    limit = (
+        f"limited by {CYCLE}: {groups_text(p.groups)}" if p.limited_by == CYCLE else f"{p.bottleneck} the bottleneck"
+    )
+    return (
+        ", ".join(f"{s} {p.x[s]:g}" for s in STAGES)
+        + f", generation batch {p.batch}"
+        + (
+            f" (predicted {p.throughput:.1f} env steps/s, {limit})"
+            if all(math.isfinite(r) for r in p.rates.values())
+            else ""
+        )
+    )

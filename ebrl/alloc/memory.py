@@ -18,6 +18,7 @@ figures), and the CUDA context, taken as `CUDA_CONTEXT_BYTES` per process, and t
 on the GPU (MuJoCo's EGL context for its cameras, SAPIEN's Vulkan one, which ManiSkill sets up even for state
 observations: `render_contexts`), `RENDER_CONTEXT_BYTES`: estimates until measured on a GPU (ebrl.bench.gpu_check).
 """
+
 from __future__ import annotations
 
 import math
@@ -56,14 +57,17 @@ def meta_obs(policy: Any, spec: EnvSpec, rows: int) -> dict[str, torch.Tensor]:
     tokens, mask = policy.tokenize([spec.instruction] * rows)
     obs = {"tokens": torch.from_numpy(tokens).to("meta"), "token_mask": torch.from_numpy(mask).to("meta")}
     for key, array in spec.obs.items():
-        obs[key] = torch.empty((rows, *array.shape), dtype=torch.uint8 if array.dtype == "uint8" else torch.float32,
-                               device="meta")
+        obs[key] = torch.empty(
+            (rows, *array.shape), dtype=torch.uint8 if array.dtype == "uint8" else torch.float32, device="meta"
+        )
     return obs
 
 
 def meta_extras(policy: Any, rows: int) -> dict[str, torch.Tensor]:
     if isinstance(policy, FlowPolicy):
-        extras = {"chain": torch.empty(rows, policy.denoise_steps + 1, policy.chunk_len, policy.flow_dim, device="meta")}
+        extras = {
+            "chain": torch.empty(rows, policy.denoise_steps + 1, policy.chunk_len, policy.flow_dim, device="meta")
+        }
         if policy.chain_logprob == "one_step":
             extras["denoise_index"] = torch.zeros(rows, dtype=torch.long, device="meta")
         return extras
@@ -75,8 +79,15 @@ class MetaAutocast(TorchFunctionMode):
     convolutions and attention become `dtype` (a weight's cast once, as autocast caches it). `weights` collects the
     storages of the weights and of their casts, which are no activations."""
 
-    LOW = (F.linear, F.conv2d, F.scaled_dot_product_attention, torch.matmul, torch.bmm, torch.Tensor.matmul,
-           torch.Tensor.__matmul__)
+    LOW = (
+        F.linear,
+        F.conv2d,
+        F.scaled_dot_product_attention,
+        torch.matmul,
+        torch.bmm,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+    )
 
     def __init__(self, dtype: torch.dtype, params: list[torch.nn.Parameter]) -> None:
         super().__init__()
@@ -154,8 +165,15 @@ class MemoryModel:
     execute: int  # actions of a chunk the env executes (policy.execute): a simulator slot's size
 
     @classmethod
-    def of(cls, policy_cfg: dict[str, Any], spec: EnvSpec, optimizer_dtype: str = "float32",
-           device: str = "cuda", trace: bool = True, cache_prefix: bool = True) -> "MemoryModel":
+    def of(
+        cls,
+        policy_cfg: dict[str, Any],
+        spec: EnvSpec,
+        optimizer_dtype: str = "float32",
+        device: str = "cuda",
+        trace: bool = True,
+        cache_prefix: bool = True,
+    ) -> "MemoryModel":
         """Build the trainer's copy of `policy_cfg` on the meta device and trace one evaluate (a few seconds at
         full size; without `trace`, no activations: the parameters' and slots' figures only); `device`: where the
         run computes (it decides policy.dtype's default); `cache_prefix`: algo.cache_prefix (a frozen prefix is held
@@ -163,8 +181,9 @@ class MemoryModel:
         from ebrl.envs.slots import SlotLayout
 
         dtype = policy_dtype(policy_cfg, device)
-        policy = build_policy({**policy_cfg, "dtype": str(dtype).removeprefix("torch.")}, spec, "meta", train=True,
-                              weights="given")
+        policy = build_policy(
+            {**policy_cfg, "dtype": str(dtype).removeprefix("torch.")}, spec, "meta", train=True, weights="given"
+        )
         trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
         frozen = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
         parameters = sum(p.numel() for p in policy.parameters())
@@ -186,12 +205,23 @@ class MemoryModel:
                     cache = _bytes(policy.encode(meta_obs(policy, spec, 1)))
         obs = sum(v.numel() * v.element_size() for v in meta_obs(policy, spec, 1).values())
         execute = executed_actions(policy_cfg, policy.chunk_len)  # (the config's, the whole chunk where it is null)
-        return cls(parameters=parameters, trained=trained, frozen_bytes=frozen,
-                   payload_bytes=(parameters - lora) * dtype.itemsize, dtype=dtype,
-                   moment_bytes=MOMENT_BYTES[optimizer_dtype], activations_per_row=activations,
-                   block_per_row=math.ceil(whole / max(len(blocks), 1)), cache_per_env=cache, prefix_per_row=prefix,
-                   chain_per_row=_bytes(meta_extras(policy, 1)), obs_per_row=obs,
-                   sim_slot=SlotLayout.build(spec, execute).size, checkpointing=checkpointing, execute=execute)
+        return cls(
+            parameters=parameters,
+            trained=trained,
+            frozen_bytes=frozen,
+            payload_bytes=(parameters - lora) * dtype.itemsize,
+            dtype=dtype,
+            moment_bytes=MOMENT_BYTES[optimizer_dtype],
+            activations_per_row=activations,
+            block_per_row=math.ceil(whole / max(len(blocks), 1)),
+            cache_per_env=cache,
+            prefix_per_row=prefix,
+            chain_per_row=_bytes(meta_extras(policy, 1)),
+            obs_per_row=obs,
+            sim_slot=SlotLayout.build(spec, execute).size,
+            checkpointing=checkpointing,
+            execute=execute,
+        )
 
     # --- a run's stages ---------------------------------------------------------------------
     def trainer(self, micro_batch: int, rollout_rows: int = 0, shards: int = 1) -> Footprint:
@@ -204,25 +234,35 @@ class MemoryModel:
         recompute = 2 * self.block_per_row  # backward: a recomputed block and the gradients of its activations
         weights, gradients = self.trained * 4 + self.frozen_bytes, self.trained * 4
         sharded = 1 / shards if shards > 1 else 0.0  # (a shard kept beside the gathered whole)
-        return Footprint({
-            "weights": int(weights * (1 + sharded)),
-            "gradients": int(gradients * (1 + sharded)),
-            "optimizer": 2 * self.trained * self.moment_bytes // shards,
-            "autocast copies": autocast,
-            "activations": micro_batch * (working + recompute if self.checkpointing else self.activations_per_row),
-            "rollout": rollout_rows * (self.obs_per_row + self.chain_per_row),
-            "prefix cache": rollout_rows * self.prefix_per_row,
-        })
+        return Footprint(
+            {
+                "weights": int(weights * (1 + sharded)),
+                "gradients": int(gradients * (1 + sharded)),
+                "optimizer": 2 * self.trained * self.moment_bytes // shards,
+                "autocast copies": autocast,
+                "activations": micro_batch * (working + recompute if self.checkpointing else self.activations_per_row),
+                "rollout": rollout_rows * (self.obs_per_row + self.chain_per_row),
+                "prefix cache": rollout_rows * self.prefix_per_row,
+            }
+        )
 
     def generation(self, batch: int) -> Footprint:
         """Generation's weights and what a batch of `batch` envs holds while it samples."""
-        return Footprint({"weights": self.payload_bytes,
-                          "batch": batch * (self.cache_per_env + 2 * self.chain_per_row + self.obs_per_row)})
+        return Footprint(
+            {
+                "weights": self.payload_bytes,
+                "batch": batch * (self.cache_per_env + 2 * self.chain_per_row + self.obs_per_row),
+            }
+        )
 
     def channel(self, on_device: bool) -> Footprint:
         """The published weights' slots: on the GPU (two) and the host (one, the first weights), or two on the host."""
-        return Footprint({"device slots": 2 * self.payload_bytes if on_device else 0,
-                          "host slots": (1 if on_device else 2) * self.payload_bytes})
+        return Footprint(
+            {
+                "device slots": 2 * self.payload_bytes if on_device else 0,
+                "host slots": (1 if on_device else 2) * self.payload_bytes,
+            }
+        )
 
     def checkpoint_state(self) -> int:
         """The model and Adam state a trainer sends for a checkpoint: its weights (float32 masters, the frozen rest)
@@ -238,8 +278,15 @@ class MemoryModel:
         state = self.checkpoint_state() if checkpoint else 0
         return self.channel(channel_on_device).parts["host slots"] + num_envs * self.sim_slot + rollout + state
 
-    def gpu(self, micro_batch: int, num_envs: int, rollout_chunks: int, rendering: bool, shards: int = 1,
-            local: bool = False) -> Footprint:
+    def gpu(
+        self,
+        micro_batch: int,
+        num_envs: int,
+        rollout_chunks: int,
+        rendering: bool,
+        shards: int = 1,
+        local: bool = False,
+    ) -> Footprint:
         """One GPU running a pipelined schedule: the trainer and generation processes (the published weights on the
         device between them), and the simulators' render contexts when they hold them there (`render_contexts`);
         `shards`: the trainer's FSDP ranks (1: a replica). `local`: one process trains and generates (colocated) on
@@ -263,13 +310,25 @@ def render_contexts(env: Any) -> bool:
     return bool(env.get("cameras")) or env.get("_target_") == ManiSkillEnvConfig._target_
 
 
-REMEDIES = ("train less (policy.train=lora or action_expert), keep Adam's moments in bfloat16 "
-            "(algo.optimizer_dtype=bfloat16), lower algo.micro_batch or env.num_envs")
+REMEDIES = (
+    "train less (policy.train=lora or action_expert), keep Adam's moments in bfloat16 "
+    "(algo.optimizer_dtype=bfloat16), lower algo.micro_batch or env.num_envs"
+)
 
 
-def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
-            rendering: bool, where: str, headroom: float = 1.25, shards: int = 1, remedies: str = REMEDIES,
-            local: bool = False) -> dict[str, int]:
+def budgets(
+    model: MemoryModel,
+    gpu_bytes: int,
+    num_envs: int,
+    micro_batch: int,
+    rollout_chunks: int,
+    rendering: bool,
+    where: str,
+    headroom: float = 1.25,
+    shards: int = 1,
+    remedies: str = REMEDIES,
+    local: bool = False,
+) -> dict[str, int]:
     """Each GPU stage's memory budget on one GPU of `gpu_bytes`: generation its footprint with `headroom`, the
     trainer the rest less the simulators' render contexts (`shards`: its FSDP ranks; `local`: the two are one
     process, colocated's, with no budgets of their own: {}); one line (`where` names the hw) when the model says the
@@ -288,13 +347,23 @@ def budgets(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int,
         raise ConfigError(
             f"{where}'s GPU has {gib(gpu_bytes)} GiB and this run needs about {gib(trainer + generate + egl)} GiB"
             f"{sharded} (trainer {gib(trainer)}, generation {gib(generate)}, simulators' render contexts {gib(egl)}; "
-            f"python -m ebrl.bench.memory itemises it): {remedies}")
+            f"python -m ebrl.bench.memory itemises it): {remedies}"
+        )
     return {} if local else {"generate": generate, "train": train}
 
 
-def fitting_strategy(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_batch: int, rollout_chunks: int,
-                     rendering: bool, where: str, ranks: int, strategy: str, trainer_process: bool,
-                     ) -> tuple[str, dict[str, int]]:
+def fitting_strategy(
+    model: MemoryModel,
+    gpu_bytes: int,
+    num_envs: int,
+    micro_batch: int,
+    rollout_chunks: int,
+    rendering: bool,
+    where: str,
+    ranks: int,
+    strategy: str,
+    trainer_process: bool,
+) -> tuple[str, dict[str, int]]:
     """The data-parallel strategy a run of `ranks` GPU ranks takes (distributed.strategy; auto: ddp where a replica
     of the training state fits one GPU, else fsdp) and its stages' budgets (`budgets`); one line when it does not
     fit, naming what would. FSDP shards a trainer of its own process only (`trainer_process`; colocated's trains
@@ -314,16 +383,18 @@ def fitting_strategy(model: MemoryModel, gpu_bytes: int, num_envs: int, micro_ba
                 fits(shards=ranks)
             except ConfigError:
                 raise e from None
-            raise ConfigError(f"{e}; or train in a process of its own, its state sharded over the {ranks} ranks: "
-                              "scheduler=ebrl (distributed.strategy=auto shards it where a replica does not fit)"
-                              ) from None
+            raise ConfigError(
+                f"{e}; or train in a process of its own, its state sharded over the {ranks} ranks: "
+                "scheduler=ebrl (distributed.strategy=auto shards it where a replica does not fit)"
+            ) from None
     if ranks < 2:
         return "ddp", fits()
     if strategy == "fsdp":
         return "fsdp", fits(shards=ranks)
     if strategy == "ddp":
-        return "ddp", fits(remedies=f"shard the training state over the {ranks} ranks (distributed.strategy=auto or "
-                                    f"fsdp), {REMEDIES}")
+        return "ddp", fits(
+            remedies=f"shard the training state over the {ranks} ranks (distributed.strategy=auto or fsdp), {REMEDIES}"
+        )
     try:
         return "ddp", fits()
     except ConfigError:
@@ -346,7 +417,9 @@ def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
     have = shutil.disk_usage(path).free
     if have < need:
         want = max(1, math.ceil(need * 1.25 / GiB))
-        raise ConfigError(f"{path} has {have / 2**20:.0f} MB free and this run needs {need / 2**20:.0f} MB of shared "
-                          f"memory (weights, simulator slots, rollouts, a checkpoint's state); start the container "
-                          f"with --shm-size={want}g, or mount a larger tmpfs there "
-                          f"(mount -o remount,size={want}G {path})")
+        raise ConfigError(
+            f"{path} has {have / 2**20:.0f} MB free and this run needs {need / 2**20:.0f} MB of shared "
+            f"memory (weights, simulator slots, rollouts, a checkpoint's state); start the container "
+            f"with --shm-size={want}g, or mount a larger tmpfs there "
+            f"(mount -o remount,size={want}G {path})"
+        )

@@ -2,6 +2,7 @@
 groups through simulate and generate) is as fast as the profile allows, and re-split during training when measured
 rates drift from the profile, with hysteresis so that one slow iteration does not move workers around.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,8 +71,13 @@ class Plan:
         return CYCLE if self.cycle < min(self.rates.values()) else self.bottleneck
 
 
-def plan(profile: StageProfile, totals: Totals, num_envs: int, batches: Sequence[int] | None = None,
-         fixed: Mapping[str, float] | None = None) -> Plan:
+def plan(
+    profile: StageProfile,
+    totals: Totals,
+    num_envs: int,
+    batches: Sequence[int] | None = None,
+    fixed: Mapping[str, float] | None = None,
+) -> Plan:
     """The amounts and generation batch that maximise the predicted throughput, by exhaustive grid search.
 
     Throughput is the least stage rate, capped by the closed network asymptotic bound of the G = num_envs / batch
@@ -127,15 +133,19 @@ def _check_totals(totals: Totals, num_envs: int) -> bool:
             raise PlanError(f"totals.gpu_stage_cores={totals.gpu_stage_cores}: needs 0 or more cores")
         if totals.max_sim_cores < 1:
             need, each = totals.cores - totals.max_sim_cores + 1, totals.gpu_stage_cores
-            raise PlanError(f"totals.cores={totals.cores}: a GPU node needs {need} cores (1 to simulate, 1 for the "
-                            f"supervisor, {each} each for generate and train)")
+            raise PlanError(
+                f"totals.cores={totals.cores}: a GPU node needs {need} cores (1 to simulate, 1 for the "
+                f"supervisor, {each} each for generate and train)"
+            )
         return True
     if not totals.core_granule > 0:
         raise PlanError(f"totals.core_granule={totals.core_granule}: needs a core share > 0")
     need = 1 + 2 * totals.core_granule
     if totals.cores < need:
-        raise PlanError(f"totals.cores={totals.cores}: a CPU-only node needs {need:g} cores "
-                        f"(1 to simulate, {totals.core_granule:g} each to generate and train)")
+        raise PlanError(
+            f"totals.cores={totals.cores}: a CPU-only node needs {need:g} cores "
+            f"(1 to simulate, {totals.core_granule:g} each to generate and train)"
+        )
     return False
 
 
@@ -146,8 +156,10 @@ def _check_profile(profile: StageProfile, gpu: bool) -> None:
         kind = profile.resource.get(stage, accepted[0])
         if kind not in accepted:
             node = "a GPU node" if gpu else "a CPU-only node"
-            raise PlanError(f"profile.resource[{stage!r}]={kind!r}, but on {node} {stage} takes "
-                            f"{' or '.join(map(repr, accepted))}: calibrate on this hardware")
+            raise PlanError(
+                f"profile.resource[{stage!r}]={kind!r}, but on {node} {stage} takes "
+                f"{' or '.join(map(repr, accepted))}: calibrate on this hardware"
+            )
 
 
 def _options(totals: Totals, gpu: bool, fixed: dict[str, float]) -> dict[str, np.ndarray]:
@@ -176,13 +188,16 @@ def _batch_candidates(profile: StageProfile, num_envs: int, batches: Sequence[in
     candidates = sorted(set(profile.batches("generate") if batches is None else batches))
     valid = [b for b in candidates if b >= 1 and num_envs % b == 0]
     if not valid:
-        raise PlanError(f"no generation batch in {candidates} divides num_envs={num_envs}: "
-                        f"pick num_envs a multiple of one, or profile a batch that divides it")
+        raise PlanError(
+            f"no generation batch in {candidates} divides num_envs={num_envs}: "
+            f"pick num_envs a multiple of one, or profile a batch that divides it"
+        )
     return valid
 
 
-def _best_at(profile: StageProfile, cores: int, gpu: bool, options: dict[str, np.ndarray], batch: int,
-             groups: int) -> tuple[tuple[float, ...], dict[str, float]] | None:
+def _best_at(
+    profile: StageProfile, cores: int, gpu: bool, options: dict[str, np.ndarray], batch: int, groups: int
+) -> tuple[tuple[float, ...], dict[str, float]] | None:
     """The best amounts at one batch with their tie-breaking key (larger is better), or None if nothing fits.
 
     Every (simulate, generate) pair is tried; for train, the largest rate among the amounts that still fit is
@@ -236,12 +251,24 @@ class ElasticController:
     first step already predicts more than `min_gain` (ema * shift large enough), later otherwise.
     """
 
-    def __init__(self, profile: StageProfile, totals: Totals, num_envs: int, window: int = 3,
-                 min_gain: float = 0.10, cooldown: int = 2, ema: float = 0.5, *,
-                 batches: Sequence[int] | None = None, fixed: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        profile: StageProfile,
+        totals: Totals,
+        num_envs: int,
+        window: int = 3,
+        min_gain: float = 0.10,
+        cooldown: int = 2,
+        ema: float = 0.5,
+        *,
+        batches: Sequence[int] | None = None,
+        fixed: Mapping[str, float] | None = None,
+    ) -> None:
         if window < 1 or cooldown < 0 or min_gain < 0 or not 0 < ema <= 1:
-            raise ValueError(f"window={window}, cooldown={cooldown}, min_gain={min_gain}, ema={ema}: "
-                             f"need window >= 1, cooldown >= 0, min_gain >= 0 and ema in (0, 1]")
+            raise ValueError(
+                f"window={window}, cooldown={cooldown}, min_gain={min_gain}, ema={ema}: "
+                f"need window >= 1, cooldown >= 0, min_gain >= 0 and ema in (0, 1]"
+            )
         self.profile, self.totals, self.num_envs = profile, totals, num_envs
         self.window, self.min_gain, self.cooldown, self.ema = window, min_gain, cooldown, ema
         self.batches, self.fixed = batches, fixed
@@ -290,9 +317,11 @@ class ElasticController:
     def _reason(self, old: Plan, new: Plan, gain: float, busy: Mapping[str, float] | None) -> str:
         busy_text = f"; busy {', '.join(f'{s} {b:.0%}' for s, b in busy.items())}" if busy else ""
         if old.limited_by == CYCLE:
-            limit = (f"{CYCLE} (simulate {_rate(old.rates['simulate'])} + generate {_rate(old.rates['generate'])} "
-                     f"in {groups_text(old.groups)}) limits to {_rate(old.cycle)} env steps/s "
-                     f"(vs train {_rate(old.rates['train'])}{busy_text})")
+            limit = (
+                f"{CYCLE} (simulate {_rate(old.rates['simulate'])} + generate {_rate(old.rates['generate'])} "
+                f"in {groups_text(old.groups)}) limits to {_rate(old.cycle)} env steps/s "
+                f"(vs train {_rate(old.rates['train'])}{busy_text})"
+            )
         else:
             neck = old.bottleneck
             others = ", ".join(f"{s} {_rate(old.rates[s])}" for s in STAGES if s != neck)
@@ -302,15 +331,24 @@ class ElasticController:
         changes = [f"{labels[s]} {old.x[s]:.3g} -> {new.x[s]:.3g}" for s in STAGES if old.x[s] != new.x[s]]
         if old.batch != new.batch:
             changes.append(f"batch {old.batch} -> {new.batch}")
-        return (f"{limit} for {self.window} observations; {', '.join(changes)}: predicted {_rate(old.throughput)} -> "
-                f"{_rate(new.throughput)} env steps/s ({gain:+.0%})")
+        return (
+            f"{limit} for {self.window} observations; {', '.join(changes)}: predicted {_rate(old.throughput)} -> "
+            f"{_rate(new.throughput)} env steps/s ({gain:+.0%})"
+        )
 
 
 class StaticController:
     """The control: plans once from the profile and never re-plans; ElasticController's interface."""
 
-    def __init__(self, profile: StageProfile, totals: Totals, num_envs: int, *,
-                 batches: Sequence[int] | None = None, fixed: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        profile: StageProfile,
+        totals: Totals,
+        num_envs: int,
+        *,
+        batches: Sequence[int] | None = None,
+        fixed: Mapping[str, float] | None = None,
+    ) -> None:
         self.current = plan(profile, totals, num_envs, batches, fixed)
         self.decisions: list[Decision] = []
 

@@ -3,6 +3,7 @@
 A profile is measured once per (policy, preset, env, task, hw) and stored as YAML; the planner only ever asks it
 `rate(stage, x, batch)`, so a measured grid and the built-in calibration's linear stand-in are interchangeable.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -48,8 +49,9 @@ class StageProfile:
     "cores" (integer CPU cores), "sm" (SM share of one GPU) or "core_share" (time-sliced fraction of cores).
     """
 
-    def __init__(self, points: Sequence[Point], key: Mapping[str, Any] | None = None,
-                 resource: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, points: Sequence[Point], key: Mapping[str, Any] | None = None, resource: Mapping[str, str] | None = None
+    ) -> None:
         self.key = dict(key or {})
         self.resource = dict(resource or {})
         for stage, kind in self.resource.items():
@@ -67,9 +69,12 @@ class StageProfile:
             curve[p.x] = p.rate
         # stage -> (sorted batches, per batch (sorted xs, their rates))
         self._grid = {
-            stage: (sorted(curves), [(sorted(curves[b]), [curves[b][x] for x in sorted(curves[b])])
-                                     for b in sorted(curves)])
-            for stage, curves in grid.items()}
+            stage: (
+                sorted(curves),
+                [(sorted(curves[b]), [curves[b][x] for x in sorted(curves[b])]) for b in sorted(curves)],
+            )
+            for stage, curves in grid.items()
+        }
 
     @property
     def stages(self) -> list[str]:
@@ -105,8 +110,9 @@ class StageProfile:
 
     def corrected(self, factors: Mapping[str, float]) -> StageProfile:
         """A copy whose rates of stage s are multiplied by factors.get(s, 1.0): measured over predicted."""
-        return StageProfile([replace(p, rate=p.rate * factors.get(p.stage, 1.0)) for p in self.points],
-                            self.key, self.resource)
+        return StageProfile(
+            [replace(p, rate=p.rate * factors.get(p.stage, 1.0)) for p in self.points], self.key, self.resource
+        )
 
     def matches(self, key: Mapping[str, Any]) -> list[str]:
         """The fields of `key` whose values differ from this profile's key (compared as text), or that it lacks."""
@@ -115,9 +121,15 @@ class StageProfile:
     def save(self, path: Path | str) -> Path:
         """Write the profile as YAML (creating the folder) and return the path."""
         path = Path(path)
-        data = {"version": VERSION, "key": self.key, "resource": self.resource,
-                "points": {stage: [{"x": p.x, "batch": p.batch, "rate": p.rate}
-                                   for p in self.points if p.stage == stage] for stage in self.stages}}
+        data = {
+            "version": VERSION,
+            "key": self.key,
+            "resource": self.resource,
+            "points": {
+                stage: [{"x": p.x, "batch": p.batch, "rate": p.rate} for p in self.points if p.stage == stage]
+                for stage in self.stages
+            },
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
         return path
@@ -175,9 +187,14 @@ def profile_path(root: Path, key: Mapping[str, Any]) -> Path:
     return Path(root) / f"{safe['policy']}-{safe['preset']}_{safe['env']}-{safe['task']}_{safe['hw']}.yaml"
 
 
-def linear_profile(costs: Mapping[str, float], batches: Sequence[int], resource: Mapping[str, str],
-                   key: Mapping[str, Any], max_x: Mapping[str, float],
-                   kernel: Mapping[str, float] | None = None) -> StageProfile:
+def linear_profile(
+    costs: Mapping[str, float],
+    batches: Sequence[int],
+    resource: Mapping[str, str],
+    key: Mapping[str, Any],
+    max_x: Mapping[str, float],
+    kernel: Mapping[str, float] | None = None,
+) -> StageProfile:
     """The built-in calibration's profile from each stage's cost alone, assuming every stage scales linearly.
 
     costs[s] is the seconds one unit of s's resource spends per env step (e.g. CPU-seconds per env step on one
@@ -196,8 +213,11 @@ def linear_profile(costs: Mapping[str, float], batches: Sequence[int], resource:
             raise ProfileError(f"costs[{stage!r}]={cost}: needs finite seconds per env step > 0")
         if not (top >= 1 if stage == "simulate" else top > 0):
             raise ProfileError(f"max_x[{stage!r}]={top}: needs {'>= 1 core' if stage == 'simulate' else '> 0'}")
-        xs = range(1, int(top) + 1) if stage == "simulate" else [top * k / GRID_FRACTIONS
-                                                                  for k in range(1, GRID_FRACTIONS + 1)]
+        xs = (
+            range(1, int(top) + 1)
+            if stage == "simulate"
+            else [top * k / GRID_FRACTIONS for k in range(1, GRID_FRACTIONS + 1)]
+        )
         k = (kernel or {}).get(stage)
         if k is None:
             points += [Point(stage, x, b, x / cost) for x in xs for b in batches]

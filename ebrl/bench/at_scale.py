@@ -20,6 +20,7 @@ predicted on `ModelledCosts` (the simulators' steps given or measured here, the 
 ebrl/forecast/gpu_cost.py's roofline or gpu_check's measurements), and the output ends with what bounds a rank
 (`gpu_capacity`) and the memory model's footprint per GPU (`gpu_memory`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ebrl.bench.schedulers import (bench_cores, placed_sim_cpu, policy_batch, process_cpu_s, reference_algo,
-                                   torch_threads)
+from ebrl.bench.schedulers import (
+    bench_cores,
+    placed_sim_cpu,
+    policy_batch,
+    process_cpu_s,
+    reference_algo,
+    torch_threads,
+)
 from ebrl.shape import RolloutShape, group_size
 
 LABEL = "simulated"
@@ -44,8 +51,9 @@ ACTION_DIMS = {"robocasa": 12}  # PandaOmron (ebrl/envs/robocasa_env.py); LIBERO
 TESTBED = ["policy=openpi", "policy.preset=full", "env=robocasa", "hw=a100x8", "algo=ppo"]
 TESTBED_SIM_MS = (40.0, 60.0)
 # a benchmark's published step distribution, a GPU node's default for it (--sim-step-ms or --sim-costs replace it)
-PUBLISHED_SIM_MS = {"robocasa": (TESTBED_SIM_MS, "the paper's published RoboCasa steps (its Fig. 7), env=robocasa's "
-                                                 "default")}
+PUBLISHED_SIM_MS = {
+    "robocasa": (TESTBED_SIM_MS, "the paper's published RoboCasa steps (its Fig. 7), env=robocasa's default")
+}
 EPISODE_CHUNKS = 6  # rollouts' worth of chunks measured (the first warms up): enough episodes end to draw lengths from
 
 
@@ -122,8 +130,10 @@ def read_costs(path: str) -> MeasuredCosts:
     saved, known = json.loads(Path(path).read_text()), fields(MeasuredCosts)
     missing = [f.name for f in known if f.name not in saved and f.default is MISSING and f.default_factory is MISSING]
     if missing:
-        raise ConfigError(f"the costs file {path} lacks {', '.join(missing)} (an older version wrote it): measure "
-                          "them again with --save-costs")
+        raise ConfigError(
+            f"the costs file {path} lacks {', '.join(missing)} (an older version wrote it): measure "
+            "them again with --save-costs"
+        )
     return MeasuredCosts(**{f.name: saved[f.name] for f in known if f.name in saved})
 
 
@@ -141,14 +151,18 @@ def read_gpu_costs(path: str) -> dict[str, Any]:
         raise ConfigError(f"--gpu-costs {path} cannot be read as JSON ({type(e).__name__}: {e})") from None
     full = results.get("full") if isinstance(results, dict) else None
     if not isinstance(full, dict):
-        raise ConfigError(f"--gpu-costs {path} holds no full check: give the JSON of `python -m ebrl.bench.gpu_check "
-                          "--part 1` (or --only full)")
+        raise ConfigError(
+            f"--gpu-costs {path} holds no full check: give the JSON of `python -m ebrl.bench.gpu_check "
+            "--part 1` (or --only full)"
+        )
     costs = full.get("costs")
     missing = [k for k in GPU_COST_KEYS if not isinstance(costs, dict) or k not in costs]
     if missing:
         said = full.get("error") or full.get("reason") or f"no {', '.join(missing)}"
-        raise ConfigError(f"--gpu-costs {path}: its full check measured no costs ({full.get('status')}: {said}): run "
-                          "it again on the GPU node")
+        raise ConfigError(
+            f"--gpu-costs {path}: its full check measured no costs ({full.get('status')}: {said}): run "
+            "it again on the GPU node"
+        )
     return costs
 
 
@@ -164,8 +178,8 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     from ebrl.policies.build import build_policy
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
-    from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
     from ebrl.runs.init import init_file
+    from ebrl.runtime.checkpoint import adopt_norm_stats, load_checkpoint, load_policy_checkpoint, restore_weights
 
     # subnormals flushed before torch's first parallel work, as a run does (experiment.py): the flag is per thread,
     # and the thread pool made here, which later runs in this process (--validate) train on, keeps the one it is
@@ -177,12 +191,15 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     n, chunks = cfg.env.num_envs, chunks or int(algo.rollout_chunks)
     cores = sorted(os.sched_getaffinity(0))[: bench_cores(cfg)]
     init = init_file(cfg)  # the run's first weights act here too: its actions set the physics' cost and episodes
-    with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp, \
-            SimWorkerPool(env_cfg=conf["env"], num_envs=n, seed=cfg.seed, group_size=group_size(cfg)) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp,
+        SimWorkerPool(env_cfg=conf["env"], num_envs=n, seed=cfg.seed, group_size=group_size(cfg)) as pool,
+    ):
         if init is not None:
             adopt_norm_stats(load_checkpoint(init), conf, Path(tmp))
-        policy = build_policy(conf["policy"], pool.spec, torch.device("cpu"), train=True,
-                              weights="given" if init is not None else "init")
+        policy = build_policy(
+            conf["policy"], pool.spec, torch.device("cpu"), train=True, weights="given" if init is not None else "init"
+        )
         if init is not None:
             restore_weights(policy, load_policy_checkpoint(init, conf["policy"], "init", resume=False), "init")
         pool.attach(policy.execute)
@@ -253,10 +270,23 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
     full = policy_batch(obs, tokens, mask)
     with torch.no_grad():
         sampled = policy.sample(full)
-    rollout = stack_steps([ChunkStep(obs=full, chunk=sampled.chunk, extras=sampled.extras, log_prob=sampled.log_prob,
-                                     value=sampled.value, reward=torch.randn(n, generator=gen),
-                                     done=torch.zeros(n, dtype=torch.bool), mask=executed,
-                                     cutoff_value=torch.zeros(n)) for _ in range(chunks)], sampled.value)
+    rollout = stack_steps(
+        [
+            ChunkStep(
+                obs=full,
+                chunk=sampled.chunk,
+                extras=sampled.extras,
+                log_prob=sampled.log_prob,
+                value=sampled.value,
+                reward=torch.randn(n, generator=gen),
+                done=torch.zeros(n, dtype=torch.bool),
+                mask=executed,
+                cutoff_value=torch.zeros(n),
+            )
+            for _ in range(chunks)
+        ],
+        sampled.value,
+    )
     train = {}
     for threads in (1, len(cores)):
         with torch_threads(threads):
@@ -268,15 +298,27 @@ def measure_costs(cfg: Any, chunks: int | None = None) -> MeasuredCosts:
         torch.set_flush_denormal(False)
     fit = lambda kind: tuple(np.polyfit(sizes, [out[(kind, 1, b)] for b in sizes], 1)[::-1].tolist())  # noqa: E731
     k = len(cores)
-    efficiency = {"generate": {str(k): out[("sample", 1, n)] / (k * out[("sample", k, n)])},
-                  "train": {str(k): train[1] / (k * train[k])}}
-    return MeasuredCosts(steps=steps, generate_fit=fit("sample"), value_fit=fit("value"),
-                         train_per_row=train[1] / (n * chunks), train_decoupled_per_row=decoupled / (n * chunks),
-                         efficiencies=efficiency, reset_s=reset_s,
-                         max_episode_steps=int(spec.max_episode_steps), execute=H, chunk_len=int(policy.chunk_len),
-                         action_dim=int(spec.action_dim), lengths=lengths, init=str(init) if init else None,
-                         timeslice=timeslice,
-                         source=f"measured here {time.strftime('%Y-%m-%d')}, {k} cores")
+    efficiency = {
+        "generate": {str(k): out[("sample", 1, n)] / (k * out[("sample", k, n)])},
+        "train": {str(k): train[1] / (k * train[k])},
+    }
+    return MeasuredCosts(
+        steps=steps,
+        generate_fit=fit("sample"),
+        value_fit=fit("value"),
+        train_per_row=train[1] / (n * chunks),
+        train_decoupled_per_row=decoupled / (n * chunks),
+        efficiencies=efficiency,
+        reset_s=reset_s,
+        max_episode_steps=int(spec.max_episode_steps),
+        execute=H,
+        chunk_len=int(policy.chunk_len),
+        action_dim=int(spec.action_dim),
+        lengths=lengths,
+        init=str(init) if init else None,
+        timeslice=timeslice,
+        source=f"measured here {time.strftime('%Y-%m-%d')}, {k} cores",
+    )
 
 
 # --- modelled: a GPU node --------------------------------------------------------------------
@@ -286,8 +328,10 @@ def lognormal(mean: float, p99: float) -> tuple[float, float]:
     z = 2.3263478740408408
     ratio = math.log(p99 / mean)
     if not 0 < ratio < z * z / 2:
-        raise ValueError(f"no lognormal has mean {mean} and 99th percentile {p99}: needs mean < p99 < "
-                         f"{math.exp(z * z / 2):.1f} x mean")
+        raise ValueError(
+            f"no lognormal has mean {mean} and 99th percentile {p99}: needs mean < p99 < "
+            f"{math.exp(z * z / 2):.1f} x mean"
+        )
     sigma = z - math.sqrt(z * z - 2 * ratio)
     return math.log(mean) - sigma * sigma / 2, sigma
 
@@ -333,8 +377,9 @@ class ModelledCosts:
         if kind == "train":
             modelled = train_time(self.ops, rows, self.shape, self.gpu, share, self.host_s, proximal)
         else:
-            modelled = roofline(self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share,
-                                self.host_s)
+            modelled = roofline(
+                self.ops.sample if kind == "sample" else self.ops.value, rows, self.gpu, share, self.host_s
+            )
         m = self.measured_gpu
         if m is None or kind == "value":
             return modelled
@@ -365,17 +410,24 @@ class ModelledCosts:
     value = train = generate
 
 
-def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, cameras: int,
-                   measured: MeasuredCosts | None = None, gpu_costs: dict[str, Any] | None = None,
-                   sim_label: str = "--sim-step-ms", sharded: bool = False) -> ModelledCosts:
+def modelled_costs(
+    cfg: Any,
+    sim_ms: Sequence[float] | None,
+    reset_ms: float,
+    cameras: int,
+    measured: MeasuredCosts | None = None,
+    gpu_costs: dict[str, Any] | None = None,
+    sim_label: str = "--sim-step-ms",
+    sharded: bool = False,
+) -> ModelledCosts:
     """A GPU node's costs for `cfg` (its policy, policy.execute settled, algo and hw.gpu_name): see `ModelledCosts`;
     the simulators' steps, episode lengths and resets from `measured` where given (else `sim_ms`, where `sim_label`
     says they come from), sampling and training from `gpu_costs` (gpu_check's); `sharded`: the trainers hold the
     training state under FSDP."""
     from omegaconf import OmegaConf
 
-    from ebrl.forecast.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.bench.memory import env_spec
+    from ebrl.forecast.gpu_cost import PolicyOps, UpdateShape, gpu_spec, host_seconds_per_op
     from ebrl.policies.build import executed_actions
 
     gpu = gpu_spec(cfg.hw.gpu_name)
@@ -387,34 +439,52 @@ def modelled_costs(cfg: Any, sim_ms: Sequence[float] | None, reset_ms: float, ca
     if measured is not None:
         every = np.concatenate([np.asarray(s) for s in measured.steps])
         mean, p99, reset_ms = float(every.mean()), float(np.percentile(every, 99)), 1e3 * measured.reset_s
-        steps = {"simulator steps": f"{measured.source}: mean {1e3 * mean:.2f} ms, 99th percentile "
-                                    f"{1e3 * p99:.2f} ms (--sim-costs)", "resets": f"{reset_ms:.1f} ms (measured)"}
+        steps = {
+            "simulator steps": f"{measured.source}: mean {1e3 * mean:.2f} ms, 99th percentile "
+            f"{1e3 * p99:.2f} ms (--sim-costs)",
+            "resets": f"{reset_ms:.1f} ms (measured)",
+        }
     else:
         mean, p99 = (float(sim_ms[0]) / 1e3, float(sim_ms[-1]) / 1e3)
-        steps = {"simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms "
-                                    f"({sim_label})", "resets": f"{reset_ms:g} ms each (--reset-ms)"}
-    sources = {**steps,
-               "GPU": gpu.source,
-               "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
-                         f"{cameras} cameras at 224 px: {ops.sample.count} operations per sample, traced on the meta "
-                         "device (ebrl/forecast/gpu_cost.py)",
-               "host per operation": host_source}
+        steps = {
+            "simulator steps": f"lognormal, mean {1e3 * mean:g} ms, 99th percentile {1e3 * p99:g} ms ({sim_label})",
+            "resets": f"{reset_ms:g} ms each (--reset-ms)",
+        }
+    sources = {
+        **steps,
+        "GPU": gpu.source,
+        "policy": f"{cfg.policy.name} {cfg.policy.preset}, {ops.parameters / 1e9:.2f} B parameters, "
+        f"{cameras} cameras at 224 px: {ops.sample.count} operations per sample, traced on the meta "
+        "device (ebrl/forecast/gpu_cost.py)",
+        "host per operation": host_source,
+    }
     if gpu_costs is not None:
-        sources["GPU"] = (f"measured on {gpu_costs['gpu']} by gpu_check ({gpu_costs['policy']}): sample and update; "
-                          f"values and SM occupancy from {gpu.source}")
-    return ModelledCosts(sim_mean_s=mean, sim_p99_s=p99, reset_s=reset_ms / 1e3,
-                         max_episode_steps=int(cfg.env.max_episode_steps),
-                         execute=executed_actions(policy_cfg, ops.chunk_len),
-                         chunk_len=ops.chunk_len, action_dim=ops.action_dim, ops=ops, gpu=gpu, host_s=host_s,
-                         shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes, sharded=sharded),
-                         sources=sources,
-                         steps=measured.steps if measured else [], lengths=measured.lengths if measured else [],
-                         timeslice=measured.timeslice if measured else 0.0, measured_gpu=gpu_costs)
+        sources["GPU"] = (
+            f"measured on {gpu_costs['gpu']} by gpu_check ({gpu_costs['policy']}): sample and update; "
+            f"values and SM occupancy from {gpu.source}"
+        )
+    return ModelledCosts(
+        sim_mean_s=mean,
+        sim_p99_s=p99,
+        reset_s=reset_ms / 1e3,
+        max_episode_steps=int(cfg.env.max_episode_steps),
+        execute=executed_actions(policy_cfg, ops.chunk_len),
+        chunk_len=ops.chunk_len,
+        action_dim=ops.action_dim,
+        ops=ops,
+        gpu=gpu,
+        host_s=host_s,
+        shape=UpdateShape(cfg.algo, ranks=int(cfg.hw.gpus) * nodes, nodes=nodes, sharded=sharded),
+        sources=sources,
+        steps=measured.steps if measured else [],
+        lengths=measured.lengths if measured else [],
+        timeslice=measured.timeslice if measured else 0.0,
+        measured_gpu=gpu_costs,
+    )
 
 
 # --- predicting ------------------------------------------------------------------------------
-def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
-            cores: int | None = None) -> dict[str, Any]:
+def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None, cores: int | None = None) -> dict[str, Any]:
     """Run `cfg`'s schedule in virtual time on `costs` (virtual.py's `Costs`, with MeasuredCosts' action_dim,
     max_episode_steps, execute, chunk_len and timeslice; on a GPU node `GpuCosts`): env steps/s after the first
     iteration, each stage's busy share and CPU share, each core's busy share, and on a GPU node the SMs' busy share
@@ -424,11 +494,18 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     from omegaconf import OmegaConf
 
     from ebrl.envs.base import ArraySpec, EnvSpec
+    from ebrl.forecast.virtual import (
+        ModelGeneration,
+        ModelPolicy,
+        ModelTrainer,
+        VirtualDispatcher,
+        VirtualPlacement,
+        VirtualPool,
+        World,
+    )
     from ebrl.node import Ranks
     from ebrl.runtime.placement import Placement
     from ebrl.runtime.schedule import Scheduler
-    from ebrl.forecast.virtual import (ModelGeneration, ModelPolicy, ModelTrainer, VirtualDispatcher,
-                                      VirtualPlacement, VirtualPool, World)
 
     gpus = int(cfg.hw.gpus or 0)
     ranks = max(gpus, 1) * int(cfg.hw.get("nodes") or 1)  # (one per GPU, on every node alike)
@@ -437,8 +514,12 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
     costs.envs = n
     conf = OmegaConf.to_container(cfg, resolve=True)
     conf["env"]["num_envs"] = n
-    spec = EnvSpec(obs={"state": ArraySpec((1,), "float32")}, action_dim=costs.action_dim, instruction="",
-                   max_episode_steps=costs.max_episode_steps)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((1,), "float32")},
+        action_dim=costs.action_dim,
+        instruction="",
+        max_episode_steps=costs.max_episode_steps,
+    )
     world = World(k, timeslice=costs.timeslice)
     device = torch.device("cuda" if gpus else "cpu")
     with tempfile.TemporaryDirectory(prefix="ebrl-at-scale-") as tmp:
@@ -446,17 +527,25 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         s = cfg.scheduler
         if gpus and placement.allocator is not None:  # (what a run's placement takes from the roofline)
             shape = RolloutShape.of(cfg, ranks, costs.max_episode_steps, costs.execute, envs=n)
-            placement.allocator.size_by_kernels({"generate": costs.on_gpu("sample", shape.envs_per_group, 1.0).sm_busy,
-                                                 "train": costs.on_gpu("train", shape.rows, 1.0).sm_busy},
-                                                "the cost model's")
-        pool = VirtualPool(world, costs, spec, n, costs.execute, cfg.seed,
-                           placement.cpus("simulate") + placement.spare(), s.sim_nice)
+            placement.allocator.size_by_kernels(
+                {
+                    "generate": costs.on_gpu("sample", shape.envs_per_group, 1.0).sm_busy,
+                    "train": costs.on_gpu("train", shape.rows, 1.0).sm_busy,
+                },
+                "the cost model's",
+            )
+        pool = VirtualPool(
+            world, costs, spec, n, costs.execute, cfg.seed, placement.cpus("simulate") + placement.spare(), s.sim_nice
+        )
         policy = ModelPolicy(spec, costs.execute, costs.chunk_len)
 
         def stages(conf: dict, pool: Any, policy: Any, placement: Any, cores: Any, *_: Any) -> tuple:
             trainer = ModelTrainer(world, costs, placement)
-            return (trainer, ModelGeneration(world, costs, policy, trainer, placement),
-                    VirtualDispatcher(world, pool, cores))
+            return (
+                trainer,
+                ModelGeneration(world, costs, policy, trainer, placement),
+                VirtualDispatcher(world, pool, cores),
+            )
 
         scheduler = Scheduler(pool, policy, conf, placement, seed=cfg.seed, stages=stages, clock=world.clock)
         placement.runtime = scheduler
@@ -468,8 +557,12 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         decisions, loop_t0, model0, all_steps = [], time.perf_counter(), world.model_s, 0
 
         def tally() -> dict[str, Any]:
-            return {"cpu": dict(world.cpu.spent), "gpu": dict(world.gpu.spent), "cores": list(world.cpu.core_busy),
-                    "active": world.gpu.active}
+            return {
+                "cpu": dict(world.cpu.spent),
+                "gpu": dict(world.gpu.spent),
+                "cores": list(world.cpu.core_busy),
+                "active": world.gpu.active,
+            }
 
         for it in range(iterations):
             mark, t0, spent0 = scheduler.trace.mark(), world.now, dict(world.cpu.spent)
@@ -484,8 +577,10 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
                 steps += stats.env_steps
                 busy.append(it_busy)
             if placement.allocator is not None:  # (the Replan hook: the allocator reads the iteration, may re-plan)
-                used = {stage: (world.cpu.spent.get(stage, 0.0) - spent0.get(stage, 0.0)) / (k * wall)
-                        for stage in ("simulate", "generate", "train")}
+                used = {
+                    stage: (world.cpu.spent.get(stage, 0.0) - spent0.get(stage, 0.0)) / (k * wall)
+                    for stage in ("simulate", "generate", "train")
+                }
                 shares = {"simulate": used["simulate"], "main": used["generate"], "trainer": used["train"]}
                 line, _ = placement.observe(placement.measured(rates[-1], shares, it_busy))
                 if line is not None:
@@ -495,18 +590,31 @@ def predict(cfg: Any, costs: Any, iterations: int, envs: int | None = None,
         runtime_s = time.perf_counter() - loop_t0 - (world.model_s - model0)
         elapsed = world.now - t_start
         after = tally()
-        spent = {stage: (after["cpu"].get(stage, 0.0) - before["cpu"].get(stage, 0.0)) / (k * elapsed)
-                 for stage in ("simulate", "generate", "train")}
-        out = {"env_steps_per_s": steps / elapsed, "per_iteration": rates, "cpu_share": spent,
-               "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
-               "core_busy": [(a - b) / elapsed for a, b in zip(after["cores"], before["cores"])],
-               "virtual_seconds": world.now, "envs": n, "cores": k, "decisions": decisions,
-               "runtime_us_per_env_step": 1e6 * runtime_s / all_steps,
-               "events_per_s": world.events.count / runtime_s, "model_s": world.model_s - model0,
-               "ranks": ranks, "node_env_steps_per_s": steps / elapsed * ranks}
+        spent = {
+            stage: (after["cpu"].get(stage, 0.0) - before["cpu"].get(stage, 0.0)) / (k * elapsed)
+            for stage in ("simulate", "generate", "train")
+        }
+        out = {
+            "env_steps_per_s": steps / elapsed,
+            "per_iteration": rates,
+            "cpu_share": spent,
+            "busy": {stage: float(np.mean([b[stage] for b in busy])) for stage in busy[0]},
+            "core_busy": [(a - b) / elapsed for a, b in zip(after["cores"], before["cores"])],
+            "virtual_seconds": world.now,
+            "envs": n,
+            "cores": k,
+            "decisions": decisions,
+            "runtime_us_per_env_step": 1e6 * runtime_s / all_steps,
+            "events_per_s": world.events.count / runtime_s,
+            "model_s": world.model_s - model0,
+            "ranks": ranks,
+            "node_env_steps_per_s": steps / elapsed * ranks,
+        }
         if gpus:
-            out["gpu_sm_busy"] = {stage: (after["gpu"].get(stage, 0.0) - before["gpu"].get(stage, 0.0)) / elapsed
-                                  for stage in ("generate", "train")}
+            out["gpu_sm_busy"] = {
+                stage: (after["gpu"].get(stage, 0.0) - before["gpu"].get(stage, 0.0)) / elapsed
+                for stage in ("generate", "train")
+            }
             out["gpu_idle"] = max(0.0, 1 - (after["active"] - before["active"]) / elapsed)
         scheduler.close()
     return out
@@ -524,26 +632,51 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stragglers", type=float, default=0.0, help="fraction of the envs that step slower")
     parser.add_argument("--straggler-task", default=None)
     parser.add_argument("--straggler-slowdown", type=int, default=3)
-    parser.add_argument("--envs", type=int, nargs="+", default=None, help="envs to predict for, one prediction "
-                        "each (default: --num-envs; on a GPU node, per rank: env.num_envs)")
-    parser.add_argument("--cores", type=int, default=None, help="the virtual node's cores (default: this machine's; "
-                        "on a GPU node hw.cpu_cores / hw.gpus per rank)")
+    parser.add_argument(
+        "--envs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="envs to predict for, one prediction each (default: --num-envs; on a GPU node, per rank: env.num_envs)",
+    )
+    parser.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="the virtual node's cores (default: this machine's; on a GPU node hw.cpu_cores / hw.gpus per rank)",
+    )
     parser.add_argument("--iterations", type=int, default=4, help="iterations per prediction (the first warms up)")
     parser.add_argument("--validate", action="store_true", help="run each mode for real too, beside its prediction")
-    parser.add_argument("--repeats", type=int, default=2, help="real runs per mode with --validate (the median; "
-                        "modes in ABBA order)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="real runs per mode with --validate (the median; modes in ABBA order)"
+    )
     parser.add_argument("--costs", help="a costs file from --save-costs (default: measure them now)")
     parser.add_argument("--save-costs", help="write the measured costs here")
     # a GPU node (hw=... with GPUs): modelled costs
-    parser.add_argument("--testbed", action="store_true", help="the paper's testbed: " + " ".join(TESTBED)
-                        + " with its step distribution (overrides after it win)")
-    parser.add_argument("--sim-step-ms", type=float, nargs="+", default=None, metavar=("MEAN", "P99"),
-                        help="a GPU node's simulator step: mean and 99th percentile, ms (the testbed's: 40 60)")
+    parser.add_argument(
+        "--testbed",
+        action="store_true",
+        help="the paper's testbed: " + " ".join(TESTBED) + " with its step distribution (overrides after it win)",
+    )
+    parser.add_argument(
+        "--sim-step-ms",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar=("MEAN", "P99"),
+        help="a GPU node's simulator step: mean and 99th percentile, ms (the testbed's: 40 60)",
+    )
     parser.add_argument("--reset-ms", type=float, default=0.0, help="a GPU node's reset, ms")
-    parser.add_argument("--gpu-costs", help="a GPU node's sampling and update times from gpu_check's --out JSON "
-                        "(its full check's costs, in --part 1's file), in place of the roofline")
-    parser.add_argument("--sim-costs", help="a GPU node's simulator steps, episode lengths and resets from a costs "
-                        "file measured here (--save-costs), in place of --sim-step-ms")
+    parser.add_argument(
+        "--gpu-costs",
+        help="a GPU node's sampling and update times from gpu_check's --out JSON "
+        "(its full check's costs, in --part 1's file), in place of the roofline",
+    )
+    parser.add_argument(
+        "--sim-costs",
+        help="a GPU node's simulator steps, episode lengths and resets from a costs "
+        "file measured here (--save-costs), in place of --sim-step-ms",
+    )
     parser.add_argument("--cameras", type=int, default=2, help="cameras the policy reads at 224 px (GPU node)")
     args = parser.parse_args(argv)
     from ebrl.runtime.errors import exit_cleanly
@@ -570,28 +703,42 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
     from ebrl.policies.build import settle_execute
 
     if args.validate or args.costs or args.save_costs:
-        raise ConfigError("--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
-                          "are modelled (drop them, or predict hw=cpu)")
+        raise ConfigError(
+            "--validate, --costs and --save-costs measure or replay this machine's costs; a GPU node's "
+            "are modelled (drop them, or predict hw=cpu)"
+        )
     published = PUBLISHED_SIM_MS.get(cfg.env.name)
-    sim_ms, sim_label = ((args.sim_step_ms, "--sim-step-ms") if args.sim_step_ms else
-                         (TESTBED_SIM_MS, "--testbed") if args.testbed else published or (None, ""))
+    sim_ms, sim_label = (
+        (args.sim_step_ms, "--sim-step-ms")
+        if args.sim_step_ms
+        else (TESTBED_SIM_MS, "--testbed")
+        if args.testbed
+        else published or (None, "")
+    )
     measured = read_costs(args.sim_costs) if args.sim_costs else None
     if measured is None and (not sim_ms or len(sim_ms) > 2):
-        raise ConfigError(f"env={cfg.env.name} has no published step distribution and a GPU node's simulator steps are "
-                          "not measured here: give --sim-step-ms MEAN P99 (ms), e.g. the paper's RoboCasa 40 60, or "
-                          "--sim-costs FILE (--save-costs on hw=cpu)")
+        raise ConfigError(
+            f"env={cfg.env.name} has no published step distribution and a GPU node's simulator steps are "
+            "not measured here: give --sim-step-ms MEAN P99 (ms), e.g. the paper's RoboCasa 40 60, or "
+            "--sim-costs FILE (--save-costs on hw=cpu)"
+        )
     t0 = time.perf_counter()
     gpu_costs = read_gpu_costs(args.gpu_costs) if args.gpu_costs else None
     settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     strategy, memory_line = gpu_memory(cfg, max(args.envs or [int(cfg.env.num_envs)]), args.cameras)
-    costs = modelled_costs(cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label,
-                           sharded=strategy == "fsdp")
-    print(f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
-          + "; ".join(f"{k}: {v}" for k, v in costs.sources.items()))
+    costs = modelled_costs(
+        cfg, sim_ms, args.reset_ms, args.cameras, measured, gpu_costs, sim_label, sharded=strategy == "fsdp"
+    )
+    print(
+        f"costs ({LABEL}; modelled in {time.perf_counter() - t0:.0f} s): "
+        + "; ".join(f"{k}: {v}" for k, v in costs.sources.items())
+    )
     rows = []
-    print(f"| mode | envs per rank | cores per rank | {LABEL} env steps/s ({int(cfg.hw.get('nodes') or 1)} x "
-          f"{cfg.hw.gpus} GPUs) | cores' CPU share | busy gen / train | GPU SM busy gen / train | GPU idle | "
-          "cores > 50% busy (all) | driver s |")
+    print(
+        f"| mode | envs per rank | cores per rank | {LABEL} env steps/s ({int(cfg.hw.get('nodes') or 1)} x "
+        f"{cfg.hw.gpus} GPUs) | cores' CPU share | busy gen / train | GPU SM busy gen / train | GPU idle | "
+        "cores > 50% busy (all) | driver s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for envs in args.envs or [None]:
         for mode in args.modes:
@@ -600,13 +747,18 @@ def run_gpu_node(args: argparse.Namespace, overrides: list[str], cfg: Any) -> di
             t0 = time.perf_counter()
             predicted = predict(mode_cfg, costs, args.iterations, envs, args.cores)
             predicted["driver_s"] = time.perf_counter() - t0
-            busy = f"{predicted['cpu_share']['simulate']:.0%} | {predicted['busy']['generate']:.0%} / " \
+            busy = (
+                f"{predicted['cpu_share']['simulate']:.0%} | {predicted['busy']['generate']:.0%} / "
                 f"{predicted['busy']['train']:.0%}"
+            )
             sm = " / ".join(f"{v:.0%}" for v in predicted["gpu_sm_busy"].values())
             hot = sum(b > 0.5 for b in predicted["core_busy"]) * predicted["ranks"]
-            print(f"| {mode} | {predicted['envs']} | {predicted['cores']} | {predicted['node_env_steps_per_s']:.1f} | "
-                  f"{busy} | {sm} | {predicted['gpu_idle']:.0%} | {hot} of {predicted['cores'] * predicted['ranks']} "
-                  f"| {predicted['driver_s']:.1f} |", flush=True)
+            print(
+                f"| {mode} | {predicted['envs']} | {predicted['cores']} | {predicted['node_env_steps_per_s']:.1f} | "
+                f"{busy} | {sm} | {predicted['gpu_idle']:.0%} | {hot} of {predicted['cores'] * predicted['ranks']} "
+                f"| {predicted['driver_s']:.1f} |",
+                flush=True,
+            )
             for line in predicted["decisions"]:  # (the allocator's plan: calibrated, then any re-plan)
                 print(f"  {mode} at {predicted['envs']} envs: {line}")
             rows.append({"mode": mode, LABEL: predicted})
@@ -628,8 +780,10 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     shape = RolloutShape.of(cfg, envs=envs, max_episode_steps=costs.max_episode_steps, execute=costs.execute)
     chunks = shape.chunks  # (a sample per chunk step; values once an iteration, for the bootstrap)
     decisions = shape.rows
-    calls = {"generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
-             "train": [costs.on_gpu("train", decisions, 1.0)]}
+    calls = {
+        "generate": [costs.on_gpu("sample", envs, 1.0)] * chunks + [costs.on_gpu("value", envs, 1.0)],
+        "train": [costs.on_gpu("train", decisions, 1.0)],
+    }
     per = {"generate": decisions * costs.execute, "train": decisions * costs.execute}
     kernels = {stage: sum(c.seconds * c.sm_busy for c in cs) / per[stage] for stage, cs in calls.items()}
     serial = {stage: sum(c.seconds for c in cs) / per[stage] for stage, cs in calls.items()}
@@ -641,15 +795,24 @@ def gpu_capacity(costs: ModelledCosts, rows: list[dict], cfg: Any) -> dict[str, 
     rate = best[LABEL]["env_steps_per_s"]
     # the fewest envs per rank whose best schedule comes within 5% of the best prediction
     enough = min(r[LABEL]["envs"] for r in rows if r[LABEL]["env_steps_per_s"] >= 0.95 * rate)
-    line = (f"capacity ({LABEL}): per env step a GPU's kernels take {1e3 * kernels['generate']:.2f} ms to generate "
-            f"(batch {envs}) and {1e3 * kernels['train']:.2f} ms to train ({1e3 * serial['generate']:.2f} and "
-            f"{1e3 * serial['train']:.2f} ms issued one after another): at most {gpu_rate:.1f} env steps/s per GPU "
-            f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:.3g} ms a step; "
-            f"with {cores} cores per GPU ({sim_rate:.1f} env steps/s) {bound} bounds a rank. Best predicted: "
-            f"{best['mode']} at {best[LABEL]['envs']} envs per rank, {rate:.1f} env steps/s per rank "
-            f"({rate / min(gpu_rate, sim_rate):.0%} of that bound); from {enough} envs per rank within 5% of it")
-    return {"gpu_s_per_env_step": kernels, "serial_s_per_env_step": serial, "gpu_rate": gpu_rate,
-            "cores_needed": need, "sim_rate": sim_rate, "envs_enough": enough, "line": line}
+    line = (
+        f"capacity ({LABEL}): per env step a GPU's kernels take {1e3 * kernels['generate']:.2f} ms to generate "
+        f"(batch {envs}) and {1e3 * kernels['train']:.2f} ms to train ({1e3 * serial['generate']:.2f} and "
+        f"{1e3 * serial['train']:.2f} ms issued one after another): at most {gpu_rate:.1f} env steps/s per GPU "
+        f"({serial_rate:.1f} serially), which {need:.1f} cores simulate at {1e3 * costs.sim_mean_s:.3g} ms a step; "
+        f"with {cores} cores per GPU ({sim_rate:.1f} env steps/s) {bound} bounds a rank. Best predicted: "
+        f"{best['mode']} at {best[LABEL]['envs']} envs per rank, {rate:.1f} env steps/s per rank "
+        f"({rate / min(gpu_rate, sim_rate):.0%} of that bound); from {enough} envs per rank within 5% of it"
+    )
+    return {
+        "gpu_s_per_env_step": kernels,
+        "serial_s_per_env_step": serial,
+        "gpu_rate": gpu_rate,
+        "cores_needed": need,
+        "sim_rate": sim_rate,
+        "envs_enough": enough,
+        "line": line,
+    }
 
 
 def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
@@ -663,15 +826,29 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
     from ebrl.config import ConfigError
 
     spec = env_spec(cameras, action_dim=ACTION_DIMS.get(cfg.env.name, 7))
-    model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
-                           cache_prefix=cfg.algo.cache_prefix)
+    model = MemoryModel.of(
+        OmegaConf.to_container(cfg.policy, resolve=True),
+        spec,
+        cfg.algo.optimizer_dtype,
+        cache_prefix=cfg.algo.cache_prefix,
+    )
     ranks = int(cfg.hw.gpus) * int(cfg.hw.get("nodes") or 1)
     shape = RolloutShape.of(cfg, ranks, int(cfg.env.max_episode_steps), model.execute, envs=envs)
     chunks, micro = shape.chunks, shape.micro_rows  # (micro-batches of the trainer's size)
     have = int(cfg.hw.gpu_memory_gb * GiB)
     try:
-        strategy, _ = fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks,
-                                       cfg.distributed.strategy, trainer_process=True)
+        strategy, _ = fitting_strategy(
+            model,
+            have,
+            envs,
+            micro,
+            chunks,
+            False,
+            f"hw={cfg.hw.name}",
+            ranks,
+            cfg.distributed.strategy,
+            trainer_process=True,
+        )
     except ConfigError as e:
         return cfg.distributed.strategy, f"memory (predicted): {e}"
     need = model.gpu(micro, envs, chunks, rendering=False, shards=ranks if strategy == "fsdp" else 1)
@@ -680,24 +857,29 @@ def gpu_memory(cfg: Any, envs: int, cameras: int) -> tuple[str, str]:
         fitting_strategy(model, have, envs, micro, chunks, False, f"hw={cfg.hw.name}", ranks, "auto", False)
     except ConfigError:
         held += "; colocated's one process would not fit (its row is for comparison)"
-    return strategy, (f"memory (predicted, ebrl/alloc/memory.py): {need.total / GiB:.1f} of {have / GiB:.0f} GiB per "
-                      f"GPU at {envs} envs per rank, micro-batch {micro}, {held} (trainer "
-                      f"{sum(v for k, v in need.parts.items() if k.startswith('trainer')) / GiB:.1f}, generation "
-                      f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits")
+    return strategy, (
+        f"memory (predicted, ebrl/alloc/memory.py): {need.total / GiB:.1f} of {have / GiB:.0f} GiB per "
+        f"GPU at {envs} envs per rank, micro-batch {micro}, {held} (trainer "
+        f"{sum(v for k, v in need.parts.items() if k.startswith('trainer')) / GiB:.1f}, generation "
+        f"{sum(v for k, v in need.parts.items() if k.startswith('generation')) / GiB:.1f}); it fits"
+    )
 
 
 def measured_now(cfg: Any) -> MeasuredCosts:
     """`measure_costs`, and a line saying what it found."""
     t0 = time.perf_counter()
     costs = measure_costs(cfg)
-    print(f"costs {costs.source} in {time.perf_counter() - t0:.0f} s: sim step mean "
-          f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
-          f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
-          f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
-          f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision "
-          f"({1e3 * costs.train_decoupled_per_row:.3f} decoupled), "
-          f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
-          f"reset {1e3 * costs.reset_s:.1f} ms", flush=True)
+    print(
+        f"costs {costs.source} in {time.perf_counter() - t0:.0f} s: sim step mean "
+        f"{1e3 * np.mean([np.mean(s) for s in costs.steps]):.2f} ms (per env "
+        f"{', '.join(f'{1e3 * np.mean(s):.1f}' for s in costs.steps)}), generate {1e3 * costs.generate(1):.2f} + "
+        f"{1e3 * costs.generate_fit[1]:.3f} x batch ms, value {1e3 * costs.value(1):.2f} + "
+        f"{1e3 * costs.value_fit[1]:.3f} x batch ms, train {1e3 * costs.train_per_row:.3f} ms per decision "
+        f"({1e3 * costs.train_decoupled_per_row:.3f} decoupled), "
+        f"efficiency {costs.efficiencies}, time-slicing +{costs.timeslice:.1%} CPU, "
+        f"reset {1e3 * costs.reset_s:.1f} ms",
+        flush=True,
+    )
     return costs
 
 
@@ -707,9 +889,16 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     from ebrl.bench.schedulers import Workload, compose, round_order, run_mode
     from ebrl.policies.build import settle_execute
 
-    workload = Workload(preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
-                        iterations=args.iterations, overrides=list(args.overrides), stragglers=args.stragglers,
-                        straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
+    workload = Workload(
+        preset=args.policy_preset,
+        task=args.task,
+        num_envs=args.num_envs,
+        iterations=args.iterations,
+        overrides=list(args.overrides),
+        stragglers=args.stragglers,
+        straggler_task=args.straggler_task,
+        straggler_slowdown=args.straggler_slowdown,
+    )
     cfg = compose(workload)
     settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     # with --validate, each round measures the costs again right before its runs (this machine's speed varies
@@ -729,10 +918,12 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_costs:
         Path(args.save_costs).write_text(json.dumps(asdict(costs)))
     rows = []
-    print(f"| mode | envs | {LABEL} env steps/s | "
-          + ("measured (runs) | predicted / measured | " if args.validate else "")
-          + "busy sim / gen / train | CPU share sim / gen / train | driver s (model s) | runtime code us per env step, "
-          "events/s |")
+    print(
+        f"| mode | envs | {LABEL} env steps/s | "
+        + ("measured (runs) | predicted / measured | " if args.validate else "")
+        + "busy sim / gen / train | CPU share sim / gen / train | driver s (model s) | runtime code us per env step, "
+        "events/s |"
+    )
     print("|---|---|---|" + ("---|---|" if args.validate else "") + "---|---|---|---|")
     for envs, mode in [(e, m) for e in args.envs or [None] for m in args.modes]:
         mode_cfg = compose(workload, mode)
@@ -747,16 +938,26 @@ def run_here(args: argparse.Namespace) -> dict[str, Any]:
         if measured[mode]:
             real = float(np.median(measured[mode]))
             row["measured"], row["measured_runs"] = real, measured[mode]
-            real_cell = (f"{real:.1f} ({', '.join(f'{x:.1f}' for x in measured[mode])}) | "
-                         f"{predicted['env_steps_per_s'] / real:.2f} | ")
-            busy += " (measured " + " / ".join(
-                f"{np.median([b.get(f'busy_{s}', math.nan) for b in busy_measured[mode]]):.0%}"
-                for s in ("simulate", "generate", "train")) + ")"
+            real_cell = (
+                f"{real:.1f} ({', '.join(f'{x:.1f}' for x in measured[mode])}) | "
+                f"{predicted['env_steps_per_s'] / real:.2f} | "
+            )
+            busy += (
+                " (measured "
+                + " / ".join(
+                    f"{np.median([b.get(f'busy_{s}', math.nan) for b in busy_measured[mode]]):.0%}"
+                    for s in ("simulate", "generate", "train")
+                )
+                + ")"
+            )
         share = " / ".join(f"{v:.0%}" for v in predicted["cpu_share"].values())
         each = f" ({', '.join(f'{x:.1f}' for x in predicted['rounds'])})" if len(rounds) > 1 else ""
-        print(f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f}{each} | {real_cell}{busy} "
-              f"| {share} | {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
-              f"{predicted['runtime_us_per_env_step']:.1f}, {predicted['events_per_s']:,.0f} |", flush=True)
+        print(
+            f"| {mode} | {predicted['envs']} | {predicted['env_steps_per_s']:.1f}{each} | {real_cell}{busy} "
+            f"| {share} | {predicted['driver_s']:.1f} ({predicted['model_s']:.1f}) | "
+            f"{predicted['runtime_us_per_env_step']:.1f}, {predicted['events_per_s']:,.0f} |",
+            flush=True,
+        )
         rows.append(row)
     return {"costs": costs.source, "rows": rows}
 

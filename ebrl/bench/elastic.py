@@ -8,6 +8,7 @@ moves on to contact-rich tasks: simulation's share of the work grows several-fol
 steps/s before and after the shift (the first iteration and the switching one left out), the ratio elastic /
 static, and every re-plan with its reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not 2 <= args.shift_after <= args.iterations - 2:  # an iteration measured on each side of the switch
         parser.error(f"--shift-after={args.shift_after}: between 2 and --iterations - 2 = {args.iterations - 2}")
     chunk, chunks = 10, 10
-    workload = Workload(preset=args.policy_preset, num_envs=args.num_envs, iterations=args.iterations,
-                        rollout_chunks=chunks, overrides=[f"policy.chunk={chunk}", *args.overrides], stragglers=1.0,
-                        straggler_slowdown=args.slowdown, straggler_after_steps=args.shift_after * chunks * chunk)
+    workload = Workload(
+        preset=args.policy_preset,
+        num_envs=args.num_envs,
+        iterations=args.iterations,
+        rollout_chunks=chunks,
+        overrides=[f"policy.chunk={chunk}", *args.overrides],
+        stragglers=1.0,
+        straggler_slowdown=args.slowdown,
+        straggler_after_steps=args.shift_after * chunks * chunk,
+    )
     elastic = ["allocator.window=2", "allocator.cooldown=1"]
     runs = {mode: [] for mode in MODES}
     for i in range(args.repeats):
@@ -74,17 +82,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "decisions": [r["decisions"] for r in runs[mode]],
         }
     m = result["modes"]
-    print(f"\nworkload: {args.num_envs} x Lift, openpi/{args.policy_preset}, scheduler=ebrl, {args.iterations} "
-          f"iterations; from iteration {args.shift_after + 1} every env switches to {args.slowdown}x the physics "
-          f"substeps; median of {args.repeats} rounds (env steps/s)")
-    print(f"| allocator | iterations {before[0]}-{before[1]} | iterations {after[0]}-{after[1]} | "
-          f"iterations 2-{args.iterations} |")
+    print(
+        f"\nworkload: {args.num_envs} x Lift, openpi/{args.policy_preset}, scheduler=ebrl, {args.iterations} "
+        f"iterations; from iteration {args.shift_after + 1} every env switches to {args.slowdown}x the physics "
+        f"substeps; median of {args.repeats} rounds (env steps/s)"
+    )
+    print(
+        f"| allocator | iterations {before[0]}-{before[1]} | iterations {after[0]}-{after[1]} | "
+        f"iterations 2-{args.iterations} |"
+    )
     print("|---|---|---|---|")
     for mode in MODES:
         print(f"| {mode} | {m[mode]['before']:.1f} | {m[mode]['after']:.1f} | {m[mode]['overall']:.1f} |")
-    print(f"| elastic / static | {m['elastic']['before'] / m['static']['before']:.2f} | "
-          f"{m['elastic']['after'] / m['static']['after']:.2f} | "
-          f"{m['elastic']['overall'] / m['static']['overall']:.2f} |")
+    print(
+        f"| elastic / static | {m['elastic']['before'] / m['static']['before']:.2f} | "
+        f"{m['elastic']['after'] / m['static']['after']:.2f} | "
+        f"{m['elastic']['overall'] / m['static']['overall']:.2f} |"
+    )
     for mode in MODES:
         for i, decisions in enumerate(m[mode]["decisions"]):
             for line in decisions:

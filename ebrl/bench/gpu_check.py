@@ -42,6 +42,7 @@ daemons it started are stopped and the processes it started killed, so the GPU i
 `--kit DIR` builds the folder a GPU machine that reaches no package registry needs and prints the command that runs
 each part there (ebrl/bench/gpu_kit.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,12 +65,27 @@ import numpy as np
 import torch
 
 N = 4096  # matmul size
-CHECKS = ("basics", "mps", "green", "memory", "nvml", "policy", "full", "capture", "checkpoint", "publish", "ranks",
-          "egl", "run")
+CHECKS = (
+    "basics",
+    "mps",
+    "green",
+    "memory",
+    "nvml",
+    "policy",
+    "full",
+    "capture",
+    "checkpoint",
+    "publish",
+    "ranks",
+    "egl",
+    "run",
+)
 # two runs of under 10 minutes each; the first holds issue 50's EGL and MPS items, the SM partitions and the full
 # policy's costs that `python -m ebrl.bench.at_scale --gpu-costs` reads
-PARTS = {1: ("basics", "egl", "mps", "memory", "green", "nvml", "full"),
-         2: ("policy", "capture", "checkpoint", "publish", "ranks", "run")}
+PARTS = {
+    1: ("basics", "egl", "mps", "memory", "green", "nvml", "full"),
+    2: ("policy", "capture", "checkpoint", "publish", "ranks", "run"),
+}
 
 
 class Skip(Exception):
@@ -126,8 +142,15 @@ def mps_client(seconds: float, go: Any, reports: Any) -> None:
         torch.cuda.synchronize()
         reports.put(("ready", os.getpid()))
         go.wait()
-        reports.put(("done", {"percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-                              "matmul_per_s": matmul_rate(ops, seconds)}))
+        reports.put(
+            (
+                "done",
+                {
+                    "percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                    "matmul_per_s": matmul_rate(ops, seconds),
+                },
+            )
+        )
     except Exception as e:
         reports.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -175,9 +198,15 @@ def check_basics(args: argparse.Namespace) -> tuple[bool, dict]:
     require_cuda()
     props = torch.cuda.get_device_properties(0)
     rate = matmul_rate(matmul_operands(), args.seconds)
-    figures = {"device": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
-               "memory_gib": round(props.total_memory / 2**30, 1), "bf16_tflops": round(tflops(rate), 1),
-               "torch": torch.__version__, "cuda": torch.version.cuda}
+    figures = {
+        "device": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "bf16_tflops": round(tflops(rate), 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     return rate > 0, figures
 
 
@@ -195,8 +224,14 @@ def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
         run_dir = Path(tmp)
 
         def pool() -> ResourcePool:
-            return ResourcePool(cores, gpus=1, sm_count=props.multi_processor_count,
-                                gpu_memory_bytes=props.total_memory, partition="mps", run_dir=run_dir)
+            return ResourcePool(
+                cores,
+                gpus=1,
+                sm_count=props.multi_processor_count,
+                gpu_memory_bytes=props.total_memory,
+                partition="mps",
+                run_dir=run_dir,
+            )
 
         daemons = MpsDaemons([0], run_dir)
         control = daemons.daemons[0].control
@@ -212,15 +247,23 @@ def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
                         procs.append(ctx.Process(target=mps_client, args=(args.seconds, go, reports), daemon=True))
                         procs[-1].start()
                 _collect(reports, len(procs), 120)
-                figures.update(mps_probe(daemons, {stage: p.pid for stage, p in zip(("small", "large"), procs)},
-                                         ctx, run_dir, procs))
+                figures.update(
+                    mps_probe(
+                        daemons, {stage: p.pid for stage, p in zip(("small", "large"), procs)}, ctx, run_dir, procs
+                    )
+                )
                 go.set()  # both loops run at once: the shares split the SMs between them
                 rates = {r["percentage"]: r["matmul_per_s"] for r in _collect(reports, 2, args.seconds + 60)}
                 for p in procs[:2]:
                     p.join(30)
                 small, large = rates["25"], rates["75"]
-                figures.update({"share25_tflops": round(tflops(small), 1), "share75_tflops": round(tflops(large), 1),
-                                "ratio": round(small / large, 3)})
+                figures.update(
+                    {
+                        "share25_tflops": round(tflops(small), 1),
+                        "share75_tflops": round(tflops(large), 1),
+                        "ratio": round(small / large, 3),
+                    }
+                )
 
                 capped = pool()
                 capped.lease("capped", cores, gpu=0, sm_share=0.5, mem_bytes=2 * 2**30)
@@ -234,8 +277,13 @@ def check_mps(args: argparse.Namespace) -> tuple[bool, dict]:
                     p.kill()
                     p.join(10)
         figures["control_pipe_gone"] = not control.exists()
-    ok = (0.15 < figures["ratio"] < 0.6 and figures["alloc_1GiB"] == "ok" and figures["alloc_4GiB"] != "ok"
-          and figures["control_pipe_gone"] and figures["probe_ok"])
+    ok = (
+        0.15 < figures["ratio"] < 0.6
+        and figures["alloc_1GiB"] == "ok"
+        and figures["alloc_4GiB"] != "ok"
+        and figures["control_pipe_gone"]
+        and figures["probe_ok"]
+    )
     return ok, figures
 
 
@@ -344,8 +392,12 @@ def check_nvml(args: argparse.Namespace) -> tuple[bool, dict]:
     with monitor:
         rate = matmul_rate(ops, min(args.seconds, 3.0))
     summary = monitor.summary()
-    figures = {"gpm_supported": monitor.gpm, "samples": len(monitor.samples), "bf16_tflops": round(tflops(rate), 1),
-               **{f"gpu{gpu}": {k: round(v, 1) for k, v in s.items()} for gpu, s in summary.items()}}
+    figures = {
+        "gpm_supported": monitor.gpm,
+        "samples": len(monitor.samples),
+        "bf16_tflops": round(tflops(rate), 1),
+        **{f"gpu{gpu}": {k: round(v, 1) for k, v in s.items()} for gpu, s in summary.items()},
+    }
     return bool(summary) and max(s["mean_util"] for s in summary.values()) > 50, figures
 
 
@@ -360,8 +412,9 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
 
     require_cuda()
     register_configs()
-    spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
-                   max_episode_steps=40)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube", max_episode_steps=40
+    )
     torch.manual_seed(0)
     cuda = torch.device("cuda")
     policy = build("openpi", "small", spec).to(cuda).eval()
@@ -376,14 +429,24 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     steps = []
     for _ in range(chunks):
         out = policy.sample(obs)
-        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                               reward=torch.rand(batch_size, device=cuda),
-                               done=torch.zeros(batch_size, dtype=torch.bool, device=cuda),
-                               mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
-                               cutoff_value=torch.zeros(batch_size, device=cuda)))
+        steps.append(
+            ChunkStep(
+                obs=obs,
+                chunk=out.chunk,
+                extras=out.extras,
+                log_prob=out.log_prob,
+                value=out.value,
+                reward=torch.rand(batch_size, device=cuda),
+                done=torch.zeros(batch_size, dtype=torch.bool, device=cuda),
+                mask=torch.ones(batch_size, policy.chunk_len, dtype=torch.bool, device=cuda),
+                cutoff_value=torch.zeros(batch_size, device=cuda),
+            )
+        )
     batch = stack_steps(steps, torch.zeros(batch_size, device=cuda))
     # (a composed config: its algo keys resolve from the small preset's recipe)
-    trainer = PPOTrainer(policy, compose("policy.preset=small", "algo.epochs=1", "algo.minibatches=2").algo, device=cuda)
+    trainer = PPOTrainer(
+        policy, compose("policy.preset=small", "algo.epochs=1", "algo.minibatches=2").algo, device=cuda
+    )
     metrics: dict[str, float] = {}
 
     def update() -> None:
@@ -394,10 +457,16 @@ def check_policy(args: argparse.Namespace) -> tuple[bool, dict]:
     # the scheduler benchmark's limit on a GPU: generation's and training's device time per env step
     seen = [{k: v.cpu().numpy() for k, v in obs.items() if k not in ("tokens", "token_mask")}] * chunks
     limit_costs = stage_costs(policy, trainer, seen, cuda)
-    figures = {"parameters_m": round(policy.num_parameters() / 1e6, 2), "batch": batch_size, "chunk": policy.chunk_len,
-               "sample_ms": round(sample_ms, 2), "ppo_update_ms": round(update_ms, 2),
-               "rows_per_update": batch_size * chunks, "policy_loss": round(metrics["losses/policy"], 4),
-               **{f"limit_{stage}_us_per_env_step": round(1e6 * c, 3) for stage, c in limit_costs.items()}}
+    figures = {
+        "parameters_m": round(policy.num_parameters() / 1e6, 2),
+        "batch": batch_size,
+        "chunk": policy.chunk_len,
+        "sample_ms": round(sample_ms, 2),
+        "ppo_update_ms": round(update_ms, 2),
+        "rows_per_update": batch_size * chunks,
+        "policy_loss": round(metrics["losses/policy"], 4),
+        **{f"limit_{stage}_us_per_env_step": round(1e6 * c, 3) for stage, c in limit_costs.items()},
+    }
     return all(math.isfinite(v) for v in [*metrics.values(), *limit_costs.values()]), figures
 
 
@@ -405,18 +474,30 @@ def full_obs(policy: Any, batch: int) -> dict[str, torch.Tensor]:
     """`batch` random observations of LIBERO's shapes (ebrl.bench.memory.env_spec) on the GPU, for a full policy."""
     spec, cuda = policy.env_spec, torch.device("cuda")
     tokens, mask = policy.tokenize([spec.instruction] * batch)
-    out = {"state": torch.randn(batch, spec.obs["state"].shape[0], device=cuda),
-           "tokens": torch.from_numpy(tokens).to(cuda), "token_mask": torch.from_numpy(mask).to(cuda)}
-    out.update({k: torch.randint(0, 256, (batch, *spec.obs[k].shape), dtype=torch.uint8, device=cuda)
-                for k in spec.obs if k.startswith("image/")})
+    out = {
+        "state": torch.randn(batch, spec.obs["state"].shape[0], device=cuda),
+        "tokens": torch.from_numpy(tokens).to(cuda),
+        "token_mask": torch.from_numpy(mask).to(cuda),
+    }
+    out.update(
+        {
+            k: torch.randint(0, 256, (batch, *spec.obs[k].shape), dtype=torch.uint8, device=cuda)
+            for k in spec.obs
+            if k.startswith("image/")
+        }
+    )
     return out
 
 
 def full_costs(gpu: str, sample_ms: dict[int, float], update_s: float, rows: int) -> dict[str, Any]:
     """What `python -m ebrl.bench.at_scale --gpu-costs` reads (its `read_gpu_costs`) from the full check's figures:
     policy.sample's seconds per batch size and one epoch's update seconds per row."""
-    return {"gpu": gpu, "policy": "openpi full, 2 cameras at 224 px",
-            "sample_s": {str(b): ms / 1e3 for b, ms in sample_ms.items()}, "train_s_per_row_epoch": update_s / rows}
+    return {
+        "gpu": gpu,
+        "policy": "openpi full, 2 cameras at 224 px",
+        "sample_s": {str(b): ms / 1e3 for b, ms in sample_ms.items()},
+        "train_s_per_row_epoch": update_s / rows,
+    }
 
 
 def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
@@ -439,8 +520,10 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     policy = build_policy(cfg, spec, cuda, train=True, weights="given")
     fill(policy)
     torch.cuda.synchronize()
-    figures: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2),
-                               "parameters_b": round(policy.num_parameters() / 1e9, 3)}
+    figures: dict[str, Any] = {
+        "build_s": round(time.perf_counter() - t0, 2),
+        "parameters_b": round(policy.num_parameters() / 1e9, 3),
+    }
 
     for batch in (1, 8, 32):
         obs = full_obs(policy, batch)
@@ -454,12 +537,18 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     rows, micro = 8, 4
     obs = full_obs(policy, rows)
     out = policy.sample(obs)
-    batch = RolloutBatch(obs={k: v[None] for k, v in obs.items()}, chunk=out.chunk[None],
-                         extras={k: v[None] for k, v in out.extras.items()}, log_prob=out.log_prob[None],
-                         value=out.value[None], reward=torch.randn(1, rows, device=cuda),
-                         done=torch.zeros(1, rows, dtype=torch.bool, device=cuda),
-                         mask=torch.ones(1, rows, policy.chunk_len, dtype=torch.bool, device=cuda),
-                         last_value=torch.zeros(rows, device=cuda), cutoff_value=torch.zeros(1, rows, device=cuda))
+    batch = RolloutBatch(
+        obs={k: v[None] for k, v in obs.items()},
+        chunk=out.chunk[None],
+        extras={k: v[None] for k, v in out.extras.items()},
+        log_prob=out.log_prob[None],
+        value=out.value[None],
+        reward=torch.randn(1, rows, device=cuda),
+        done=torch.zeros(1, rows, dtype=torch.bool, device=cuda),
+        mask=torch.ones(1, rows, policy.chunk_len, dtype=torch.bool, device=cuda),
+        last_value=torch.zeros(rows, device=cuda),
+        cutoff_value=torch.zeros(1, rows, device=cuda),
+    )
     algo = compose("algo.epochs=1", "algo.minibatches=1", f"algo.micro_batch={micro}").algo
     trainer = PPOTrainer(policy, algo, device=cuda)
     trainer.update(batch)  # (the first step allocates Adam's moments)
@@ -470,16 +559,24 @@ def check_full(args: argparse.Namespace) -> tuple[bool, dict]:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     predicted = MemoryModel.of(cfg, spec).trainer(micro, rows)
-    figures.update({"update_s": round(time.perf_counter() - t0, 2), "rows": rows, "micro_batch": micro,
-                    "peak_allocated_gib": round(peak / 2**30, 2), "predicted_gib": round(predicted.total / 2**30, 2),
-                    "error": round((predicted.total - peak) / peak, 3),
-                    "predicted": {k: round(v / 2**30, 2) for k, v in predicted.parts.items()},
-                    "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-                    "nonfinite_steps": metrics["train/nonfinite_steps"]})
+    figures.update(
+        {
+            "update_s": round(time.perf_counter() - t0, 2),
+            "rows": rows,
+            "micro_batch": micro,
+            "peak_allocated_gib": round(peak / 2**30, 2),
+            "predicted_gib": round(predicted.total / 2**30, 2),
+            "error": round((predicted.total - peak) / peak, 3),
+            "predicted": {k: round(v / 2**30, 2) for k, v in predicted.parts.items()},
+            "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            "nonfinite_steps": metrics["train/nonfinite_steps"],
+        }
+    )
     figures["cuda_context_mib"] = context_mib
     # the costs the at-scale benchmark takes in place of its roofline, with the roofline's figures beside them
-    figures["costs"] = full_costs(torch.cuda.get_device_name(), {b: figures[f"sample_ms_b{b}"] for b in (1, 8, 32)},
-                                  figures["update_s"], rows)
+    figures["costs"] = full_costs(
+        torch.cuda.get_device_name(), {b: figures[f"sample_ms_b{b}"] for b in (1, 8, 32)}, figures["update_s"], rows
+    )
     figures["modelled_sample_ms"] = modelled_sample_ms(cfg, spec)
     return abs(figures["error"]) < 0.15, figures
 
@@ -508,15 +605,22 @@ def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
     t0 = time.perf_counter()
     policy = build_policy(policy_config("openpi", "all"), spec, cuda, weights="given")
     fill(policy)
-    figures.update({"build_s": round(time.perf_counter() - t0, 1), "dtype": str(policy.compute_dtype),
-                    "chain": f"{policy.logprob} {policy.chain_logprob}, {policy.denoise_steps} steps"})
+    figures.update(
+        {
+            "build_s": round(time.perf_counter() - t0, 1),
+            "dtype": str(policy.compute_dtype),
+            "chain": f"{policy.logprob} {policy.chain_logprob}, {policy.denoise_steps} steps",
+        }
+    )
 
     rows = compare_capture(policy, settings, args.capture_batches, args.capture_rounds, lambda b: full_obs(policy, b))
     for batch, row in rows.items():
-        figures[f"b{batch}"] = {**{f"{s}_first_s": round(row["first_s"][s], 2) for s in settings},
-                                **{f"{s}_ms": round(row["ms"][s], 2) for s in settings},
-                                **{f"{s}_speedup": round(row["ms"]["off"] / row["ms"][s], 2) for s in settings[1:]},
-                                "differences": row["differences"]}
+        figures[f"b{batch}"] = {
+            **{f"{s}_first_s": round(row["first_s"][s], 2) for s in settings},
+            **{f"{s}_ms": round(row["ms"][s], 2) for s in settings},
+            **{f"{s}_speedup": round(row["ms"]["off"] / row["ms"][s], 2) for s in settings[1:]},
+            "differences": row["differences"],
+        }
     # new weights copied into the tensors the graphs read, as the weight channel's pull copies them
     obs = full_obs(policy, args.capture_batches[-1])
     before = sampled(policy, "off", obs, 7)[0].chunk
@@ -524,11 +628,13 @@ def check_capture(args: argparse.Namespace) -> tuple[bool, dict]:
     fill(policy)
     figures["after_new_weights"] = capture_differences(policy, settings, obs, 7)
     figures["new_weights_moved_actions"] = not torch.allclose(sampled(policy, "off", obs, 7)[0].chunk, before)
-    checked = [*(d for row in rows.values() for d in row["differences"].values()),
-               *figures["after_new_weights"].values()]
+    checked = [
+        *(d for row in rows.values() for d in row["differences"].values()),
+        *figures["after_new_weights"].values(),
+    ]
     ok = figures["new_weights_moved_actions"] and all(
-        d["finite"] and d["action"] <= args.capture_atol and d["log_prob"] <= args.capture_atol * 100
-        for d in checked)
+        d["finite"] and d["action"] <= args.capture_atol and d["log_prob"] <= args.capture_atol * 100 for d in checked
+    )
     return ok, figures
 
 
@@ -553,9 +659,13 @@ def check_checkpoint(args: argparse.Namespace) -> tuple[bool, dict]:
     # LIBERO is not installed here: random values in the shapes LiberoEnv gives for libero_spatial task 0 (its state
     # is openpi's 8 proprio dims and the objects'; policy.state_dims takes the 8)
     rng = np.random.default_rng(0)
-    obs = {"state": rng.standard_normal(78).astype(np.float32),
-           **{f"image/{c}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
-              for c in ("agentview", "robot0_eye_in_hand")}}
+    obs = {
+        "state": rng.standard_normal(78).astype(np.float32),
+        **{
+            f"image/{c}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+            for c in ("agentview", "robot0_eye_in_hand")
+        },
+    }
     instruction = "pick up the black bowl between the plate and the ramekin and place it on the plate"
     with tempfile.TemporaryDirectory(prefix="ebrl-checkpoint-") as tmp:
         figures = load_and_act(Path(tmp), obs, instruction, torch.device("cuda"))
@@ -595,8 +705,9 @@ def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
         del first
         reader = torch.nn.Module()
         for i in range(16):
-            reader.register_parameter(f"w{i}", torch.nn.Parameter(torch.empty(numel // 16, dtype=torch.bfloat16,
-                                                                              device="cuda")))
+            reader.register_parameter(
+                f"w{i}", torch.nn.Parameter(torch.empty(numel // 16, dtype=torch.bfloat16, device="cuda"))
+            )
         reports = ctx.Queue()
         writer = ctx.Process(target=publish_writer, args=(channel, numel, 3, reports), daemon=True)
         writer.start()
@@ -615,8 +726,9 @@ def check_publish(args: argparse.Namespace) -> tuple[bool, dict]:
         del reader, channel
         torch.cuda.empty_cache()
     ipc, shm = figures["cuda_ipc"], figures["shared_memory"]
-    figures["ipc_over_shm"] = round((min(ipc["publish_s"]) + min(ipc["pull_s"]))
-                                    / (min(shm["publish_s"]) + min(shm["pull_s"])), 3)
+    figures["ipc_over_shm"] = round(
+        (min(ipc["publish_s"]) + min(ipc["pull_s"])) / (min(shm["publish_s"]) + min(shm["pull_s"])), 3
+    )
     return figures["ipc_over_shm"] < 1.0, figures
 
 
@@ -626,13 +738,30 @@ def check_ranks(args: argparse.Namespace) -> tuple[bool, dict]:
     require_cuda()
     if torch.cuda.device_count() < 2:
         raise Skip(f"{torch.cuda.device_count()} GPU: placing two ranks needs two")
-    code = ("import os, torch; from ebrl.node import Ranks; from ebrl.runtime.distributed import pin_gpu; "
-            "r = Ranks.from_env(); pin_gpu(r); "
-            "torch.cuda.init(); import pynvml; pynvml.nvmlInit(); "
-            "print('RANK', r.rank, os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.get_device_properties(0).uuid)")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--no-python", sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import os, torch; from ebrl.node import Ranks; from ebrl.runtime.distributed import pin_gpu; "
+        "r = Ranks.from_env(); pin_gpu(r); "
+        "torch.cuda.init(); import pynvml; pynvml.nvmlInit(); "
+        "print('RANK', r.rank, os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.get_device_properties(0).uuid)"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     lines = sorted(line.split(maxsplit=3)[1:] for line in done.stdout.splitlines() if line.startswith("RANK"))
     figures = {"ranks": lines, "exit": done.returncode}
     return done.returncode == 0 and len(lines) == 2 and lines[0][2] != lines[1][2], figures
@@ -673,15 +802,23 @@ def check_egl(args: argparse.Namespace) -> tuple[bool, dict]:
         raise Skip("libEGL lists no device: unpack the kit's EGL loader packages (see --kit)")
     nvidia = device_of_gpu(0, devices, None)
     env = simulator_gpu_environment(1)
-    figures: dict[str, Any] = {"devices": listing, "gpu0_egl_device": None if nvidia is None else nvidia.index,
-                               "simulator_env": env}
+    figures: dict[str, Any] = {
+        "devices": listing,
+        "gpu0_egl_device": None if nvidia is None else nvidia.index,
+        "simulator_env": env,
+    }
     chosen = nvidia is not None and env.get("MUJOCO_EGL_DEVICE_ID") == str(nvidia.index)
     if importlib.util.find_spec("mujoco") is None:
         figures["render"] = "skipped: mujoco is not installed"
         return chosen, figures
     nvml, why = open_nvml()
-    proc = subprocess.Popen([sys.executable, "-c", RENDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RENDER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
     used: dict[int, int] = {}
     try:
         ready = proc.stdout.readline().strip()
@@ -721,9 +858,19 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
     repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="ebrl-run-") as tmp:
         run_dir = Path(tmp) / "run"
-        command = [sys.executable, str(repo / "run.py"), "hw=h200x1", "scheduler=ebrl", "policy.preset=small",
-                   "env.num_envs=8", f"iterations={args.run_iterations}", "logger=none", "progress=false",
-                   "checkpoint_every=1000", f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            str(repo / "run.py"),
+            "hw=h200x1",
+            "scheduler=ebrl",
+            "policy.preset=small",
+            "env.num_envs=8",
+            f"iterations={args.run_iterations}",
+            "logger=none",
+            "progress=false",
+            "checkpoint_every=1000",
+            f"hydra.run.dir={run_dir}",
+        ]
         t0 = time.perf_counter()
         proc = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         daemon = MpsDaemon(0, run_dir, pid=proc.pid)  # where the run's daemon has its pipes (resources.mps_dirs)
@@ -738,7 +885,9 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines() if proc.returncode == 0 else []
         metrics = [json.loads(line) for line in lines]
         figures: dict[str, Any] = {
-            "exit": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "iterations": len(metrics),
+            "exit": proc.returncode,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "iterations": len(metrics),
             "plan": next((line for line in out.splitlines() if "allocator: plan" in line), ""),
             "generation_respawned": "generation restarts with SM share" in out,
             "trainer_respawned": "the trainer restarts with SM share" in out,
@@ -746,12 +895,22 @@ def check_run(args: argparse.Namespace) -> tuple[bool, dict]:
         }
         if metrics:
             last = metrics[-1]
-            figures.update({k: round(float(last[k]), 2) for k in ("perf/env_steps_per_s", "sched/weights_version",
-                                                                  "alloc/generate", "alloc/train") if k in last})
+            figures.update(
+                {
+                    k: round(float(last[k]), 2)
+                    for k in ("perf/env_steps_per_s", "sched/weights_version", "alloc/generate", "alloc/train")
+                    if k in last
+                }
+            )
         if proc.returncode:
             figures["tail"] = out.strip().splitlines()[-3:]
-    ok = (proc.returncode == 0 and len(metrics) == args.run_iterations and figures["generation_respawned"]
-          and figures["trainer_respawned"] and not figures["mps_pipes_left"])
+    ok = (
+        proc.returncode == 0
+        and len(metrics) == args.run_iterations
+        and figures["generation_respawned"]
+        and figures["trainer_respawned"]
+        and not figures["mps_pipes_left"]
+    )
     return ok, figures
 
 
@@ -785,10 +944,19 @@ def end_children() -> None:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[bool, dict]]] = {
-    "basics": check_basics, "mps": check_mps, "green": check_green, "memory": check_memory, "nvml": check_nvml,
-    "policy": check_policy, "full": check_full, "capture": check_capture, "checkpoint": check_checkpoint,
+    "basics": check_basics,
+    "mps": check_mps,
+    "green": check_green,
+    "memory": check_memory,
+    "nvml": check_nvml,
+    "policy": check_policy,
+    "full": check_full,
+    "capture": check_capture,
+    "checkpoint": check_checkpoint,
     "publish": check_publish,
-    "ranks": check_ranks, "egl": check_egl, "run": check_run,
+    "ranks": check_ranks,
+    "egl": check_egl,
+    "run": check_run,
 }
 
 
@@ -821,22 +989,44 @@ def write_results(results: dict[str, Any], out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go as JSON")
-    parser.add_argument("--timeout", type=int, default=540,
-                        help="seconds for the checks (a part's run: the 10 minutes of a call, less the kit's install)")
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=540,
+        help="seconds for the checks (a part's run: the 10 minutes of a call, less the kit's install)",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each matmul loop")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only (default: every one)")
-    which.add_argument("--part", type=int, choices=sorted(PARTS), help="run one part's checks: " + "; ".join(
-        f"{n}: {' '.join(names)}" for n, names in PARTS.items()))
-    parser.add_argument("--kit", type=Path, help="build the folder a GPU machine that reaches no package registry "
-                        "needs (wheels, EGL loaders), print the command that runs each part there, and exit")
-    parser.add_argument("--capture-batches", nargs="+", type=int, default=[1, 16, 32],
-                        help="generation batches of the capture check")
-    parser.add_argument("--capture-settings", nargs="+", choices=("graph", "compile"), default=["graph"],
-                        help="policy.capture settings the capture check sets beside off")
+    which.add_argument(
+        "--part",
+        type=int,
+        choices=sorted(PARTS),
+        help="run one part's checks: " + "; ".join(f"{n}: {' '.join(names)}" for n, names in PARTS.items()),
+    )
+    parser.add_argument(
+        "--kit",
+        type=Path,
+        help="build the folder a GPU machine that reaches no package registry "
+        "needs (wheels, EGL loaders), print the command that runs each part there, and exit",
+    )
+    parser.add_argument(
+        "--capture-batches", nargs="+", type=int, default=[1, 16, 32], help="generation batches of the capture check"
+    )
+    parser.add_argument(
+        "--capture-settings",
+        nargs="+",
+        choices=("graph", "compile"),
+        default=["graph"],
+        help="policy.capture settings the capture check sets beside off",
+    )
     parser.add_argument("--capture-rounds", type=int, default=5, help="alternated rounds per batch (medians)")
-    parser.add_argument("--capture-atol", type=float, default=2e-2,
-                        help="the largest action difference from off allowed (log-probs: 100 times it)")
+    parser.add_argument(
+        "--capture-atol",
+        type=float,
+        default=2e-2,
+        help="the largest action difference from off allowed (log-probs: 100 times it)",
+    )
     parser.add_argument("--run-iterations", type=int, default=4, help="iterations of the end-to-end run")
     parser.add_argument("--run-timeout", type=int, default=200, help="seconds the end-to-end run may take")
     args = parser.parse_args()
@@ -870,11 +1060,14 @@ def main() -> int:
             write_results(results, args.out)
     except Deadline as e:
         end_children()
-        print(f"FAIL  {name:10} {e} during it; the processes it started are ended; figures so far in {args.out}",
-              flush=True)
+        print(
+            f"FAIL  {name:10} {e} during it; the processes it started are ended; figures so far in {args.out}",
+            flush=True,
+        )
         results[name] = {"status": "FAIL", "error": f"{e} during it"}
-        results.update({rest: {"status": "SKIP", "reason": f"not reached: {e}"}
-                        for rest in names[names.index(name) + 1:]})
+        results.update(
+            {rest: {"status": "SKIP", "reason": f"not reached: {e}"} for rest in names[names.index(name) + 1 :]}
+        )
         write_results(results, args.out)
         return 1
     finally:

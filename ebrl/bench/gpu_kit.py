@@ -9,6 +9,7 @@ what the checks import beyond that (`CARRIED`) and the Debian packages of the EG
 fetched through this machine's own pip and apt sources. robosuite is too large to carry: the run check skips, saying
 so, and the egl check renders through MuJoCo itself. `device_command` is the one line that runs a part there.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,12 +26,22 @@ REPO = Path(__file__).resolve().parents[2]
 CARRY_LIMIT = 64 * 2**20  # bytes of working tree and carried folders one call takes
 # what the checks import that the machine's image lacks, at the versions requirements.txt pins (one version of each:
 # two stop the install); hydra-core's and omegaconf's antlr4 4.9 comes only as source, built into a wheel here
-CARRIED = {"hydra-core": "1.3.8", "omegaconf": "2.3.1", "antlr4-python3-runtime": "4.9.3", "mujoco": "3.9.0",
-           "pyopengl": "3.1.10"}  # (PyOpenGL: MuJoCo's EGL context; its glfw is for windows, which no check opens)
+CARRIED = {
+    "hydra-core": "1.3.8",
+    "omegaconf": "2.3.1",
+    "antlr4-python3-runtime": "4.9.3",
+    "mujoco": "3.9.0",
+    "pyopengl": "3.1.10",
+}  # (PyOpenGL: MuJoCo's EGL context; its glfw is for windows, which no check opens)
 SOURCE_ONLY = {"antlr4-python3-runtime"}
 PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 LOADERS = ("libvulkan1", "libegl1", "libglvnd0", "libopengl0", "libgl1", "libglx0", "libgles2")
 # the driver's EGL vendor file on such a machine, named to glvnd where its own folders hold none
 NVIDIA_EGL_VENDOR = "/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json"
@@ -62,11 +73,31 @@ def download_wheels(folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     binary = [f"{name}=={version}" for name, version in CARRIED.items() if name not in SOURCE_ONLY]
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-         PYTHON, "--implementation", "cp", *platforms, "-d", str(folder), *binary], "pip download")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON,
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(folder),
+            *binary,
+        ],
+        "pip download",
+    )
     for name in sorted(SOURCE_ONLY):  # (pure Python: the wheel built here installs on any 3.x)
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), f"{name}=={CARRIED[name]}"],
-            f"pip wheel {name}")
+        run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), f"{name}=={CARRIED[name]}"],
+            f"pip wheel {name}",
+        )
     wanted = {(normal(name), version) for name, version in CARRIED.items()}
     wheels = []
     for path in sorted(folder.glob("*.whl")):
@@ -76,8 +107,9 @@ def download_wheels(folder: Path) -> list[Path]:
             path.unlink()
     if len(wheels) != len(CARRIED):
         found = {wheel_key(p.name)[0] for p in wheels}
-        raise KitError(f"no wheel of {', '.join(n for n in CARRIED if normal(n) not in found)} in {folder} after "
-                       "the download")
+        raise KitError(
+            f"no wheel of {', '.join(n for n in CARRIED if normal(n) not in found)} in {folder} after the download"
+        )
     return wheels
 
 
@@ -89,18 +121,26 @@ def download_loaders(folder: Path) -> list[Path]:
     if all(name in have for name in LOADERS):
         return [have[name] for name in LOADERS]
     if shutil.which("apt-get") is None:
-        raise KitError("the EGL loaders are Debian packages and this machine has no apt-get: build the kit on a "
-                       "Debian or Ubuntu machine")
-    entries = [replace(s, types=["deb"]).deb822() for s in read_apt_sources() if "deb" in s.types
-               and "main" in s.components]
+        raise KitError(
+            "the EGL loaders are Debian packages and this machine has no apt-get: build the kit on a "
+            "Debian or Ubuntu machine"
+        )
+    entries = [
+        replace(s, types=["deb"]).deb822() for s in read_apt_sources() if "deb" in s.types and "main" in s.components
+    ]
     if not entries:
         raise KitError("no apt source of this machine serves main: the EGL loaders cannot be downloaded")
     state = Path(tempfile.gettempdir()) / "ebrl-kit-apt"  # (kept: a second build updates its lists quickly)
     for sub in ("lists/partial", "cache/archives/partial", "sources.list.d"):
         (state / sub).mkdir(parents=True, exist_ok=True)
     (state / "sources.list.d" / "kit.sources").write_text("\n".join(entries))
-    options = [*APT_AMD64, f"-oDir::State::Lists={state / 'lists'}", f"-oDir::Cache={state / 'cache'}",
-               "-oDir::Etc::SourceList=/dev/null", f"-oDir::Etc::SourceParts={state / 'sources.list.d'}"]
+    options = [
+        *APT_AMD64,
+        f"-oDir::State::Lists={state / 'lists'}",
+        f"-oDir::Cache={state / 'cache'}",
+        "-oDir::Etc::SourceList=/dev/null",
+        f"-oDir::Etc::SourceParts={state / 'sources.list.d'}",
+    ]
     run(["apt-get", "-qq", *options, "update"], "apt-get update (amd64 lists of this machine's sources)")
     for path in folder.glob("*.deb"):
         path.unlink()
@@ -114,8 +154,12 @@ def download_loaders(folder: Path) -> list[Path]:
 def tree_bytes(repo: Path, kit: Path) -> int:
     """Bytes of the working tree a call sends (tracked files and untracked ones git does not ignore), the kit
     apart."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                            capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+    )
     if listed.returncode != 0:
         raise KitError(f"{repo} is not a git checkout ({listed.stderr.strip()}): the kit goes in the repository")
     total = 0
@@ -136,16 +180,20 @@ def device_command(kit: str, part: int) -> str:
     part of the check, its figures and log under $OUT."""
     site = "${TMPDIR:-/tmp}/ebrl-site"
     out = f"$OUT/gpu_check_part{part}"
-    return (f"for f in {kit}/deb/*.deb; do dpkg -x $f /; done; ldconfig; "
-            f"ls /usr/share/glvnd/egl_vendor.d/*.json >/dev/null 2>&1 || [ ! -e {NVIDIA_EGL_VENDOR} ] || "
-            f"export __EGL_VENDOR_LIBRARY_FILENAMES={NVIDIA_EGL_VENDOR}; " + check_command(kit, part, site, out))
+    return (
+        f"for f in {kit}/deb/*.deb; do dpkg -x $f /; done; ldconfig; "
+        f"ls /usr/share/glvnd/egl_vendor.d/*.json >/dev/null 2>&1 || [ ! -e {NVIDIA_EGL_VENDOR} ] || "
+        f"export __EGL_VENDOR_LIBRARY_FILENAMES={NVIDIA_EGL_VENDOR}; " + check_command(kit, part, site, out)
+    )
 
 
 def check_command(kit: str, part: int, site: str, out: str) -> str:
     """The Python half of `device_command` (what a test runs on this machine, which must not unpack into /)."""
-    return (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {site} "
-            f"{kit}/whl/*.whl && export PYTHONPATH={site} || exit; set -o pipefail; "
-            f"PYTHONUNBUFFERED=1 python3 -m ebrl.bench.gpu_check --part {part} --out {out}.json 2>&1 | tee {out}.log")
+    return (
+        f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {site} "
+        f"{kit}/whl/*.whl && export PYTHONPATH={site} || exit; set -o pipefail; "
+        f"PYTHONUNBUFFERED=1 python3 -m ebrl.bench.gpu_check --part {part} --out {out}.json 2>&1 | tee {out}.log"
+    )
 
 
 def build_and_print(kit: Path, parts: dict[int, tuple[str, ...]], repo: Path = REPO) -> int:
@@ -153,8 +201,10 @@ def build_and_print(kit: Path, parts: dict[int, tuple[str, ...]], repo: Path = R
     command of each of gpu_check's `parts` (part -> its checks). 0, or 1 with one line."""
     kit = kit.resolve()
     if repo.resolve() not in kit.parents:
-        print(f"error: --kit {kit} is outside the repository {repo}: a call carries folders of the repository only",
-              file=sys.stderr)
+        print(
+            f"error: --kit {kit} is outside the repository {repo}: a call carries folders of the repository only",
+            file=sys.stderr,
+        )
         return 1
     relative = kit.relative_to(repo.resolve()).as_posix()
     try:
@@ -164,22 +214,29 @@ def build_and_print(kit: Path, parts: dict[int, tuple[str, ...]], repo: Path = R
     except InstallError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    say(f"{relative}: {size / 2**20:.1f} MiB ({len(wheels)} wheels, {len(debs)} loader packages); with the working "
+    say(
+        f"{relative}: {size / 2**20:.1f} MiB ({len(wheels)} wheels, {len(debs)} loader packages); with the working "
         f"tree's {tree / 2**20:.1f} MiB, {(size + tree) / 2**20:.1f} MiB of the {CARRY_LIMIT // 2**20} MiB a call "
-        "carries")
+        "carries"
+    )
     if size + tree > CARRY_LIMIT:
-        print(f"error: the kit and the working tree come to {(size + tree) / 2**20:.1f} MiB, over the "
-              f"{CARRY_LIMIT // 2**20} MiB a call carries: drop a wheel from CARRIED (ebrl/bench/gpu_kit.py)",
-              file=sys.stderr)
+        print(
+            f"error: the kit and the working tree come to {(size + tree) / 2**20:.1f} MiB, over the "
+            f"{CARRY_LIMIT // 2**20} MiB a call carries: drop a wheel from CARRIED (ebrl/bench/gpu_kit.py)",
+            file=sys.stderr,
+        )
         return 1
     ignored = subprocess.run(["git", "check-ignore", "-q", relative], cwd=repo).returncode == 0
     if not ignored:
-        exclude = subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=repo, capture_output=True,
-                                 text=True).stdout.strip()
+        exclude = subprocess.run(
+            ["git", "rev-parse", "--git-path", "info/exclude"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
         say(f"{relative} is not ignored by git; ignore it (never commit the wheels): echo /{relative}/ >> {exclude}")
     for part, names in parts.items():
         say(f"part {part} ({' '.join(names)}): carry [{relative}], timeout_s 600, command:")
         print(device_command(relative, part), flush=True)
-    say("then, here, with the hw of the GPU it ran on: python -m ebrl.bench.at_scale policy=openpi policy.preset=full "
-        "env=libero hw=h200x1 --sim-step-ms 40 60 --gpu-costs gpu_check_part1.json")
+    say(
+        "then, here, with the hw of the GPU it ran on: python -m ebrl.bench.at_scale policy=openpi policy.preset=full "
+        "env=libero hw=h200x1 --sim-step-ms 40 60 --gpu-costs gpu_check_part1.json"
+    )
     return 0

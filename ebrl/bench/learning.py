@@ -20,6 +20,7 @@ episodes). Then per algorithm and mode the means over seeds, and ebrl's time to 
 `learning.png` (in `--out`) draws success against env steps and against wall-clock, the mean over seeds per
 algorithm and mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,16 @@ def make_start(demos: int, sft_iterations: int, folder: Path, overrides: Sequenc
         env = [o for o in overrides if o.split("=")[0] == "env" or o.startswith("env.")]
         cfg = compose("record", overrides=[*env, f"episodes={demos}", f"out={folder / 'demos'}", "progress=false"])
     record(cfg)
-    sft = compose_overrides(["algo=sft", f"demos.path={folder / 'demos'}", f"iterations={sft_iterations}",
-                             "progress=false", "logger=none", *overrides])
+    sft = compose_overrides(
+        [
+            "algo=sft",
+            f"demos.path={folder / 'demos'}",
+            f"iterations={sft_iterations}",
+            "progress=false",
+            "logger=none",
+            *overrides,
+        ]
+    )
     SupervisedRun.from_config(sft, run_dir=folder / "sft").train()
     return folder / "sft"
 
@@ -102,23 +111,50 @@ def evaluate(checkpoint: Path, episodes: int, overrides: Sequence[str]) -> dict[
     """mode=eval of `checkpoint`: its success with the Wilson interval, deterministic sampling."""
     from ebrl.runs.evaluation import Evaluation
 
-    cfg = compose_overrides(["mode=eval", f"checkpoint={checkpoint}", f"eval.episodes={episodes}", "eval.videos=0",
-                             "progress=false", "logger=none", *overrides])
+    cfg = compose_overrides(
+        [
+            "mode=eval",
+            f"checkpoint={checkpoint}",
+            f"eval.episodes={episodes}",
+            "eval.videos=0",
+            "progress=false",
+            "logger=none",
+            *overrides,
+        ]
+    )
     with tempfile.TemporaryDirectory(prefix="ebrl-eval-") as tmp:
         s = Evaluation.from_config(cfg, run_dir=Path(tmp)).run()
     return {"rate": s.success_rate, "low": s.success_ci95[0], "high": s.success_ci95[1], "episodes": s.episodes}
 
 
-def run_config(algo: str, mode: str, seed: int, start: Path, iterations: int, overrides: Sequence[str],
-               stragglers: tuple[float, int] = (0.0, 1)) -> Any:
+def run_config(
+    algo: str,
+    mode: str,
+    seed: int,
+    start: Path,
+    iterations: int,
+    overrides: Sequence[str],
+    stragglers: tuple[float, int] = (0.0, 1),
+) -> Any:
     """One RL run's config; `stragglers` (fraction of the envs, slowdown): that many envs, whole GRPO groups, take
     that many times the physics substeps per action (ebrl.bench.stragglers), so their episodes last longer."""
     from ebrl.bench.stragglers import with_stragglers
     from ebrl.checks import complete_benchmark_tasks
     from ebrl.shape import group_size
 
-    cfg = compose_overrides([f"algo={algo}", f"init={start}", f"seed={seed}", f"iterations={iterations}",
-                             "progress=false", "logger=none", f"checkpoint_every={iterations}", *overrides], mode)
+    cfg = compose_overrides(
+        [
+            f"algo={algo}",
+            f"init={start}",
+            f"seed={seed}",
+            f"iterations={iterations}",
+            "progress=false",
+            "logger=none",
+            f"checkpoint_every={iterations}",
+            *overrides,
+        ],
+        mode,
+    )
     fraction, slowdown = stragglers
     if not fraction:
         return cfg
@@ -126,8 +162,16 @@ def run_config(algo: str, mode: str, seed: int, start: Path, iterations: int, ov
     return with_stragglers(cfg, round(fraction * cfg.env.num_envs / group_size(cfg)), None, slowdown)
 
 
-def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_episodes: int,
-            overrides: Sequence[str], stragglers: tuple[float, int] = (0.0, 1)) -> Run:
+def run_one(
+    algo: str,
+    mode: str,
+    seed: int,
+    start: Path,
+    iterations: int,
+    eval_episodes: int,
+    overrides: Sequence[str],
+    stragglers: tuple[float, int] = (0.0, 1),
+) -> Run:
     from ebrl.runs.experiment import Experiment
 
     cfg = run_config(algo, mode, seed, start, iterations, overrides, stragglers)
@@ -140,14 +184,21 @@ def run_one(algo: str, mode: str, seed: int, start: Path, iterations: int, eval_
         values = [r[key] for r in rows if key in r and not r.get("train/critic_only")]
         return float(np.mean(values)) if values else math.nan
 
-    return Run(algo, mode, seed, env_steps=[float(r["env_steps"]) for r in rows],
-               seconds=list(np.cumsum([r["time/iteration_s"] for r in rows])),
-               successes=[round(r.get("env/successes", 0)) for r in rows],
-               episodes=[round(r.get("env/episodes", 0)) for r in rows],
-               approx_kl=mean("train/approx_kl"), clipfrac=mean("train/clipfrac"),
-               explained_variance=mean("train/explained_variance"),
-               env_steps_per_s=summary.rollout_steps_per_s, eval_after=after,
-               dropped_chunks=float(np.mean([r.get("sched/dropped_chunks", 0.0) for r in rows])))
+    return Run(
+        algo,
+        mode,
+        seed,
+        env_steps=[float(r["env_steps"]) for r in rows],
+        seconds=list(np.cumsum([r["time/iteration_s"] for r in rows])),
+        successes=[round(r.get("env/successes", 0)) for r in rows],
+        episodes=[round(r.get("env/episodes", 0)) for r in rows],
+        approx_kl=mean("train/approx_kl"),
+        clipfrac=mean("train/clipfrac"),
+        explained_variance=mean("train/explained_variance"),
+        env_steps_per_s=summary.rollout_steps_per_s,
+        eval_after=after,
+        dropped_chunks=float(np.mean([r.get("sched/dropped_chunks", 0.0) for r in rows])),
+    )
 
 
 def pct(rate: float, low: float = math.nan, high: float = math.nan) -> str:
@@ -168,10 +219,22 @@ def plot(runs: list[Run], path: Path, target: float) -> Path | None:
         y = np.nanmean([r.moving()[span] for r in mine], axis=0)
         by_steps[f"{algo} {mode}"] = (np.mean([r.env_steps[span] for r in mine], axis=0), y)
         by_time[f"{algo} {mode}"] = (np.mean([r.seconds[span] for r in mine], axis=0), y)
-    first = plot_lines(path.with_name(path.stem + "_steps.png"), by_steps, "env steps", "success (rollouts)",
-                       f"success over {WINDOW} iterations, mean over seeds (target {target:.0%})", ylim=(0, 1))
-    plot_lines(path.with_name(path.stem + "_wallclock.png"), by_time, "seconds of RL", "success (rollouts)",
-               f"success over {WINDOW} iterations, mean over seeds (target {target:.0%})", ylim=(0, 1))
+    first = plot_lines(
+        path.with_name(path.stem + "_steps.png"),
+        by_steps,
+        "env steps",
+        "success (rollouts)",
+        f"success over {WINDOW} iterations, mean over seeds (target {target:.0%})",
+        ylim=(0, 1),
+    )
+    plot_lines(
+        path.with_name(path.stem + "_wallclock.png"),
+        by_time,
+        "seconds of RL",
+        "success (rollouts)",
+        f"success over {WINDOW} iterations, mean over seeds (target {target:.0%})",
+        ylim=(0, 1),
+    )
     return first
 
 
@@ -180,21 +243,31 @@ def report(runs: list[Run], gains: Sequence[float], before: dict[str, float], ou
     pooled = [(sum(r.successes[:WINDOW]), sum(r.episodes[:WINDOW])) for r in runs]
     start = sum(s for s, _ in pooled) / max(1, sum(n for _, n in pooled))
     targets = [start + g for g in gains]
-    print(f"\nstart: rollout success {start:.1%} over every run's first {WINDOW} iterations "
-          f"({sum(n for _, n in pooled)} episodes); targets {', '.join(f'{t:.0%}' for t in targets)}"
-          + (f"; mode=eval of the start (deterministic): {pct(before['rate'], before['low'], before['high'])} over "
-             f"{before['episodes']} episodes" if before else ""))
+    print(
+        f"\nstart: rollout success {start:.1%} over every run's first {WINDOW} iterations "
+        f"({sum(n for _, n in pooled)} episodes); targets {', '.join(f'{t:.0%}' for t in targets)}"
+        + (
+            f"; mode=eval of the start (deterministic): {pct(before['rate'], before['low'], before['high'])} over "
+            f"{before['episodes']} episodes"
+            if before
+            else ""
+        )
+    )
     heads = " | ".join(f"s (env steps) to +{g:.0%}" for g in gains)
-    print(f"| algo | mode | seed | success first {WINDOW} it. | last {WINDOW} it. | eval after | approx KL | clipfrac "
-          f"| expl. var | env steps/s | stale chunk steps/it. | {heads} |")
+    print(
+        f"| algo | mode | seed | success first {WINDOW} it. | last {WINDOW} it. | eval after | approx KL | clipfrac "
+        f"| expl. var | env steps/s | stale chunk steps/it. | {heads} |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gains))
     for r in runs:
         n = len(r.successes)
         after = pct(r.eval_after["rate"], r.eval_after["low"], r.eval_after["high"]) if r.eval_after else "-"
         times = " | ".join("-" if t != t else f"{t:.0f} ({k:,.0f})" for t, k in (r.to_target(x) for x in targets))
-        print(f"| {r.algo} | {r.mode} | {r.seed} | {pct(*r.rate(0, WINDOW))} | {pct(*r.rate(n - WINDOW, n))} | "
-              f"{after} | {r.approx_kl:.3f} | {r.clipfrac:.3f} | {r.explained_variance:.2f} | "
-              f"{r.env_steps_per_s:.1f} | {r.dropped_chunks:.1f} | {times} |")
+        print(
+            f"| {r.algo} | {r.mode} | {r.seed} | {pct(*r.rate(0, WINDOW))} | {pct(*r.rate(n - WINDOW, n))} | "
+            f"{after} | {r.approx_kl:.3f} | {r.clipfrac:.3f} | {r.explained_variance:.2f} | "
+            f"{r.env_steps_per_s:.1f} | {r.dropped_chunks:.1f} | {times} |"
+        )
     print()
     for algo in sorted({r.algo for r in runs}):
         for mode in sorted({r.mode for r in runs if r.algo == algo}):
@@ -206,9 +279,12 @@ def report(runs: list[Run], gains: Sequence[float], before: dict[str, float], ou
                 hits = [r.to_target(t)[0] for r in mine if r.to_target(t)[0] == r.to_target(t)[0]]
                 mean = f" (mean {np.mean(hits):.0f} s)" if hits else ""
                 reached.append(f"+{g:.0%} in {len(hits)}/{len(mine)}{mean}")
-            print(f"{algo} {mode}: success last {WINDOW} iterations {np.mean(last):.1%} (from {start:.1%}) over "
-                  f"{len(mine)} seeds" + (f", eval after {np.mean(evals):.1%}" if evals else "")
-                  + f"; reached {', '.join(reached)}")
+            print(
+                f"{algo} {mode}: success last {WINDOW} iterations {np.mean(last):.1%} (from {start:.1%}) over "
+                f"{len(mine)} seeds"
+                + (f", eval after {np.mean(evals):.1%}" if evals else "")
+                + f"; reached {', '.join(reached)}"
+            )
         for g, t in zip(gains, targets):
             ratios = []
             for seed in sorted({r.seed for r in runs if r.algo == algo}):
@@ -216,8 +292,10 @@ def report(runs: list[Run], gains: Sequence[float], before: dict[str, float], ou
                 if {"colocated", "ebrl"} <= set(pair) and all(v == v for v in (pair["colocated"], pair["ebrl"])):
                     ratios.append(pair["ebrl"] / pair["colocated"])
             if ratios:
-                print(f"{algo}: ebrl's wall-clock to +{g:.0%} / colocated's, the seeds where both reached it: "
-                      f"{', '.join(f'{x:.2f}' for x in ratios)} (median {np.median(ratios):.2f})")
+                print(
+                    f"{algo}: ebrl's wall-clock to +{g:.0%} / colocated's, the seeds where both reached it: "
+                    f"{', '.join(f'{x:.2f}' for x in ratios)} (median {np.median(ratios):.2f})"
+                )
     figure = plot(runs, out / "learning.png", targets[-1])
     if figure:
         print(f"plots: {figure} and {figure.with_name('learning_wallclock.png')}")
@@ -235,18 +313,32 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     parser.add_argument("--algos", nargs="+", default=["ppo", "grpo"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--iterations", type=int, default=300, help="of RL per run (colocated: about 12 min here)")
-    parser.add_argument("--gains", nargs="+", type=float, default=[0.1, 0.2, 0.3],
-                        help="success above the start whose wall-clock is measured")
+    parser.add_argument(
+        "--gains",
+        nargs="+",
+        type=float,
+        default=[0.1, 0.2, 0.3],
+        help="success above the start whose wall-clock is measured",
+    )
     parser.add_argument("--init", type=Path, default=None, help="the start (a run folder); default: the shipped one")
     parser.add_argument("--demos", type=int, default=0, help="> 0: record this many demos and run SFT first")
     parser.add_argument("--sft-iterations", type=int, default=20)
     parser.add_argument("--eval-episodes", type=int, default=50, help="mode=eval before and after; 0: none")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder of learning.json and the plots")
-    parser.add_argument("--add", type=Path, nargs="+", default=[],
-                        help="runs.json or learning.json of earlier runs from the same start (more seeds) to report with")
-    parser.add_argument("--stragglers", type=float, default=0.0,
-                        help="fraction of the envs (whole GRPO groups) that take --straggler-slowdown times the "
-                             "physics substeps per action, 0..1")
+    parser.add_argument(
+        "--add",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="runs.json or learning.json of earlier runs from the same start (more seeds) to report with",
+    )
+    parser.add_argument(
+        "--stragglers",
+        type=float,
+        default=0.0,
+        help="fraction of the envs (whole GRPO groups) that take --straggler-slowdown times the "
+        "physics substeps per action, 0..1",
+    )
     parser.add_argument("--straggler-slowdown", type=int, default=4)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -266,11 +358,24 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
         for algo in args.algos:
             for i, seed in enumerate(args.seeds):
                 for mode in round_order(args.modes, i):
-                    runs.append(run_one(algo, mode, seed, start, args.iterations, args.eval_episodes, args.overrides,
-                                        (args.stragglers, args.straggler_slowdown)))
+                    runs.append(
+                        run_one(
+                            algo,
+                            mode,
+                            seed,
+                            start,
+                            args.iterations,
+                            args.eval_episodes,
+                            args.overrides,
+                            (args.stragglers, args.straggler_slowdown),
+                        )
+                    )
                     r, n = runs[-1], len(runs[-1].successes)
-                    print(f"{algo} {mode} seed {seed}: success {pct(*r.rate(0, WINDOW))} -> "
-                          f"{pct(*r.rate(n - WINDOW, n))} in {r.seconds[-1]:.0f} s", flush=True)
+                    print(
+                        f"{algo} {mode} seed {seed}: success {pct(*r.rate(0, WINDOW))} -> "
+                        f"{pct(*r.rate(n - WINDOW, n))} in {r.seconds[-1]:.0f} s",
+                        flush=True,
+                    )
                     # what has run so far, should a later run fail
                     (args.out / "runs.json").write_text(json.dumps([asdict(x) for x in runs]))
     origin = f"SFT on {args.demos} demos" if args.demos else str(start)

@@ -13,6 +13,7 @@
    prediction (plus the process's RSS before building, measured); then one publication of its weights into the
    channel's host slots. `--measure` names the options (train=all needs about 56 GB, more than this machine has).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,8 @@ RESERVE = 0.05  # of a GPU's memory kept for the allocator's fragmentation and k
 
 
 def compose(*overrides: str) -> Any:
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from ebrl.config import register_configs
 
@@ -64,8 +66,10 @@ def env_spec(cameras: int, state_dim: int = 8, action_dim: int = 7) -> EnvSpec:
 def model_table(families: list[str], cameras: int) -> list[dict]:
     spec = env_spec(cameras)
     print(f"\n1. The model at full size ({cameras} cameras at 224 px, GiB; activations per micro-batch row):")
-    print("| family | policy.train | parameters | trained | weights | gradients | Adam | autocast copies | "
-          "activations/row (ckpt / none) | cache per env | trainer's prefix per row | payload |")
+    print(
+        "| family | policy.train | parameters | trained | weights | gradients | Adam | autocast copies | "
+        "activations/row (ckpt / none) | cache per env | trainer's prefix per row | payload |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for family in families:
@@ -73,24 +77,37 @@ def model_table(families: list[str], cameras: int) -> list[dict]:
             m = MemoryModel.of(policy_config(family, train), spec)
             t = m.trainer(1).parts
             plain = MemoryModel.of(policy_config(family, train, "policy.grad_checkpoint=false"), spec)
-            rows.append({"family": family, "train": train, "parameters": m.parameters, "trained": m.trained,
-                         **{k: v for k, v in t.items()}, "activations_row_plain": plain.activations_per_row,
-                         "cache_per_env": m.cache_per_env, "prefix_per_row": m.prefix_per_row,
-                         "payload": m.payload_bytes})
-            print(f"| {family} | {train} | {m.parameters / 1e9:.3f}B | {m.trained / 1e9:.3f}B | {gib(t['weights'])} | "
-                  f"{gib(t['gradients'])} | {gib(t['optimizer'])} | {gib(t['autocast copies'])} | "
-                  f"{m.activations_per_row / 2**20:.0f} MiB / {plain.activations_per_row / 2**20:.0f} MiB | "
-                  f"{m.cache_per_env / 2**20:.1f} MiB | {m.prefix_per_row / 2**20:.1f} MiB | {gib(m.payload_bytes)} |",
-                  flush=True)
+            rows.append(
+                {
+                    "family": family,
+                    "train": train,
+                    "parameters": m.parameters,
+                    "trained": m.trained,
+                    **{k: v for k, v in t.items()},
+                    "activations_row_plain": plain.activations_per_row,
+                    "cache_per_env": m.cache_per_env,
+                    "prefix_per_row": m.prefix_per_row,
+                    "payload": m.payload_bytes,
+                }
+            )
+            print(
+                f"| {family} | {train} | {m.parameters / 1e9:.3f}B | {m.trained / 1e9:.3f}B | {gib(t['weights'])} | "
+                f"{gib(t['gradients'])} | {gib(t['optimizer'])} | {gib(t['autocast copies'])} | "
+                f"{m.activations_per_row / 2**20:.0f} MiB / {plain.activations_per_row / 2**20:.0f} MiB | "
+                f"{m.cache_per_env / 2**20:.1f} MiB | {m.prefix_per_row / 2**20:.1f} MiB | {gib(m.payload_bytes)} |",
+                flush=True,
+            )
     return rows
 
 
 def fit_table(envs: list[int], micro_batch: int, cameras: int, rollout_chunks: int) -> list[dict]:
     spec = env_spec(cameras)
     names = {"all": "full", "action_expert": "expert only", "lora": "LoRA (+ expert)"}
-    print(f"\n2. pi0 on one GPU, pipelined (trainer + generation, published weights on the device, EGL contexts), "
-          f"algo.micro_batch={micro_batch}, {rollout_chunks} chunks per env, {cameras} cameras; GiB needed, "
-          f"and whether it fits in the GPU less {RESERVE:.0%}:")
+    print(
+        f"\n2. pi0 on one GPU, pipelined (trainer + generation, published weights on the device, EGL contexts), "
+        f"algo.micro_batch={micro_batch}, {rollout_chunks} chunks per env, {cameras} cameras; GiB needed, "
+        f"and whether it fits in the GPU less {RESERVE:.0%}:"
+    )
     header = ["pi0 training", "moments"] + [f"{n} envs" for n in envs]
     print("| " + " | ".join(header) + " | " + " | ".join(GPUS) + " |")
     print("|" + "---|" * (len(header) + len(GPUS)))
@@ -104,8 +121,10 @@ def fit_table(envs: list[int], micro_batch: int, cameras: int, rollout_chunks: i
                 have = compose(f"hw={hw}").hw.gpu_memory_gb * GiB * (1 - RESERVE)
                 fits.append(", ".join(f"{n}: {'yes' if x <= have else 'no'}" for n, x in zip(envs, need)))
             rows.append({"train": train, "moments": moments, "need": dict(zip(envs, need)), "fits": fits})
-            print(f"| {names[train]} | {moments} | " + " | ".join(gib(x) for x in need) + " | " + " | ".join(fits)
-                  + " |", flush=True)
+            print(
+                f"| {names[train]} | {moments} | " + " | ".join(gib(x) for x in need) + " | " + " | ".join(fits) + " |",
+                flush=True,
+            )
     return rows
 
 
@@ -126,7 +145,7 @@ def fill(policy: torch.nn.Module) -> None:
         for p in policy.parameters():
             flat = p.view(-1)
             for start in range(0, flat.numel(), pool.numel()):
-                part = flat[start: start + pool.numel()]
+                part = flat[start : start + pool.numel()]
                 part.copy_(pool[: part.numel()])
 
 
@@ -153,13 +172,18 @@ def measure_one(train: str, micro_batch: int) -> dict:
     out = policy.sample(obs)
     sample_s = time.perf_counter() - t0
     rows = 2
-    batch = RolloutBatch(obs={k: v.expand(rows, *v.shape[1:])[None] for k, v in obs.items()},
-                         chunk=out.chunk.expand(rows, -1, -1)[None],
-                         extras={k: v.expand(rows, *v.shape[1:])[None] for k, v in out.extras.items()},
-                         log_prob=out.log_prob.expand(rows, -1)[None], value=out.value.expand(rows)[None],
-                         reward=torch.tensor([[1.0, -1.0]]), done=torch.zeros(1, rows, dtype=torch.bool),
-                         mask=torch.ones(1, rows, policy.chunk_len, dtype=torch.bool), last_value=torch.zeros(rows),
-                         cutoff_value=torch.zeros(1, rows))
+    batch = RolloutBatch(
+        obs={k: v.expand(rows, *v.shape[1:])[None] for k, v in obs.items()},
+        chunk=out.chunk.expand(rows, -1, -1)[None],
+        extras={k: v.expand(rows, *v.shape[1:])[None] for k, v in out.extras.items()},
+        log_prob=out.log_prob.expand(rows, -1)[None],
+        value=out.value.expand(rows)[None],
+        reward=torch.tensor([[1.0, -1.0]]),
+        done=torch.zeros(1, rows, dtype=torch.bool),
+        mask=torch.ones(1, rows, policy.chunk_len, dtype=torch.bool),
+        last_value=torch.zeros(rows),
+        cutoff_value=torch.zeros(1, rows),
+    )
     algo = compose("algo.epochs=1", "algo.minibatches=1", f"algo.micro_batch={micro_batch}").algo
     trainer = PPOTrainer(policy, algo)
     t0 = time.perf_counter()
@@ -167,10 +191,17 @@ def measure_one(train: str, micro_batch: int) -> dict:
     update_s = time.perf_counter() - t0
     peak = rss_gib()
     predicted = MemoryModel.of(cfg, spec, device="cpu").trainer(micro_batch, rows).parts
-    return {"train": train, "micro_batch": micro_batch, "build_s": build_s, "sample_b1_s": sample_s,
-            "update_s": update_s, "peak_rss_gib": peak, "process_before_gib": before / GiB,
-            "predicted": {k: v / GiB for k, v in predicted.items()},
-            "predicted_gib": before / GiB + sum(predicted.values()) / GiB}
+    return {
+        "train": train,
+        "micro_batch": micro_batch,
+        "build_s": build_s,
+        "sample_b1_s": sample_s,
+        "update_s": update_s,
+        "peak_rss_gib": peak,
+        "process_before_gib": before / GiB,
+        "predicted": {k: v / GiB for k, v in predicted.items()},
+        "predicted_gib": before / GiB + sum(predicted.values()) / GiB,
+    }
 
 
 def measure_publication(train: str) -> dict:
@@ -184,8 +215,12 @@ def measure_publication(train: str) -> dict:
     policy = build_policy(policy_config("openpi", train), env_spec(1), "cpu", train=True, weights="given")
     fill(policy)
     state = policy.state_dict()
-    channel = WeightChannel(split_lora(state)[0], torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
-                            lora_scaling=policy.lora_scaling)  # (in a run, from the supervisor's policy: this layout)
+    channel = WeightChannel(
+        split_lora(state)[0],
+        torch.multiprocessing.get_context("spawn"),
+        policy.compute_dtype,
+        lora_scaling=policy.lora_scaling,
+    )  # (in a run, from the supervisor's policy: this layout)
     t0 = time.perf_counter()
     channel.publish(state)
     return {"publish_s": time.perf_counter() - t0, "payload_gib": channel.payload_bytes / GiB}
@@ -202,10 +237,14 @@ def fresh_build_s() -> dict:
 
 
 def measured_table(options: list[str], micro_batch: int, fresh: bool) -> list[dict]:
-    print(f"\n3. Measured on this machine ({torch.get_num_threads()} threads): full pi0 in bfloat16, 1 camera, one PPO "
-          f"update of 2 rows at algo.micro_batch={micro_batch}, one process each:")
-    print("| policy.train | build (given weights) | sample, batch 1 | update | publish (payload) | peak RSS | "
-          "predicted | error |")
+    print(
+        f"\n3. Measured on this machine ({torch.get_num_threads()} threads): full pi0 in bfloat16, 1 camera, one PPO "
+        f"update of 2 rows at algo.micro_batch={micro_batch}, one process each:"
+    )
+    print(
+        "| policy.train | build (given weights) | sample, batch 1 | update | publish (payload) | peak RSS | "
+        "predicted | error |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for train in options:
@@ -216,18 +255,27 @@ def measured_table(options: list[str], micro_batch: int, fresh: bool) -> list[di
         r.update(child("--child-publish", train))
         rows.append(r)
         error = (r["predicted_gib"] - r["peak_rss_gib"]) / r["peak_rss_gib"]
-        publish = (f"{r['publish_s']:.1f} s ({r['payload_gib']:.2f} GiB)" if "publish_s" in r
-                   else f"failed: {r['error']}")
-        print(f"| {train} | {r['build_s']:.1f} s | {r['sample_b1_s']:.1f} s | {r['update_s']:.1f} s | {publish} | "
-              f"{r['peak_rss_gib']:.2f} GiB | {r['predicted_gib']:.2f} GiB | {error:+.1%} |", flush=True)
-        print("  predicted: " + ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"].items())
-              + f", process before the build {r['process_before_gib']:.2f} (GiB)")
+        publish = (
+            f"{r['publish_s']:.1f} s ({r['payload_gib']:.2f} GiB)" if "publish_s" in r else f"failed: {r['error']}"
+        )
+        print(
+            f"| {train} | {r['build_s']:.1f} s | {r['sample_b1_s']:.1f} s | {r['update_s']:.1f} s | {publish} | "
+            f"{r['peak_rss_gib']:.2f} GiB | {r['predicted_gib']:.2f} GiB | {error:+.1%} |",
+            flush=True,
+        )
+        print(
+            "  predicted: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"].items())
+            + f", process before the build {r['process_before_gib']:.2f} (GiB)"
+        )
     if fresh:
         r = child("--child-fresh")
         rows.append(r)
         if "error" not in r:
-            print(f"From scratch (bfloat16 init and the first policy's fit), one camera: {r['fresh_build_s']:.1f} s, "
-                  f"peak RSS {r['peak_rss_gib']:.2f} GiB")
+            print(
+                f"From scratch (bfloat16 init and the first policy's fit), one camera: {r['fresh_build_s']:.1f} s, "
+                f"peak RSS {r['peak_rss_gib']:.2f} GiB"
+            )
     return rows
 
 
@@ -264,9 +312,11 @@ def main() -> None:
     if args.child_publish:
         print(json.dumps(measure_publication(args.child_publish)))
         return
-    result = {"model": model_table(args.families, args.cameras),
-              "fit": fit_table(args.envs, args.fit_micro_batch, args.cameras, args.rollout_chunks),
-              "measured": measured_table(args.measure, args.micro_batch, not args.no_fresh) if args.measure else []}
+    result = {
+        "model": model_table(args.families, args.cameras),
+        "fit": fit_table(args.envs, args.fit_micro_batch, args.cameras, args.rollout_chunks),
+        "measured": measured_table(args.measure, args.micro_batch, not args.no_fresh) if args.measure else [],
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
 

@@ -7,6 +7,7 @@ profiles start from (docs/internals/design.md, "Placement"); `--json` writes the
 `--capture off compile` compares `policy.capture` settings instead (the flow families): sampling latency under each,
 the settings alternated within each round, and each one's first call per batch (its compile or capture).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,12 +80,20 @@ def measure(policy: Policy, batches: list[int], train_batch: int, reps: int) -> 
         optimizer.step()
 
     train_ms = timed(train_step, reps)
-    return {"parameters": policy.num_parameters(), "chunk": policy.chunk_len, "sample_ms": sample_ms,
-            "train_ms_per_sample": train_ms / train_batch}
+    return {
+        "parameters": policy.num_parameters(),
+        "chunk": policy.chunk_len,
+        "sample_ms": sample_ms,
+        "train_ms_per_sample": train_ms / train_batch,
+    }
 
 
-def sampled(policy: Policy, capture: str, obs: dict[str, torch.Tensor], seed: int | None = None,
-            ) -> tuple[PolicySample, float]:
+def sampled(
+    policy: Policy,
+    capture: str,
+    obs: dict[str, torch.Tensor],
+    seed: int | None = None,
+) -> tuple[PolicySample, float]:
     """policy.sample under `policy.capture=capture` (on the draws `seed` fixes, if given) and its wall time in s,
     the device synchronised."""
     policy.capture = capture
@@ -98,22 +107,31 @@ def sampled(policy: Policy, capture: str, obs: dict[str, torch.Tensor], seed: in
     return out, time.perf_counter() - t0
 
 
-def capture_differences(policy: Policy, settings: list[str], obs: dict[str, torch.Tensor],
-                        seed: int) -> dict[str, dict]:
+def capture_differences(
+    policy: Policy, settings: list[str], obs: dict[str, torch.Tensor], seed: int
+) -> dict[str, dict]:
     """Each setting's largest difference from the first's on the same draws, in actions and in log-probs, and
     whether its actions are bitwise the same and finite."""
     want = sampled(policy, settings[0], obs, seed)[0]
     out = {}
     for setting in settings[1:]:
         got = sampled(policy, setting, obs, seed)[0]
-        out[setting] = {"action": float((got.chunk - want.chunk).abs().max()),
-                        "log_prob": float((got.log_prob - want.log_prob).abs().max()),
-                        "bitwise": torch.equal(got.chunk, want.chunk), "finite": bool(got.chunk.isfinite().all())}
+        out[setting] = {
+            "action": float((got.chunk - want.chunk).abs().max()),
+            "log_prob": float((got.log_prob - want.log_prob).abs().max()),
+            "bitwise": torch.equal(got.chunk, want.chunk),
+            "finite": bool(got.chunk.isfinite().all()),
+        }
     return out
 
 
-def compare_capture(policy: Policy, settings: list[str], batches: list[int], rounds: int,
-                    obs_of: Callable[[int], dict[str, torch.Tensor]]) -> dict[int, dict]:
+def compare_capture(
+    policy: Policy,
+    settings: list[str],
+    batches: list[int],
+    rounds: int,
+    obs_of: Callable[[int], dict[str, torch.Tensor]],
+) -> dict[int, dict]:
     """Per batch, on one policy: each `policy.capture` setting's first call in s (its capture or compile happens
     there), its ms per chunk (median; the settings alternated within each round) and its differences from the first
     setting's samples (`capture_differences`)."""
@@ -125,8 +143,11 @@ def compare_capture(policy: Policy, settings: list[str], batches: list[int], rou
         for _ in range(rounds):
             for setting in settings:
                 times[setting].append(sampled(policy, setting, obs)[1])
-        out[b] = {"first_s": first, "ms": {s: 1e3 * statistics.median(t) for s, t in times.items()},
-                  "differences": capture_differences(policy, settings, obs, b)}
+        out[b] = {
+            "first_s": first,
+            "ms": {s: 1e3 * statistics.median(t) for s, t in times.items()},
+            "differences": capture_differences(policy, settings, obs, b),
+        }
     return out
 
 
@@ -134,11 +155,16 @@ def print_capture(args: argparse.Namespace, spec: EnvSpec) -> list[dict]:
     """The `--capture` table: a row per family, preset and setting."""
     from ebrl.policies.flow import FlowPolicy
 
-    header = (["family", "preset", "capture"] + [f"B={b} ms" for b in args.batches]
-              + [f"first call s, B={'/'.join(map(str, args.batches))}", "max |diff| action / log-prob"])
-    print(f"{torch.get_num_threads()} torch threads, state dim {args.state_dim}, {args.cameras} cameras; ms per chunk "
-          f"(median of {args.reps} rounds, the settings alternated in each; in brackets: against {args.capture[0]}); "
-          "the first call's s includes the compile or capture; differences from the first setting on the same draws")
+    header = (
+        ["family", "preset", "capture"]
+        + [f"B={b} ms" for b in args.batches]
+        + [f"first call s, B={'/'.join(map(str, args.batches))}", "max |diff| action / log-prob"]
+    )
+    print(
+        f"{torch.get_num_threads()} torch threads, state dim {args.state_dim}, {args.cameras} cameras; ms per chunk "
+        f"(median of {args.reps} rounds, the settings alternated in each; in brackets: against {args.capture[0]}); "
+        "the first call's s includes the compile or capture; differences from the first setting on the same draws"
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     results = []
@@ -154,11 +180,14 @@ def print_capture(args: argparse.Namespace, spec: EnvSpec) -> list[dict]:
             for setting in args.capture:
                 ms = {b: rows[b]["ms"] for b in args.batches}
                 cells = [family, preset, setting]
-                cells += [f"{ms[b][setting]:.1f} ({ms[b][setting] / ms[b][args.capture[0]]:.2f}x)" for b in args.batches]
+                cells += [
+                    f"{ms[b][setting]:.1f} ({ms[b][setting] / ms[b][args.capture[0]]:.2f}x)" for b in args.batches
+                ]
                 cells.append("/".join(f"{rows[b]['first_s'][setting]:.1f}" for b in args.batches))
                 diffs = [rows[b]["differences"][setting] for b in args.batches if setting in rows[b]["differences"]]
-                cells.append(f"{max(d['action'] for d in diffs):.1e} / {max(d['log_prob'] for d in diffs):.1e}"
-                             if diffs else "-")
+                cells.append(
+                    f"{max(d['action'] for d in diffs):.1e} / {max(d['log_prob'] for d in diffs):.1e}" if diffs else "-"
+                )
                 print("| " + " | ".join(cells) + " |", flush=True)
     return results
 
@@ -176,14 +205,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--capture", nargs="+", default=None, choices=CAPTURES,
-                        help="compare these policy.capture settings' sampling instead (flow families)")
+    parser.add_argument(
+        "--capture",
+        nargs="+",
+        default=None,
+        choices=CAPTURES,
+        help="compare these policy.capture settings' sampling instead (flow families)",
+    )
     args = parser.parse_args()
     register_configs()
     if args.threads:
         torch.set_num_threads(args.threads)
     obs = {"state": ArraySpec((args.state_dim,), "float32")}
-    obs.update({f"image/cam{i}": ArraySpec((args.image_size, args.image_size, 3), "uint8") for i in range(args.cameras)})
+    obs.update(
+        {f"image/cam{i}": ArraySpec((args.image_size, args.image_size, 3), "uint8") for i in range(args.cameras)}
+    )
     spec = EnvSpec(obs=obs, action_dim=args.action_dim, instruction="lift the red cube", max_episode_steps=40)
     torch.manual_seed(0)
     if args.capture:
@@ -193,9 +229,11 @@ def main() -> None:
         return
     results = []
     header = ["family", "preset", "params", "chunk"] + [f"B={b} ms" for b in args.batches] + ["train ms/sample"]
-    print(f"{torch.get_num_threads()} torch threads, state dim {args.state_dim}, {args.cameras} cameras"
-          f"{f' at {args.image_size} px' if args.cameras else ''}; sampling: ms per chunk (median of {args.reps}); "
-          f"training: evaluate + backward + Adam at batch {args.train_batch}, ms per sample")
+    print(
+        f"{torch.get_num_threads()} torch threads, state dim {args.state_dim}, {args.cameras} cameras"
+        f"{f' at {args.image_size} px' if args.cameras else ''}; sampling: ms per chunk (median of {args.reps}); "
+        f"training: evaluate + backward + Adam at batch {args.train_batch}, ms per sample"
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for family in args.families:
@@ -207,8 +245,17 @@ def main() -> None:
             cells += [f"{row['sample_ms'][b]:.1f}" for b in args.batches] + [f"{row['train_ms_per_sample']:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "cameras": args.cameras,
-                                         "image_size": args.image_size, "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "threads": torch.get_num_threads(),
+                    "cameras": args.cameras,
+                    "image_size": args.image_size,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
    bfloat16, at the small preset: generation's batch and weights as a run has them (policy.dtype), the trainer's
    float32 masters under autocast in its micro-batches.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,8 @@ def policy_cfg(family: str, preset: str, *overrides: str) -> dict[str, Any]:
 
 def full_size(cameras: int) -> list[dict[str, Any]]:
     """Section 1 (see the module docstring)."""
-    from ebrl.forecast.gpu_cost import GPUS, PolicyOps, roofline
     from ebrl.alloc.memory import MemoryModel
+    from ebrl.forecast.gpu_cost import GPUS, PolicyOps, roofline
 
     spec = env_spec(cameras)
     rows = []
@@ -77,11 +78,12 @@ def full_size(cameras: int) -> list[dict[str, Any]]:
 def small_here(envs: int, chunks: int, reps: int) -> dict[str, Any]:
     """Section 2 (see the module docstring), on one thread."""
     from ebrl.policies.build import build_policy
-    from ebrl.rl.ppo import PPOTrainer, _flat
     from ebrl.policies.layers import map_tensors
+    from ebrl.rl.ppo import PPOTrainer, _flat
 
-    spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
-                   max_episode_steps=100)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube", max_episode_steps=100
+    )
     torch.manual_seed(0)
     policy = build_policy(policy_cfg("openpi", "small"), spec, train=True)
     batch = rollout(policy, envs, chunks)
@@ -91,18 +93,24 @@ def small_here(envs: int, chunks: int, reps: int) -> dict[str, Any]:
         sizes: list[int] = []
         map_tensors(policy.prefix(one), lambda t: sizes.append(t.numel() * t.element_size()))
     version = 1  # (the update starts from version 1: the first half of the chunk steps is stale)
-    settings = {"before (recomputed, every row proximal)": ("algo.cache_prefix=false", "algo.proximal=all"),
-                "prefix cached": ("algo.proximal=all",), "prefix cached, stale rows proximal": ()}
+    settings = {
+        "before (recomputed, every row proximal)": ("algo.cache_prefix=false", "algo.proximal=all"),
+        "prefix cached": ("algo.proximal=all",),
+        "prefix cached, stale rows proximal": (),
+    }
     updates = {}
     for name, overrides in settings.items():
         algo = compose(*overrides).algo
         trainer = PPOTrainer(copy.deepcopy(policy), algo)
         updates[name] = median_s(lambda: trainer.update(batch, decoupled=True, version=version), max(1, reps // 2))
     decisions = envs * chunks
-    return {"prefix_ms_per_row": 1e3 * prefix_s, "prefix_kib_per_row": sum(sizes) / 1024,
-            "shared_copy_ms_per_row": 1e3 * shared_copy_s(max(sum(sizes), 2)),
-            "update_ms_per_decision": {k: 1e3 * v / decisions for k, v in updates.items()},
-            "update_ms_per_env_step": {k: 1e3 * v / (decisions * policy.execute) for k, v in updates.items()}}
+    return {
+        "prefix_ms_per_row": 1e3 * prefix_s,
+        "prefix_kib_per_row": sum(sizes) / 1024,
+        "shared_copy_ms_per_row": 1e3 * shared_copy_s(max(sum(sizes), 2)),
+        "update_ms_per_decision": {k: 1e3 * v / decisions for k, v in updates.items()},
+        "update_ms_per_env_step": {k: 1e3 * v / (decisions * policy.execute) for k, v in updates.items()},
+    }
 
 
 def rollout(policy: Any, envs: int, chunks: int) -> Any:
@@ -114,14 +122,26 @@ def rollout(policy: Any, envs: int, chunks: int) -> Any:
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([policy.env_spec.instruction] * envs))
     steps = []
     for t in range(chunks):
-        obs = {"state": torch.randn(envs, policy.env_spec.obs["state"].shape[0], generator=gen), "tokens": tokens,
-               "token_mask": mask}
+        obs = {
+            "state": torch.randn(envs, policy.env_spec.obs["state"].shape[0], generator=gen),
+            "tokens": tokens,
+            "token_mask": mask,
+        }
         out = policy.sample(obs)
-        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                               reward=torch.rand(envs, generator=gen), done=torch.zeros(envs, dtype=torch.bool),
-                               mask=torch.ones(envs, policy.chunk_len, dtype=torch.bool),
-                               cutoff_value=torch.zeros(envs),
-                               version=torch.full((envs,), int(t >= chunks // 2))))
+        steps.append(
+            ChunkStep(
+                obs=obs,
+                chunk=out.chunk,
+                extras=out.extras,
+                log_prob=out.log_prob,
+                value=out.value,
+                reward=torch.rand(envs, generator=gen),
+                done=torch.zeros(envs, dtype=torch.bool),
+                mask=torch.ones(envs, policy.chunk_len, dtype=torch.bool),
+                cutoff_value=torch.zeros(envs),
+                version=torch.full((envs,), int(t >= chunks // 2)),
+            )
+        )
     return stack_steps(steps, torch.zeros(envs))
 
 
@@ -130,8 +150,9 @@ def logprob_noise(envs: int, micro_batch: int) -> dict[str, dict[str, float]]:
     of chunks generation sampled with the trainer's weights (mean, 99th percentile, max), and of a whole chunk."""
     from ebrl.policies.build import build_policy
 
-    spec = EnvSpec(obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube",
-                   max_episode_steps=100)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((42,), "float32")}, action_dim=7, instruction="lift the red cube", max_episode_steps=100
+    )
     out = {}
     for dtype in ("float32", "bfloat16"):
         cfg = policy_cfg("openpi", "small", f"policy.dtype={dtype}")
@@ -142,19 +163,31 @@ def logprob_noise(envs: int, micro_batch: int) -> dict[str, dict[str, float]]:
         tokens, mask = (torch.from_numpy(a) for a in generation.tokenize([spec.instruction] * envs))
         gaps, chunks = [], []
         for seed in range(8):
-            obs = {"state": torch.randn(envs, 42, generator=torch.Generator().manual_seed(seed)), "tokens": tokens,
-                   "token_mask": mask}
+            obs = {
+                "state": torch.randn(envs, 42, generator=torch.Generator().manual_seed(seed)),
+                "tokens": tokens,
+                "token_mask": mask,
+            }
             sampled = generation.sample(obs)
             with torch.no_grad():
-                parts = [trainer.evaluate({k: v[s] for k, v in obs.items()}, sampled.chunk[s],
-                                          {k: v[s] for k, v in sampled.extras.items()})[0]
-                         for s in (slice(i, i + micro_batch) for i in range(0, envs, micro_batch))]
+                parts = [
+                    trainer.evaluate(
+                        {k: v[s] for k, v in obs.items()},
+                        sampled.chunk[s],
+                        {k: v[s] for k, v in sampled.extras.items()},
+                    )[0]
+                    for s in (slice(i, i + micro_batch) for i in range(0, envs, micro_batch))
+                ]
             gap = (torch.cat(parts) - sampled.log_prob).abs()[:, : generation.execute]
             gaps.append(gap.flatten())
             chunks.append(gap.sum(-1))
         every, whole = torch.cat(gaps), torch.cat(chunks)
-        out[dtype] = {"mean": float(every.mean()), "p99": float(every.quantile(0.99)), "max": float(every.max()),
-                      "chunk_mean": float(whole.mean())}
+        out[dtype] = {
+            "mean": float(every.mean()),
+            "p99": float(every.quantile(0.99)),
+            "max": float(every.max()),
+            "chunk_mean": float(whole.mean()),
+        }
     return out
 
 
@@ -170,27 +203,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # (as a run does, experiment.py: trained weights' subnormals slow the CPU tenfold)
     result = {"date": time.strftime("%Y-%m-%d"), "full": full_size(args.cameras)}
-    print(f"1. full size, policy.train=action_expert, {args.cameras} cameras at 224 px: a row's prefix computed "
-          "(roofline) or carried from generation (2 PCIe copies + 2 shared-memory copies measured here), ms per row")
+    print(
+        f"1. full size, policy.train=action_expert, {args.cameras} cameras at 224 px: a row's prefix computed "
+        "(roofline) or carried from generation (2 PCIe copies + 2 shared-memory copies measured here), ms per row"
+    )
     gpus = [k for k in result["full"][0] if k not in ("family", "prefix_mib")]
     print("| family | prefix MiB per row | " + " | ".join(f"{g} compute / carry" for g in gpus) + " |")
     print("|---|---|" + "---|" * len(gpus))
     for row in result["full"]:
-        print(f"| {row['family']} | {row['prefix_mib']:.2f} | "
-              + " | ".join(f"{row[g]['compute_ms']:.3f} / {row[g]['carry_ms']:.3f}" for g in gpus) + " |", flush=True)
+        print(
+            f"| {row['family']} | {row['prefix_mib']:.2f} | "
+            + " | ".join(f"{row[g]['compute_ms']:.3f} / {row[g]['carry_ms']:.3f}" for g in gpus)
+            + " |",
+            flush=True,
+        )
     here = result["small"] = small_here(args.envs, args.chunks, args.reps)
-    print(f"\n2. here, openpi small, one thread: a row's prefix {here['prefix_ms_per_row']:.2f} ms to compute, "
-          f"{here['prefix_kib_per_row']:.0f} KiB, {here['shared_copy_ms_per_row']:.3f} ms to copy through shared "
-          f"memory; one decoupled update of {args.envs} x {args.chunks} rows (half stale), ms per decision / per env "
-          "step:")
+    print(
+        f"\n2. here, openpi small, one thread: a row's prefix {here['prefix_ms_per_row']:.2f} ms to compute, "
+        f"{here['prefix_kib_per_row']:.0f} KiB, {here['shared_copy_ms_per_row']:.3f} ms to copy through shared "
+        f"memory; one decoupled update of {args.envs} x {args.chunks} rows (half stale), ms per decision / per env "
+        "step:"
+    )
     for name, ms in here["update_ms_per_decision"].items():
         print(f"   {name}: {ms:.2f} / {here['update_ms_per_env_step'][name]:.3f}")
     noise = result["logprob_noise"] = logprob_noise(args.envs, args.micro_batch)
-    print(f"\n3. generation's log-prob against the trainer's pass on the same weights, openpi small, |difference| per "
-          f"executed action (generation batch {args.envs}, trainer micro-batch {args.micro_batch}):")
+    print(
+        f"\n3. generation's log-prob against the trainer's pass on the same weights, openpi small, |difference| per "
+        f"executed action (generation batch {args.envs}, trainer micro-batch {args.micro_batch}):"
+    )
     for dtype, figures in noise.items():
-        print(f"   {dtype}: mean {figures['mean']:.2e}, 99th percentile {figures['p99']:.2e}, max {figures['max']:.2e};"
-              f" a chunk's executed actions together {figures['chunk_mean']:.2e}")
+        print(
+            f"   {dtype}: mean {figures['mean']:.2e}, 99th percentile {figures['p99']:.2e}, max {figures['max']:.2e};"
+            f" a chunk's executed actions together {figures['chunk_mean']:.2e}"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

@@ -9,6 +9,7 @@ summary.json), the last iteration's return and the wall-clock; then per rank cou
 ratio to the first rank count. On a 2-core machine parity is what to expect: the point is that several ranks run
 and learn correctly; on GPU nodes each rank adds a GPU. Extra arguments are Hydra overrides for every run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,16 @@ def command(ranks: int, logs: Path) -> list[str]:
     keeps its log files in `logs`."""
     if ranks == 1:
         return [sys.executable, "run.py"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3",
-            f"--log-dir={logs}", "run.py"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "--tee=3",
+        f"--log-dir={logs}",
+        "run.py",
+    ]
 
 
 def run_one(ranks: int, repeat: int, overrides: Sequence[str]) -> dict[str, Any]:
@@ -49,8 +58,13 @@ def run_one(ranks: int, repeat: int, overrides: Sequence[str]) -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="ebrl-ranks-") as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.perf_counter()
-        proc = subprocess.run([*command(ranks, Path(tmp) / "torchrun"), *overrides, f"hydra.run.dir={run_dir}"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(
+            [*command(ranks, Path(tmp) / "torchrun"), *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         wall = time.perf_counter() - t0
         if proc.returncode:
             lines = proc.stdout.splitlines()
@@ -59,8 +73,13 @@ def run_one(ranks: int, repeat: int, overrides: Sequence[str]) -> dict[str, Any]
             print("\n".join(lines[-20:]))
             sys.exit(f"ebrl.bench.ranks: the run with {name} failed (exit code {proc.returncode})")
         summary = json.loads((run_dir / "summary.json").read_text())
-    return {"ranks": ranks, "repeat": repeat, "env_steps_per_s": summary["rollout_steps_per_s"],
-            "last_return": summary["mean_return"], "wall_s": wall}
+    return {
+        "ranks": ranks,
+        "repeat": repeat,
+        "env_steps_per_s": summary["rollout_steps_per_s"],
+        "last_return": summary["mean_return"],
+        "wall_s": wall,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -84,21 +103,31 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if n < 1 or total % n:
             sys.exit(f"--ranks {n}: env.num_envs={total} (the total over ranks) must split evenly over the ranks")
         if (total // n * (chunks or 1)) % minibatches:
-            batch = f"env.num_envs x algo.rollout_chunks = {total // n} x {chunks}" if chunks else \
-                f"env.num_envs = {total // n} (algo=grpo batches whole episodes)"
+            batch = (
+                f"env.num_envs x algo.rollout_chunks = {total // n} x {chunks}"
+                if chunks
+                else f"env.num_envs = {total // n} (algo=grpo batches whole episodes)"
+            )
             sys.exit(f"--ranks {n}: algo.minibatches={minibatches} does not divide a rank's rollout batch {batch}")
     common = [o for o in args.overrides if not o.startswith("env.num_envs=")]
     common += ["progress=false", "logger=none", "checkpoint_every=1000000", f"iterations={args.iterations}"]
-    rows = [run_one(n, repeat, [*common, f"env.num_envs={total // n}"])
-            for repeat in range(args.repeats) for n in args.ranks]
+    rows = [
+        run_one(n, repeat, [*common, f"env.num_envs={total // n}"])
+        for repeat in range(args.repeats)
+        for n in args.ranks
+    ]
 
-    print(f"\n{len(os.sched_getaffinity(0))} cores, {total} envs in all, {args.iterations} iterations per run "
-          "(env steps/s after the first)")
+    print(
+        f"\n{len(os.sched_getaffinity(0))} cores, {total} envs in all, {args.iterations} iterations per run "
+        "(env steps/s after the first)"
+    )
     print("| ranks | repeat | env steps/s | last return | wall s |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['ranks']} | {r['repeat']} | {r['env_steps_per_s']:.1f} | {r['last_return']:.2f} | "
-              f"{r['wall_s']:.0f} |")
+        print(
+            f"| {r['ranks']} | {r['repeat']} | {r['env_steps_per_s']:.1f} | {r['last_return']:.2f} | "
+            f"{r['wall_s']:.0f} |"
+        )
     means = {n: statistics.mean(r["env_steps_per_s"] for r in rows if r["ranks"] == n) for n in args.ranks}
     base = args.ranks[0]
     for n, mean in means.items():

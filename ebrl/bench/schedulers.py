@@ -28,6 +28,7 @@ gymnasium rollout: simulation + generation).
 This module imports torch and the runtime lazily: gymnasium's spawned env processes re-import the
 main module, and should not pay for torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,7 +97,8 @@ class Round:
 def compose_overrides(overrides: Sequence[str], mode: str = "colocated") -> Any:
     """The config `python run.py scheduler=<mode> <overrides>` composes; a mode may carry its own overrides,
     `ebrl[scheduler.groups=4,scheduler.core_rebinding=false]`, applied last."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from ebrl.config import register_configs
 
@@ -109,9 +111,15 @@ def compose_overrides(overrides: Sequence[str], mode: str = "colocated") -> Any:
 def compose(workload: Workload, mode: str = "colocated") -> Any:
     """The config of this workload under `mode` (see `compose_overrides`)."""
     overrides = [
-        f"policy={workload.policy}", f"policy.preset={workload.preset}",
-        f"env.task={workload.task}", f"env.num_envs={workload.num_envs}", f"iterations={workload.iterations}",
-        f"seed={workload.seed}", "logger=none", "progress=false", "checkpoint_every=1000000",
+        f"policy={workload.policy}",
+        f"policy.preset={workload.preset}",
+        f"env.task={workload.task}",
+        f"env.num_envs={workload.num_envs}",
+        f"iterations={workload.iterations}",
+        f"seed={workload.seed}",
+        "logger=none",
+        "progress=false",
+        "checkpoint_every=1000000",
     ]
     if workload.rollout_chunks:
         overrides.append(f"algo.rollout_chunks={workload.rollout_chunks}")
@@ -122,8 +130,13 @@ def compose(workload: Workload, mode: str = "colocated") -> Any:
     if workload.straggler_envs:
         from ebrl.bench.stragglers import with_stragglers
 
-        cfg = with_stragglers(cfg, workload.straggler_units(group_size(cfg)), workload.straggler_task,
-                              workload.straggler_slowdown, workload.straggler_after_steps)
+        cfg = with_stragglers(
+            cfg,
+            workload.straggler_units(group_size(cfg)),
+            workload.straggler_task,
+            workload.straggler_slowdown,
+            workload.straggler_after_steps,
+        )
     return cfg
 
 
@@ -145,7 +158,7 @@ def reference_algo(cfg: Any) -> Any:
 
 
 def split_mode(spec: str) -> tuple[str, list[str]]:
-    """"ebrl[a=1,b=2]" -> ("ebrl", ["a=1", "b=2"])."""
+    """ "ebrl[a=1,b=2]" -> ("ebrl", ["a=1", "b=2"])."""
     name, _, rest = spec.partition("[")
     return name, [o for o in rest.rstrip("]").split(",") if o]
 
@@ -164,7 +177,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def run_device_type(cfg: Any) -> str:
-    """"cuda" where the run's policy runs on a GPU, else "cpu"."""
+    """ "cuda" where the run's policy runs on a GPU, else "cpu"."""
     from ebrl.runs.base import run_device
 
     return run_device(cfg).type
@@ -201,8 +214,9 @@ def process_cpu_s(pids: Sequence[int]) -> float:
     return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
-def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
-             ) -> tuple[float, float, float, list[dict[str, np.ndarray]], dict[str, float]]:
+def sim_only(
+    pool: Any, chunks: int, iterations: int, act: Any = None
+) -> tuple[float, float, float, list[dict[str, np.ndarray]], dict[str, float]]:
     """Step every env in lockstep, `iterations` x `chunks` chunks; the first iteration warms up.
 
     The actions cost nothing to produce but are the policy's: `act(obs) -> (N, H, A)` samples them in the warm-up
@@ -245,11 +259,17 @@ def sim_only(pool: Any, chunks: int, iterations: int, act: Any = None
     per_env = [np.concatenate(t) * 1e3 for t in step_times]
     every = np.concatenate(per_env)
     means = [t.mean() for t in per_env]
-    latency = {"mean": float(every.mean()), "p99": float(np.percentile(every, 99)),
-               "env_spread": float(max(means) / min(means)),
-               **{f"task/{t}": float(np.mean([m for m, task in zip(means, pool.tasks) if task == t]))
-                  for t in dict.fromkeys(pool.tasks or ())},
-               "cpu_lockstep": 1e3 * worker_cpu / steps, "cpu_placed": 1e3 * placed}
+    latency = {
+        "mean": float(every.mean()),
+        "p99": float(np.percentile(every, 99)),
+        "env_spread": float(max(means) / min(means)),
+        **{
+            f"task/{t}": float(np.mean([m for m, task in zip(means, pool.tasks) if task == t]))
+            for t in dict.fromkeys(pool.tasks or ())
+        },
+        "cpu_lockstep": 1e3 * worker_cpu / steps,
+        "cpu_placed": 1e3 * placed,
+    }
     return steps / wall, min(worker_cpu / steps, placed), parent_cpu / steps, seen, latency
 
 
@@ -323,11 +343,20 @@ def stage_costs(policy: Any, trainer: Any, seen: list[dict[str, np.ndarray]], de
         outs = [policy.sample(b) for b in batches]  # warm-up: first-call allocations
         generate = timed(lambda: [policy.sample(b) for b in batches])
         gen = torch.Generator().manual_seed(0)
-        steps = [ChunkStep(obs=b, chunk=o.chunk, extras=o.extras, log_prob=o.log_prob, value=o.value,
-                           reward=torch.randn(n, generator=gen).to(device),
-                           done=torch.zeros(n, dtype=torch.bool, device=device),
-                           mask=executed, cutoff_value=torch.zeros(n, device=device))
-                 for b, o in zip(batches, outs)]
+        steps = [
+            ChunkStep(
+                obs=b,
+                chunk=o.chunk,
+                extras=o.extras,
+                log_prob=o.log_prob,
+                value=o.value,
+                reward=torch.randn(n, generator=gen).to(device),
+                done=torch.zeros(n, dtype=torch.bool, device=device),
+                mask=executed,
+                cutoff_value=torch.zeros(n, device=device),
+            )
+            for b, o in zip(batches, outs)
+        ]
         batch = stack_steps(steps, policy.value(batches[-1]))
         # warm-up on as few chunk steps as the minibatches allow: Adam's state and autograd's first-call costs
         warm = -(-trainer.cfg.minibatches // n)
@@ -344,10 +373,16 @@ def limits_of(cost: dict[str, float], cores: int, gpu: bool) -> dict[str, float]
     lesser of the cores over simulation's CPU work and the one GPU over generation's and training's GPU work."""
     sim = cores / cost["simulate"]
     if not gpu:
-        return {"sim+gen+train": cores / sum(cost.values()), "sim": sim,
-                "sim+gen": cores / (cost["simulate"] + cost["generate"])}
-    return {"sim+gen+train": min(sim, 1 / (cost["generate"] + cost["train"])), "sim": sim,
-            "sim+gen": min(sim, 1 / cost["generate"])}
+        return {
+            "sim+gen+train": cores / sum(cost.values()),
+            "sim": sim,
+            "sim+gen": cores / (cost["simulate"] + cost["generate"]),
+        }
+    return {
+        "sim+gen+train": min(sim, 1 / (cost["generate"] + cost["train"])),
+        "sim": sim,
+        "sim+gen": min(sim, 1 / cost["generate"]),
+    }
 
 
 def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], float, dict[str, float], Any]:
@@ -358,16 +393,17 @@ def references_sim(cfg: Any, iterations: int) -> tuple[float, dict[str, float], 
     from omegaconf import OmegaConf
 
     from ebrl.envs.worker import SimWorkerPool
-    from ebrl.rl.ppo import PPOTrainer
     from ebrl.policies.build import build_policy
+    from ebrl.rl.ppo import PPOTrainer
     from ebrl.runs.base import run_device
 
     conf = OmegaConf.to_container(cfg, resolve=True)
     torch.manual_seed(cfg.seed)
     device = run_device(cfg)  # generation and training are measured where the run puts them
     # (a run's seeds: GRPO's groups are built alike, so the stragglers are the run's)
-    with SimWorkerPool(env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed,
-                       group_size=group_size(cfg)) as pool:
+    with SimWorkerPool(
+        env_cfg=conf["env"], num_envs=cfg.env.num_envs, seed=cfg.seed, group_size=group_size(cfg)
+    ) as pool:
         policy = build_policy(conf["policy"], pool.spec, device, train=True)
         pool.attach(policy.execute)
         pool.reset_all()
@@ -397,17 +433,18 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
     from ebrl.bench.vector_env import make_adapter_env
     from ebrl.envs.process import worker_environment
     from ebrl.envs.worker import env_seed
-    from ebrl.runtime.resources import environment
+    from ebrl.policies.build import build_policy
     from ebrl.rl.ppo import PPOTrainer
     from ebrl.rl.rollout import ChunkStep, stack_steps
-    from ebrl.policies.build import build_policy
+    from ebrl.runtime.resources import environment
 
     conf = OmegaConf.to_container(cfg, resolve=True)
     n = cfg.env.num_envs
     fns = [partial(make_adapter_env, conf["env"], env_seed(cfg.seed, i, group_size(cfg))) for i in range(n)]
     with environment(worker_environment()):  # the spawned children inherit one thread each, as SimWorkers do
-        venv = gymnasium.vector.AsyncVectorEnv(fns, context="spawn",
-                                               autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
+        venv = gymnasium.vector.AsyncVectorEnv(
+            fns, context="spawn", autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.scheduler.torch_threads or bench_cores(cfg))  # what Experiment gives colocated
     try:
@@ -433,9 +470,19 @@ def gym_reference(cfg: Any, spec: Any, iterations: int) -> tuple[float, float]:
                     obs, r, term, trunc, _ = venv.step(actions[:, h])
                     reward += r
                     done |= term | trunc
-                steps.append(ChunkStep(obs=batch, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob,
-                                       value=out.value, reward=torch.from_numpy(reward), done=torch.from_numpy(done),
-                                       mask=executed, cutoff_value=torch.zeros(n)))
+                steps.append(
+                    ChunkStep(
+                        obs=batch,
+                        chunk=out.chunk,
+                        extras=out.extras,
+                        log_prob=out.log_prob,
+                        value=out.value,
+                        reward=torch.from_numpy(reward),
+                        done=torch.from_numpy(done),
+                        mask=executed,
+                        cutoff_value=torch.zeros(n),
+                    )
+                )
             rollout = stack_steps(steps, policy.value(policy_batch(obs, tokens, mask)))
             t1 = time.perf_counter()
             trainer.update(rollout)
@@ -483,7 +530,8 @@ def run_round(workload: Workload, modes: Sequence[str], gym: bool, load: Load = 
     cfg = compose(workload)
     settle_execute(cfg)  # (the actions of each chunk a run executes, as a run settles them)
     out.rates[SIM_ONLY], out.cpu_per_step, out.orchestration_cpu_per_step, out.step_ms, spec = references_sim(
-        cfg, workload.iterations)
+        cfg, workload.iterations
+    )
     if gym:
         out.rates[GYM_ROLLOUT], out.rates[GYM_E2E] = gym_reference(cfg, spec, workload.iterations)
     return out
@@ -502,80 +550,128 @@ def summarize(rounds: list[Round], modes: Sequence[str], cores: int, gpu: bool =
     for name in list(modes) + [k for k in rounds[0].rates if k not in modes]:
         rate = med([r.rates[name] for r in rounds])
         kind = work.get(name, "sim+gen+train")
-        rows.append({"row": name, "work": kind, "env_steps_per_s": rate, "vs_first_mode": rate / base,
-                     "limit": limits[kind], "achieved_over_limit": rate / limits[kind],
-                     "cpu_busy": med([r.cpu_busy[name] for r in rounds if name in r.cpu_busy]),
-                     "per_round": [r.rates[name] for r in rounds],
-                     "min": min(r.rates[name] for r in rounds), "max": max(r.rates[name] for r in rounds)})
-    stages = {mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]])
-                     for k in rounds[0].stages[mode]} for mode in modes}
-    return {"cores": cores, "gpu": gpu, "rounds": len(rounds), "cpu_s_per_env_step": cpu, "limits": limits,
-            "rows": rows,
-            "stages": stages,
-            "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
-            "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms}}
+        rows.append(
+            {
+                "row": name,
+                "work": kind,
+                "env_steps_per_s": rate,
+                "vs_first_mode": rate / base,
+                "limit": limits[kind],
+                "achieved_over_limit": rate / limits[kind],
+                "cpu_busy": med([r.cpu_busy[name] for r in rounds if name in r.cpu_busy]),
+                "per_round": [r.rates[name] for r in rounds],
+                "min": min(r.rates[name] for r in rounds),
+                "max": max(r.rates[name] for r in rounds),
+            }
+        )
+    stages = {
+        mode: {k: med([r.stages[mode][k] for r in rounds if k in r.stages[mode]]) for k in rounds[0].stages[mode]}
+        for mode in modes
+    }
+    return {
+        "cores": cores,
+        "gpu": gpu,
+        "rounds": len(rounds),
+        "cpu_s_per_env_step": cpu,
+        "limits": limits,
+        "rows": rows,
+        "stages": stages,
+        "orchestration_cpu_s_per_env_step": med([r.orchestration_cpu_per_step for r in rounds]),
+        "sim_step_ms": {k: med([r.step_ms[k] for r in rounds]) for k in rounds[0].step_ms},
+    }
 
 
 def print_report(result: dict[str, Any], workload: Workload, modes: Sequence[str]) -> None:
     w = workload
     size = group_size(compose(w))
-    stragglers = (f" ({w.straggler_units(size) * size} stragglers{' (whole GRPO groups)' if size > 1 else ''}: "
-                  f"{w.straggler_task or w.task} at {w.straggler_slowdown}x the substeps)" if w.straggler_envs else "")
+    stragglers = (
+        f" ({w.straggler_units(size) * size} stragglers{' (whole GRPO groups)' if size > 1 else ''}: "
+        f"{w.straggler_task or w.task} at {w.straggler_slowdown}x the substeps)"
+        if w.straggler_envs
+        else ""
+    )
     tasks = next((o.split("=", 1)[1] for o in w.overrides if o.startswith("env.tasks=")), None)
     what = f"envs over the tasks {tasks}" if tasks else f"x {w.task}"
-    print(f"\nworkload: {w.num_envs} {what}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
-          f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds, modes in "
-          "ABBA order")
+    print(
+        f"\nworkload: {w.num_envs} {what}{stragglers}, policy {w.policy}/{w.preset}, {result['cores']} cores, "
+        f"{w.iterations} iterations per measurement (first discarded), median of {result['rounds']} rounds, modes in "
+        "ABBA order"
+    )
     first = modes[0] if modes else "-"
     header = ["row", "work", "env steps/s", "min-max", f"x {first}", "limit", "achieved/limit", "cpu busy"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in result["rows"]:
         busy = "" if math.isnan(r["cpu_busy"]) else f"{r['cpu_busy']:.0%}"
-        print(f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
-              f"{r['vs_first_mode']:.2f} | "
-              f"{r['limit']:.1f} | {r['achieved_over_limit']:.2f} | {busy} |")
+        print(
+            f"| {r['row']} | {r['work']} | {r['env_steps_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
+            f"{r['vs_first_mode']:.2f} | "
+            f"{r['limit']:.1f} | {r['achieved_over_limit']:.2f} | {busy} |"
+        )
     if modes:
-        keys = ["busy_simulate", "busy_generate", "busy_train", "cpu_share_simulate", "cpu_share_main",
-                "cpu_share_trainer"]
-        print("\nwhere the time went (after warm-up): busy = share of the wall time a stage ran (simulate: per core, "
-              "from chunk spans, >100% when envs wait for a core); cpu share = CPU seconds / (cores x wall) of the "
-              "simulator processes, the main process (generation, orchestration; colocated: training too) and the "
-              "trainer process")
+        keys = [
+            "busy_simulate",
+            "busy_generate",
+            "busy_train",
+            "cpu_share_simulate",
+            "cpu_share_main",
+            "cpu_share_trainer",
+        ]
+        print(
+            "\nwhere the time went (after warm-up): busy = share of the wall time a stage ran (simulate: per core, "
+            "from chunk spans, >100% when envs wait for a core); cpu share = CPU seconds / (cores x wall) of the "
+            "simulator processes, the main process (generation, orchestration; colocated: training too) and the "
+            "trainer process"
+        )
         print("| mode | " + " | ".join(keys) + " |")
         print("|" + "---|" * (len(keys) + 1))
         for mode in modes:
             st = result["stages"][mode]
             print(f"| {mode} | " + " | ".join(f"{st[k]:.0%}" if k in st else "-" for k in keys) + " |")
     cpu = result["cpu_s_per_env_step"]
-    print(("ms per env step, each stage alone (least over rounds; simulate CPU, generate and train GPU time): "
-           if result.get("gpu") else "CPU ms per env step, each stage alone (least over rounds): ")
-          + ", ".join(f"{s} {1e3 * cpu[s]:.2f}" for s in STAGES)
-          + f" (sum {1e3 * sum(cpu.values()):.2f}); parent's orchestration while only simulating "
-          f"{1e3 * result['orchestration_cpu_s_per_env_step']:.2f} (not in the limit)")
+    print(
+        (
+            "ms per env step, each stage alone (least over rounds; simulate CPU, generate and train GPU time): "
+            if result.get("gpu")
+            else "CPU ms per env step, each stage alone (least over rounds): "
+        )
+        + ", ".join(f"{s} {1e3 * cpu[s]:.2f}" for s in STAGES)
+        + f" (sum {1e3 * sum(cpu.values()):.2f}); parent's orchestration while only simulating "
+        f"{1e3 * result['orchestration_cpu_s_per_env_step']:.2f} (not in the limit)"
+    )
     lat = result["sim_step_ms"]
-    print(f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
-          f"fastest env's {lat['env_spread']:.2f}; sim CPU ms per env step in lockstep {lat['cpu_lockstep']:.2f}, "
-          f"one env per core {lat['cpu_placed']:.2f}")
+    print(
+        f"sim-only step latency: mean {lat['mean']:.1f} ms, p99 {lat['p99']:.1f} ms, slowest env's mean / "
+        f"fastest env's {lat['env_spread']:.2f}; sim CPU ms per env step in lockstep {lat['cpu_lockstep']:.2f}, "
+        f"one env per core {lat['cpu_placed']:.2f}"
+    )
     per_task = {k.split("/", 1)[1]: v for k, v in lat.items() if k.startswith("task/")}
     if per_task:
-        print("sim-only step latency per task (mean of its envs' means, ms): "
-              + ", ".join(f"{t} {v:.1f}" for t, v in per_task.items())
-              + f"; slowest / fastest {max(per_task.values()) / min(per_task.values()):.2f}")
-    how = ("min(cores / simulate's CPU-seconds, 1 GPU / generate's and train's GPU-seconds) per env step"
-           if result.get("gpu") else "cores / sum of the stages' CPU-seconds per env step")
-    print(f"limit = {how}: " + ", ".join(
-        f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
+        print(
+            "sim-only step latency per task (mean of its envs' means, ms): "
+            + ", ".join(f"{t} {v:.1f}" for t, v in per_task.items())
+            + f"; slowest / fastest {max(per_task.values()) / min(per_task.values()):.2f}"
+        )
+    how = (
+        "min(cores / simulate's CPU-seconds, 1 GPU / generate's and train's GPU-seconds) per env step"
+        if result.get("gpu")
+        else "cores / sum of the stages' CPU-seconds per env step"
+    )
+    print(f"limit = {how}: " + ", ".join(f"{k} {v:.1f} steps/s" for k, v in result["limits"].items()))
 
 
 def under_load(result: dict[str, Any], modes: Sequence[str], load: Load) -> dict[str, dict[str, float]]:
     """Print and return each mode's env steps/s quiet and beside the foreign load, and the share it kept."""
     rate = {r["row"]: r["env_steps_per_s"] for r in result["rows"]}
-    figures = {mode: {"quiet": rate[mode], "loaded": rate[load.row(mode)],
-                      "kept": rate[load.row(mode)] / rate[mode]} for mode in modes}
+    figures = {
+        mode: {"quiet": rate[mode], "loaded": rate[load.row(mode)], "kept": rate[load.row(mode)] / rate[mode]}
+        for mode in modes
+    }
     where = "pinned to the first cores" if load.pinned else "unpinned"
-    print(f"\nbeside {load.processes} busy process(es) at nice 0 ({where}; {load.processes} of {result['cores']} cores "
-          f"is {load.processes / result['cores']:.0%} of the machine), medians over rounds:")
+    print(
+        f"\nbeside {load.processes} busy process(es) at nice 0 ({where}; {load.processes} of {result['cores']} cores "
+        f"is {load.processes / result['cores']:.0%} of the machine), medians over rounds:"
+    )
     print("| mode | quiet env steps/s | loaded | kept |")
     print("|---|---|---|---|")
     for mode, f in figures.items():
@@ -586,28 +682,53 @@ def under_load(result: dict[str, Any], modes: Sequence[str], load: Load) -> dict
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse, run `--repeats` rounds (modes in ABBA order), print the table; returns what `--json` writes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["colocated"],
-                        help="scheduler= options to compare; the first is the ratio's base")
+    parser.add_argument(
+        "--modes", nargs="+", default=["colocated"], help="scheduler= options to compare; the first is the ratio's base"
+    )
     parser.add_argument("--policy", default="openpi", help="policy= group option")
     parser.add_argument("--policy-preset", default="tiny", choices=["tiny", "small", "full"])
     parser.add_argument("--task", default="Lift", help="robosuite task of every env")
-    parser.add_argument("--tasks", nargs="+", default=None,
-                        help="a multi-task workload: env.tasks=[...], envs round-robin over them (instead of --task)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="a multi-task workload: env.tasks=[...], envs round-robin over them (instead of --task)",
+    )
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=3, help="per measurement; the first is warm-up (>= 2)")
     parser.add_argument("--rollout-chunks", type=int, default=None, help="chunks per env per iteration (algo's)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="rounds (modes in ABBA order); each row's figure is the median, with its min-max")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds (modes in ABBA order); each row's figure is the median, with its min-max",
+    )
     parser.add_argument("--no-gym", action="store_true", help="skip the gymnasium AsyncVectorEnv reference")
-    parser.add_argument("--stragglers", type=float, default=0.0,
-                        help="fraction of the envs that step slower (ebrl.bench.stragglers), 0..1")
+    parser.add_argument(
+        "--stragglers",
+        type=float,
+        default=0.0,
+        help="fraction of the envs that step slower (ebrl.bench.stragglers), 0..1",
+    )
     parser.add_argument("--straggler-task", default=None, help="task the stragglers run (default: --task)")
-    parser.add_argument("--straggler-slowdown", type=int, default=3,
-                        help="stragglers take this many times the physics substeps per action")
-    parser.add_argument("--foreign-load", type=int, default=0, metavar="N",
-                        help="also measure each mode beside N busy processes at nice 0 (a shared node's other load)")
-    parser.add_argument("--foreign-pinned", action="store_true",
-                        help="pin the busy processes to the run's first cores (default: where the kernel puts them)")
+    parser.add_argument(
+        "--straggler-slowdown",
+        type=int,
+        default=3,
+        help="stragglers take this many times the physics substeps per action",
+    )
+    parser.add_argument(
+        "--foreign-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure each mode beside N busy processes at nice 0 (a shared node's other load)",
+    )
+    parser.add_argument(
+        "--foreign-pinned",
+        action="store_true",
+        help="pin the busy processes to the run's first cores (default: where the kernel puts them)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. algo.epochs=2")
@@ -622,11 +743,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error(f"--stragglers={args.stragglers}: a fraction of the envs, 0..1")
     if args.iterations < 2:
         parser.error(f"--iterations={args.iterations}: need at least 2 (the first is discarded)")
-    workload = Workload(policy=args.policy, preset=args.policy_preset, task=args.task, num_envs=args.num_envs,
-                        iterations=args.iterations, rollout_chunks=args.rollout_chunks,
-                        overrides=[*(["env.tasks=[" + ",".join(args.tasks) + "]"] if args.tasks else []),
-                                   *args.overrides], seed=args.seed, stragglers=args.stragglers,
-                        straggler_task=args.straggler_task, straggler_slowdown=args.straggler_slowdown)
+    workload = Workload(
+        policy=args.policy,
+        preset=args.policy_preset,
+        task=args.task,
+        num_envs=args.num_envs,
+        iterations=args.iterations,
+        rollout_chunks=args.rollout_chunks,
+        overrides=[*(["env.tasks=[" + ",".join(args.tasks) + "]"] if args.tasks else []), *args.overrides],
+        seed=args.seed,
+        stragglers=args.stragglers,
+        straggler_task=args.straggler_task,
+        straggler_slowdown=args.straggler_slowdown,
+    )
     if args.tasks and not args.no_gym:
         print("--tasks: no gymnasium reference (its AsyncVectorEnv runs one task)", file=sys.stderr)
     gym = not args.no_gym and not args.tasks

@@ -7,6 +7,7 @@ them and runs three chunks of 8 zero actions, then reads the worker's unique set
 and the heap's free pages, see `ebrl.envs.process.release_build_memory`); both run side by side in one invocation.
 The model's own sizes (its buffer, textures, mesh vertices, shadow map) say what the rest is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,13 @@ def model_sizes(env_cfg: dict[str, Any]) -> str:
     from ebrl.envs.worker import REPO_ROOT, worker_python
 
     python = worker_python(env_cfg.get("name", ""), env_cfg.get("python"))
-    out = subprocess.run([python, "-m", "ebrl.bench.sim_memory", "--sizes", json.dumps({**env_cfg, "cameras": []})],
-                         capture_output=True, text=True, cwd=REPO_ROOT, check=False)
+    out = subprocess.run(
+        [python, "-m", "ebrl.bench.sim_memory", "--sizes", json.dumps({**env_cfg, "cameras": []})],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=False,
+    )
     try:
         return out.stdout.strip().splitlines()[-1]
     except IndexError:
@@ -75,8 +81,10 @@ def print_sizes(env_cfg: dict[str, Any]) -> None:
 
     env = build_adapter(env_cfg, 0).env
     m = (env.sim if hasattr(env, "sim") else env.env.sim).model._model  # LIBERO wraps robosuite's env
-    print(f"model {m.nbuffer / 2**20:.0f} MiB, textures {m.ntexdata / 2**20:.0f} MiB, {m.nmeshvert / 1000:.0f}k mesh "
-          f"vertices, shadow map {m.vis.quality.shadowsize}^2")
+    print(
+        f"model {m.nbuffer / 2**20:.0f} MiB, textures {m.ntexdata / 2**20:.0f} MiB, {m.nmeshvert / 1000:.0f}k mesh "
+        f"vertices, shadow map {m.vis.quality.shadowsize}^2"
+    )
 
 
 def main() -> None:
@@ -98,8 +106,11 @@ def main() -> None:
                 print(f"{env}: skipped ({e})", file=sys.stderr)
                 break
             rows.append((env, cameras, kept, released))
-            print(f"{env:10s} cameras {cameras}: kept {kept:6.0f} MiB  given back {released:6.0f} MiB  "
-                  f"({1 - released / kept:.0%} less)", flush=True)
+            print(
+                f"{env:10s} cameras {cameras}: kept {kept:6.0f} MiB  given back {released:6.0f} MiB  "
+                f"({1 - released / kept:.0%} less)",
+                flush=True,
+            )
         if rows and rows[-1][0] == env:
             print(f"{env:10s} {model_sizes(cfg)}", flush=True)
     print("\n| env | cameras | USS kept (MiB) | USS given back (MiB) | less |\n|---|---|---|---|---|")

@@ -8,6 +8,7 @@ claims (run_chunk, the fast step's own loop, the adapter's obs dict) is "the res
 (robosuite, LIBERO, RoboCasa): ManiSkill's step has no such seams. This module imports numpy and the simulator only:
 it runs under each benchmark's interpreter.
 """
+
 from __future__ import annotations
 
 import time
@@ -100,8 +101,13 @@ class Parts:
         self.wrap(fast_step.FastStep, "_compiled_substeps", "controller", self.compiled)
         self._undo.append((fast_step.FastStep, "physics_s", None, True))
         fast_step.FastStep.physics_s = self.compiled_physics
-        for worker in (fast_step._Osc, fast_step._Velocity, fast_step._JointPosition, fast_step._Osc14,
-                       fast_step._Grip14):
+        for worker in (
+            fast_step._Osc,
+            fast_step._Velocity,
+            fast_step._JointPosition,
+            fast_step._Osc14,
+            fast_step._Grip14,
+        ):
             for name in ("begin", "torques", "sync"):
                 self.wrap(worker, name, "controller")
         for name in ("begin", "due", "advance", "end"):

@@ -25,6 +25,7 @@ uniform in half the action range from a seeded generator (the arm moves as a pol
 cost the physics less). Times are CPU time, the median over `--repeats` passes of `--steps` env steps, one process per
 task, one thread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ def measure(name: str, env_cfg: dict[str, Any], execute: int, steps: int, repeat
     span = (spec.action_high - spec.action_low) / 2
     chunks = actions_for(spec.action_dim, span, max(1, steps // execute), execute, seed)
 
-    def drive(adapter: Any, episode_seed: int, clock: Callable[[], float], parts: Parts | None = None
-              ) -> tuple[float, int]:
+    def drive(
+        adapter: Any, episode_seed: int, clock: Callable[[], float], parts: Parts | None = None
+    ) -> tuple[float, int]:
         """Seconds on `clock` to run every chunk from a fresh episode, and the steps; with `parts`, each part's
         time in that stretch too."""
         adapter.begin_episode(episode_seed)
@@ -118,8 +120,14 @@ def measure(name: str, env_cfg: dict[str, Any], execute: int, steps: int, repeat
         if passes:  # each part's median share of the step; the rest is what the parts' medians leave
             parts[way] = {part: step[way] * statistics.median(p[part] for p in passes) for part in PARTS[:-1]}
             parts[way][PARTS[-1]] = step[way] - sum(parts[way].values())
-    return {"step_ms": step["stock"], "fast_ms": step["fast"], "fast_off": fast_off,
-            "physics_ms": statistics.median(physics_ms), "substeps": substeps, "parts": parts}
+    return {
+        "step_ms": step["stock"],
+        "fast_ms": step["fast"],
+        "fast_off": fast_off,
+        "physics_ms": statistics.median(physics_ms),
+        "substeps": substeps,
+        "parts": parts,
+    }
 
 
 def actions_for(action_dim: int, span: float, chunks: int, execute: int, seed: int) -> np.ndarray:
@@ -152,8 +160,15 @@ def run_config(benchmark: str, task: str, extra: dict[str, Any], overrides: Sequ
     from ebrl.bench.schedulers import compose_overrides
     from ebrl.policies.build import settle_execute
 
-    cfg = compose_overrides([f"env={benchmark}", f"env.task={task}", "env.cameras=[]",
-                             *(f"env.{k}={v}" for k, v in extra.items()), *overrides])
+    cfg = compose_overrides(
+        [
+            f"env={benchmark}",
+            f"env.task={task}",
+            "env.cameras=[]",
+            *(f"env.{k}={v}" for k, v in extra.items()),
+            *overrides,
+        ]
+    )
     settle_execute(cfg)
     return OmegaConf.to_container(cfg.env, resolve=True), OmegaConf.to_container(cfg.policy, resolve=True)
 
@@ -168,8 +183,9 @@ def execute_of(policy_cfg: dict[str, Any], spec: Any) -> int:
     return int(build_policy(policy_cfg, spec, "meta").execute)
 
 
-def through_processes(env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps: int, repeats: int, n: int = 1,
-                      seed: int = 0) -> tuple[int, float, float]:
+def through_processes(
+    env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps: int, repeats: int, n: int = 1, seed: int = 0
+) -> tuple[int, float, float]:
     """The run's chunks through `n` simulator processes at once (SimWorker, one thread each), as a run's simulate
     stage drives them: each chunk's actions written to every shared-memory slot, sent down every pipe, the replies
     and the obs read back. Returns the chunk's executed actions, the processes' CPU ms per env step, and the share of
@@ -185,8 +201,9 @@ def through_processes(env_cfg: dict[str, Any], policy_cfg: dict[str, Any], steps
         execute = execute_of(policy_cfg, spec)
         for worker in workers:
             worker.attach(execute)
-        chunks = actions_for(spec.action_dim, (spec.action_high - spec.action_low) / 2, max(1, steps // execute),
-                             execute, seed)
+        chunks = actions_for(
+            spec.action_dim, (spec.action_high - spec.action_low) / 2, max(1, steps // execute), execute, seed
+        )
         cpu_ms, outside = [], []
         for r in range(repeats):
             for i, worker in enumerate(workers):
@@ -214,12 +231,21 @@ def run_task(benchmark: str, env_cfg: dict[str, Any], execute: int, args: argpar
     from ebrl.envs.setup import worker_python
     from ebrl.envs.worker import REPO_ROOT
 
-    job = json.dumps({"name": benchmark, "env": env_cfg, "execute": execute, "steps": args.steps,
-                      "repeats": args.repeats})
-    env = {**os.environ, **ONE_THREAD,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([worker_python(benchmark, env_cfg.get("python")), "-m", "ebrl.bench.sim_speed", "--job",
-                           job], capture_output=True, text=True, env=env, timeout=1800)
+    job = json.dumps(
+        {"name": benchmark, "env": env_cfg, "execute": execute, "steps": args.steps, "repeats": args.repeats}
+    )
+    env = {
+        **os.environ,
+        **ONE_THREAD,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [worker_python(benchmark, env_cfg.get("python")), "-m", "ebrl.bench.sim_speed", "--job", job],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         raise RuntimeError(f"{benchmark} {env_cfg['task']}: {lines[-1] if lines else proc.returncode}")
@@ -238,9 +264,11 @@ def print_parts(rows: list[dict]) -> None:
     """Each part's ms per env step and share of the in-process step; then the process's CPU ms and the plumbing."""
     from ebrl.bench.sim_parts import PARTS
 
-    print(f"\nWhere the step goes, ms per env step (share of the in-process step), the way the run steps "
-          f"(env.fast_step); the process: one simulator process's CPU ms per env step, the same chunks, and its CPU "
-          f"outside run_chunk (share of the process's)")
+    print(
+        f"\nWhere the step goes, ms per env step (share of the in-process step), the way the run steps "
+        f"(env.fast_step); the process: one simulator process's CPU ms per env step, the same chunks, and its CPU "
+        f"outside run_chunk (share of the process's)"
+    )
     print(f"| benchmark | task | way | {' | '.join(PARTS)} | in-process step | the process | pipes and shared memory |")
     print("|---|---|---|" + "---|" * (len(PARTS) + 3))
     for r in rows:
@@ -250,9 +278,12 @@ def print_parts(rows: list[dict]) -> None:
                 continue
             total = r["fast_ms" if way == "fast" else "step_ms"]
             process = r["process_ms"] if way == r["run_way"] else None
-            tail = (f"{process:.2f} | {share(process * r['plumbing'], process)}" if process is not None else "- | -")
-            print(f"| {r['benchmark']} | {r['task']} | {way} | {' | '.join(share(parts[p], total) for p in PARTS)} | "
-                  f"{total:.2f} | {tail} |", flush=True)
+            tail = f"{process:.2f} | {share(process * r['plumbing'], process)}" if process is not None else "- | -"
+            print(
+                f"| {r['benchmark']} | {r['task']} | {way} | {' | '.join(share(parts[p], total) for p in PARTS)} | "
+                f"{total:.2f} | {tail} |",
+                flush=True,
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -271,10 +302,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     from ebrl.runtime.errors import exit_cleanly
 
     rows = []
-    print(f"{args.steps} env steps x {args.repeats} passes per task as a run takes them (run_chunk, resets "
-          "included), one thread, state observations (ms per env step; the median pass)")
-    print("| benchmark | task | execute | stock step | fast step | physics (substeps) | stock / physics "
-          "| fast / physics | speed-up | the process (CPU) | the run's processes at once (CPU) |")
+    print(
+        f"{args.steps} env steps x {args.repeats} passes per task as a run takes them (run_chunk, resets "
+        "included), one thread, state observations (ms per env step; the median pass)"
+    )
+    print(
+        "| benchmark | task | execute | stock step | fast step | physics (substeps) | stock / physics "
+        "| fast / physics | speed-up | the process (CPU) | the run's processes at once (CPU) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with exit_cleanly("the benchmark sim_speed"):
         for benchmark in args.benchmarks:
@@ -285,22 +320,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 name = label(benchmark, env_cfg)
                 try:
                     execute, process_ms, plumbing = through_processes(env_cfg, policy_cfg, args.steps, args.repeats)
-                    run_ms = process_ms if env_cfg["num_envs"] == 1 else through_processes(
-                        env_cfg, policy_cfg, args.steps, args.repeats, env_cfg["num_envs"])[1]
+                    run_ms = (
+                        process_ms
+                        if env_cfg["num_envs"] == 1
+                        else through_processes(env_cfg, policy_cfg, args.steps, args.repeats, env_cfg["num_envs"])[1]
+                    )
                     r = run_task(benchmark, env_cfg, execute, args)
                 except (RuntimeError, EnvSetupError) as e:  # (a benchmark not set up: its line, and the others go on)
                     print(f"| {benchmark} | {name} | not measured: {one_line(e)} | | | | | | | | |", flush=True)
                     continue
-                r.update(benchmark=benchmark, task=name, execute=execute, process_ms=process_ms, plumbing=plumbing,
-                         run_ms=run_ms, num_envs=env_cfg["num_envs"],
-                         run_way="fast" if env_cfg.get("fast_step", True) else "stock")
+                r.update(
+                    benchmark=benchmark,
+                    task=name,
+                    execute=execute,
+                    process_ms=process_ms,
+                    plumbing=plumbing,
+                    run_ms=run_ms,
+                    num_envs=env_cfg["num_envs"],
+                    run_way="fast" if env_cfg.get("fast_step", True) else "stock",
+                )
                 rows.append(r)
                 fast = f"{r['fast_ms']:.2f}" + (f" (stock: {r['fast_off']})" if r["fast_off"] else "")
                 physics = r["physics_ms"]
-                print(f"| {benchmark} | {name} | {execute} | {r['step_ms']:.2f} | {fast} | {physics:.2f} "
-                      f"({r['substeps']}) | {r['step_ms'] / physics:.1f}x | {r['fast_ms'] / physics:.1f}x "
-                      f"| {r['step_ms'] / r['fast_ms']:.2f}x | {process_ms:.2f} | {run_ms:.2f} ({r['num_envs']}) |",
-                      flush=True)
+                print(
+                    f"| {benchmark} | {name} | {execute} | {r['step_ms']:.2f} | {fast} | {physics:.2f} "
+                    f"({r['substeps']}) | {r['step_ms'] / physics:.1f}x | {r['fast_ms'] / physics:.1f}x "
+                    f"| {r['step_ms'] / r['fast_ms']:.2f}x | {process_ms:.2f} | {run_ms:.2f} ({r['num_envs']}) |",
+                    flush=True,
+                )
         print_parts(rows)
     return rows
 

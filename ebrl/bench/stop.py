@@ -7,6 +7,7 @@ seconds from the first signal to the process's exit, its exit code and last line
 left behind against the run's last logged one, and whether the run resumes from it (one more iteration). And the same
 for the scheduler benchmark (`python -m ebrl.bench.schedulers`), signalled `--bench-after` seconds after its start.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,22 @@ from typing import Callable, Sequence
 from ebrl.bench.load import foreign_load
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["env.num_envs=2", "algo.rollout_chunks=4", "algo.minibatches=2", "algo.epochs=2", "env.max_episode_steps=24",
-         "progress=false", "logger=none", "init=null", "checkpoint_every=1"]
+SMALL = [
+    "env.num_envs=2",
+    "algo.rollout_chunks=4",
+    "algo.minibatches=2",
+    "algo.epochs=2",
+    "env.max_episode_steps=24",
+    "progress=false",
+    "logger=none",
+    "init=null",
+    "checkpoint_every=1",
+]
 
 
-def stopped(cmd: list[str], ready: Callable[[], bool], twice: float | None, timeout: float = 600) -> tuple[float, int, str]:
+def stopped(
+    cmd: list[str], ready: Callable[[], bool], twice: float | None, timeout: float = 600
+) -> tuple[float, int, str]:
     """Start `cmd`, wait until `ready()`, send SIGTERM (and again `twice` s later); seconds to exit, code, last line."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -68,19 +80,37 @@ def stop_run(schedule: str, after: int, twice: float | None, work: Path) -> dict
     kept = torch.load(ckpt, weights_only=False, map_location="cpu")["iteration"] if ckpt.exists() else None
     resumed = None
     if kept is not None:
-        again = subprocess.run([sys.executable, "run.py", *SMALL, f"scheduler={schedule}", f"resume={run_dir}",
-                                f"iterations={kept + 1}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        again = subprocess.run(
+            [sys.executable, "run.py", *SMALL, f"scheduler={schedule}", f"resume={run_dir}", f"iterations={kept + 1}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         resumed = again.returncode == 0
-    return {"what": f"run.py scheduler={schedule}", "signals": 2 if twice is not None else 1, "seconds": took,
-            "exit": code, "line": line, "logged": at_stop, "checkpoint": kept, "resumed": resumed}
+    return {
+        "what": f"run.py scheduler={schedule}",
+        "signals": 2 if twice is not None else 1,
+        "seconds": took,
+        "exit": code,
+        "line": line,
+        "logged": at_stop,
+        "checkpoint": kept,
+        "resumed": resumed,
+    }
 
 
 def stop_bench(after_s: float, twice: float | None) -> dict:
     cmd = [sys.executable, "-m", "ebrl.bench.schedulers", "--modes", "colocated", "ebrl", "async", "--no-gym"]
     start = time.monotonic()
     took, code, line = stopped(cmd, lambda: time.monotonic() - start >= after_s, twice)
-    return {"what": "bench.schedulers", "signals": 2 if twice is not None else 1, "seconds": took, "exit": code,
-            "line": line}
+    return {
+        "what": "bench.schedulers",
+        "signals": 2 if twice is not None else 1,
+        "seconds": took,
+        "exit": code,
+        "line": line,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -100,13 +130,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for twice in (None, args.second):
             rows.append(stop_bench(args.bench_after, twice))
         load = os.getloadavg()[0]
-    print(f"\nbeside {args.foreign_load} busy process(es) at nice 0 ({os.cpu_count()} cores; load average "
-          f"{load:.1f} at the end):")
+    print(
+        f"\nbeside {args.foreign_load} busy process(es) at nice 0 ({os.cpu_count()} cores; load average "
+        f"{load:.1f} at the end):"
+    )
     print("| what | SIGTERMs | seconds to exit | exit | last line | iterations logged | checkpoint | resumed |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['what']} | {r['signals']} | {r['seconds']:.1f} | {r['exit']} | {r['line'][:90]} | "
-              f"{r.get('logged', '-')} | {r.get('checkpoint', '-')} | {r.get('resumed', '-')} |")
+        print(
+            f"| {r['what']} | {r['signals']} | {r['seconds']:.1f} | {r['exit']} | {r['line'][:90]} | "
+            f"{r.get('logged', '-')} | {r.get('checkpoint', '-')} | {r.get('resumed', '-')} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return rows

@@ -11,6 +11,7 @@ vector padded with zeros or cut to the base's length, the base's instruction), s
 policy drives them all: with another task the figures are throughput, not learning; with the same task (only its
 control rate lower) the learning benchmark learns on it (`python -m ebrl.bench.learning --stragglers`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,8 +41,16 @@ class StragglerEnv(EnvAdapter):
     `straggler_after_steps` the stragglers start like the others and slow down at their first reset after that many
     steps (the demand shifts mid-run, as when a curriculum moves on to contact-rich tasks)."""
 
-    def __init__(self, inner_target: str, straggler_envs: int = 0, straggler_task: str | None = None,
-                 straggler_slowdown: int = 3, straggler_after_steps: int = 0, seed: int = 0, **inner: Any) -> None:
+    def __init__(
+        self,
+        inner_target: str,
+        straggler_envs: int = 0,
+        straggler_task: str | None = None,
+        straggler_slowdown: int = 3,
+        straggler_after_steps: int = 0,
+        seed: int = 0,
+        **inner: Any,
+    ) -> None:
         super().__init__(seed)
         if straggler_slowdown < 1:
             raise EnvSetupError(f"straggler_slowdown={straggler_slowdown} must be >= 1")
@@ -62,8 +71,10 @@ class StragglerEnv(EnvAdapter):
         env = self._cls(**slow, seed=self._seed)
         if env.spec.action_dim != self.spec.action_dim:
             env.close()
-            raise EnvSetupError(f"straggler_task={self._task!r} takes {env.spec.action_dim}-d actions, "
-                                f"the base task {self.spec.action_dim}-d; choose a task of the same robot")
+            raise EnvSetupError(
+                f"straggler_task={self._task!r} takes {env.spec.action_dim}-d actions, "
+                f"the base task {self.spec.action_dim}-d; choose a task of the same robot"
+            )
         self.env.close()
         self.env, self.slow = env, True
 

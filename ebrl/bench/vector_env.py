@@ -3,6 +3,7 @@
 Imports numpy, gymnasium and the adapter's module only: AsyncVectorEnv's spawned children unpickle
 `make_adapter_env` from here, and should not pay for torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,12 +22,17 @@ class AdapterEnv(gymnasium.Env):
     def __init__(self, adapter: EnvAdapter) -> None:
         self.adapter = adapter
         spec = adapter.spec
-        self.observation_space = gymnasium.spaces.Dict({
-            key: gymnasium.spaces.Box(
-                low=0 if a.dtype == "uint8" else -np.inf, high=255 if a.dtype == "uint8" else np.inf,
-                shape=a.shape, dtype=np.dtype(a.dtype))
-            for key, a in spec.obs.items()
-        })
+        self.observation_space = gymnasium.spaces.Dict(
+            {
+                key: gymnasium.spaces.Box(
+                    low=0 if a.dtype == "uint8" else -np.inf,
+                    high=255 if a.dtype == "uint8" else np.inf,
+                    shape=a.shape,
+                    dtype=np.dtype(a.dtype),
+                )
+                for key, a in spec.obs.items()
+            }
+        )
         self.action_space = gymnasium.spaces.Box(spec.action_low, spec.action_high, (spec.action_dim,), np.float32)
         self._steps = 0
 

@@ -14,6 +14,7 @@ whole arrays per demo (a sample is a slice, no decoding), images stay uint8 with
 only dependency; the robosuite and LIBERO files users hold read as they are, their state assembled from the obs
 datasets `demos.state_keys` names. `read_demos` reads either format, or a folder of both.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,14 @@ def _names(group: Any) -> list[str]:
     return sorted(group, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
-def write_demos(path: str | Path, episodes: Sequence[Episode], instruction: str, env_args: dict[str, Any],
-                valid: Sequence[int] = (), info: dict[str, Any] | None = None) -> Path:
+def write_demos(
+    path: str | Path,
+    episodes: Sequence[Episode],
+    instruction: str,
+    env_args: dict[str, Any],
+    valid: Sequence[int] = (),
+    info: dict[str, Any] | None = None,
+) -> Path:
     """Write `episodes` to the .hdf5 file `path`; the episodes at indices `valid` form mask/valid."""
     import h5py
 
@@ -61,7 +68,7 @@ def write_demos(path: str | Path, episodes: Sequence[Episode], instruction: str,
             dones[-1] = 1
             demo.create_dataset("dones", data=dones)
             for key, value in e.obs.items():
-                name = f"{key[len('image/'):]}_image" if key.startswith("image/") else key
+                name = f"{key[len('image/') :]}_image" if key.startswith("image/") else key
                 demo.create_dataset(f"obs/{name}", data=value, compression="gzip" if value.dtype == np.uint8 else None)
         mask = f.create_group("mask")
         mask.create_dataset("train", data=np.array([f"demo_{i}" for i in range(len(episodes)) if i not in held], "S"))
@@ -76,15 +83,19 @@ def demo_sources(path: str | Path) -> list[Path]:
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise DemosError(f"demos.path={path} does not exist; give an .hdf5 file, a LeRobot dataset folder or a folder "
-                         "of them (python -m ebrl.demos record writes either)")
+        raise DemosError(
+            f"demos.path={path} does not exist; give an .hdf5 file, a LeRobot dataset folder or a folder "
+            "of them (python -m ebrl.demos record writes either)"
+        )
     if p.is_file() or is_lerobot_dataset(p):
         return [p]
     roots = sorted(q.parent.parent for q in p.rglob("info.json") if is_lerobot_dataset(q.parent.parent))
     files = [q for q in p.rglob("*") if q.suffix in (".hdf5", ".h5") and not any(r in q.parents for r in roots)]
     if not roots and not files:
-        raise DemosError(f"demos.path={path} is neither a LeRobot dataset (meta/info.json) nor holds .hdf5 files or "
-                         "LeRobot datasets; record some with python -m ebrl.demos record")
+        raise DemosError(
+            f"demos.path={path} is neither a LeRobot dataset (meta/info.json) nor holds .hdf5 files or "
+            "LeRobot datasets; record some with python -m ebrl.demos record"
+        )
     return sorted(roots + files)
 
 
@@ -94,8 +105,9 @@ def _obs_key(demo: Any, key: str, file: Path, what: str) -> np.ndarray:
     return np.asarray(demo["obs"][key])
 
 
-def _read_file(file: Path, state_keys: Sequence[str] | None, image_keys: dict[str, str], cameras: Sequence[str]
-               ) -> DemoSet:
+def _read_file(
+    file: Path, state_keys: Sequence[str] | None, image_keys: dict[str, str], cameras: Sequence[str]
+) -> DemoSet:
     """The episodes of one robomimic file, their state from `state_keys` (None: `state`, what our recorder writes)."""
     import h5py
 
@@ -117,20 +129,32 @@ def _read_file(file: Path, state_keys: Sequence[str] | None, image_keys: dict[st
         for name in names:
             demo = data[name]
             actions = np.asarray(demo["actions"], np.float32)
-            obs = episode_obs(lambda key, what: _obs_key(demo, key, file, what), len(actions), state_keys,
-                              image_keys, cameras, lambda cam: f"{cam}_image")
+            obs = episode_obs(
+                lambda key, what: _obs_key(demo, key, file, what),
+                len(actions),
+                state_keys,
+                image_keys,
+                cameras,
+                lambda cam: f"{cam}_image",
+            )
             rewards = np.asarray(demo["rewards"], np.float32) if "rewards" in demo else np.zeros(len(actions))
             seed = int(demo.attrs["seed"]) if "seed" in demo.attrs else None
-            episodes.append(Episode(obs, actions, rewards, bool(demo.attrs.get("success", True)), seed,
-                                    info["instruction"]))
+            episodes.append(
+                Episode(obs, actions, rewards, bool(demo.attrs.get("success", True)), seed, info["instruction"])
+            )
         held = None
         if "mask" in f and "valid" in f["mask"]:
             held = {n.decode() if isinstance(n, bytes) else str(n) for n in np.asarray(f["mask"]["valid"])}
     return DemoSet(episodes, names, held, info)
 
 
-def read_demos(path: str | Path, state_keys: Sequence[str] | None = None, image_keys: dict[str, str] | None = None,
-               cameras: Sequence[str] = (), valid_share: float = 0.2) -> Demos:
+def read_demos(
+    path: str | Path,
+    state_keys: Sequence[str] | None = None,
+    image_keys: dict[str, str] | None = None,
+    cameras: Sequence[str] = (),
+    valid_share: float = 0.2,
+) -> Demos:
     """Every episode under `path`, with `cameras`' images; the state is `state_keys` side by side (None: the format's
     own, `state` in HDF5, `observation.state` in LeRobot's). Held out: a file's mask/valid (a LeRobot dataset's
     `valid` split), else the last `valid_share` of its episodes (at least one where the share is above 0 and it has
@@ -148,7 +172,7 @@ def read_demos(path: str | Path, state_keys: Sequence[str] | None = None, image_
         held = found.held
         if held is None:
             k = held_out(valid_share, len(found.names))
-            held = set(found.names[len(found.names) - k:]) if k else set()
+            held = set(found.names[len(found.names) - k :]) if k else set()
         for name, episode in zip(found.names, found.episodes):
             (valid if name in held else train).append(len(episodes))
             episodes.append(episode)

@@ -1,6 +1,7 @@
 """What every demonstration format reads into: `Episode`s of one file or dataset folder (`DemoSet`), gathered into
 the `Demos` SFT trains on (docs/use/demos.md). The formats' readers (robomimic's HDF5 in dataset.py, LeRobot's layout
 in lerobot.py) share the key mapping (`episode_obs`), the held-out rule (`held_out`) and the statistics here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -63,16 +64,23 @@ def held_out(share: float, episodes: int) -> int:
     return max(1, round(share * episodes)) if share > 0 and episodes > 1 else 0
 
 
-def episode_obs(read: Callable[[str, str], np.ndarray], steps: int, state_keys: Sequence[str],
-                image_keys: dict[str, str], cameras: Sequence[str], image_key: Callable[[str], str]) -> dict[str, Any]:
+def episode_obs(
+    read: Callable[[str, str], np.ndarray],
+    steps: int,
+    state_keys: Sequence[str],
+    image_keys: dict[str, str],
+    cameras: Sequence[str],
+    image_key: Callable[[str], str],
+) -> dict[str, Any]:
     """An episode's observations from the arrays its format holds: the state is the `state_keys` side by side
     (float32), each camera's images (uint8) the array `image_keys` maps it to, else the format's `image_key(camera)`.
     `read(key, what)` gives the array or raises the format's one line naming `what` asked for it."""
     parts = [read(k, "demos.state_keys").reshape(steps, -1) for k in state_keys]
     obs = {"state": np.concatenate(parts, axis=1).astype(np.float32)}
     for cam in cameras:
-        obs[f"image/{cam}"] = read(image_keys.get(cam, image_key(cam)),
-                                   f"env camera {cam}; demos.image_keys maps cameras to them").astype(np.uint8)
+        obs[f"image/{cam}"] = read(
+            image_keys.get(cam, image_key(cam)), f"env camera {cam}; demos.image_keys maps cameras to them"
+        ).astype(np.uint8)
     return obs
 
 

@@ -8,6 +8,7 @@ the seed is stored with the episode, so the episode replays from it. An episode 
 or is dropped at env.max_episode_steps; the last `valid` share of the kept ones is the file's mask/valid (a LeRobot
 dataset's `valid` split).
 """
+
 from __future__ import annotations
 
 import time
@@ -45,8 +46,9 @@ def run_episode(adapter: EnvAdapter, expert: WaypointExpert, seed: int) -> Episo
         success = bool(info.get("success", False))
         if success or terminated or truncated:
             break
-    return Episode({k: np.stack(v) for k, v in seen.items()}, np.stack(actions), np.asarray(rewards, np.float32),
-                   success, seed)
+    return Episode(
+        {k: np.stack(v) for k, v in seen.items()}, np.stack(actions), np.asarray(rewards, np.float32), success, seed
+    )
 
 
 def record(cfg: DictConfig) -> Path:
@@ -55,8 +57,10 @@ def record(cfg: DictConfig) -> Path:
     env = conf["env"]
     expert_for(env["name"], env["task"])  # (before a simulator is built)
     if cfg.episodes < 1 or cfg.max_attempts < cfg.episodes:
-        raise DemosError(f"episodes={cfg.episodes} and max_attempts={cfg.max_attempts}: give episodes >= 1 and "
-                         "max_attempts >= episodes")
+        raise DemosError(
+            f"episodes={cfg.episodes} and max_attempts={cfg.max_attempts}: give episodes >= 1 and "
+            "max_attempts >= episodes"
+        )
     if not 0 <= cfg.valid < 1:
         raise DemosError(f"valid={cfg.valid} must be in [0, 1) (the share of episodes held out)")
     if cfg.format not in FORMATS:
@@ -79,22 +83,37 @@ def record(cfg: DictConfig) -> Path:
         bar.close()
         adapter.close()
     if len(kept) < cfg.episodes:
-        raise DemosError(f"the {type(expert).__name__} succeeded in {len(kept)} of {attempts} episodes on env="
-                         f"{env['name']} env.task={env['task']}; raise max_attempts or env.max_episode_steps "
-                         f"(now {env.get('max_episode_steps')})")
+        raise DemosError(
+            f"the {type(expert).__name__} succeeded in {len(kept)} of {attempts} episodes on env="
+            f"{env['name']} env.task={env['task']}; raise max_attempts or env.max_episode_steps "
+            f"(now {env.get('max_episode_steps')})"
+        )
     valid = range(len(kept) - held_out(cfg.valid, len(kept)), len(kept))
-    env_args = {"env_name": env["task"], "benchmark": env["name"],
-                "env_kwargs": {k: v for k, v in env.items() if k not in NOT_ADAPTER_ARGS}}
-    info = {"expert": type(expert).__name__, "attempts": attempts, "build_seed": int(cfg.seed),
-            "seed_base": SEED_BASE, "env": env}
+    env_args = {
+        "env_name": env["task"],
+        "benchmark": env["name"],
+        "env_kwargs": {k: v for k, v in env.items() if k not in NOT_ADAPTER_ARGS},
+    }
+    info = {
+        "expert": type(expert).__name__,
+        "attempts": attempts,
+        "build_seed": int(cfg.seed),
+        "seed_base": SEED_BASE,
+        "env": env,
+    }
     if cfg.format == "lerobot":
-        path = write_lerobot(Path(cfg.out), kept, adapter.spec.instruction, int(cfg.fps), len(valid), info,
-                             env.get("robot"))
+        path = write_lerobot(
+            Path(cfg.out), kept, adapter.spec.instruction, int(cfg.fps), len(valid), info, env.get("robot")
+        )
     else:
         path = write_demos(Path(cfg.out) / "demo.hdf5", kept, adapter.spec.instruction, env_args, valid, info)
     lengths = [len(e) for e in kept]
-    console.print(f"recorded {len(kept)} episodes of the {type(expert).__name__} on env={env['name']} env.task="
-                  f"{env['task']} ({len(kept)} of {attempts} attempts succeeded; {sum(lengths)} steps, "
-                  f"{np.mean(lengths):.0f} per episode; {len(valid)} held out) in {time.perf_counter() - t0:.0f} s "
-                  f"-> {path}", soft_wrap=True, markup=False)
+    console.print(
+        f"recorded {len(kept)} episodes of the {type(expert).__name__} on env={env['name']} env.task="
+        f"{env['task']} ({len(kept)} of {attempts} attempts succeeded; {sum(lengths)} steps, "
+        f"{np.mean(lengths):.0f} per episode; {len(valid)} held out) in {time.perf_counter() - t0:.0f} s "
+        f"-> {path}",
+        soft_wrap=True,
+        markup=False,
+    )
     return path

@@ -3,6 +3,7 @@
 This module, and every adapter, imports numpy and the simulator only: simulator workers may run
 under a benchmark's own interpreter that has no torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,11 @@ class AdapterContractError(EnvSetupError):
 
 
 # what an EnvAdapter subclass implements, as the errors about a user's adapter say it
-ADAPTER_CONTRACT = ("__init__(..., seed) calling EnvAdapter.__init__(self, seed) and setting self.spec (an EnvSpec), "
-                    "reset(seed) -> obs, step(action) -> (obs, reward, terminated, truncated, info) with obs a dict "
-                    "of arrays and info a dict (info['success']: bool)")
+ADAPTER_CONTRACT = (
+    "__init__(..., seed) calling EnvAdapter.__init__(self, seed) and setting self.spec (an EnvSpec), "
+    "reset(seed) -> obs, step(action) -> (obs, reward, terminated, truncated, info) with obs a dict "
+    "of arrays and info a dict (info['success']: bool)"
+)
 
 
 def describe(value: Any) -> str:
@@ -198,8 +201,10 @@ class EnvAdapter:
         self._ep_return, self._ep_len, self._ep_success = 0.0, 0, False
         obs = self.reset(self.next_seed() if seed is None else seed)
         if not isinstance(obs, dict):  # e.g. gymnasium's (obs, info)
-            raise AdapterContractError(f"{type(self).__qualname__}.reset returned {describe(obs)}, not the obs dict: "
-                                       f"an adapter implements {ADAPTER_CONTRACT}")
+            raise AdapterContractError(
+                f"{type(self).__qualname__}.reset returned {describe(obs)}, not the obs dict: "
+                f"an adapter implements {ADAPTER_CONTRACT}"
+            )
         return obs
 
     def run_chunk(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], ChunkResult]:
@@ -213,16 +218,18 @@ class EnvAdapter:
         terminated = truncated = False
         obs: dict[str, np.ndarray] = {}
         for i, action in enumerate(actions):
-            self.render_this_step = (self.render_every_step or i == len(actions) - 1
-                           or self._ep_len + 1 >= self.spec.max_episode_steps)
+            self.render_this_step = (
+                self.render_every_step or i == len(actions) - 1 or self._ep_len + 1 >= self.spec.max_episode_steps
+            )
             t0 = time.perf_counter()
             try:
                 out = self.step(action)
             finally:
                 rendered, self.render_this_step = self.render_this_step, True
             if not (isinstance(out, tuple) and len(out) == 5 and isinstance(out[0], dict) and isinstance(out[4], dict)):
-                raise AdapterContractError(f"{type(self).__qualname__}.step returned {describe(out)}: an adapter "
-                                           f"implements {ADAPTER_CONTRACT}")
+                raise AdapterContractError(
+                    f"{type(self).__qualname__}.step returned {describe(out)}: an adapter implements {ADAPTER_CONTRACT}"
+                )
             obs, reward, terminated, truncated, info = out
             times.append(time.perf_counter() - t0)
             rewards.append(reward)

@@ -9,6 +9,7 @@ CUDA_VISIBLE_DEVICES), and Mesa's software renderer (llvmpipe) says it is one (E
 ctypes over libEGL and the standard library only: the simulator side imports no torch (docs/internals/design.md,
 "Layers").
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,8 +21,10 @@ from typing import Callable, Mapping, Sequence
 EGL_CUDA_DEVICE_NV = 0x323A  # EGL_NV_device_cuda
 EGL_EXTENSIONS = 0x3055
 SOFTWARE = "EGL_MESA_device_software"
-NVIDIA_EGL = ("install the NVIDIA driver's EGL library (libEGL_nvidia.so.0, listed by glvnd's 10_nvidia.json; in a "
-              "container set NVIDIA_DRIVER_CAPABILITIES=all, or a list with graphics)")
+NVIDIA_EGL = (
+    "install the NVIDIA driver's EGL library (libEGL_nvidia.so.0, listed by glvnd's 10_nvidia.json; in a "
+    "container set NVIDIA_DRIVER_CAPABILITIES=all, or a list with graphics)"
+)
 
 # (device index, device handle) -> its EGL_CUDA_DEVICE_NV, or None where the device has none (not NVIDIA's)
 CudaOrdinal = Callable[[int, int], "int | None"]
@@ -56,11 +59,17 @@ class _Egl:
                 raise OSError(f"libEGL has no {name}")
             return ctypes.CFUNCTYPE(*signature)(address)
 
-        self.query_devices = function("eglQueryDevicesEXT", ctypes.c_uint, ctypes.c_int,
-                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int))
+        self.query_devices = function(
+            "eglQueryDevicesEXT",
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_int),
+        )
         self.query_string = function("eglQueryDeviceStringEXT", ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int)
-        self.query_attrib = function("eglQueryDeviceAttribEXT", ctypes.c_uint, ctypes.c_void_p, ctypes.c_int,
-                                     ctypes.POINTER(ctypes.c_ssize_t))
+        self.query_attrib = function(
+            "eglQueryDeviceAttribEXT", ctypes.c_uint, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_ssize_t)
+        )
 
     def cuda_ordinal(self, index: int, handle: int) -> int | None:
         value = ctypes.c_ssize_t(-1)
@@ -122,5 +131,7 @@ def software_renderer(environ: Mapping[str, str] | None = None) -> str:
     index = chosen_index(environ)
     if not devices or index >= len(devices) or not devices[index].software:
         return ""
-    return (f"MuJoCo renders through EGL device {index}, Mesa's software renderer ({SOFTWARE}), as EGL lists no "
-            f"device of NVIDIA's driver for this GPU: {NVIDIA_EGL}")
+    return (
+        f"MuJoCo renders through EGL device {index}, Mesa's software renderer ({SOFTWARE}), as EGL lists no "
+        f"device of NVIDIA's driver for this GPU: {NVIDIA_EGL}"
+    )

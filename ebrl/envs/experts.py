@@ -12,6 +12,7 @@ ManiSkill ships motion-planning solutions for its tasks; they act in pd_joint_po
 policy then RL-trained in the adapter's pd_ee_delta_pose could not replay, so these experts are written on the
 end-effector controller for both simulators.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -127,9 +128,12 @@ class LiftExpert(WaypointExpert):
     """robosuite Lift: above the cube, down to it, close, lift."""
 
     def __init__(self, arm: Arm, action_dim: int) -> None:
-        self.waypoints = [Waypoint(above("cube", 0.06), "open", 0.015), Waypoint(above("cube", 0.0), "open"),
-                          Waypoint(above("cube", 0.0), "closed", None, hold=4),
-                          Waypoint(above("cube", 0.2), "closed", None)]
+        self.waypoints = [
+            Waypoint(above("cube", 0.06), "open", 0.015),
+            Waypoint(above("cube", 0.0), "open"),
+            Waypoint(above("cube", 0.0), "closed", None, hold=4),
+            Waypoint(above("cube", 0.2), "closed", None),
+        ]
         super().__init__(arm, action_dim)
 
 
@@ -137,12 +141,16 @@ class StackExpert(WaypointExpert):
     """robosuite Stack: pick the red cube (A, 2 cm) and set it on the green one (B, 2.5 cm), then let go."""
 
     def __init__(self, arm: Arm, action_dim: int) -> None:
-        self.waypoints = [Waypoint(above("cubeA", 0.06), "open", 0.015), Waypoint(above("cubeA", 0.0), "open"),
-                          Waypoint(above("cubeA", 0.0), "closed", None, hold=4),
-                          Waypoint(lambda arm: np.r_[arm.eef()[:2], arm.position("cubeB")[2] + 0.1], "closed", 0.02),
-                          Waypoint(above("cubeB", 0.1), "closed", 0.01), Waypoint(above("cubeB", 0.05), "closed", 0.008),
-                          Waypoint(above("cubeB", 0.05), "open", None, hold=3),
-                          Waypoint(above("cubeB", 0.15), "open", None)]
+        self.waypoints = [
+            Waypoint(above("cubeA", 0.06), "open", 0.015),
+            Waypoint(above("cubeA", 0.0), "open"),
+            Waypoint(above("cubeA", 0.0), "closed", None, hold=4),
+            Waypoint(lambda arm: np.r_[arm.eef()[:2], arm.position("cubeB")[2] + 0.1], "closed", 0.02),
+            Waypoint(above("cubeB", 0.1), "closed", 0.01),
+            Waypoint(above("cubeB", 0.05), "closed", 0.008),
+            Waypoint(above("cubeB", 0.05), "open", None, hold=3),
+            Waypoint(above("cubeB", 0.15), "open", None),
+        ]
         super().__init__(arm, action_dim)
 
 
@@ -152,8 +160,12 @@ class PickCubeExpert(WaypointExpert):
 
     def __init__(self, arm: Arm, action_dim: int) -> None:
         goal = lambda arm: arm.position("goal_site")  # noqa: E731
-        self.waypoints = [Waypoint(above("cube", 0.05), "open", 0.01), Waypoint(above("cube", 0.0), "open", 0.005),
-                          Waypoint(above("cube", 0.0), "closed", None, hold=5), Waypoint(goal, "closed", None)]
+        self.waypoints = [
+            Waypoint(above("cube", 0.05), "open", 0.01),
+            Waypoint(above("cube", 0.0), "open", 0.005),
+            Waypoint(above("cube", 0.0), "closed", None, hold=5),
+            Waypoint(goal, "closed", None),
+        ]
         super().__init__(arm, action_dim)
 
 
@@ -162,9 +174,11 @@ class PushCubeExpert(WaypointExpert):
 
     def __init__(self, arm: Arm, action_dim: int) -> None:
         goal = lambda arm: arm.position("goal_region") + np.array([-0.05, 0.0, 0.0])  # noqa: E731
-        self.waypoints = [Waypoint(above("obj", 0.05, dx=-0.05), "closed", 0.01),
-                          Waypoint(above("obj", 0.0, dx=-0.05), "closed", 0.005),
-                          Waypoint(lambda arm: np.r_[goal(arm)[:2], arm.position("obj")[2]], "closed", None)]
+        self.waypoints = [
+            Waypoint(above("obj", 0.05, dx=-0.05), "closed", 0.01),
+            Waypoint(above("obj", 0.0, dx=-0.05), "closed", 0.005),
+            Waypoint(lambda arm: np.r_[goal(arm)[:2], arm.position("obj")[2]], "closed", None),
+        ]
         super().__init__(arm, action_dim)
 
 

@@ -17,6 +17,7 @@ and data) around `osc_substep`, so that no Python runs between two physics subst
 
 This module imports numpy, numba, MuJoCo and robosuite only: it runs under each benchmark's interpreter.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -55,8 +56,10 @@ def osc_kernel() -> Callable | None:
     kernels = (opspace_matrices, nullspace_torques, orientation_error)
     if not all(isinstance(k, numba.core.registry.CPUDispatcher) for k in kernels):
         return None
-    return _compile(osc_substep, lambda kernel: kernel(*Compiled(kernel, [0, 1], [0, 1], jacobian_order()).inputs(
-        *_warm_up_inputs())))
+    return _compile(
+        osc_substep,
+        lambda kernel: kernel(*Compiled(kernel, [0, 1], [0, 1], jacobian_order()).inputs(*_warm_up_inputs())),
+    )
 
 
 _osc_substep: Callable | None = None  # osc_kernel(): what osc_substeps calls (bound before it compiles)
@@ -97,8 +100,11 @@ def _compile(function: Callable, warm_up: Callable[[Callable], Any]) -> Callable
         warm_up(kernel)
     except Exception as e:  # noqa: BLE001
         why = (str(e).splitlines() or [""])[0]
-        warnings.warn(f"the fast step's compiled controller is off ({type(e).__name__}: {why}); its numpy arithmetic "
-                      "runs, the same bits, slower", stacklevel=3)
+        warnings.warn(
+            f"the fast step's compiled controller is off ({type(e).__name__}: {why}); its numpy arithmetic "
+            "runs, the same bits, slower",
+            stacklevel=3,
+        )
         return None
     finally:
         if lock is not None:
@@ -118,8 +124,10 @@ def mujoco_c() -> tuple | None:
     found = sorted(Path(mujoco.__file__).parent.glob("libmujoco.so.*"))
     try:
         lib = ctypes.CDLL(str(found[-1]))
-        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                     for name in ("mj_step1", "mj_step2", "mj_jacSite", "mj_fullM"))
+        return tuple(
+            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+            for name in ("mj_step1", "mj_step2", "mj_jacSite", "mj_fullM")
+        )
     except (IndexError, OSError, AttributeError):
         return None
 
@@ -142,22 +150,52 @@ def jacobian_order() -> str:
 
 def _warm_up_inputs() -> tuple:
     """`Compiled.run`'s arguments for a 2-joint arm of typical types (MjData's arrays are C-ordered float64)."""
+
     class Data:
         qpos, qvel, qfrc_bias = np.zeros(2), np.zeros(2), np.zeros(2)
         site_xpos, site_xmat = np.zeros((2, 3)), np.tile(np.eye(3).reshape(1, 9), (2, 1))
 
     jac = np.zeros((3, 2))
     gains = np.ones(6)
-    return (jac, jac, jac, jac, Data, np.eye(2), 0, 1, True, (np.zeros(3), np.eye(3)),
-            (np.array(gains[0:3]), np.array(gains[3:6]), gains[0:3], gains[3:6]), np.zeros(2), True)
+    return (
+        jac,
+        jac,
+        jac,
+        jac,
+        Data,
+        np.eye(2),
+        0,
+        1,
+        True,
+        (np.zeros(3), np.eye(3)),
+        (np.array(gains[0:3]), np.array(gains[3:6]), gains[0:3], gains[3:6]),
+        np.zeros(2),
+        True,
+    )
 
 
 def _warm_up_substeps(kernel: Callable, c: tuple) -> None:
     """`osc_substeps` on no substeps, with arguments of the types a run gives it (it compiles for them)."""
     out = Compiled(osc_kernel(), [0, 1], [0, 1], jacobian_order()).inputs(*_warm_up_inputs())
     index, bounds = np.zeros(2, np.int64), np.zeros(2)
-    kernel(0, c, 0, 0, (0, 0), *out, np.zeros(2), index, bounds, bounds, index, np.zeros((0, 2)), np.zeros(2),
-           np.zeros(2), 0, np.zeros(1))
+    kernel(
+        0,
+        c,
+        0,
+        0,
+        (0, 0),
+        *out,
+        np.zeros(2),
+        index,
+        bounds,
+        bounds,
+        index,
+        np.zeros((0, 2)),
+        np.zeros(2),
+        np.zeros(2),
+        0,
+        np.zeros(1),
+    )
 
 
 def cache_dir() -> Path:
@@ -168,18 +206,51 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ebrl" / "numba" / tag
 
 
-def osc_substep(jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray,
-                qpos: np.ndarray, qvel: np.ndarray, site_xpos: np.ndarray, site_xmat: np.ndarray,
-                full: np.ndarray, qfrc_bias: np.ndarray, qpos_index: np.ndarray, qvel_index: np.ndarray,
-                ref_id: int, base_id: int, base_frame: bool, goal_pos: np.ndarray, goal_ori: np.ndarray,
-                kp_pos: np.ndarray, kp_ori: np.ndarray, kd_pos: np.ndarray, kd_ori: np.ndarray,
-                initial_joint: np.ndarray, uncoupling: bool, out: tuple) -> None:
+def osc_substep(
+    jacp: np.ndarray,
+    jacr: np.ndarray,
+    base_jacp: np.ndarray,
+    base_jacr: np.ndarray,
+    qpos: np.ndarray,
+    qvel: np.ndarray,
+    site_xpos: np.ndarray,
+    site_xmat: np.ndarray,
+    full: np.ndarray,
+    qfrc_bias: np.ndarray,
+    qpos_index: np.ndarray,
+    qvel_index: np.ndarray,
+    ref_id: int,
+    base_id: int,
+    base_frame: bool,
+    goal_pos: np.ndarray,
+    goal_ori: np.ndarray,
+    kp_pos: np.ndarray,
+    kp_ori: np.ndarray,
+    kd_pos: np.ndarray,
+    kd_ori: np.ndarray,
+    initial_joint: np.ndarray,
+    uncoupling: bool,
+    out: tuple,
+) -> None:
     """`_Osc.torques`'s arithmetic (see there), written into `out`: (ref_pos, ref_ori_mat, ref_pos_vel,
     ref_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass_matrix, origin_pos, origin_ori, torques), in
     the stock code's layouts (`Compiled`). A base_id < 0: no base frame (robosuite 1.4: the goal is in the world
     frame, the velocity error has no base term)."""
-    (ref_pos, ref_ori_mat, ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass_matrix,
-     origin_pos, origin_ori, torques) = out
+    (
+        ref_pos,
+        ref_ori_mat,
+        ref_pos_vel,
+        ref_ori_vel,
+        J_pos,
+        J_ori,
+        J_full,
+        joint_pos,
+        joint_vel,
+        mass_matrix,
+        origin_pos,
+        origin_ori,
+        torques,
+    ) = out
     n = qvel_index.shape[0]
     ref_pos[:] = site_xpos[ref_id]
     ref_ori_mat[:, :] = site_xmat[ref_id].reshape((3, 3))
@@ -221,15 +292,47 @@ def osc_substep(jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_
     torques += nullspace_torques(mass_matrix, nullspace_matrix, initial_joint, joint_pos, joint_vel)
 
 
-def osc_substeps(n: int, c: tuple, m: int, d: int, full_from: tuple,
-                 jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray,
-                 qpos: np.ndarray, qvel: np.ndarray, site_xpos: np.ndarray, site_xmat: np.ndarray,
-                 full: np.ndarray, qfrc_bias: np.ndarray, qpos_index: np.ndarray, qvel_index: np.ndarray,
-                 ref_id: int, base_id: int, base_frame: bool, goal_pos: np.ndarray, goal_ori: np.ndarray,
-                 kp_pos: np.ndarray, kp_ori: np.ndarray, kd_pos: np.ndarray, kd_ori: np.ndarray,
-                 initial_joint: np.ndarray, uncoupling: bool, out: tuple, ctrl: np.ndarray, arm: np.ndarray,
-                 low: np.ndarray, high: np.ndarray, others: np.ndarray, commands: np.ndarray,
-                 qpos_kept: np.ndarray, qvel_kept: np.ndarray, clock: int, physics_s: np.ndarray) -> None:
+def osc_substeps(
+    n: int,
+    c: tuple,
+    m: int,
+    d: int,
+    full_from: tuple,
+    jacp: np.ndarray,
+    jacr: np.ndarray,
+    base_jacp: np.ndarray,
+    base_jacr: np.ndarray,
+    qpos: np.ndarray,
+    qvel: np.ndarray,
+    site_xpos: np.ndarray,
+    site_xmat: np.ndarray,
+    full: np.ndarray,
+    qfrc_bias: np.ndarray,
+    qpos_index: np.ndarray,
+    qvel_index: np.ndarray,
+    ref_id: int,
+    base_id: int,
+    base_frame: bool,
+    goal_pos: np.ndarray,
+    goal_ori: np.ndarray,
+    kp_pos: np.ndarray,
+    kp_ori: np.ndarray,
+    kd_pos: np.ndarray,
+    kd_ori: np.ndarray,
+    initial_joint: np.ndarray,
+    uncoupling: bool,
+    out: tuple,
+    ctrl: np.ndarray,
+    arm: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    others: np.ndarray,
+    commands: np.ndarray,
+    qpos_kept: np.ndarray,
+    qvel_kept: np.ndarray,
+    clock: int,
+    physics_s: np.ndarray,
+) -> None:
     """`n` physics substeps between policy steps (the fast step's, up to where a sensor samples next: it reads the
     controllers' state after the last one). Each is `mj_step1`, the controller's Jacobians and mass matrix
     (`mj_jacSite`, `mj_fullM`: `c`, `mujoco_c`'s addresses, called on MjModel `m` and MjData `d`, addresses too),
@@ -253,9 +356,32 @@ def osc_substeps(n: int, c: tuple, m: int, d: int, full_from: tuple,
         if base_id >= 0:
             _void_call(jac_site, (m, d, base_jacp.ctypes.data, base_jacr.ctypes.data, np.int32(base_id)))
         _void_call(full_m, (m, full_from[0], full_from[1]))
-        _osc_substep(jacp, jacr, base_jacp, base_jacr, qpos, qvel, site_xpos, site_xmat, full, qfrc_bias,
-                     qpos_index, qvel_index, ref_id, base_id, base_frame, goal_pos, goal_ori, kp_pos, kp_ori,
-                     kd_pos, kd_ori, initial_joint, uncoupling, out)
+        _osc_substep(
+            jacp,
+            jacr,
+            base_jacp,
+            base_jacr,
+            qpos,
+            qvel,
+            site_xpos,
+            site_xmat,
+            full,
+            qfrc_bias,
+            qpos_index,
+            qvel_index,
+            ref_id,
+            base_id,
+            base_frame,
+            goal_pos,
+            goal_ori,
+            kp_pos,
+            kp_ori,
+            kd_pos,
+            kd_ori,
+            initial_joint,
+            uncoupling,
+            out,
+        )
         for j in range(arm.shape[0]):  # numpy's clip: max then min, a NaN kept
             x = torques[j]
             if not np.isnan(x):
@@ -275,6 +401,7 @@ def osc_substeps(n: int, c: tuple, m: int, d: int, full_from: tuple,
 
 
 if intrinsic is not None:
+
     @intrinsic
     def _void_call(typingctx: Any, address: Any, args: Any) -> Any:
         """In compiled code: call the C function at `address` with `args` (pointers as integers, ints as int32), no
@@ -316,8 +443,21 @@ class Compiled:
         self.layout = (jacobians, n)
         self.kernel, self.on, self.checked = kernel, (DECIDED.get(self.layout) if kernel is not None else False), 0
         J = (lambda rows: np.zeros((rows, n))) if jacobians == "C" else (lambda rows: np.zeros((n, rows)).T)
-        self.out = (np.zeros(3), np.zeros((3, 3)), np.zeros(3), np.zeros(3), J(3), J(3), J(6), np.zeros(n),
-                    np.zeros(n), np.zeros((n, n)).T, np.zeros(3), np.zeros((3, 3)), np.zeros(n))
+        self.out = (
+            np.zeros(3),
+            np.zeros((3, 3)),
+            np.zeros(3),
+            np.zeros(3),
+            J(3),
+            J(3),
+            J(6),
+            np.zeros(n),
+            np.zeros(n),
+            np.zeros((n, n)).T,
+            np.zeros(3),
+            np.zeros((3, 3)),
+            np.zeros(n),
+        )
 
     @classmethod
     def of(cls, ctrl: Any, jacobians: str = "C") -> "Compiled":
@@ -325,13 +465,45 @@ class Compiled:
         matrix is in F order in every version."""
         return cls(osc_kernel(), ctrl.qpos_index, ctrl.qvel_index, jacobians)
 
-    def inputs(self, jacp: np.ndarray, jacr: np.ndarray, base_jacp: np.ndarray, base_jacr: np.ndarray, d: Any,
-               full: np.ndarray, ref_id: int, base_id: int, base_frame: bool, goal: tuple, gains: tuple,
-               initial_joint: np.ndarray, uncoupling: bool) -> tuple:
+    def inputs(
+        self,
+        jacp: np.ndarray,
+        jacr: np.ndarray,
+        base_jacp: np.ndarray,
+        base_jacr: np.ndarray,
+        d: Any,
+        full: np.ndarray,
+        ref_id: int,
+        base_id: int,
+        base_frame: bool,
+        goal: tuple,
+        gains: tuple,
+        initial_joint: np.ndarray,
+        uncoupling: bool,
+    ) -> tuple:
         """`osc_substep`'s arguments on MjData `d`'s arrays (views of its memory: they hold each substep's values)."""
-        return (jacp, jacr, base_jacp, base_jacr, d.qpos, d.qvel, d.site_xpos, d.site_xmat, full, d.qfrc_bias,
-                self.qpos_index, self.qvel_index, ref_id, base_id, base_frame, *goal, *gains,
-                np.asarray(initial_joint, np.float64), bool(uncoupling), self.out)
+        return (
+            jacp,
+            jacr,
+            base_jacp,
+            base_jacr,
+            d.qpos,
+            d.qvel,
+            d.site_xpos,
+            d.site_xmat,
+            full,
+            d.qfrc_bias,
+            self.qpos_index,
+            self.qvel_index,
+            ref_id,
+            base_id,
+            base_frame,
+            *goal,
+            *gains,
+            np.asarray(initial_joint, np.float64),
+            bool(uncoupling),
+            self.out,
+        )
 
     @property
     def torques(self) -> np.ndarray:
@@ -346,7 +518,8 @@ class Compiled:
         """Whether this substep's results are `plain`'s (the numpy arithmetic's) bit for bit. The first CHECKED
         substeps are compared; one that differs turns the compiled arithmetic off for good, CHECKED that agree on."""
         same = len(plain) == len(self.out) and all(
-            np.shape(a) == np.shape(b) and np.array_equal(a, b) for a, b in zip(self.out, plain))
+            np.shape(a) == np.shape(b) and np.array_equal(a, b) for a, b in zip(self.out, plain)
+        )
         self.checked += 1
         self.on = False if not same else (True if self.checked >= CHECKED else None)
         if self.on is not None:
@@ -360,8 +533,13 @@ def _index_array(index: Any) -> np.ndarray:
 
 if __name__ == "__main__":  # `python -m ebrl.envs.fast_kernels`: compile (or load) them for this interpreter
     if sys.argv[1:2] in (["-h"], ["--help"]):
-        print("usage: python -m ebrl.envs.fast_kernels  (compiles the fast step's kernels for this interpreter, "
-              "or loads them from the disk cache)")
+        print(
+            "usage: python -m ebrl.envs.fast_kernels  (compiles the fast step's kernels for this interpreter, "
+            "or loads them from the disk cache)"
+        )
         sys.exit(0)
-    sys.exit(0 if osc_kernel() is not None and substeps_kernel() is not None else
-             "robosuite's kernels are not numba's here, or MuJoCo's library was not found: the numpy arithmetic runs")
+    sys.exit(
+        0
+        if osc_kernel() is not None and substeps_kernel() is not None
+        else "robosuite's kernels are not numba's here, or MuJoCo's library was not found: the numpy arithmetic runs"
+    )

@@ -26,6 +26,7 @@ benchmark's interpreter). An env it does not cover (another controller type, an 
 viewer, a task that overrides the step) gets `None` from `fast_step_for` with the reason, and runs the stock code.
 `env.fast_step=false` runs the stock code everywhere.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,9 +44,11 @@ except ImportError:
     from numpy.core.umath import clip as _clip
 
 if hasattr(mujoco.MjData, "qM"):  # the dense mass matrix: MuJoCo < 3.4 reads qM, later ones the data
+
     def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
         mujoco.mj_fullM(m, out, d.qM)
 else:  # (as LIBERO-PRO's robosuite 1.4 bridge calls it under MuJoCo >= 3.4)
+
     def full_mass(m: Any, d: Any, out: np.ndarray) -> None:
         mujoco.mj_fullM(m, d, out)
 
@@ -58,9 +61,19 @@ def _kernels() -> tuple[Callable, Callable, Callable]:
     return opspace_matrices, nullspace_torques, orientation_error
 
 
-def _osc_torques(c: Any, kernels: tuple, bias: np.ndarray, mass_matrix: np.ndarray, J_full: np.ndarray,
-                 J_pos: np.ndarray, J_ori: np.ndarray, desired_force: np.ndarray, desired_torque: np.ndarray,
-                 joint_pos: np.ndarray, joint_vel: np.ndarray) -> np.ndarray:
+def _osc_torques(
+    c: Any,
+    kernels: tuple,
+    bias: np.ndarray,
+    mass_matrix: np.ndarray,
+    J_full: np.ndarray,
+    J_pos: np.ndarray,
+    J_ori: np.ndarray,
+    desired_force: np.ndarray,
+    desired_torque: np.ndarray,
+    joint_pos: np.ndarray,
+    joint_vel: np.ndarray,
+) -> np.ndarray:
     """The end of an OSC controller's `run_controller` (robosuite 1.4 and 1.5 alike): the operational-space
     matrices, the (un)coupled wrench, J^T wrench plus gravity compensation (`bias`), plus the nullspace torques."""
     opspace, nullspace, _ = kernels
@@ -90,22 +103,33 @@ class _Osc:
         self.c = ctrl
         model = sim.model._model
         self.model, self.data = model, sim.data._data
-        self.sites = (int(model.site(ctrl.ref_name).id),
-                      int(model.site(f"{ctrl.naming_prefix}{ctrl.part_name}_center").id))  # reference, base
+        self.sites = (
+            int(model.site(ctrl.ref_name).id),
+            int(model.site(f"{ctrl.naming_prefix}{ctrl.part_name}_center").id),
+        )  # reference, base
         nv = int(model.nv)
         self.full_mass = np.ndarray(shape=(nv, nv), dtype=np.float64, order="C")
         self.jac = [np.zeros((3, nv)) for _ in range(4)]  # (mj_jacSite zeroes what it fills)
         self.kernels = _kernels()
         self.compiled = Compiled.of(ctrl)
+
     def begin(self, action: np.ndarray) -> None:
         """The goal's constants for this control step (set_goal ran in the policy substep): kp, kd (pos, ori), and
         the compiled arithmetic's arguments."""
         c = self.c
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
         if self.compiled.on is not False:
-            self.inputs = self.compiled.inputs(*self.jac, self.data, self.full_mass, *self.sites,
-                                               c.input_ref_frame == "base", (c.goal_pos, c.goal_ori), self.gains,
-                                               c.initial_joint, c.uncoupling)
+            self.inputs = self.compiled.inputs(
+                *self.jac,
+                self.data,
+                self.full_mass,
+                *self.sites,
+                c.input_ref_frame == "base",
+                (c.goal_pos, c.goal_ori),
+                self.gains,
+                c.initial_joint,
+                c.uncoupling,
+            )
 
     def torques(self, keep: bool) -> np.ndarray:
         """`update_state()`, the stock `update()` (lite physics) and `run_controller()`'s arithmetic; with `keep`, the
@@ -151,11 +175,35 @@ class _Osc:
         ori_error = orientation_error(desired_world_ori, ref_ori_mat)
         desired_force = (desired_world_pos - ref_pos) * kp_pos + (-(ref_pos_vel - np.dot(base_jacp, qvel))) * kd_pos
         desired_torque = ori_error * kp_ori + (-(ref_ori_vel - np.dot(base_jacr, qvel))) * kd_ori
-        torques = _osc_torques(c, self.kernels, d.qfrc_bias[qi], mass_matrix, J_full, J_pos, J_ori, desired_force,
-                               desired_torque, joint_pos, joint_vel)
+        torques = _osc_torques(
+            c,
+            self.kernels,
+            d.qfrc_bias[qi],
+            mass_matrix,
+            J_full,
+            J_pos,
+            J_ori,
+            desired_force,
+            desired_torque,
+            joint_pos,
+            joint_vel,
+        )
         if keep:
-            self.state = (np.array(ref_pos), np.array(ref_ori_mat), ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full,
-                          joint_pos, joint_vel, mass_matrix, np.array(origin_pos), np.array(origin_ori), torques)
+            self.state = (
+                np.array(ref_pos),
+                np.array(ref_ori_mat),
+                ref_pos_vel,
+                ref_ori_vel,
+                J_pos,
+                J_ori,
+                J_full,
+                joint_pos,
+                joint_vel,
+                mass_matrix,
+                np.array(origin_pos),
+                np.array(origin_ori),
+                torques,
+            )
         return torques
 
     def kept(self, qpos: np.ndarray, qvel: np.ndarray) -> None:
@@ -165,8 +213,21 @@ class _Osc:
     def sync(self) -> None:
         """Leave the controller as the stock code leaves it (arrays it updates in place stay the same objects)."""
         c = self.c
-        (ref_pos, ref_ori_mat, ref_pos_vel, ref_ori_vel, J_pos, J_ori, J_full, c.joint_pos, c.joint_vel,
-         c.mass_matrix, c.origin_pos, c.origin_ori, c.torques) = self.state
+        (
+            ref_pos,
+            ref_ori_mat,
+            ref_pos_vel,
+            ref_ori_vel,
+            J_pos,
+            J_ori,
+            J_full,
+            c.joint_pos,
+            c.joint_vel,
+            c.mass_matrix,
+            c.origin_pos,
+            c.origin_ori,
+            c.torques,
+        ) = self.state
         c.ref_pos[:] = ref_pos
         c.ref_ori_mat[:, :] = ref_ori_mat
         c.ref_pos_vel[:] = ref_pos_vel
@@ -275,8 +336,21 @@ class _Osc14:
         self.gains = (np.array(c.kp[0:3]), np.array(c.kp[3:6]), c.kd[0:3], c.kd[3:6])
         if self.compiled.on is not False:
             jacp, jacr = self.jac
-            self.inputs = self.compiled.inputs(jacp, jacr, jacp, jacr, self.data, self.full_mass, self.eef_id, -1,
-                                               False, self.goal, self.gains, c.initial_joint, c.uncoupling)
+            self.inputs = self.compiled.inputs(
+                jacp,
+                jacr,
+                jacp,
+                jacr,
+                self.data,
+                self.full_mass,
+                self.eef_id,
+                -1,
+                False,
+                self.goal,
+                self.gains,
+                c.initial_joint,
+                c.uncoupling,
+            )
 
     def torques(self, keep: bool) -> np.ndarray:
         """The stock `update()` after the forward and `run_controller()`."""
@@ -303,8 +377,21 @@ class _Osc14:
     def _as_compiled(state: tuple) -> tuple:
         """This controller's state in `osc_substep`'s order (the base frame's two left as they are)."""
         ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, joint_pos, joint_vel, J_pos, J_ori, J_full, mass, torques = state
-        return (ee_pos, ee_ori_mat, ee_pos_vel, ee_ori_vel, J_pos, J_ori, J_full, joint_pos, joint_vel, mass,
-                np.zeros(3), np.zeros((3, 3)), torques)
+        return (
+            ee_pos,
+            ee_ori_mat,
+            ee_pos_vel,
+            ee_ori_vel,
+            J_pos,
+            J_ori,
+            J_full,
+            joint_pos,
+            joint_vel,
+            mass,
+            np.zeros(3),
+            np.zeros((3, 3)),
+            torques,
+        )
 
     @staticmethod
     def _as_numpy(state: tuple) -> tuple:
@@ -328,17 +415,50 @@ class _Osc14:
         ori_error = orientation_error(desired_ori, ee_ori_mat)
         desired_force = (desired_pos - ee_pos) * kp_pos + (-ee_pos_vel) * kd_pos
         desired_torque = ori_error * kp_ori + (-ee_ori_vel) * kd_ori
-        torques = _osc_torques(c, self.kernels, d.qfrc_bias[qi], mass_matrix, J_full, J_pos, J_ori, desired_force,
-                               desired_torque, joint_pos, joint_vel)
+        torques = _osc_torques(
+            c,
+            self.kernels,
+            d.qfrc_bias[qi],
+            mass_matrix,
+            J_full,
+            J_pos,
+            J_ori,
+            desired_force,
+            desired_torque,
+            joint_pos,
+            joint_vel,
+        )
         if keep:
-            self.state = (np.array(ee_pos), np.array(ee_ori_mat), ee_pos_vel, ee_ori_vel, joint_pos, joint_vel,
-                          J_pos, J_ori, J_full, mass_matrix, torques)
+            self.state = (
+                np.array(ee_pos),
+                np.array(ee_ori_mat),
+                ee_pos_vel,
+                ee_ori_vel,
+                joint_pos,
+                joint_vel,
+                J_pos,
+                J_ori,
+                J_full,
+                mass_matrix,
+                torques,
+            )
         return torques
 
     def sync(self) -> None:
         c = self.c
-        (c.ee_pos, c.ee_ori_mat, c.ee_pos_vel, c.ee_ori_vel, c.joint_pos, c.joint_vel, c.J_pos, c.J_ori, c.J_full,
-         c.mass_matrix, c.torques) = self.state
+        (
+            c.ee_pos,
+            c.ee_ori_mat,
+            c.ee_pos_vel,
+            c.ee_ori_vel,
+            c.joint_pos,
+            c.joint_vel,
+            c.J_pos,
+            c.J_ori,
+            c.J_full,
+            c.mass_matrix,
+            c.torques,
+        ) = self.state
         self.robot.torques = self.applied
         c.new_update = True
 
@@ -356,7 +476,7 @@ class _Grip14:
         self.index = ids
 
     def begin(self, action: np.ndarray) -> None:
-        self.action = action[self.robot.controller.control_dim:]
+        self.action = action[self.robot.controller.control_dim :]
 
     def torques(self, keep: bool) -> np.ndarray:
         return self.bias + self.weight * self.gripper.format_action(self.action)
@@ -395,14 +515,21 @@ class _PolicySubstep:
             start = np.sum(model.sensor_dim[:i])
             return slice(start, start + model.sensor_dim[i])
 
-        self.arms = [(arm, robot.part_controllers[arm], *(sensor(robot.gripper[arm].important_sensors[name])
-                                                          for name in ("force_ee", "torque_ee"))) for arm in robot.arms]
+        self.arms = [
+            (
+                arm,
+                robot.part_controllers[arm],
+                *(sensor(robot.gripper[arm].important_sensors[name]) for name in ("force_ee", "torque_ee")),
+            )
+            for arm in robot.arms
+        ]
         self.average = np.ones(10) / 10.0  # (the acceleration's moving average)
 
     def __call__(self, action: np.ndarray) -> None:
         if len(action) != self.action_dim:
-            raise AssertionError(f"environment got invalid action dimension -- expected {self.action_dim}, got "
-                                 f"{len(action)}")
+            raise AssertionError(
+                f"environment got invalid action dimension -- expected {self.action_dim}, got {len(action)}"
+            )
         if not all(worker.c.new_update for worker, *_ in self.parts):
             self.env._pre_action(action, policy_step=True)
             for worker, *_ in self.parts:
@@ -430,15 +557,21 @@ class _PolicySubstep:
         robot.recent_actions.push(action)
         robot.recent_torques.push(robot.torques)
         for arm, c, force, torque in self.arms:
-            robot.recent_ee_forcetorques[arm].push(np.concatenate((np.array(d.sensordata[force]),
-                                                                   np.array(d.sensordata[torque]))))
+            robot.recent_ee_forcetorques[arm].push(
+                np.concatenate((np.array(d.sensordata[force]), np.array(d.sensordata[torque])))
+            )
             robot.recent_ee_pose[arm].push(np.concatenate((c.ref_pos, mat2quat(c.ref_ori_mat))))
             robot.recent_ee_vel[arm].push(np.concatenate((c.ref_pos_vel, c.ref_ori_vel)))
             robot.recent_ee_vel_buffer[arm].push(np.concatenate((c.ref_pos_vel, c.ref_ori_vel)))
-            diffs = np.vstack([robot.recent_ee_acc[arm].current,
-                               robot.control_freq * np.diff(robot.recent_ee_vel_buffer[arm].buf, axis=0)])
-            robot.recent_ee_acc[arm].push(np.array([np.convolve(col, self.average, mode="valid")[0]
-                                                    for col in diffs.transpose()]))
+            diffs = np.vstack(
+                [
+                    robot.recent_ee_acc[arm].current,
+                    robot.control_freq * np.diff(robot.recent_ee_vel_buffer[arm].buf, axis=0),
+                ]
+            )
+            robot.recent_ee_acc[arm].push(
+                np.array([np.convolve(col, self.average, mode="valid")[0] for col in diffs.transpose()])
+            )
 
 
 class _Timers:
@@ -522,12 +655,20 @@ class _Stretch:
         every = np.arange(model.nu, dtype=np.int64)
         (self.arm, index, low, high), self.others = arm, others
         self.kernel, self.ctrl = kernel, data.ctrl
-        self.fixed = (model._address, data._address,  # (and mj_fullM's arguments after the model)
-                      (self.arm.full_mass.ctypes.data, data.qM.ctypes.data) if hasattr(data, "qM") else
-                      (data._address, self.arm.full_mass.ctypes.data))
-        self.outputs = (data.ctrl, every[index], np.ascontiguousarray(low, np.float64),
-                        np.ascontiguousarray(high, np.float64),
-                        np.concatenate([every[i] for _, i, *_ in others]) if others else every[:0])
+        self.fixed = (
+            model._address,
+            data._address,  # (and mj_fullM's arguments after the model)
+            (self.arm.full_mass.ctypes.data, data.qM.ctypes.data)
+            if hasattr(data, "qM")
+            else (data._address, self.arm.full_mass.ctypes.data),
+        )
+        self.outputs = (
+            data.ctrl,
+            every[index],
+            np.ascontiguousarray(low, np.float64),
+            np.ascontiguousarray(high, np.float64),
+            np.concatenate([every[i] for _, i, *_ in others]) if others else every[:0],
+        )
         self.kept = (np.zeros(model.nq), np.zeros(model.nv))  # qpos and qvel before the last substep's mj_step2
         self.no_time = np.zeros(1)
 
@@ -544,9 +685,17 @@ class _Stretch:
         commands = [worker.commands(n) for worker, *_ in self.others]
         commands = [c if low is None else _clip(c, low, high) for c, (_, _, low, high) in zip(commands, self.others)]
         timed, kept = FastStep.physics_s, self.kept
-        self.kernel(n, mujoco_c(), *self.fixed, *self.arm.inputs, *self.outputs,
-                    np.concatenate(commands, axis=1) if commands else np.zeros((n, 0)), *kept,
-                    0 if timed is None else clock_address(), self.no_time if timed is None else timed)
+        self.kernel(
+            n,
+            mujoco_c(),
+            *self.fixed,
+            *self.arm.inputs,
+            *self.outputs,
+            np.concatenate(commands, axis=1) if commands else np.zeros((n, 0)),
+            *kept,
+            0 if timed is None else clock_address(),
+            self.no_time if timed is None else timed,
+        )
         for worker in workers:
             worker.kept(*kept)
         self.arm.applied = self.ctrl[self.outputs[1]]
@@ -588,8 +737,12 @@ class FastStep:
         """What a reset may rebuild: the sim (a hard reset), the robot's controllers (each reset in robosuite 1.5)."""
         env, robot = self.env, self.env.robots[0]
         if self.version >= (1, 5):
-            return (id(env.sim), id(robot), id(robot.composite_controller),
-                    *map(id, robot.composite_controller.part_controllers.values()))
+            return (
+                id(env.sim),
+                id(robot),
+                id(robot.composite_controller),
+                *map(id, robot.composite_controller.part_controllers.values()),
+            )
         return id(env.sim), id(robot), id(robot.controller), id(robot.gripper)
 
     def _build(self) -> None:
@@ -605,13 +758,16 @@ class FastStep:
                     continue
                 index = robot._ref_actuators_indexes_dict[part]
                 worker = workers[type(ctrl)](ctrl, sim)
-                self.parts.append((worker, index, sim.model.actuator_ctrlrange[index, 0],
-                                   sim.model.actuator_ctrlrange[index, 1]))
+                self.parts.append(
+                    (worker, index, sim.model.actuator_ctrlrange[index, 0], sim.model.actuator_ctrlrange[index, 1])
+                )
         else:  # the arm's torques clipped to the robot's torque limits; the gripper's command as it is
             low, high = robot.torque_limits
             grip = _Grip14(robot, sim)
-            self.parts += [(_Osc14(robot, sim), robot._ref_joint_actuator_indexes, low, high),
-                           (grip, grip.index, None, None)]
+            self.parts += [
+                (_Osc14(robot, sim), robot._ref_joint_actuator_indexes, low, high),
+                (grip, grip.index, None, None),
+            ]
         self.parts = [(worker, _as_slice(index), low, high) for worker, index, low, high in self.parts]
         self.workers = [worker for worker, *_ in self.parts]
         self.substeps = int(env.control_timestep / env.model_timestep)
@@ -699,8 +855,11 @@ def _fixed_base(robot: Any) -> bool:
     (a wheeled robot's control and the hybrid mobile base's set_goal run the stock code)."""
     from robosuite.controllers.composite.composite_controller import CompositeController
 
-    return (_method_owner(robot, "control") == ROBOTS_15[0] and type(robot.composite_controller) is CompositeController
-            and _method_owner(robot.composite_controller, "set_goal") == COMPOSITE)
+    return (
+        _method_owner(robot, "control") == ROBOTS_15[0]
+        and type(robot.composite_controller) is CompositeController
+        and _method_owner(robot.composite_controller, "set_goal") == COMPOSITE
+    )
 
 
 def _as_slice(index: Any) -> Any:
@@ -711,8 +870,10 @@ def _as_slice(index: Any) -> Any:
     return index
 
 
-STOCK_STEP = {"robosuite.environments.base.MujocoEnv": False,
-              "libero.libero.envs.bddl_base_domain.BDDLBaseDomain": True}  # the step's owner: LIBERO's around it
+STOCK_STEP = {
+    "robosuite.environments.base.MujocoEnv": False,
+    "libero.libero.envs.bddl_base_domain.BDDLBaseDomain": True,
+}  # the step's owner: LIBERO's around it
 STOCK_PRE_ACTION = ("robosuite.environments.robot_env.RobotEnv", "libero.libero.envs.bddl_base_domain.BDDLBaseDomain")
 
 
@@ -728,8 +889,10 @@ def fast_step_for(env: Any) -> tuple[Callable[[np.ndarray], tuple] | None, str]:
     checks = [
         (_method_owner(env, "step") in STOCK_STEP, "the task overrides step()"),
         (_method_owner(env, "_pre_action") in STOCK_PRE_ACTION, "the task overrides _pre_action()"),
-        (_method_owner(env, "_update_observables") == "robosuite.environments.base.MujocoEnv",
-         "the task overrides _update_observables()"),
+        (
+            _method_owner(env, "_update_observables") == "robosuite.environments.base.MujocoEnv",
+            "the task overrides _update_observables()",
+        ),
         (env.viewer is None and not env.has_renderer, "an on-screen viewer"),
         (len(env.robots) == 1, f"{len(env.robots)} robots"),
     ]
@@ -749,8 +912,12 @@ def _workers_15() -> dict[type, type]:
     from robosuite.controllers.parts.gripper.simple_grip import SimpleGripController
     from robosuite.controllers.parts.mobile_base.joint_vel import MobileBaseJointVelocityController
 
-    return {OperationalSpaceController: _Osc, SimpleGripController: _Velocity,
-            MobileBaseJointVelocityController: _Velocity, JointPositionController: _JointPosition}
+    return {
+        OperationalSpaceController: _Osc,
+        SimpleGripController: _Velocity,
+        MobileBaseJointVelocityController: _Velocity,
+        JointPositionController: _JointPosition,
+    }
 
 
 ROBOTS_15 = ("robosuite.robots.fixed_base_robot.FixedBaseRobot", "robosuite.robots.wheeled_robot.WheeledRobot")
@@ -765,8 +932,9 @@ def _controllers_15(robot: Any) -> str:
     if _method_owner(robot, "control") not in ROBOTS_15:
         return f"robot {type(robot).__name__}'s control()"
     if type(composite) not in (CompositeController, HybridMobileBase) or any(
-            _method_owner(composite, name) != COMPOSITE
-            for name in ("run_controller", "update_state", "get_controller_base_pose")):
+        _method_owner(composite, name) != COMPOSITE
+        for name in ("run_controller", "update_state", "get_controller_base_pose")
+    ):
         return f"composite controller {type(composite).__name__}"
     workers = _workers_15()
     for part, ctrl in composite.part_controllers.items():
@@ -774,16 +942,17 @@ def _controllers_15(robot: Any) -> str:
             continue
         if type(ctrl) not in workers:
             return f"{part}: controller {type(ctrl).__name__}"
-        if any(getattr(ctrl, name, None) is not None for name in ("interpolator", "interpolator_pos",
-                                                                   "interpolator_ori")):
+        if any(
+            getattr(ctrl, name, None) is not None for name in ("interpolator", "interpolator_pos", "interpolator_ori")
+        ):
             return f"{part}: an interpolator"
-        if workers[type(ctrl)] is _Osc and (ctrl.num_ref_sites != 1 or not ctrl.lite_physics
-                                            or ctrl.input_ref_frame not in ("base", "world")):
+        if workers[type(ctrl)] is _Osc and (
+            ctrl.num_ref_sites != 1 or not ctrl.lite_physics or ctrl.input_ref_frame not in ("base", "world")
+        ):
             return f"{part}: OSC with {ctrl.num_ref_sites} reference sites / frame {ctrl.input_ref_frame}"
         if workers[type(ctrl)] is _JointPosition and (ctrl.ref_name is not None or not ctrl.lite_physics):
             return f"{part}: joint positions with a reference site"
-    if any(arm not in composite.part_controllers or not robot._enabled_parts.get(arm, False)
-           for arm in composite.arms):
+    if any(arm not in composite.part_controllers or not robot._enabled_parts.get(arm, False) for arm in composite.arms):
         return "an arm without its controller enabled"
     return ""
 

@@ -3,6 +3,7 @@
 LIBERO pins robosuite 1.4 while our main stack has 1.5.2, so this adapter runs under the venv
 built by `python -m ebrl.envs.setup libero`. 7-d actions: OSC_POSE delta pose + gripper.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,6 +66,7 @@ def _import_libero() -> tuple[Any, Any, Any]:
         if find_spec("libero") is None:
             raise ImportError("no module named 'libero' in this interpreter")
         import robosuite
+
         if not robosuite.__version__.startswith("1.4"):
             raise ImportError(f"robosuite {robosuite.__version__} here, LIBERO needs 1.4")
         _write_libero_config()
@@ -116,6 +118,7 @@ class LiberoEnv(EnvAdapter):
 
         from contextlib import redirect_stdout
         from io import StringIO
+
         with redirect_stdout(StringIO()):  # the suite prints its task order
             tasks = benchmark.get_benchmark_dict()[suite]()
         names = tasks.get_task_names()
@@ -141,9 +144,11 @@ class LiberoEnv(EnvAdapter):
         except Exception as e:
             if not cameras:
                 raise
-            raise EnvSetupError(f"env.cameras={cameras}: LIBERO could not build them ({type(e).__name__}: "
-                                f"{' '.join(str(e).split())}); cameras it has: agentview, robot0_eye_in_hand, "
-                                "frontview, birdview, sideview") from e
+            raise EnvSetupError(
+                f"env.cameras={cameras}: LIBERO could not build them ({type(e).__name__}: "
+                f"{' '.join(str(e).split())}); cameras it has: agentview, robot0_eye_in_hand, "
+                "frontview, birdview, sideview"
+            ) from e
         self.gate = CameraGate(self, cameras)
         self.gate.install(self.env.env)
         from ebrl.envs.fast_step import fast_or_stock

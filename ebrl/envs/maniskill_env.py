@@ -4,6 +4,7 @@ ManiSkill returns torch tensors; they are converted with `.cpu()` and numpy, and
 imports torch itself. SAPIEN needs a Vulkan device even for state observations (on CPU machines:
 Mesa >= 25 lavapipe, installed by `python -m ebrl.install`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -83,12 +84,15 @@ class ManiSkillEnv(EnvAdapter):
             from mani_skill.utils.logging_utils import logger
             from mani_skill.utils.registration import REGISTERED_ENVS
         except ImportError as e:
-            raise EnvSetupError(f"env=maniskill needs the mani-skill package ({e}); run `python -m ebrl.install`") from e
+            raise EnvSetupError(
+                f"env=maniskill needs the mani-skill package ({e}); run `python -m ebrl.install`"
+            ) from e
         if not any(isinstance(f, _NoCudaRenderWarning) for f in logger.filters):
             logger.addFilter(_NoCudaRenderWarning())
         if task not in REGISTERED_ENVS:
-            raise EnvSetupError(f"env.task={task!r} is not a ManiSkill task; choose one of: "
-                                f"{', '.join(sorted(REGISTERED_ENVS))}")
+            raise EnvSetupError(
+                f"env.task={task!r} is not a ManiSkill task; choose one of: {', '.join(sorted(REGISTERED_ENVS))}"
+            )
         _check_assets(task, REGISTERED_ENVS[task])
 
         self.task = task
@@ -110,18 +114,23 @@ class ManiSkillEnv(EnvAdapter):
             self.env = gym.make(task, **kwargs)
         except Exception as e:
             if any(sign in str(e).lower() for sign in _VULKAN_ERRORS):
-                raise EnvSetupError(f"env=maniskill needs a Vulkan device and none works here ({one_line(e)}); "
-                                    "run `python -m ebrl.install` (Mesa >= 25 lavapipe on CPU machines)") from e
+                raise EnvSetupError(
+                    f"env=maniskill needs a Vulkan device and none works here ({one_line(e)}); "
+                    "run `python -m ebrl.install` (Mesa >= 25 lavapipe on CPU machines)"
+                ) from e
             if isinstance(e, (AssertionError, ValueError, NotImplementedError, KeyError)):
-                raise EnvSetupError(f"env={task} with control_mode={control_mode!r}, sim_backend={sim_backend!r} "
-                                    f"does not build: {one_line(e)}") from e
+                raise EnvSetupError(
+                    f"env={task} with control_mode={control_mode!r}, sim_backend={sim_backend!r} "
+                    f"does not build: {one_line(e)}"
+                ) from e
             raise
         sensors = list(getattr(self.env.unwrapped, "_sensors", {}))
         unknown = [cam for cam in cameras if cam not in sensors]
         if unknown:
             self.env.close()
-            raise EnvSetupError(f"env.cameras={cameras}: {task} has no camera {', '.join(unknown)}; "
-                                f"choose from: {', '.join(sensors)}")
+            raise EnvSetupError(
+                f"env.cameras={cameras}: {task} has no camera {', '.join(unknown)}; choose from: {', '.join(sensors)}"
+            )
 
         self.frames = 0  # sensor renders made
         if cameras:
@@ -149,9 +158,11 @@ class ManiSkillEnv(EnvAdapter):
         backend = getattr(self.env.unwrapped, "backend", None)  # (ManiSkill 3's BackendInfo)
         if not self.cameras or getattr(backend, "render_backend", "") != "sapien_cpu":
             return ""
-        return ("ManiSkill found no CUDA device for SAPIEN's renderer and renders on the CPU (sapien_cpu): SAPIEN "
-                "needs NVIDIA's Vulkan driver (nvidia_icd.json; in a container set NVIDIA_DRIVER_CAPABILITIES=all, or "
-                "a list with graphics)")
+        return (
+            "ManiSkill found no CUDA device for SAPIEN's renderer and renders on the CPU (sapien_cpu): SAPIEN "
+            "needs NVIDIA's Vulkan driver (nvidia_icd.json; in a container set NVIDIA_DRIVER_CAPABILITIES=all, or "
+            "a list with graphics)"
+        )
 
     def _obs(self, raw: Any) -> dict[str, np.ndarray]:
         if not self.cameras:
@@ -182,8 +193,10 @@ class ManiSkillEnv(EnvAdapter):
         return self._images(self._sensor_data())
 
     def _images(self, sensor_data: dict) -> dict[str, np.ndarray]:
-        return {f"image/{cam}": np.ascontiguousarray(_to_numpy(sensor_data[cam]["rgb"])[..., :3], np.uint8)
-                for cam in self.cameras}
+        return {
+            f"image/{cam}": np.ascontiguousarray(_to_numpy(sensor_data[cam]["rgb"])[..., :3], np.uint8)
+            for cam in self.cameras
+        }
 
     def reset(self, seed: int | None = None) -> dict[str, np.ndarray]:
         obs, _ = self.env.reset(seed=seed)
@@ -228,5 +241,7 @@ def _check_assets(task: str, registered: Any) -> None:
         except Exception:  # an id ManiSkill itself cannot resolve: let gym.make report it
             continue
     if missing:
-        raise EnvSetupError(f"env.task={task!r} needs ManiSkill assets that are not downloaded ({', '.join(missing)}); "
-                            f"run `python -m mani_skill.utils.download_asset {' '.join(missing)}`")
+        raise EnvSetupError(
+            f"env.task={task!r} needs ManiSkill assets that are not downloaded ({', '.join(missing)}); "
+            f"run `python -m mani_skill.utils.download_asset {' '.join(missing)}`"
+        )

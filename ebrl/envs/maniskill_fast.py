@@ -18,6 +18,7 @@ root-translation/root-aligned-rotation frame, no target, no interpolation, norma
 stock code, and `fast_action_for` says why. tests/envs/test_fast_step.py checks qpos, qvel, observations, rewards and
 success bit for bit against the stock step in one process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,10 +38,12 @@ def _mul(a: Any, b: Any) -> tuple:
     """ManiSkill's `quaternion_raw_multiply` on float32 scalars, term for term."""
     aw, ax, ay, az = a
     bw, bx, by, bz = b
-    return (aw * bw - ax * bx - ay * by - az * bz,
-            aw * bx + ax * bw + ay * bz - az * by,
-            aw * by - ax * bz + ay * bw + az * bx,
-            aw * bz + ax * by - ay * bx + az * bw)
+    return (
+        aw * bw - ax * bx - ay * by - az * bz,
+        aw * bx + ax * bw + ay * bz - az * by,
+        aw * by - ax * bz + ay * bw + az * bx,
+        aw * bz + ax * by - ay * bx + az * bw,
+    )
 
 
 def _standard(q: tuple) -> tuple:
@@ -62,10 +65,12 @@ def _quaternion(m: np.ndarray, sqrt_positive: Callable) -> tuple:
     squares = np.array([ONE + m00 + m11 + m22, ONE + m00 - m11 - m22, ONE - m00 + m11 - m22, ONE - m00 - m11 + m22])
     q_abs = sqrt_positive(torch.from_numpy(squares)).numpy()
     best = int(np.argmax(q_abs))
-    row = ((q_abs[0] * q_abs[0], m21 - m12, m02 - m20, m10 - m01),
-           (m21 - m12, q_abs[1] * q_abs[1], m10 + m01, m02 + m20),
-           (m02 - m20, m10 + m01, q_abs[2] * q_abs[2], m12 + m21),
-           (m10 - m01, m20 + m02, m21 + m12, q_abs[3] * q_abs[3]))[best]
+    row = (
+        (q_abs[0] * q_abs[0], m21 - m12, m02 - m20, m10 - m01),
+        (m21 - m12, q_abs[1] * q_abs[1], m10 + m01, m02 + m20),
+        (m02 - m20, m10 + m01, q_abs[2] * q_abs[2], m12 + m21),
+        (m10 - m01, m20 + m02, m21 + m12, q_abs[3] * q_abs[3]),
+    )[best]
     denominator = TWO * max(q_abs[best], FLOOR)
     return _standard(tuple(x / denominator for x in row))
 
@@ -98,8 +103,13 @@ class _Arm:
         self.rot_scale = F32(controller.config.rot_lower)
         self.joints = [j._objs[0] for j in controller.joints]  # noqa: SLF001
         k = controller.kinematics
-        self.ik = _Ik(k.pmodel.compute_inverse_kinematics, k.end_link_idx, k.qmask,
-                      k.pmodel_active_joint_indices.numpy(), k.pmodel_controlled_joint_indices.numpy())
+        self.ik = _Ik(
+            k.pmodel.compute_inverse_kinematics,
+            k.end_link_idx,
+            k.qmask,
+            k.pmodel_active_joint_indices.numpy(),
+            k.pmodel_controlled_joint_indices.numpy(),
+        )
 
     def __call__(self, values: np.ndarray, qpos: np.ndarray) -> None:
         action = values[self.span]
@@ -125,11 +135,16 @@ class _Arm:
         target = np.concatenate([target_p, target_q])
 
         ik = self.ik
-        result, success, _ = ik.solve(ik.link, sapien.Pose(target_p, target_q), initial_qpos=qpos[ik.active],
-                                      active_qmask=ik.mask, max_iterations=100)
+        result, success, _ = ik.solve(
+            ik.link,
+            sapien.Pose(target_p, target_q),
+            initial_qpos=qpos[ik.active],
+            active_qmask=ik.mask,
+            max_iterations=100,
+        )
         target_qpos = result[ik.controlled].astype(F32) if success else start
         for i, joint in enumerate(self.joints):
-            joint.drive_target = target_qpos[i:i + 1]
+            joint.drive_target = target_qpos[i : i + 1]
         c = self.c  # what the stock set_action leaves on the controller
         c._step = 0  # noqa: SLF001
         c._start_qpos = torch.from_numpy(start[None])  # noqa: SLF001
@@ -159,7 +174,7 @@ class _Gripper:
         target[self.control] = _scaled(values[self.span], self.low, self.high)
         target[self.mimic] = target[self.mimic_control] * self.multiplier + self.offset
         for i, joint in enumerate(self.joints):
-            joint.drive_target = target[i:i + 1]
+            joint.drive_target = target[i : i + 1]
 
 
 class FastAction:
@@ -168,8 +183,10 @@ class FastAction:
     def __init__(self, env: Any) -> None:
         self.agent = env.agent
         controller = self.agent.controller
-        self.parts = [cls(controller.controllers[uid], slice(*controller.action_mapping[uid]))
-                      for cls, uid in ((_Arm, "arm"), (_Gripper, "gripper"))]
+        self.parts = [
+            cls(controller.controllers[uid], slice(*controller.action_mapping[uid]))
+            for cls, uid in ((_Arm, "arm"), (_Gripper, "gripper"))
+        ]
         self.robot = controller.controllers["arm"].articulation._objs[0]  # noqa: SLF001  (the one env's)
 
     def __call__(self, action: torch.Tensor) -> None:
@@ -198,11 +215,21 @@ def fast_action_for(env: Any) -> tuple[Callable[[torch.Tensor], None] | None, st
     arm, gripper = controller.controllers["arm"], controller.controllers["gripper"]
     a = arm.config
     if type(arm) is not PDEEPoseController or not (
-            a.use_delta and not a.use_target and not a.interpolate and a.normalize_action
-            and a.frame == "root_translation:root_aligned_body_rotation" and not arm.kinematics.use_gpu_ik):
+        a.use_delta
+        and not a.use_target
+        and not a.interpolate
+        and a.normalize_action
+        and a.frame == "root_translation:root_aligned_body_rotation"
+        and not arm.kinematics.use_gpu_ik
+    ):
         return None, f"arm controller {type(arm).__name__} with this configuration"
     g = gripper.config
-    if type(gripper) is not PDJointPosMimicController or g.use_delta or g.use_target or g.interpolate \
-            or not g.normalize_action:
+    if (
+        type(gripper) is not PDJointPosMimicController
+        or g.use_delta
+        or g.use_target
+        or g.interpolate
+        or not g.normalize_action
+    ):
         return None, f"gripper controller {type(gripper).__name__} with this configuration"
     return FastAction(env), ""

@@ -15,6 +15,7 @@ Any failure answers ("error", one line); a failure to build the env also ends th
 what happens when a simulator dies or hangs, is ebrl/envs/worker.py; scheduler.serial runs `Simulator.serve` in the
 supervisor itself (ebrl/envs/serial.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,22 +31,42 @@ from typing import Any, Sequence
 import numpy as np
 
 from ebrl.classes import ContractError, constructor_kwargs, load_class, missing_methods, parameters
-from ebrl.envs.base import (ADAPTER_CONTRACT, AdapterContractError, EnvAdapter, EnvSetupError, EnvSpec, one_line,
-                             use_headless_gl)
+from ebrl.envs.base import (
+    ADAPTER_CONTRACT,
+    AdapterContractError,
+    EnvAdapter,
+    EnvSetupError,
+    EnvSpec,
+    one_line,
+    use_headless_gl,
+)
 from ebrl.envs.slots import SlotLayout, attach_shared_memory, split_views
 
 # Config keys that are not adapter arguments (the rest go to the adapter's constructor).
-NOT_ADAPTER_ARGS = ("_target_", "name", "num_envs", "python", "fault", "render_every_step", "tasks", "task_weights",
-                    "episode_seeds")
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS")
+NOT_ADAPTER_ARGS = (
+    "_target_",
+    "name",
+    "num_envs",
+    "python",
+    "fault",
+    "render_every_step",
+    "tasks",
+    "task_weights",
+    "episode_seeds",
+)
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMBA_NUM_THREADS",
+)
 
 
 def worker_environment() -> dict[str, str]:
     """Environment variables a simulator process needs before numpy or a simulator loads."""
     return {name: "1" for name in THREAD_VARS}  # one core per simulator: no thread pools inside
-
-
 
 
 def _prepare_process(env_cfg: dict[str, Any], cpus: Sequence[int] | None) -> None:
@@ -68,26 +89,33 @@ def load_adapter_class(target: str) -> type[EnvAdapter]:
     if not issubclass(cls, EnvAdapter):
         raise EnvSetupError(f"env._target_={target!r} is not an ebrl.envs.base.EnvAdapter subclass")
     for method in missing_methods(cls, EnvAdapter, ("reset", "step")):
-        raise EnvSetupError(f"env._target_={target!r} does not implement {method}: an adapter implements "
-                            f"{ADAPTER_CONTRACT}")
+        raise EnvSetupError(
+            f"env._target_={target!r} does not implement {method}: an adapter implements {ADAPTER_CONTRACT}"
+        )
     params, var_kw = parameters(cls)
     if "seed" not in params and not var_kw:
-        raise EnvSetupError(f"env._target_={target!r}: its constructor takes no seed: an adapter implements "
-                            f"{ADAPTER_CONTRACT}")
+        raise EnvSetupError(
+            f"env._target_={target!r}: its constructor takes no seed: an adapter implements {ADAPTER_CONTRACT}"
+        )
     return cls
 
 
 def build_adapter(env_cfg: dict[str, Any], seed: int) -> EnvAdapter:
     """Construct the adapter from a plain config dict: every key but NOT_ADAPTER_ARGS that the constructor takes,
-    plus seed; env.render_every_step is the adapter's `render_every_step`, a pool's episode_seeds its `episode_seeds`."""
+    plus seed; env.render_every_step is the adapter's `render_every_step`, a pool's episode_seeds its
+    `episode_seeds`."""
     cls = load_adapter_class(env_cfg["_target_"])
     adapter = cls(**constructor_kwargs(cls, env_cfg, NOT_ADAPTER_ARGS), seed=seed)
     if not hasattr(adapter, "_episodes"):
-        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r}: its constructor did not call "
-                            f"EnvAdapter.__init__(self, seed): an adapter implements {ADAPTER_CONTRACT}")
+        raise EnvSetupError(
+            f"env._target_={env_cfg['_target_']!r}: its constructor did not call "
+            f"EnvAdapter.__init__(self, seed): an adapter implements {ADAPTER_CONTRACT}"
+        )
     if not isinstance(getattr(adapter, "spec", None), EnvSpec):
-        raise EnvSetupError(f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
-                            f"its constructor: an adapter implements {ADAPTER_CONTRACT}")
+        raise EnvSetupError(
+            f"env._target_={env_cfg['_target_']!r} set no self.spec (an ebrl.envs.base.EnvSpec) in "
+            f"its constructor: an adapter implements {ADAPTER_CONTRACT}"
+        )
     # (both its process and scheduler.serial build here: where the cameras render travels with the spec)
     adapter.spec = dataclasses.replace(adapter.spec, software_render=adapter.software_renderer())
     adapter.render_every_step = bool(env_cfg.get("render_every_step", False))
@@ -116,8 +144,9 @@ def release_build_memory(keep_compile_cache: bool = False) -> None:
         pass
 
 
-def worker_main(conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int,
-                cpus: Sequence[int] | None = None) -> None:
+def worker_main(
+    conn: multiprocessing.connection.Connection, env_cfg: dict[str, Any], seed: int, cpus: Sequence[int] | None = None
+) -> None:
     """Body of a simulator process: build the env, send its spec, then serve notices until "close"."""
     _prepare_process(env_cfg, cpus)
     try:
@@ -208,7 +237,7 @@ def _run_chunk(adapter: EnvAdapter, views: dict[str, np.ndarray], n_steps: int) 
     if not 1 <= n_steps <= execute:
         raise ValueError(f"chunk of {n_steps} steps; this slot holds 1..{execute}")
     started, cpu = time.perf_counter(), time.thread_time()
-    obs, result = adapter.run_chunk(views["actions"][:n_steps, :adapter.spec.action_dim].copy())  # its own dims
+    obs, result = adapter.run_chunk(views["actions"][:n_steps, : adapter.spec.action_dim].copy())  # its own dims
     views["clock"][:] = (started, time.perf_counter())
     cpu = time.thread_time() - cpu
     k = result.executed

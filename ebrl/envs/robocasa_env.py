@@ -6,6 +6,7 @@ PickPlaceCounterToCabinet), built with `robosuite.make` and the PandaOmron mobil
 default, as RoboCasa's own `create_env` does. The kitchen assets (~10 GB: textures, fixtures,
 objects) are a separate download into the package folder; they are checked before anything is built.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,17 @@ DOWNLOAD_MODULE = "robocasa.scripts.download_kitchen_assets"  # RoboCasa's scrip
 # them; every layout has a sink), objaverse and lightwheel objects (the default obj_registries).
 REQUIRED_ASSETS = ("textures", "fixtures/sinks", "objects/objaverse", "objects/lightwheel")
 # Parts of the download that env.assets_dir may hold, linked into the package folder when missing there.
-LINKABLE_ASSETS = ("textures", "generative_textures", "objects/objaverse", "objects/aigen_objs",
-                   "objects/lightwheel")
+LINKABLE_ASSETS = ("textures", "generative_textures", "objects/objaverse", "objects/aigen_objs", "objects/lightwheel")
 NOT_TASKS = ("Kitchen",)  # the base class registers itself too
 # Proprioception in "state", first key present of each group: base-frame end effector (what
 # RoboCasa's datasets and GR00T use) for mobile robots, world-frame for fixed ones.
-PROPRIO = (("robot0_base_to_eef_pos", "robot0_eef_pos"), ("robot0_base_to_eef_quat", "robot0_eef_quat"),
-           ("robot0_gripper_qpos",), ("robot0_base_pos",), ("robot0_base_quat",))
+PROPRIO = (
+    ("robot0_base_to_eef_pos", "robot0_eef_pos"),
+    ("robot0_base_to_eef_quat", "robot0_eef_quat"),
+    ("robot0_gripper_qpos",),
+    ("robot0_base_pos",),
+    ("robot0_base_quat",),
+)
 
 
 def package_assets_dir() -> Path | None:
@@ -56,6 +61,7 @@ def _import_robocasa() -> tuple[Any, dict[str, Any]]:
         if not any(isinstance(f, _QuietRobosuite) for f in logger.filters):
             logger.addFilter(_QuietRobosuite())
         import robosuite
+
         if not robosuite.__version__.startswith("1.5"):
             raise ImportError(f"robosuite {robosuite.__version__} here, RoboCasa needs 1.5")
         with redirect_stdout(StringIO()):  # RoboCasa prints that the optional mimicgen is not installed
@@ -96,17 +102,22 @@ def check_assets(assets_dir: str | None) -> Path:
             f"env=robocasa needs RoboCasa's kitchen assets (~10 GB), expected in {where} {root} "
             f"(missing: {', '.join(missing)}): download them with `{sys.executable} -m {DOWNLOAD_MODULE}` "
             f"(asks to confirm on stdin), or set env.assets_dir to a folder that holds them "
-            f"(textures, fixtures, objects/...)")
+            f"(textures, fixtures, objects/...)"
+        )
     if root != package.resolve():
         try:
             _link_assets(root, package)
         except OSError as e:
-            raise EnvSetupError(f"env.assets_dir={assets_dir}: cannot link its assets into {package} "
-                                f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+            raise EnvSetupError(
+                f"env.assets_dir={assets_dir}: cannot link its assets into {package} "
+                f"({type(e).__name__}: {' '.join(str(e).split())})"
+            ) from e
         still = missing_assets(package)
         if still:
-            raise EnvSetupError(f"env.assets_dir={assets_dir}: {package} still lacks {', '.join(still)} after "
-                                "linking; remove what is in the way there")
+            raise EnvSetupError(
+                f"env.assets_dir={assets_dir}: {package} still lacks {', '.join(still)} after "
+                "linking; remove what is in the way there"
+            )
     return root
 
 
@@ -147,8 +158,10 @@ class RoboCasaEnv(EnvAdapter):
             import difflib
 
             close = difflib.get_close_matches(task, list(tasks), n=5, cutoff=0.5) or sorted(tasks)[:5]
-            raise EnvSetupError(f"env.task={task!r} is not a task of env=robocasa; closest of its {len(tasks)} tasks: "
-                                f"{', '.join(close)} (all: robocasa.environments.kitchen.kitchen.REGISTERED_KITCHEN_ENVS)")
+            raise EnvSetupError(
+                f"env.task={task!r} is not a task of env=robocasa; closest of its {len(tasks)} tasks: "
+                f"{', '.join(close)} (all: robocasa.environments.kitchen.kitchen.REGISTERED_KITCHEN_ENVS)"
+            )
         self.assets = check_assets(assets_dir)  # before anything is built: a kitchen without assets fails deep inside
         from robosuite.controllers import load_composite_controller_config
 
@@ -177,9 +190,11 @@ class RoboCasaEnv(EnvAdapter):
         except Exception as e:
             if not cameras:
                 raise
-            raise EnvSetupError(f"env.cameras={cameras}: RoboCasa could not build them ({type(e).__name__}: "
-                                f"{' '.join(str(e).split())}); its cameras: robot0_agentview_left, "
-                                "robot0_agentview_right, robot0_eye_in_hand") from e
+            raise EnvSetupError(
+                f"env.cameras={cameras}: RoboCasa could not build them ({type(e).__name__}: "
+                f"{' '.join(str(e).split())}); its cameras: robot0_agentview_left, "
+                "robot0_agentview_right, robot0_eye_in_hand"
+            ) from e
         self.instruction = ""
         self.gate = CameraGate(self, cameras)
         from ebrl.envs.fast_step import fast_or_stock

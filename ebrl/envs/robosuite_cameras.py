@@ -4,11 +4,12 @@ A robosuite camera is an observable: it samples on its own clock (its sampling r
 picks) and its sensor renders when it samples. `CameraGate` wraps the sensor, not the observable, so the clock runs
 exactly as before; at a sample the sensor renders only while the adapter's `render_this_step` flag is set, and hands
 back a black frame of the same shape otherwise (one that no one reads: `EnvAdapter.run_chunk` sets the flag for a
-chunk's last step and at a reset). The frames the policy reads are then those rendering at every step gives, bit for bit,
-and so are the physics and the rewards, which rendering never touched (tests/envs/test_render_gate.py).
+chunk's last step and at a reset). The frames the policy reads are then those rendering at every step gives, bit for
+bit, and so are the physics and the rewards, which rendering never touched (tests/envs/test_render_gate.py).
 
 This module imports numpy and, when a gate is built, robosuite: it runs under LIBERO's interpreter too.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -1,4 +1,5 @@
 """robosuite 1.5 tasks (MuJoCo): one arm with an OSC_POSE controller, 7-d actions (delta pose + gripper)."""
+
 from __future__ import annotations
 
 import logging
@@ -101,8 +102,10 @@ class RobosuiteEnv(EnvAdapter):
             what = "a two-arm task" if task in REGISTERED_ENVS else "not a robosuite task"
             raise EnvSetupError(f"env.task={task!r} is {what}; choose one of: {', '.join(single_arm)}")
         if robot not in robosuite.ALL_ROBOTS:
-            raise EnvSetupError(f"env.robot={robot!r} is not a robosuite robot; choose one of: "
-                                f"{', '.join(sorted(robosuite.ALL_ROBOTS))}")
+            raise EnvSetupError(
+                f"env.robot={robot!r} is not a robosuite robot; choose one of: "
+                f"{', '.join(sorted(robosuite.ALL_ROBOTS))}"
+            )
 
         self.task = task
         self.reward_mode = reward
@@ -182,12 +185,17 @@ class RobosuiteEnv(EnvAdapter):
         return self._obs(raw), float(reward), terminated, False, {"success": success}
 
 
-def _camera_error(robosuite: Any, task: str, robot: str, controller: dict, cameras: list[str],
-                  error: Exception) -> str:
+def _camera_error(robosuite: Any, task: str, robot: str, controller: dict, cameras: list[str], error: Exception) -> str:
     """One line for a camera env that failed to build: a wrong camera name, or no offscreen GL."""
     try:  # on this failure path only: build the task without cameras to list the ones it has
-        plain = robosuite.make(task, robots=robot, controller_configs=controller, has_renderer=False,
-                               has_offscreen_renderer=False, use_camera_obs=False)
+        plain = robosuite.make(
+            task,
+            robots=robot,
+            controller_configs=controller,
+            has_renderer=False,
+            has_offscreen_renderer=False,
+            use_camera_obs=False,
+        )
         available = list(plain.sim.model.camera_names)
         plain.close()
     except Exception:
@@ -196,5 +204,7 @@ def _camera_error(robosuite: Any, task: str, robot: str, controller: dict, camer
     if unknown:
         return f"env.cameras={cameras}: {task} has no camera {', '.join(unknown)}; choose from: {', '.join(available)}"
     text = str(error).splitlines()[0] if str(error) else ""
-    return (f"env.cameras={cameras}: offscreen rendering failed ({type(error).__name__}: {text}); "
-            "run `python -m ebrl.install` (EGL/OSMesa packages) or set MUJOCO_GL=egl|osmesa")
+    return (
+        f"env.cameras={cameras}: offscreen rendering failed ({type(error).__name__}: {text}); "
+        "run `python -m ebrl.install` (EGL/OSMesa packages) or set MUJOCO_GL=egl|osmesa"
+    )

@@ -7,6 +7,7 @@ one thread of this process, "ebrl-simulators", which answers it with the code a 
 dispatcher waits on it as on a process's pipe. Every env is built, reset and stepped in that one thread, one notice
 at a time: a renderer's GL context stays current where it was made.
 """
+
 from __future__ import annotations
 
 import os

@@ -2,6 +2,7 @@
 observation, the chunk's actions and each step's results in one block, laid out alike by the supervisor and the
 simulator process. This module imports numpy and the standard library only (it runs under a benchmark's interpreter).
 """
+
 from __future__ import annotations
 
 import sys
@@ -53,8 +54,10 @@ class SlotLayout:
 
     def views(self, buffer: memoryview) -> dict[str, np.ndarray]:
         """numpy arrays over `buffer`, one per field; both processes build the same ones."""
-        return {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
-                for name, shape, dtype, offset in self.fields}
+        return {
+            name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+            for name, shape, dtype, offset in self.fields
+        }
 
 
 def attach_shared_memory(name: str) -> SharedMemory:
@@ -74,7 +77,7 @@ def attach_shared_memory(name: str) -> SharedMemory:
 
 
 def split_views(views: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {name[len(prefix):]: view for name, view in views.items() if name.startswith(prefix)}
+    return {name[len(prefix) :]: view for name, view in views.items() if name.startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -92,5 +95,13 @@ class Slot:
 
     @classmethod
     def of(cls, views: dict[str, np.ndarray]) -> "Slot":
-        return cls(split_views(views, "obs/"), split_views(views, "final/"), views["actions"], views["rewards"],
-                   views["step_times"], views["successes"], views["header"], views["clock"])
+        return cls(
+            split_views(views, "obs/"),
+            split_views(views, "final/"),
+            views["actions"],
+            views["rewards"],
+            views["step_times"],
+            views["successes"],
+            views["header"],
+            views["clock"],
+        )

@@ -13,6 +13,7 @@ A task may be of another benchmark: an entry `{env: libero, task: "3"}` that the
 benchmark's whole env config (ebrl/checks.py, `complete_benchmark_tasks`). Its envs run its adapter under its own
 interpreter beside the run's; its name in metrics is "libero:3" (`task_label`), and `task_config` is an env's config.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -27,8 +28,10 @@ def task_label(entry: Any) -> str:
     entry of another (a completed env config)."""
     if isinstance(entry, Mapping):
         if "_target_" not in entry:
-            raise EnvSetupError(f"env.tasks entry {dict(entry)} is not completed into its benchmark's config (run it "
-                                "through ebrl.config.validate, or give a task name)")
+            raise EnvSetupError(
+                f"env.tasks entry {dict(entry)} is not completed into its benchmark's config (run it "
+                "through ebrl.config.validate, or give a task name)"
+            )
         return f"{entry['name']}:{entry['task']}"
     return str(entry)
 
@@ -54,8 +57,10 @@ def task_list(env_cfg: dict[str, Any]) -> list[str] | None:
         listed = getattr(cls, "all_tasks", None)
         names = listed(env_cfg) if listed is not None else None
         if not names:
-            raise EnvSetupError(f"env.tasks=all: env={env_cfg.get('name')} has no task list of its own (LIBERO's "
-                                "suites have); list the tasks: env.tasks=[Lift,Stack]")
+            raise EnvSetupError(
+                f"env.tasks=all: env={env_cfg.get('name')} has no task list of its own (LIBERO's "
+                "suites have); list the tasks: env.tasks=[Lift,Stack]"
+            )
         return [str(t) for t in names]
     if isinstance(tasks, str) or not isinstance(tasks, Sequence) or not tasks:
         raise EnvSetupError(f"env.tasks={tasks!r} must be a non-empty list of tasks (env.tasks=[Lift,Stack]) or all")
@@ -70,8 +75,10 @@ def assign_tasks(env_cfg: dict[str, Any], num_envs: int, group_size: int = 1) ->
     units = num_envs // group_size
     if units < len(tasks):
         what = f"{units} groups of algo.group_size={group_size}" if group_size > 1 else f"env.num_envs={num_envs}"
-        raise EnvSetupError(f"env.tasks has {len(tasks)} tasks and the run has {what}: each task needs at least one; "
-                            f"give env.num_envs={len(tasks) * group_size} or more")
+        raise EnvSetupError(
+            f"env.tasks has {len(tasks)} tasks and the run has {what}: each task needs at least one; "
+            f"give env.num_envs={len(tasks) * group_size} or more"
+        )
     weights = env_cfg.get("task_weights")
     if weights is None:
         per_unit = [tasks[u % len(tasks)] for u in range(units)]
@@ -84,8 +91,9 @@ def weighted_units(tasks: list[str], weights: list[float], units: int) -> list[s
     """`units` units split over `tasks` in proportion to `weights` (each task at least one; largest remainders),
     interleaved: the task whose share is least filled so far takes the next unit."""
     if len(weights) != len(tasks) or any(w <= 0 for w in weights):
-        raise EnvSetupError(f"env.task_weights={weights} must give one positive weight per task of env.tasks "
-                            f"({len(tasks)})")
+        raise EnvSetupError(
+            f"env.task_weights={weights} must give one positive weight per task of env.tasks ({len(tasks)})"
+        )
     total = sum(weights)
     exact = [units * w / total for w in weights]
     counts = [max(1, int(x)) for x in exact]
@@ -107,17 +115,26 @@ def joint_spec(specs: Sequence[EnvSpec]) -> EnvSpec:
     first = specs[0]
     for i, spec in enumerate(specs[1:], 1):
         if set(spec.obs) != set(first.obs):
-            raise EnvSetupError(f"sim worker {i} observes {sorted(spec.obs)}, worker 0 {sorted(first.obs)}: the envs "
-                                "of one run must observe the same keys (the same env.cameras)")
+            raise EnvSetupError(
+                f"sim worker {i} observes {sorted(spec.obs)}, worker 0 {sorted(first.obs)}: the envs "
+                "of one run must observe the same keys (the same env.cameras)"
+            )
         for key, a in spec.obs.items():
             b = first.obs[key]
             if a.dtype != b.dtype or (key != "state" and a.shape != b.shape):
-                raise EnvSetupError(f"sim worker {i} gives {key} as {a}, worker 0 as {b}: only the state's size may "
-                                    "differ between tasks")
+                raise EnvSetupError(
+                    f"sim worker {i} gives {key} as {a}, worker 0 as {b}: only the state's size may "
+                    "differ between tasks"
+                )
     state = max(s.obs["state"].shape[0] for s in specs) if "state" in first.obs else None
     obs = dict(first.obs)
     if state is not None:
         obs["state"] = ArraySpec((state,), first.obs["state"].dtype)
-    return replace(first, obs=obs, action_dim=max(s.action_dim for s in specs),
-                   max_episode_steps=max(s.max_episode_steps for s in specs),
-                   action_low=min(s.action_low for s in specs), action_high=max(s.action_high for s in specs))
+    return replace(
+        first,
+        obs=obs,
+        action_dim=max(s.action_dim for s in specs),
+        max_episode_steps=max(s.max_episode_steps for s in specs),
+        action_low=min(s.action_low for s in specs),
+        action_high=max(s.action_high for s in specs),
+    )

@@ -13,6 +13,7 @@ where multiprocessing's spawn would re-import the parent's main script (run.py, 
 hydra) before the worker could start. With scheduler.serial no process starts: the supervisor answers the same
 notices in a thread of its own (ebrl/envs/serial.py) with the same code (`Simulator.serve`).
 """
+
 from __future__ import annotations
 
 import multiprocessing.connection
@@ -22,9 +23,9 @@ import subprocess
 import sys
 import time
 import weakref
-from pathlib import Path
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -89,8 +90,11 @@ class Progress:
         elif cpu > self.cpu:
             self.cpu, self.moved = cpu, now
         if now - self.moved >= limit:
-            return f"no CPU time for {now - self.moved:.0f} s" if self.pid is not None else \
-                f"no result for {now - self.moved:.0f} s"
+            return (
+                f"no CPU time for {now - self.moved:.0f} s"
+                if self.pid is not None
+                else f"no result for {now - self.moved:.0f} s"
+            )
         if self.cpu - self.start >= limit:
             return f"{self.cpu - self.start:.0f} s of CPU on one chunk"
         return None
@@ -111,7 +115,6 @@ class InFlight:
     progress: Progress | None = None
 
 
-
 # --- the launch environment ---------------------------------------------------------------
 MPS_VARIABLES = "CUDA_MPS_"  # an MPS client's variables (its pipe directory, SM share, memory limit) all begin so
 
@@ -129,8 +132,9 @@ def machine_indices(visible: str | None, uuids: Sequence[str] = ()) -> list[int 
     return out
 
 
-def egl_environment(visible: str | None, gpus: int, uuids: Sequence[str] = (),
-                    devices: Sequence[EglDevice] | None = None) -> dict[str, str]:
+def egl_environment(
+    visible: str | None, gpus: int, uuids: Sequence[str] = (), devices: Sequence[EglDevice] | None = None
+) -> dict[str, str]:
     """The variables that make a simulator render on its supervisor's first visible GPU (a rank's own under torchrun),
     given the supervisor's CUDA_VISIBLE_DEVICES (None: unset), the hw's GPU count, NVML's GPU UUIDs and the EGL
     devices as the supervisor lists them (ebrl/envs/egl.py; None: unknown); none on a CPU-only node, which renders
@@ -200,9 +204,16 @@ class ChunkReport:
     def nothing(cls, truncated: bool = False, failed: str | None = None) -> "ChunkReport":
         """A chunk that executed no step: an env left as it is, or (failed) one whose simulator failed, which ends its
         episode (the replacement starts a new one)."""
-        return cls(executed=0, rewards=np.zeros(0, np.float32), successes=np.zeros(0, bool),
-                   step_times=np.zeros(0, np.float64), terminated=False, truncated=truncated, episode=None,
-                   failed=failed)
+        return cls(
+            executed=0,
+            rewards=np.zeros(0, np.float32),
+            successes=np.zeros(0, bool),
+            step_times=np.zeros(0, np.float64),
+            terminated=False,
+            truncated=truncated,
+            episode=None,
+            failed=failed,
+        )
 
 
 class SimFailure(StageFailed):
@@ -267,13 +278,25 @@ class _Resources:
 class SimWorker:
     """Main-process handle of one simulator process and its shared-memory slot."""
 
-    def __init__(self, env_cfg: dict[str, Any], seed: int, execute: int | None = None, index: int = 0,
-                 cpus: Sequence[int] | None = None, start_timeout: float = 600.0,
-                 process_env: Mapping[str, str] | None = None, serial: bool = False) -> None:
+    def __init__(
+        self,
+        env_cfg: dict[str, Any],
+        seed: int,
+        execute: int | None = None,
+        index: int = 0,
+        cpus: Sequence[int] | None = None,
+        start_timeout: float = 600.0,
+        process_env: Mapping[str, str] | None = None,
+        serial: bool = False,
+    ) -> None:
         if execute is not None and execute < 1:
             raise ValueError(f"execute={execute} must be >= 1")
-        self.launch = Launch(worker_python(env_cfg.get("name", ""), env_cfg.get("python")), dict(process_env or {}),
-                             start_timeout, serial)
+        self.launch = Launch(
+            worker_python(env_cfg.get("name", ""), env_cfg.get("python")),
+            dict(process_env or {}),
+            start_timeout,
+            serial,
+        )
         self.env_cfg = dict(env_cfg)
         self.seed = int(seed)
         self.replacements = 0  # processes that took over this env after one failed
@@ -304,8 +327,10 @@ class SimWorker:
 
     def _start_here(self) -> None:
         if os.path.abspath(self.launch.python) != os.path.abspath(sys.executable):
-            raise EnvSetupError(f"scheduler.serial=true runs the simulators in this process ({sys.executable}) and "
-                                f"this env's run under {self.launch.python}; serially, run an env of this interpreter")
+            raise EnvSetupError(
+                f"scheduler.serial=true runs the simulators in this process ({sys.executable}) and "
+                f"this env's run under {self.launch.python}; serially, run an env of this interpreter"
+            )
         self._res.conn = InProcess(Simulator, self.env_cfg, self.seed)  # type: ignore[assignment]
 
     def _start_process(self) -> None:
@@ -316,12 +341,18 @@ class SimWorker:
         env = {**own, **worker_environment(), **self.launch.env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         try:
-            process = subprocess.Popen([self.launch.python, "-m", "ebrl.envs.process", str(theirs.fileno())],
-                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            process = subprocess.Popen(
+                [self.launch.python, "-m", "ebrl.envs.process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         except OSError as e:
             ours.close()
-            raise EnvSetupError(f"env.python={self.launch.python!r} cannot be started ({one_line(e)}); "
-                                "give the path of a Python interpreter") from e
+            raise EnvSetupError(
+                f"env.python={self.launch.python!r} cannot be started ({one_line(e)}); "
+                "give the path of a Python interpreter"
+            ) from e
         finally:
             theirs.close()  # the child's end: so a dead child shows up as EOF instead of a hang
         self._res.process = process
@@ -338,7 +369,8 @@ class SimWorker:
         if self._received_spec is None:
             if not self.connection.poll(self.launch.timeout_s):
                 raise EnvSetupError(
-                    f"sim worker {self.index} (pid {self.pid}) sent no spec within {self.launch.timeout_s:.0f} s")
+                    f"sim worker {self.index} (pid {self.pid}) sent no spec within {self.launch.timeout_s:.0f} s"
+                )
             self._received_spec = self._receive("spec")
         return self._received_spec
 
@@ -482,8 +514,9 @@ class SimWorker:
         except AdapterContractError:
             raise
         except EnvSetupError as e:  # died (EOF) or answered ("error", why)
-            raise SimFailure(f"sim worker {self.index} (pid {self.pid}) failed: {e}" if "sim worker" not in str(e)
-                             else str(e)) from None
+            raise SimFailure(
+                f"sim worker {self.index} (pid {self.pid}) failed: {e}" if "sim worker" not in str(e) else str(e)
+            ) from None
         slot = self.slot
         executed, terminated, truncated, has_final = (int(x) for x in slot.header)
         return ChunkReport(
@@ -562,11 +595,22 @@ class SimWorkerPool:
     model, once per process): equal reset seeds then give them equal initial states.
     """
 
-    def __init__(self, env_cfg: dict[str, Any], num_envs: int, seed: int, execute: int | None = None,
-                 cpus: Sequence[Sequence[int] | None] | None = None, group_size: int = 1,
-                 chunk_timeout_s: float | None = None, max_failures: int = 5, failure_window_s: float = 600.0,
-                 process_env: Mapping[str, str] | None = None, serial: bool = False,
-                 episode_seeds: int | None = None, on_gpu: bool = False) -> None:
+    def __init__(
+        self,
+        env_cfg: dict[str, Any],
+        num_envs: int,
+        seed: int,
+        execute: int | None = None,
+        cpus: Sequence[Sequence[int] | None] | None = None,
+        group_size: int = 1,
+        chunk_timeout_s: float | None = None,
+        max_failures: int = 5,
+        failure_window_s: float = 600.0,
+        process_env: Mapping[str, str] | None = None,
+        serial: bool = False,
+        episode_seeds: int | None = None,
+        on_gpu: bool = False,
+    ) -> None:
         """episode_seeds: env i's k-th episode starts from seed episode_seeds + i + k x num_envs (an evaluation's
         episode j from seed episode_seeds + j, however many envs share them); None: from each env's own seed.
         on_gpu: the simulators are meant to render on the run's GPU (`process_env`: simulator_gpu_environment's), so
@@ -584,15 +628,23 @@ class SimWorkerPool:
         self.failures: list[tuple[float, int, str]] = []  # (time.monotonic(), env, why) of every replacement
         fault = env_cfg.get("fault") or {}  # env.fault (tests): kind, env, chunk, again, seconds (FaultConfig)
         self.tasks = assign_tasks(env_cfg, num_envs, group_size)  # env.tasks: env i's task; None: env.task for all
-        own = [{k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
-               for i in range(num_envs)]
+        own = [
+            {k: v for k, v in env_cfg.items() if k != "fault" or (fault.get("kind") and fault["env"] == i)}
+            for i in range(num_envs)
+        ]
         if episode_seeds is not None:
             for i, cfg_i in enumerate(own):
                 cfg_i["episode_seeds"] = [episode_seeds + i, num_envs]
         self.workers = [
-            SimWorker(task_config(own[i], self.tasks[i]) if self.tasks else own[i],
-                      env_seed(seed, i, group_size), execute, index=i, cpus=cpus[i] if cpus else None,
-                      process_env=process_env, serial=serial)
+            SimWorker(
+                task_config(own[i], self.tasks[i]) if self.tasks else own[i],
+                env_seed(seed, i, group_size),
+                execute,
+                index=i,
+                cpus=cpus[i] if cpus else None,
+                process_env=process_env,
+                serial=serial,
+            )
             for i in range(num_envs)
         ]
         self.spec: EnvSpec | None = None
@@ -713,7 +765,8 @@ class SimWorkerPool:
         if len(recent) > self.max_failures:
             raise SimulatorsFailing(
                 f"{len(recent)} simulator failures within {self.failure_window_s:.0f} s, more than "
-                f"scheduler.max_sim_failures={self.max_failures} (the last: {why})")
+                f"scheduler.max_sim_failures={self.max_failures} (the last: {why})"
+            )
         from ebrl.telemetry.report import console  # (parent side only: the worker side imports no rich)
 
         console.print(f"{why}: replaced by a fresh simulator; its partial episode is discarded", soft_wrap=True)

@@ -19,6 +19,7 @@ gradient checkpointing runs those forwards once more. AdamW reads and writes the
 their gradients and reads and writes both moments once per optimizer step; several ranks add a ring all-reduce of the
 gradients over NVLink per optimizer step. Every constant below names its source.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -56,18 +57,42 @@ class GpuSpec:
 
 # keyed by hw.gpu_name (conf/hw)
 GPUS = {
-    "A100-SXM4-80GB": GpuSpec("A100-SXM4-80GB", 312e12, 2.039e12, 600e9, 108, 80,
-                              "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e "
-                              "(80GB SXM), NVLink 600 GB/s; DGX A100 user guide: a 200 Gb/s HDR InfiniBand port per "
-                              "GPU", node_link_bytes_per_s=25e9),
-    "H100-SXM5-80GB": GpuSpec("H100-SXM5-80GB", 989e12, 3.35e12, 900e9, 132, 80,
-                              "NVIDIA H100 Tensor Core GPU datasheet (2023): 989 TFLOPS BF16 dense (1,979 with "
-                              "sparsity), 3.35 TB/s HBM3 (SXM), NVLink 900 GB/s; DGX H100 user guide: a 400 Gb/s NDR "
-                              "InfiniBand port per GPU", node_link_bytes_per_s=50e9),
-    "H200": GpuSpec("H200", 989e12, 4.8e12, 900e9, 132, 141,
-                    "NVIDIA H200 Tensor Core GPU datasheet (2024): 989 TFLOPS BF16 dense (1,979 with sparsity), "
-                    "4.8 TB/s HBM3e (SXM), NVLink 900 GB/s; DGX H200 user guide: a 400 Gb/s NDR InfiniBand port "
-                    "per GPU", node_link_bytes_per_s=50e9),
+    "A100-SXM4-80GB": GpuSpec(
+        "A100-SXM4-80GB",
+        312e12,
+        2.039e12,
+        600e9,
+        108,
+        80,
+        "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e "
+        "(80GB SXM), NVLink 600 GB/s; DGX A100 user guide: a 200 Gb/s HDR InfiniBand port per "
+        "GPU",
+        node_link_bytes_per_s=25e9,
+    ),
+    "H100-SXM5-80GB": GpuSpec(
+        "H100-SXM5-80GB",
+        989e12,
+        3.35e12,
+        900e9,
+        132,
+        80,
+        "NVIDIA H100 Tensor Core GPU datasheet (2023): 989 TFLOPS BF16 dense (1,979 with "
+        "sparsity), 3.35 TB/s HBM3 (SXM), NVLink 900 GB/s; DGX H100 user guide: a 400 Gb/s NDR "
+        "InfiniBand port per GPU",
+        node_link_bytes_per_s=50e9,
+    ),
+    "H200": GpuSpec(
+        "H200",
+        989e12,
+        4.8e12,
+        900e9,
+        132,
+        141,
+        "NVIDIA H200 Tensor Core GPU datasheet (2024): 989 TFLOPS BF16 dense (1,979 with sparsity), "
+        "4.8 TB/s HBM3e (SXM), NVLink 900 GB/s; DGX H200 user guide: a 400 Gb/s NDR InfiniBand port "
+        "per GPU",
+        node_link_bytes_per_s=50e9,
+    ),
 }
 BACKWARD_OVER_FORWARD = 2.0  # Kaplan et al. 2020, section 2.1: a backward pass costs about twice the forward
 
@@ -76,8 +101,10 @@ def gpu_spec(name: str) -> GpuSpec:
     from ebrl.config import ConfigError
 
     if name not in GPUS:
-        raise ConfigError(f"hw.gpu_name={name!r} has no published peaks here; known: {', '.join(GPUS)} "
-                          "(ebrl/forecast/gpu_cost.py, GPUS)")
+        raise ConfigError(
+            f"hw.gpu_name={name!r} has no published peaks here; known: {', '.join(GPUS)} "
+            "(ebrl/forecast/gpu_cost.py, GPUS)"
+        )
     return GPUS[name]
 
 
@@ -95,7 +122,8 @@ class _Fused(TorchFunctionMode):
         kwargs = kwargs or {}
         outer = self.tally.grad
         self.tally.grad = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))
+        )
         try:
             if func is not F.scaled_dot_product_attention:
                 return func(*args, **kwargs)
@@ -138,10 +166,14 @@ class OpTally(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.hidden or func.is_view or func in self.FREE:
             return out
-        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out) \
-            if func.overloadpacket in flop_registry else 0
-        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                     if isinstance(t, torch.Tensor))
+        flops = (
+            flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            if func.overloadpacket in flop_registry
+            else 0
+        )
+        nbytes = sum(
+            t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+        )
         self.add(flops, nbytes)
         return out
 
@@ -238,10 +270,18 @@ class PolicyOps:
         if trainer.frozen_prefix():  # (the prefix computed outside the traced call: it is given)
             prefixes = {rows: prefixed(rows) for rows in (2, 3)}
             prefix, cached = Ops.of(prefixed), Ops.of(lambda rows: evaluated(rows, prefixes[rows]))
-        return cls(sample=sample, value=value, forward=Ops.of(evaluated), prefix=prefix, cached=cached,
-                   trained=sum(p.numel() for p in trainer.parameters() if p.requires_grad),
-                   checkpointing=checkpointing, parameters=sum(p.numel() for p in trainer.parameters()),
-                   chunk_len=chunk_len, action_dim=action_dim)
+        return cls(
+            sample=sample,
+            value=value,
+            forward=Ops.of(evaluated),
+            prefix=prefix,
+            cached=cached,
+            trained=sum(p.numel() for p in trainer.parameters() if p.requires_grad),
+            checkpointing=checkpointing,
+            parameters=sum(p.numel() for p in trainer.parameters()),
+            chunk_len=chunk_len,
+            action_dim=action_dim,
+        )
 
 
 # --- time ------------------------------------------------------------------------------------
@@ -253,8 +293,9 @@ class GpuTime:
     sm_busy: float  # SM-seconds / (seconds x the whole GPU's SMs)
 
 
-def roofline(ops: Ops, rows: float, gpu: GpuSpec, share: float, host_s: float, only_grad: bool = False,
-             factor: float = 1.0) -> GpuTime:
+def roofline(
+    ops: Ops, rows: float, gpu: GpuSpec, share: float, host_s: float, only_grad: bool = False, factor: float = 1.0
+) -> GpuTime:
     """Σ max(host_s, factor x roofline / share) over the operations (see the module docstring); `only_grad`: those
     backward runs for."""
     flops, nbytes = ops.at(rows)
@@ -280,8 +321,9 @@ def _split(total: int, size: int) -> list[int]:
     return [size] * (total // size) + ([total % size] if total % size else [])
 
 
-def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float,
-               proximal: int = 0) -> GpuTime:
+def train_time(
+    ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, share: float, host_s: float, proximal: int = 0
+) -> GpuTime:
     """One rank's update on `rows` rows (its own share of the rollout), as PPOTrainer.update runs it: a frozen
     prefix once per row (algo.cache_prefix), a forward pass for the proximal policy over `proximal` rows (the
     stale rows of an overlapped schedule's decoupled PPO, every row of a bfloat16 colocated one: ppo.proximal_rows),
@@ -306,8 +348,10 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     for size, count in passes.items():
         # a pass: the forward, the backward of the operations that need one (twice their forward), and with
         # checkpointing those forwards again
-        parts = [roofline(forward, size, gpu, share, host_s),
-                 roofline(forward, size, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD)]
+        parts = [
+            roofline(forward, size, gpu, share, host_s),
+            roofline(forward, size, gpu, share, host_s, only_grad=True, factor=BACKWARD_OVER_FORWARD),
+        ]
         if ops.checkpointing:
             parts.append(roofline(forward, size, gpu, share, host_s, only_grad=True))
         compute += algo.epochs * count * sum(p.seconds for p in parts)
@@ -332,17 +376,30 @@ def train_time(ops: PolicyOps, rows: int, shape: UpdateShape, gpu: GpuSpec, shar
     return GpuTime(seconds, (busy + steps * adam * share) / seconds)
 
 
-def kernel_shares(ops: PolicyOps, batch: int, rows: int, shape: UpdateShape, gpu: GpuSpec, host_s: float,
-                  ) -> dict[str, float]:
+def kernel_shares(
+    ops: PolicyOps,
+    batch: int,
+    rows: int,
+    shape: UpdateShape,
+    gpu: GpuSpec,
+    host_s: float,
+) -> dict[str, float]:
     """Of each GPU stage's time on the whole GPU, the share its kernels keep the SMs busy (the rest is the host
     issuing them, which a smaller SM share does not stretch): generation's sample at its `batch`, an update of
     `rows`. The allocator sizes the stages' SM shares by it (ebrl/alloc/allocator.py)."""
-    return {"generate": roofline(ops.sample, batch, gpu, 1.0, host_s).sm_busy,
-            "train": train_time(ops, rows, shape, gpu, 1.0, host_s).sm_busy}
+    return {
+        "generate": roofline(ops.sample, batch, gpu, 1.0, host_s).sm_busy,
+        "train": train_time(ops, rows, shape, gpu, 1.0, host_s).sm_busy,
+    }
 
 
-def roofline_shares(cfg: Any, spec: EnvSpec, rollout: RolloutShape, sharded: bool, device_type: str,
-                    ) -> tuple[dict[str, float], str] | None:
+def roofline_shares(
+    cfg: Any,
+    spec: EnvSpec,
+    rollout: RolloutShape,
+    sharded: bool,
+    device_type: str,
+) -> tuple[dict[str, float], str] | None:
     """`kernel_shares` for a run's config and its rollout's shape (generation's batch, the update's rows over the
     ranks) on hw.gpu_name's published peaks, and where they come from; a GPU without them: None. The run hands it
     to its placement (`Placement.check_memory`), whose calibrating allocator sizes the stages' SM shares by it
@@ -351,8 +408,9 @@ def roofline_shares(cfg: Any, spec: EnvSpec, rollout: RolloutShape, sharded: boo
         return None
     ops = PolicyOps.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, device_type)
     shape = UpdateShape(cfg.algo, rollout.ranks, int(cfg.hw.nodes), sharded=sharded)
-    shares = kernel_shares(ops, rollout.envs_per_group, rollout.rows, shape, GPUS[cfg.hw.gpu_name],
-                           host_seconds_per_op()[0])
+    shares = kernel_shares(
+        ops, rollout.envs_per_group, rollout.rows, shape, GPUS[cfg.hw.gpu_name], host_seconds_per_op()[0]
+    )
     return shares, f"the roofline's on {cfg.hw.gpu_name}'s published peaks"
 
 
@@ -364,14 +422,20 @@ def host_seconds_per_op() -> tuple[float, str]:
     from ebrl.envs.base import ArraySpec
     from ebrl.policies.build import build_policy
 
-    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="pick up the cube",
-                   max_episode_steps=100)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="pick up the cube", max_episode_steps=100
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            policy = build_policy({"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi",
-                                   "preset": "tiny"}, spec, torch.device("cpu"), train=False, weights="init")
+            policy = build_policy(
+                {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "tiny"},
+                spec,
+                torch.device("cpu"),
+                train=False,
+                weights="init",
+            )
             tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
             obs = {"state": torch.zeros(1, 8), "tokens": tokens, "token_mask": mask}
             ops = len(count_ops(lambda: policy.sample(obs))[0])
@@ -383,5 +447,7 @@ def host_seconds_per_op() -> tuple[float, str]:
     finally:
         torch.set_num_threads(threads)
     per_op = float(np.median(times[5:])) / ops
-    return per_op, (f"measured here {time.strftime('%Y-%m-%d')}: the tiny openpi's sample at batch 1, one thread, "
-                    f"{1e6 * per_op:.1f} us per operation over {ops}")
+    return per_op, (
+        f"measured here {time.strftime('%Y-%m-%d')}: the tiny openpi's sample at batch 1, one thread, "
+        f"{1e6 * per_op:.1f} us per operation over {ops}"
+    )

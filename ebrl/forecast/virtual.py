@@ -26,6 +26,7 @@ process, thread or policy (docs/internals/at-scale.md; `python -m ebrl.bench.at_
 
 What is not modelled yet is listed in `NOT_MODELLED`; a figure from this module is a prediction, labelled simulated.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -42,20 +43,64 @@ from omegaconf import OmegaConf
 
 from ebrl.envs.base import EnvSpec
 from ebrl.envs.worker import ChunkReport
-from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
-from ebrl.runtime.messages import Sampled, State, Trained
 from ebrl.policies.build import policy_dtype
 from ebrl.rl.ppo import proximal_rows
+from ebrl.runtime.dispatcher import ChunkEnded, CorePool, Event, TrainerSaid
+from ebrl.runtime.messages import Sampled, State, Trained
 from ebrl.runtime.trainer import Trainer, TrainerThreads
 
-NOT_MODELLED = ("memory", "failures and timeouts", "the supervisor's own CPU per event (orchestration)",
-                "the cores a GPU stage's host thread takes from the simulators", "weight publication's copies")
+NOT_MODELLED = (
+    "memory",
+    "failures and timeouts",
+    "the supervisor's own CPU per event (orchestration)",
+    "the cores a GPU stage's host thread takes from the simulators",
+    "weight publication's copies",
+)
 
 # CFS's weight per nice value, -20 to 19: 1024 at 0, about 1.25x less per step (Linux, kernel/sched/core.c,
 # sched_prio_to_weight). Whole numbers: loads add up exactly, so equal loads tie as they do in the kernel's sums.
-PRIO_TO_WEIGHT = (88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916, 9548, 7620, 6100, 4904, 3906,
-                  3121, 2501, 1991, 1586, 1277, 1024, 820, 655, 526, 423, 335, 272, 215, 172, 137, 110, 87, 70, 56,
-                  45, 36, 29, 23, 18, 15)
+PRIO_TO_WEIGHT = (
+    88761,
+    71755,
+    56483,
+    46273,
+    36291,
+    29154,
+    23254,
+    18705,
+    14949,
+    11916,
+    9548,
+    7620,
+    6100,
+    4904,
+    3906,
+    3121,
+    2501,
+    1991,
+    1586,
+    1277,
+    1024,
+    820,
+    655,
+    526,
+    423,
+    335,
+    272,
+    215,
+    172,
+    137,
+    110,
+    87,
+    70,
+    56,
+    45,
+    36,
+    29,
+    23,
+    18,
+    15,
+)
 WEIGHTS = {nice: float(w) for nice, w in zip(range(-20, 20), PRIO_TO_WEIGHT)}
 
 
@@ -288,8 +333,9 @@ class Cpu(Device):
             self.spent[stage] = self.spent.get(stage, 0.0) + dt * task.rate / task.efficiency
         for cohort in self.cohorts.values():
             cohort.progress += cohort.rate * dt
-            self.spent[cohort.stage] = (self.spent.get(cohort.stage, 0.0)
-                                        + dt * cohort.rate / cohort.efficiency * cohort.size)
+            self.spent[cohort.stage] = (
+                self.spent.get(cohort.stage, 0.0) + dt * cohort.rate / cohort.efficiency * cohort.size
+            )
         for core, on in enumerate(self.occupied):
             if on:
                 self.core_busy[core] += dt
@@ -492,15 +538,32 @@ class VirtualWorker:
 class VirtualPool:
     """`SimWorkerPool`'s face to the Scheduler, the envs' chunks modelled (`VirtualDispatcher` runs them)."""
 
-    def __init__(self, world: World, costs: Costs, spec: EnvSpec, num_envs: int, execute: int, seed: int,
-                 sim_cores: Sequence[int], sim_nice: int) -> None:
+    def __init__(
+        self,
+        world: World,
+        costs: Costs,
+        spec: EnvSpec,
+        num_envs: int,
+        execute: int,
+        seed: int,
+        sim_cores: Sequence[int],
+        sim_nice: int,
+    ) -> None:
         self.world, self.costs, self.spec, self.execute = world, costs, spec, execute
         self.rng = np.random.default_rng(seed)
         self.sim_nice = sim_nice
         zeros = {k: np.zeros(v.shape, v.dtype) for k, v in spec.obs.items()}
-        self.workers = [VirtualWorker(i, spec, execute, obs=zeros, cpus=tuple(sim_cores),
-                                      actions=np.zeros((execute, spec.action_dim), np.float32))
-                        for i in range(num_envs)]
+        self.workers = [
+            VirtualWorker(
+                i,
+                spec,
+                execute,
+                obs=zeros,
+                cpus=tuple(sim_cores),
+                actions=np.zeros((execute, spec.action_dim), np.float32),
+            )
+            for i in range(num_envs)
+        ]
         for w in self.workers:
             w.length = costs.episode_length(w.index, self.rng)
         self.failures: list = []
@@ -515,8 +578,12 @@ class VirtualPool:
         def one_done() -> None:
             left[0] -= 1
 
-        self.world.start(*(Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice,
-                                done=one_done) for i in envs))
+        self.world.start(
+            *(
+                Task(f"simulate/reset{i}", self.costs.reset(), 1, self.workers[i].cpus, self.sim_nice, done=one_done)
+                for i in envs
+            )
+        )
         for i in envs:
             self.workers[i].step = 0
             self.workers[i].length = self.costs.episode_length(i, self.rng)
@@ -542,10 +609,18 @@ class VirtualPool:
                 episode = {"return": 0.0, "length": float(w.length), "success": float(not truncated)}
                 w.step, w.length = 0, self.costs.episode_length(env, self.rng)
             report = ChunkReport(
-                executed=n, rewards=np.zeros(n, np.float32), successes=np.zeros(n, bool),
-                step_times=costs * ((end - started) / max(costs.sum(), 1e-12)), terminated=ended and not truncated,
-                truncated=truncated, episode=episode, final_obs=dict(w.obs) if truncated else None,
-                started=started, ended=end, cpus=cores)
+                executed=n,
+                rewards=np.zeros(n, np.float32),
+                successes=np.zeros(n, bool),
+                step_times=costs * ((end - started) / max(costs.sum(), 1e-12)),
+                terminated=ended and not truncated,
+                truncated=truncated,
+                episode=episode,
+                final_obs=dict(w.obs) if truncated else None,
+                started=started,
+                ended=end,
+                cpus=cores,
+            )
             done(report)
 
         return Task(f"simulate/env{env}", work, 1, cores, self.sim_nice, done=finished)
@@ -624,8 +699,9 @@ class ModelGeneration:
     """Generation's batches as CPU work on the placement's generation cores and threads (the supervisor's, nice 0);
     the weights' version is the trainer's count of published updates."""
 
-    def __init__(self, world: World, costs: Costs, policy: ModelPolicy, trainer: "ModelTrainer",
-                 placement: Any) -> None:
+    def __init__(
+        self, world: World, costs: Costs, policy: ModelPolicy, trainer: "ModelTrainer", placement: Any
+    ) -> None:
         self.world, self.costs, self.policy, self.trainer, self.placement = world, costs, policy, trainer, placement
         self.pid = 0
         self.version = 0
@@ -636,16 +712,28 @@ class ModelGeneration:
             return
         threads = self.placement.threads("generate")
         work = self.costs.generate(n) if kind == "sample" else self.costs.value(n)
-        self.world.run(Task(f"generate/{kind}", work, threads, tuple(self.placement.cpus("generate")),
-                            efficiency=self.costs.efficiency("generate", threads)))
+        self.world.run(
+            Task(
+                f"generate/{kind}",
+                work,
+                threads,
+                tuple(self.placement.cpus("generate")),
+                efficiency=self.costs.efficiency("generate", threads),
+            )
+        )
 
     def sample(self, obs: dict[str, torch.Tensor]) -> Sampled:
         n = _rows(obs)
         self.version = self.trainer.published
         self._run("sample", n)
         p = self.policy
-        return Sampled(torch.zeros(n, p.chunk_len, p.env_spec.action_dim), {}, torch.zeros(n, p.chunk_len),
-                       torch.zeros(n), self.version)
+        return Sampled(
+            torch.zeros(n, p.chunk_len, p.env_spec.action_dim),
+            {},
+            torch.zeros(n, p.chunk_len),
+            torch.zeros(n),
+            self.version,
+        )
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         n = _rows(obs)
@@ -702,8 +790,10 @@ class ModelTrainer(Trainer):
         self.running: Task | None = None
         self.shared_threads = None if self.local else LentThreads(self, placement.idle_trainer_threads())
         # (a bfloat16 policy's update takes the proximal pass over every row of a batch its own weights sampled)
-        self.low_precision = policy_dtype(OmegaConf.to_container(placement.cfg.policy, resolve=True),
-                                          placement.device.type) != torch.float32
+        self.low_precision = (
+            policy_dtype(OmegaConf.to_container(placement.cfg.policy, resolve=True), placement.device.type)
+            != torch.float32
+        )
 
     @property
     def own_threads(self) -> int:
@@ -718,16 +808,28 @@ class ModelTrainer(Trainer):
     def pid(self) -> int:
         return 0
 
-    def train(self, iteration: int, batch: Any, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False, version: int | None = None) -> None:
+    def train(
+        self,
+        iteration: int,
+        batch: Any,
+        decoupled: bool,
+        is_clip: float,
+        gather: bool = False,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> None:
         rows = int(batch.reward.numel())  # decisions (chunk steps x envs): an update computes masked ones too
-        proximal = int(proximal_rows(batch, decoupled, version, self.placement.cfg.algo.get("proximal", "stale"),
-                                     self.low_precision).sum())
+        proximal = int(
+            proximal_rows(
+                batch, decoupled, version, self.placement.cfg.algo.get("proximal", "stale"), self.low_precision
+            ).sum()
+        )
 
         def trained() -> None:
             self.published += 1
-            self.world.events.put(TrainerSaid(Trained(iteration, {}, self.published, task.started, self.world.now,
-                                                      self.world.now)))
+            self.world.events.put(
+                TrainerSaid(Trained(iteration, {}, self.published, task.started, self.world.now, self.world.now))
+            )
             if gather:
                 self.world.events.put(TrainerSaid(State({}, {}, iteration)))
             self.running = None
@@ -752,8 +854,11 @@ class ModelTrainer(Trainer):
         sent; the placement may have lent it every core)."""
         lent = self.shared_threads is not None and self.shared_threads.count != self.own_threads
         threads = self.shared_threads.count if lent else self.own_threads
-        return {"threads": threads, "cores": tuple(self.placement.cores if lent else self.placement.cpus("train")),
-                "efficiency": self.costs.efficiency("train", threads)}
+        return {
+            "threads": threads,
+            "cores": tuple(self.placement.cores if lent else self.placement.cpus("train")),
+            "efficiency": self.costs.efficiency("train", threads),
+        }
 
     def _place(self, task: Task) -> None:
         """An update about to start takes `_placed`'s threads and cores; a GPU call keeps its share."""

@@ -6,6 +6,7 @@ Observation batches are dicts of tensors:
   "tokens"       (B, L) int64         the task instruction, from `Policy.tokenize`
   "token_mask"   (B, L) bool          True on real tokens
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +124,14 @@ class Policy(nn.Module):
         published checkpoint does not have). Families whose public checkpoints name things differently map here."""
         return state, self.rl_heads()
 
-    def bind(self, presets: dict[str, Any], preset: str, env_spec: EnvSpec, dims: dict[str, int] | None = None,
-             state_dims: list[int] | None = None) -> Any:
+    def bind(
+        self,
+        presets: dict[str, Any],
+        preset: str,
+        env_spec: EnvSpec,
+        dims: dict[str, int] | None = None,
+        state_dims: list[int] | None = None,
+    ) -> Any:
         """Take this env's spec (env_spec, action_dim, the sorted camera keys) and return the dims of
         `policy.preset` (`preset_dims`); one line for an env whose state (or actions) exceed the padded max_state_dim
         (max_action_dim)."""
@@ -133,16 +140,21 @@ class Policy(nn.Module):
         if state_dims is not None:  # the env state dims the policy reads (policy.state_dims)
             bad = [i for i in state_dims if not 0 <= i < state_dim]
             if bad or not state_dims:
-                raise ConfigError(f"policy.state_dims={list(state_dims)} must pick dims of the env's state "
-                                  f"(0..{state_dim - 1})")
+                raise ConfigError(
+                    f"policy.state_dims={list(state_dims)} must pick dims of the env's state (0..{state_dim - 1})"
+                )
             state_dim = len(state_dims)
         if state_dim > d.max_state_dim:
-            raise ConfigError(f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
-                              "use a preset with a larger max_state_dim or an env with fewer state features")
+            raise ConfigError(
+                f"policy.preset={preset} has max_state_dim={d.max_state_dim} < env state dim {state_dim}: "
+                "use a preset with a larger max_state_dim or an env with fewer state features"
+            )
         max_action_dim = getattr(d, "max_action_dim", None)
         if max_action_dim is not None and env_spec.action_dim > max_action_dim:
-            raise ConfigError(f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
-                              f"{env_spec.action_dim}: use a preset with a larger max_action_dim")
+            raise ConfigError(
+                f"policy.preset={preset} has max_action_dim={max_action_dim} < env action dim "
+                f"{env_spec.action_dim}: use a preset with a larger max_action_dim"
+            )
         self.env_spec, self.action_dim = env_spec, env_spec.action_dim
         self.model_action_dim = env_spec.action_dim
         self.cameras = sorted(k for k in env_spec.obs if k.startswith("image/"))
@@ -179,8 +191,9 @@ class Policy(nn.Module):
         """deterministic: the family's noise-free action (evaluation), where it has one."""
         raise NotImplementedError
 
-    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    def supervised_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The family's own imitation objective (algo=sft) on demonstrated chunks `actions` (B, H, env action dims),
         averaged over the actions `mask` (B, H) keeps (a chunk that runs past its episode's end is padded)."""
         raise NotImplementedError
@@ -209,11 +222,11 @@ class Policy(nn.Module):
         """`prefix(obs)` is a constant of the observation: the family has one and none of its parameters trains
         (policy.train=action_expert), so a trainer computes it once per row and every pass over the row reuses it
         (docs/internals/design.md, "The frozen prefix")."""
-        return bool(self.PREFIX) and not any(p.requires_grad for name, p in self.named_parameters()
-                                             if name.startswith(self.PREFIX))
+        return bool(self.PREFIX) and not any(
+            p.requires_grad for name, p in self.named_parameters() if name.startswith(self.PREFIX)
+        )
 
     def prefix(self, obs: dict[str, torch.Tensor]) -> Any:
         """What the backbone (`PREFIX`'s parameters) makes of each observation, rows first (nested tensors), for
         `evaluate(..., prefix=)`; call it inside `precision()`."""
         raise NotImplementedError
-

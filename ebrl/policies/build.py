@@ -7,6 +7,7 @@ device and allocated once, in its dtype, without initialisation: no random init 
 the first policy that the loaded weights would overwrite. A published checkpoint that lacks the RL heads gets them
 initialised as the constructor would.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ebrl.classes import ContractError, constructor_kwargs, load_class
 from ebrl.checks import POLICY_CONTRACT, POLICY_RUNTIME_KEYS, policy_dtype_name
+from ebrl.classes import ContractError, constructor_kwargs, load_class
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.base import Policy
@@ -62,12 +63,14 @@ def materialize(module: torch.nn.Module, device: torch.device | str, dtype: torc
         for name, p in list(sub._parameters.items()):
             if p is not None:
                 kind = dtype if p.is_floating_point() else p.dtype
-                sub._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
-                                                           requires_grad=p.requires_grad)
+                sub._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=kind, device=device), requires_grad=p.requires_grad
+                )
         for name, b in list(sub._buffers.items()):
             if b is not None:
-                sub._buffers[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype,
-                                                 device=device)
+                sub._buffers[name] = torch.empty(
+                    b.shape, dtype=dtype if b.is_floating_point() else b.dtype, device=device
+                )
 
 
 def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +84,9 @@ def checkpoint_kwargs(cls: type, checkpoint: str, kwargs: dict[str, Any]) -> dic
             with safe_open(str(f), "pt") as handle:
                 keys.extend(handle.keys())
         except Exception as e:
-            raise CheckpointError(f"policy.checkpoint={checkpoint}: {f.name} is not a readable safetensors file "
-                                  f"({type(e).__name__})") from None
+            raise CheckpointError(
+                f"policy.checkpoint={checkpoint}: {f.name} is not a readable safetensors file ({type(e).__name__})"
+            ) from None
     return cls.checkpoint_defaults(checkpoint_folder(checkpoint), checkpoint_config(checkpoint), keys, dict(kwargs))
 
 
@@ -119,8 +123,9 @@ def executed_actions(policy_cfg: dict[str, Any], chunk_len: int) -> int:
     if execute is None:
         return chunk_len
     if not 1 <= int(execute) <= chunk_len:
-        raise ConfigError(f"policy.execute={execute} must be in 1..{chunk_len}, the policy's chunk of {chunk_len} "
-                          "actions")
+        raise ConfigError(
+            f"policy.execute={execute} must be in 1..{chunk_len}, the policy's chunk of {chunk_len} actions"
+        )
     return int(execute)
 
 
@@ -128,21 +133,31 @@ def executed_line(policy: Policy, source: str) -> str | None:
     """The console line of a run whose env executes part of each chunk (None when it executes the whole chunk)."""
     if policy.execute == policy.chunk_len:
         return None
-    return f"policy.execute={policy.execute}: {policy.execute} of each chunk's {policy.chunk_len} actions run before " \
-           f"the next chunk is sampled ({source})"
+    return (
+        f"policy.execute={policy.execute}: {policy.execute} of each chunk's {policy.chunk_len} actions run before "
+        f"the next chunk is sampled ({source})"
+    )
 
 
 def tokenizer_warning(policy_cfg: dict[str, Any], policy: Policy) -> str | None:
     """The line a full-size run prints when a family that can load a real tokenizer (`policy.tokenizer`) was given
     none: its prompts are not the ones a published checkpoint was trained on."""
     if policy_cfg.get("preset") == "full" and getattr(policy, "tokenizer", False) is None:
-        return (f"policy={policy_cfg.get('name')} preset=full tokenizes with a byte-level stand-in: give "
-                "policy.tokenizer=<paligemma_tokenizer.model> for the prompts the checkpoint was trained on")
+        return (
+            f"policy={policy_cfg.get('name')} preset=full tokenizes with a byte-level stand-in: give "
+            "policy.tokenizer=<paligemma_tokenizer.model> for the prompts the checkpoint was trained on"
+        )
     return None
 
 
-def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device | str = "cpu", *,
-                 train: bool = False, weights: str = "init") -> Policy:
+def build_policy(
+    policy_cfg: dict[str, Any],
+    spec: EnvSpec,
+    device: torch.device | str = "cpu",
+    *,
+    train: bool = False,
+    weights: str = "init",
+) -> Policy:
     """The policy `policy_cfg` (a resolved `policy` config) names, for this env, on `device`, in eval mode.
 
     weights: "init" -> the family's initialisation, or `policy.checkpoint`'s file (with the RL heads it lacks
@@ -173,8 +188,10 @@ def build_policy(policy_cfg: dict[str, Any], spec: EnvSpec, device: torch.device
             policy = cls(env_spec=spec, **kwargs)
     missing = [name for name in ("chunk_len", "action_dim") if not isinstance(getattr(policy, name, None), int)]
     if missing:
-        raise ContractError(f"policy._target_={policy_cfg['_target_']!r} set no self.{missing[0]} (an int) in its "
-                            f"constructor: a policy implements {POLICY_CONTRACT}")
+        raise ContractError(
+            f"policy._target_={policy_cfg['_target_']!r} set no self.{missing[0]} (an int) in its "
+            f"constructor: a policy implements {POLICY_CONTRACT}"
+        )
     policy.compute_dtype = dtype
     policy.execute = executed_actions(policy_cfg, policy.chunk_len)  # (policy.execute as the config settled it)
     if policy_cfg.get("capture") is not None:  # the flow families' denoising loop (ebrl/policies/capture.py)

@@ -10,6 +10,7 @@ loop as a function of tensors that draws no random numbers and branches on no te
 - compile: torch.compile of the loop, specialised per signature up to dynamo's recompile limit (then as it is).
 - off: the loop as it is. auto: graph on CUDA, off on a CPU (where compile did not pay: docs/use/policies.md).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -118,8 +119,12 @@ class GraphedLoop:
                     outputs = self.fn(mode, *static)
         except RuntimeError as e:  # an operation a graph cannot hold (a host sync, a host tensor)
             shapes = ", ".join(str(tuple(t.shape)) for t in flat[-3:])
-            warnings.warn(f"policy.capture=graph: the {mode} denoising loop on inputs ..., {shapes} runs uncaptured: "
-                          f"{str(e).strip().splitlines()[0][:200]}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"policy.capture=graph: the {mode} denoising loop on inputs ..., {shapes} runs uncaptured: "
+                f"{str(e).strip().splitlines()[0][:200]}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
         finally:
             torch.set_autocast_cache_enabled(cache)

@@ -16,6 +16,7 @@ names map one to one (self_attn -> attn1, cross_attn -> attn2, mlp.layer1/2 -> f
 adaln_modulation_* -> norm*).
 Dropout is left out (RL fine-tuning runs without it).
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,14 @@ class TimestepEncoder(nn.Module):
     Timesteps (flip_sin_to_cos, downscale_freq_shift=1) of a timestep, as GR00T feeds it its 1000 time buckets.
     """
 
-    def __init__(self, embedding_dim: int, freq_dim: int = 256, out_dim: int | None = None, bias: bool = True,
-                 sinusoid: str = "pi0") -> None:
+    def __init__(
+        self,
+        embedding_dim: int,
+        freq_dim: int = 256,
+        out_dim: int | None = None,
+        bias: bool = True,
+        sinusoid: str = "pi0",
+    ) -> None:
         super().__init__()
         if sinusoid not in ("pi0", "diffusers"):
             raise ValueError(f"sinusoid={sinusoid!r}; accepted: pi0, diffusers")
@@ -81,19 +88,28 @@ class AdaLayerNorm(nn.Module):
     it feeds when `gate` (adaLN-Zero). `lora_dim` makes the modulation low rank (Cosmos' AdaLN-LoRA); a `shared`
     term (N, [G,] k*dim) computed once from the time can be added to it."""
 
-    def __init__(self, dim: int, cond_dim: int, gate: bool = False, lora_dim: int | None = None, bias: bool = True,
-                 eps: float = 1e-5) -> None:
+    def __init__(
+        self,
+        dim: int,
+        cond_dim: int,
+        gate: bool = False,
+        lora_dim: int | None = None,
+        bias: bool = True,
+        eps: float = 1e-5,
+    ) -> None:
         super().__init__()
         self.dim, self.chunks = dim, 3 if gate else 2
         self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
         if lora_dim:
-            self.linear: nn.Module = nn.Sequential(nn.Linear(cond_dim, lora_dim, bias=False),
-                                                   nn.Linear(lora_dim, self.chunks * dim, bias=False))
+            self.linear: nn.Module = nn.Sequential(
+                nn.Linear(cond_dim, lora_dim, bias=False), nn.Linear(lora_dim, self.chunks * dim, bias=False)
+            )
         else:
             self.linear = nn.Linear(cond_dim, self.chunks * dim, bias=bias)
 
-    def modulation(self, temb: torch.Tensor, groups: torch.Tensor | None = None,
-                   shared: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def modulation(
+        self, temb: torch.Tensor, groups: torch.Tensor | None = None, shared: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """scale, shift (and gate), each (N, L or 1, dim). temb is (N, cond_dim), or (N, G, cond_dim) with `groups`
         (L,) saying which of the G conditions each token takes (tokens at different flow times)."""
         mod = self.linear(F.silu(temb))
@@ -102,8 +118,13 @@ class AdaLayerNorm(nn.Module):
         mod = mod[:, None] if mod.dim() == 2 else mod[:, groups]
         return mod.chunk(self.chunks, -1)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, groups: torch.Tensor | None = None,
-                shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scale, shift, *gate = self.modulation(temb, groups, shared)
         return self.norm(x) * (1 + scale) + shift, (gate[0] if gate else None)
 
@@ -113,8 +134,17 @@ class Attention(nn.Module):
     tokens or, for cross-attention, from a context of `context_dim`. qk_norm: RMSNorm per head on q and k (norm_q,
     norm_k), as Cosmos and Qwen3 do. out_list: to_out is diffusers' list (to_out.0; its dropout is left out)."""
 
-    def __init__(self, query_dim: int, heads: int, head_dim: int, context_dim: int | None = None, bias: bool = True,
-                 out_bias: bool = True, qk_norm: bool = False, out_list: bool = False) -> None:
+    def __init__(
+        self,
+        query_dim: int,
+        heads: int,
+        head_dim: int,
+        context_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool = True,
+        qk_norm: bool = False,
+        out_list: bool = False,
+    ) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
@@ -135,8 +165,13 @@ class Attention(nn.Module):
         fixed context's once per observation and passes them to every denoising step."""
         return self.norm_k(self._heads(self.to_k(source))), self._heads(self.to_v(source))
 
-    def forward(self, x: torch.Tensor, kv: KV, mask: torch.Tensor | None = None, past: KV | None = None,
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv: KV,
+        mask: torch.Tensor | None = None,
+        past: KV | None = None,
+    ) -> torch.Tensor:
         """x (N, Lq, dim) attends to [past, kv]; mask: True where a query may attend, (N, Lk) for all queries alike
         or (N, Lq, Lk). A fixed context's kv (cross-attention) or the past may hold one row per observation for
         several rows of x each (`layers.attention`)."""
@@ -176,10 +211,23 @@ class BasicTransformerBlock(Block):
     returns this call's, so a family runs its conditioning tokens once per observation.
     """
 
-    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, *, norm_type: str = "ada_norm",
-                 cond_dim: int | None = None, cross_attention_dim: int | None = None, attn1_cross: bool = False,
-                 ff_inner_dim: int | None = None, bias: bool = True, qk_norm: bool = False,
-                 lora_dim: int | None = None, norm_eps: float = 1e-5, out_list: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_attention_heads: int,
+        attention_head_dim: int,
+        *,
+        norm_type: str = "ada_norm",
+        cond_dim: int | None = None,
+        cross_attention_dim: int | None = None,
+        attn1_cross: bool = False,
+        ff_inner_dim: int | None = None,
+        bias: bool = True,
+        qk_norm: bool = False,
+        lora_dim: int | None = None,
+        norm_eps: float = 1e-5,
+        out_list: bool = False,
+    ) -> None:
         super().__init__()
         if norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type={norm_type!r}; accepted: {', '.join(NORM_TYPES)}")
@@ -192,13 +240,15 @@ class BasicTransformerBlock(Block):
             if norm_type == "layer_norm":
                 return nn.LayerNorm(dim, eps=norm_eps)
             if norm_type == "ada_norm_zero" or first:
-                return AdaLayerNorm(dim, cond_dim or dim, gate=norm_type == "ada_norm_zero", lora_dim=lora_dim,
-                                    bias=bias, eps=norm_eps)
+                return AdaLayerNorm(
+                    dim, cond_dim or dim, gate=norm_type == "ada_norm_zero", lora_dim=lora_dim, bias=bias, eps=norm_eps
+                )
             return nn.LayerNorm(dim, eps=norm_eps, elementwise_affine=False)
 
         self.norm1 = norm(True)
-        self.attn1 = Attention(dim, heads, head_dim, cross_attention_dim if attn1_cross else None, bias, bias, qk_norm,
-                               out_list)
+        self.attn1 = Attention(
+            dim, heads, head_dim, cross_attention_dim if attn1_cross else None, bias, bias, qk_norm, out_list
+        )
         self.attn2: Attention | None = None
         if cross_attention_dim is not None and not attn1_cross:
             self.norm2 = norm(False)
@@ -217,8 +267,14 @@ class BasicTransformerBlock(Block):
         attn = self.cross_attention
         return None if attn is None else attn.key_value(context)
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor | None, groups: torch.Tensor | None,
-              shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm(
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        temb: torch.Tensor | None,
+        groups: torch.Tensor | None,
+        shared: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(norm, AdaLayerNorm):
             return norm(x, temb, groups, shared)
         return norm(x), None
@@ -227,11 +283,18 @@ class BasicTransformerBlock(Block):
     def _residual(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return x + (out if gate is None else gate * out)
 
-    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor | None = None, *,
-                context_kv: KV | None = None, context_mask: torch.Tensor | None = None,
-                past_kv: KV | None = None, attention_mask: torch.Tensor | None = None,
-                groups: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, KV | None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        temb: torch.Tensor | None = None,
+        *,
+        context_kv: KV | None = None,
+        context_mask: torch.Tensor | None = None,
+        past_kv: KV | None = None,
+        attention_mask: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KV | None]:
         """hidden_states (N, L, dim); temb (N, cond_dim) or (N, G, cond_dim) with groups (L,); context_kv from
         `cross_kv` with context_mask (N, Lc); attention_mask (N, L, Lpast + L) for self-attention over past_kv and the
         tokens. Returns the tokens and this call's self-attention keys/values (None when attn1 is cross-attention)."""

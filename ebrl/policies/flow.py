@@ -19,6 +19,7 @@ model's flow_dim is wider) follow flow matching's straight path from their start
 zero-padded actions shaped them (under one_step: plain Euler steps, as every dim takes at the other steps): no noise
 is injected there, so leaving them out of the density biases nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,19 +56,34 @@ class FlowPolicy(Policy):
     velocity_out: nn.Linear
     value_head: nn.Module
 
-    def init_flow(self, *, flow_dim: int, chunk_len: int, denoise_steps: int, feature_dim: int, time_dim: int,
-                  logprob: str, noise_std_min: float, noise_std_max: float, sde_noise_level: float,
-                  chain_logprob: str = "sum", detach_critic_input: bool = False) -> None:
+    def init_flow(
+        self,
+        *,
+        flow_dim: int,
+        chunk_len: int,
+        denoise_steps: int,
+        feature_dim: int,
+        time_dim: int,
+        logprob: str,
+        noise_std_min: float,
+        noise_std_max: float,
+        sde_noise_level: float,
+        chain_logprob: str = "sum",
+        detach_critic_input: bool = False,
+    ) -> None:
         """Check the chain's options and build the Flow-Noise std head (only for logprob=flow_noise).
         detach_critic_input: the value head reads the features without passing its loss's gradient into them."""
         if logprob not in LOGPROBS:
             raise ConfigError(f"policy.logprob={logprob!r} is not available; accepted: {', '.join(LOGPROBS)}")
         if chain_logprob not in CHAIN_LOGPROBS:
-            raise ConfigError(f"policy.chain_logprob={chain_logprob!r} is not available; accepted: "
-                              f"{', '.join(CHAIN_LOGPROBS)}")
+            raise ConfigError(
+                f"policy.chain_logprob={chain_logprob!r} is not available; accepted: {', '.join(CHAIN_LOGPROBS)}"
+            )
         if not 0 < noise_std_min <= noise_std_max:
-            raise ConfigError(f"policy.noise_std_min={noise_std_min} and policy.noise_std_max={noise_std_max} "
-                              "must satisfy 0 < min <= max")
+            raise ConfigError(
+                f"policy.noise_std_min={noise_std_min} and policy.noise_std_max={noise_std_max} "
+                "must satisfy 0 < min <= max"
+            )
         if not sde_noise_level > 0:
             raise ConfigError(f"policy.sde_noise_level={sde_noise_level} must be > 0")
         for key, value in (("policy.chunk", chunk_len), ("policy.denoise_steps", denoise_steps)):
@@ -79,8 +95,9 @@ class FlowPolicy(Policy):
         self.sde_noise_level = sde_noise_level
         self.capture, self._loops = "auto", {}  # policy.capture (build_policy sets it) -> its loop, once made
         if logprob == "flow_noise":
-            self.noise_std_head = nn.Sequential(nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(),
-                                                nn.Linear(feature_dim, flow_dim))
+            self.noise_std_head = nn.Sequential(
+                nn.Linear(feature_dim + time_dim, feature_dim), nn.SiLU(), nn.Linear(feature_dim, flow_dim)
+            )
             self._close_noise_head()
 
     def _close_noise_head(self) -> None:
@@ -125,8 +142,13 @@ class FlowPolicy(Policy):
         raw = self.noise_std_head(torch.cat([h, temb.to(h.dtype)], -1)).float()
         return v, self.log_std_min + (self.log_std_max - self.log_std_min) * raw.sigmoid()
 
-    def step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
-             velocity: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: Any,
+        velocity: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log std (both (N, H, flow_dim), float32) of x at the next time, from x (float32) at times t (N,)
         (`velocity`: v and the log std at x, where the caller has them)."""
         steps = self.denoise_steps
@@ -142,15 +164,16 @@ class FlowPolicy(Policy):
         mean = x + dt * (v + sigma.pow(2) / (2.0 * t) * (x + (1.0 - t) * v))
         return mean, torch.log(sigma * math.sqrt(-dt)).expand_as(mean)
 
-    def advance(self, start: torch.Tensor, k: int, mean: torch.Tensor, log_std: torch.Tensor,
-                noise: torch.Tensor) -> torch.Tensor:
+    def advance(
+        self, start: torch.Tensor, k: int, mean: torch.Tensor, log_std: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
         """x after Euler step k of a chain that started at `start`: the env's dims drawn around the step's mean, the
         padded dims at (1 - (k + 1) / K) x_0 on their straight path to 0 (module docstring)."""
         x = mean + log_std.exp() * noise
         if self.model_action_dim == self.flow_dim:
             return x
         t_next = 1.0 - (k + 1) / self.denoise_steps
-        return torch.cat([x[..., : self.model_action_dim], t_next * start[..., self.model_action_dim:]], -1)
+        return torch.cat([x[..., : self.model_action_dim], t_next * start[..., self.model_action_dim :]], -1)
 
     def log_density(self, x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
         """Gaussian log-density summed over the env's action dims (the padded dims are deterministic: no density)."""
@@ -167,8 +190,9 @@ class FlowPolicy(Policy):
         return x - self.velocity(x, t, cond)[0] / self.denoise_steps
 
     @torch.no_grad()
-    def sample(self, obs: dict[str, torch.Tensor], deterministic: bool = False,
-               noise: torch.Tensor | None = None) -> PolicySample:
+    def sample(
+        self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None
+    ) -> PolicySample:
         """x_0 ~ N(0, I) (or `noise`, (B, H, flow_dim)), then K Euler steps from t = 1 to t = 0, stochastic where
         `chain_logprob` says (module docstring); the chain goes to extras for evaluate. deterministic: plain Euler
         steps over every dim, as openpi, lerobot and GR00T sample (evaluation: a loaded checkpoint's real success);
@@ -176,8 +200,11 @@ class FlowPolicy(Policy):
         with self.precision():
             cond, pooled = self.encode(obs)
             batch, steps, device = pooled.shape[0], self.denoise_steps, pooled.device
-            start = (torch.randn(batch, self.chunk_len, self.flow_dim, device=device) if noise is None
-                     else noise.to(device, torch.float32))
+            start = (
+                torch.randn(batch, self.chunk_len, self.flow_dim, device=device)
+                if noise is None
+                else noise.to(device, torch.float32)
+            )
             mode = "deterministic" if deterministic else self.chain_logprob
             extras: dict[str, torch.Tensor] = {}
             index = None
@@ -188,11 +215,16 @@ class FlowPolicy(Policy):
             draws = [torch.randn_like(start) for _ in range(0 if deterministic else 1 if index is not None else steps)]
             chain, log_prob = self.capture_loop(mode, cond, start, torch.stack(draws) if draws else None, index)
             value = self.value_head(pooled).squeeze(-1).float()
-        return PolicySample(chunk=self.to_env(chain[:, -1, ..., : self.model_action_dim]), log_prob=log_prob,
-                            value=value, extras={"chain": chain, **extras})
+        return PolicySample(
+            chunk=self.to_env(chain[:, -1, ..., : self.model_action_dim]),
+            log_prob=log_prob,
+            value=value,
+            extras={"chain": chain, **extras},
+        )
 
-    def walk(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
-             index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def walk(
+        self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None, index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chain (N, K+1, H, flow_dim) from `start` and its log-prob (N, H): mode is chain_logprob or
         "deterministic"; draws (K, N, H, flow_dim) the steps' noise (one_step: (1, ...), at step `index`, a 0-d
         tensor). It draws no random numbers and branches on no tensor, so one capture serves every draw."""
@@ -226,8 +258,9 @@ class FlowPolicy(Policy):
         check_capture(capture)
         self._capture = capture
 
-    def capture_loop(self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None,
-                     index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def capture_loop(
+        self, mode: str, cond: Any, start: torch.Tensor, draws: torch.Tensor | None, index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`walk` as `policy.capture` runs it on start's device: replayed from CUDA graphs, compiled, or as it is
         (each setting's loop is kept, so switching back to one replays what it captured)."""
         loop = self._loops.get(self._capture)
@@ -242,8 +275,9 @@ class FlowPolicy(Policy):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_loops": {}}  # a copy captures its own loops
 
-    def sde_step(self, x: torch.Tensor, t: torch.Tensor, cond: Any,
-                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sde_step(
+        self, x: torch.Tensor, t: torch.Tensor, cond: Any, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """chain_logprob=one_step's stochastic step from x with `noise`, its log-density (N, H), and the plain Euler
         step the other steps take: the env's dims drawn around the step's mean, the padded dims by the Euler step
         (no noise and no density, as in the chain's other steps)."""
@@ -252,7 +286,7 @@ class FlowPolicy(Policy):
         drawn = mean + log_std.exp() * noise
         euler = x - v / self.denoise_steps
         if self.model_action_dim < self.flow_dim:
-            drawn = torch.cat([drawn[..., : self.model_action_dim], euler[..., self.model_action_dim:]], -1)
+            drawn = torch.cat([drawn[..., : self.model_action_dim], euler[..., self.model_action_dim :]], -1)
         return drawn, self.log_density(drawn, mean, log_std), euler
 
     @torch.no_grad()
@@ -261,8 +295,9 @@ class FlowPolicy(Policy):
         with self.precision():
             return self.value_head(self.encode(obs)[1]).squeeze(-1).float()
 
-    def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-                 prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def evaluate(
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], prefix: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log_prob (B, H), entropy (B, H), value (B,) of the stored chain; chunk is its last step, so unused.
         The steps the log-prob counts (every one, or chain_logprob=one_step's) go through the velocity in one pass
         whose rows attend to their observation's features as they are (no per-step copy of them); `prefix`: the
@@ -290,8 +325,9 @@ class FlowPolicy(Policy):
             value = self.value_head(pooled.detach() if self.detach_critic_input else pooled).squeeze(-1).float()
         return log_prob, entropy, value
 
-    def flow_matching_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    def flow_matching_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Supervised loss: x_t = t noise + (1 - t) a, regress v(x_t, t) on noise - a (the model's action dims, in its
         space: `from_env`), averaged over the actions `mask` (B, H) keeps."""
         with self.precision():
@@ -304,8 +340,9 @@ class FlowPolicy(Policy):
             v, _ = self.velocity(x_t, t, cond)
             return masked_mean((v - (noise - a))[..., : self.model_action_dim].pow(2).mean(-1), mask)
 
-    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    def supervised_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Flow matching, as openpi, lerobot and GR00T train these models."""
         return self.flow_matching_loss(obs, actions, mask)
 
@@ -315,16 +352,20 @@ class FlowPolicy(Policy):
         probes."""
         device = next(self.parameters()).device
         tokens, mask = self.tokenize([self.env_spec.instruction])
-        obs = {"state": torch.zeros(1, self.env_spec.obs["state"].shape[0], device=device),
-               "tokens": torch.from_numpy(tokens).to(device), "token_mask": torch.from_numpy(mask).to(device)}
+        obs = {
+            "state": torch.zeros(1, self.env_spec.obs["state"].shape[0], device=device),
+            "tokens": torch.from_numpy(tokens).to(device),
+            "token_mask": torch.from_numpy(mask).to(device),
+        }
         for key, spec in self.env_spec.obs.items():
             if key.startswith("image/"):
                 obs[key] = torch.full((1, *spec.shape), 128, dtype=torch.uint8, device=device)
         return obs
 
     @torch.no_grad()
-    def init_contracting_velocity(self, probe: int = 32, gain: float = 3.0, fit_tokens: int = 4096,
-                                  centre_tokens: int = 640) -> None:
+    def init_contracting_velocity(
+        self, probe: int = 32, gain: float = 3.0, fit_tokens: int = 4096, centre_tokens: int = 640
+    ) -> None:
         """Fit `velocity_out` so that v(x, t) ~= c x, c = min(3, K), on random x (call after the subclass made x
         linearly readable from the velocity features).
 

@@ -31,6 +31,7 @@ attention-pooling head, which N1.5 never runs, is not built, and Qwen3's lm_head
 neither adds parameters; a file's copies of them are dropped on load, and a file that kept only the tied lm_head
 gives embed_tokens from it).
 """
+
 from __future__ import annotations
 
 import math
@@ -59,6 +60,7 @@ from ebrl.policies.layers import (
     rotary,
     run_layers,
 )
+
 
 @dataclass(frozen=True)
 class GR00TDims:
@@ -97,18 +99,66 @@ class GR00TDims:
 
 PRESETS: dict[str, GR00TDims] = {
     "tiny": GR00TDims(
-        image_size=32, patch_size=8, vit_width=32, vit_depth=1, vit_mlp=64, vit_heads=2,
-        width=64, depth=1, mlp=128, heads=4, kv_heads=2, head_dim=16, vocab=BYTE_VOCAB, max_tokens=48,
-        vl_layers=1, vl_heads=2, vl_head_dim=32, dit_layers=2, dit_heads=2, dit_head_dim=24, dit_output_dim=48,
-        hidden_size=48, future_tokens=4, max_seq_len=32, embodiments=1, chunk=8, denoise_steps=4,
-        max_action_dim=32, max_state_dim=128,
+        image_size=32,
+        patch_size=8,
+        vit_width=32,
+        vit_depth=1,
+        vit_mlp=64,
+        vit_heads=2,
+        width=64,
+        depth=1,
+        mlp=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=BYTE_VOCAB,
+        max_tokens=48,
+        vl_layers=1,
+        vl_heads=2,
+        vl_head_dim=32,
+        dit_layers=2,
+        dit_heads=2,
+        dit_head_dim=24,
+        dit_output_dim=48,
+        hidden_size=48,
+        future_tokens=4,
+        max_seq_len=32,
+        embodiments=1,
+        chunk=8,
+        denoise_steps=4,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     "small": GR00TDims(
-        image_size=64, patch_size=8, vit_width=128, vit_depth=3, vit_mlp=512, vit_heads=4,
-        width=192, depth=3, mlp=576, heads=4, kv_heads=2, head_dim=48, vocab=BYTE_VOCAB, max_tokens=48,
-        vl_layers=1, vl_heads=4, vl_head_dim=48, dit_layers=4, dit_heads=4, dit_head_dim=32, dit_output_dim=128,
-        hidden_size=128, future_tokens=8, max_seq_len=64, embodiments=1, chunk=16, denoise_steps=4,
-        max_action_dim=32, max_state_dim=128,
+        image_size=64,
+        patch_size=8,
+        vit_width=128,
+        vit_depth=3,
+        vit_mlp=512,
+        vit_heads=4,
+        width=192,
+        depth=3,
+        mlp=576,
+        heads=4,
+        kv_heads=2,
+        head_dim=48,
+        vocab=BYTE_VOCAB,
+        max_tokens=48,
+        vl_layers=1,
+        vl_heads=4,
+        vl_head_dim=48,
+        dit_layers=4,
+        dit_heads=4,
+        dit_head_dim=32,
+        dit_output_dim=128,
+        hidden_size=128,
+        future_tokens=8,
+        max_seq_len=64,
+        embodiments=1,
+        chunk=16,
+        denoise_steps=4,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     # GR00T-N1.5-3B's config.json (NVIDIA/Isaac-GR00T n1.5 release): Eagle 2.5 = SigLIP-2 So400m/14 at 224 px + mlp1 +
     # Qwen3-1.7B (2048 wide, 16 heads / 8 kv heads x 128, mlp 6144, vocab 151680) cut at select_layer=12; action head:
@@ -117,11 +167,35 @@ PRESETS: dict[str, GR00TDims] = {
     # steps, 32 future tokens, max_seq_len 1024, max_num_embodiments 32 (the config class default).
     # Parameters: 2.40B, not the 3B of the name; see PUBLISHED_PARAMETERS.
     "full": GR00TDims(
-        image_size=224, patch_size=14, vit_width=1152, vit_depth=27, vit_mlp=4304, vit_heads=16,
-        width=2048, depth=12, mlp=6144, heads=16, kv_heads=8, head_dim=128, vocab=151680, max_tokens=48,
-        vl_layers=4, vl_heads=32, vl_head_dim=64, dit_layers=16, dit_heads=32, dit_head_dim=48, dit_output_dim=1024,
-        hidden_size=1024, future_tokens=32, max_seq_len=1024, embodiments=32, chunk=16, denoise_steps=4,
-        max_action_dim=32, max_state_dim=64,
+        image_size=224,
+        patch_size=14,
+        vit_width=1152,
+        vit_depth=27,
+        vit_mlp=4304,
+        vit_heads=16,
+        width=2048,
+        depth=12,
+        mlp=6144,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151680,
+        max_tokens=48,
+        vl_layers=4,
+        vl_heads=32,
+        vl_head_dim=64,
+        dit_layers=16,
+        dit_heads=32,
+        dit_head_dim=48,
+        dit_output_dim=1024,
+        hidden_size=1024,
+        future_tokens=32,
+        max_seq_len=1024,
+        embodiments=32,
+        chunk=16,
+        denoise_steps=4,
+        max_action_dim=32,
+        max_state_dim=64,
     ),
 }
 
@@ -131,20 +205,27 @@ class Qwen3DecoderLayer(DecoderLayer):
     """A Llama-style decoder layer (layers.DecoderLayer, norm="llama") plus Qwen3's RMSNorm per head on q and k
     (self_attn.q_norm, self_attn.k_norm), eps 1e-6 and rope theta 1e6."""
 
-    def __init__(self, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float = 1e6,
-                 eps: float = 1e-6) -> None:
+    def __init__(
+        self, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float = 1e6, eps: float = 1e-6
+    ) -> None:
         super().__init__(width, mlp, heads, kv_heads, head_dim, norm="llama")
         self.rope_theta = rope_theta
         self.input_layernorm.eps = self.post_attention_layernorm.eps = eps
         self.self_attn.q_norm = RMSNorm(head_dim, eps, offset=False)
         self.self_attn.k_norm = RMSNorm(head_dim, eps, offset=False)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, cond: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cond: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = self.input_layernorm(x)
         attn = self.self_attn
-        q, k, v = (proj(h).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (
+            proj(h).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
         q, k = attn.q_norm(q), attn.k_norm(k)
         return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta), v
 
@@ -156,8 +237,9 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(d.vocab, d.width)
         nn.init.normal_(self.embed_tokens.weight, std=0.02)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(d.width, d.mlp, d.heads, d.kv_heads, d.head_dim)
-                                    for _ in range(d.depth))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(d.width, d.mlp, d.heads, d.kv_heads, d.head_dim) for _ in range(d.depth)
+        )
         self.norm = RMSNorm(d.width, 1e-6, offset=False)
 
 
@@ -173,8 +255,9 @@ class EagleModel(nn.Module):
     def __init__(self, d: GR00TDims, cameras: bool) -> None:
         super().__init__()
         if cameras:  # a state-only env has no vision tower
-            self.vision_model = SiglipVisionModel(d.image_size, d.patch_size, d.vit_width, d.vit_depth, d.vit_mlp,
-                                                  d.vit_heads)
+            self.vision_model = SiglipVisionModel(
+                d.image_size, d.patch_size, d.vit_width, d.vit_depth, d.vit_mlp, d.vit_heads
+            )
             self.mlp1 = nn.Sequential(nn.Linear(d.vit_width, d.width))
         self.language_model = Qwen3ForCausalLM(d)
 
@@ -200,8 +283,14 @@ NEW_EMBODIMENT = 31  # GR00T's EMBODIMENT_TAG_MAPPING["new_embodiment"] (lerobot
 
 
 # GR00T's EMBODIMENT_TAG_MAPPING as lerobot 0.4.4's groot processor names the embodiments (embodiment_tag)
-EMBODIMENT_TAGS = {"new_embodiment": NEW_EMBODIMENT, "oxe_droid": 17, "agibot_genie1": 26, "gr1": 24, "so100": 2,
-                   "unitree_g1": 3}
+EMBODIMENT_TAGS = {
+    "new_embodiment": NEW_EMBODIMENT,
+    "oxe_droid": 17,
+    "agibot_genie1": 26,
+    "gr1": 24,
+    "so100": 2,
+    "unitree_g1": 3,
+}
 
 
 def run_embodiment(d: "GR00TDims", embodiment_id: int | None) -> int:
@@ -310,9 +399,17 @@ class DiT(nn.Module):
         inner = d.dit_heads * d.dit_head_dim
         self.timestep_encoder = TimestepEncoder(inner, sinusoid="diffusers")
         self.transformer_blocks = nn.ModuleList(
-            BasicTransformerBlock(inner, d.dit_heads, d.dit_head_dim, norm_type="ada_norm", out_list=True,
-                                  cross_attention_dim=d.width if i % 2 == 0 else None, attn1_cross=i % 2 == 0)
-            for i in range(d.dit_layers))
+            BasicTransformerBlock(
+                inner,
+                d.dit_heads,
+                d.dit_head_dim,
+                norm_type="ada_norm",
+                out_list=True,
+                cross_attention_dim=d.width if i % 2 == 0 else None,
+                attn1_cross=i % 2 == 0,
+            )
+            for i in range(d.dit_layers)
+        )
         self.norm_out = nn.LayerNorm(inner, eps=1e-6, elementwise_affine=False)
         self.proj_out_1 = nn.Linear(inner, 2 * inner)
         self.proj_out_2 = nn.Linear(inner, d.dit_output_dim)
@@ -327,7 +424,8 @@ class VLSelfAttention(nn.Module):
         super().__init__()
         self.transformer_blocks = nn.ModuleList(
             BasicTransformerBlock(d.width, d.vl_heads, d.vl_head_dim, norm_type="layer_norm", out_list=True)
-            for _ in range(d.vl_layers))
+            for _ in range(d.vl_layers)
+        )
 
 
 class FlowmatchingActionHead(nn.Module):
@@ -362,15 +460,28 @@ class GR00TPolicy(FlowPolicy):
     # (arXiv 2503.14734; GR00T-N1-2B: 2.2B in all, the Hugging Face checkpoint 2.19B): N1 was named by its count.
     # The full preset adds the RL heads (value, noise std: 4.8M).
     PUBLISHED_PARAMETERS = {
-        "default": (2.40e9, "GR00T-N1.5-3B config.json (huggingface.co/nvidia/GR00T-N1.5-3B, NVIDIA/Isaac-GR00T "
-                            "n1.5): its shapes give 2.40B = Eagle 2.5 VLM cut at LLM layer 12 (1.33B) + action head "
-                            "(1.07B); the '3B' of the name is 20% above and is no count of these modules"),
+        "default": (
+            2.40e9,
+            "GR00T-N1.5-3B config.json (huggingface.co/nvidia/GR00T-N1.5-3B, NVIDIA/Isaac-GR00T "
+            "n1.5): its shapes give 2.40B = Eagle 2.5 VLM cut at LLM layer 12 (1.33B) + action head "
+            "(1.07B); the '3B' of the name is 20% above and is no count of these modules",
+        ),
     }
 
-    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
-                 denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
-                 chain_logprob: str = "sum", detach_critic_input: bool = False, embodiment_id: int | None = None) -> None:
+    def __init__(
+        self,
+        env_spec: EnvSpec,
+        preset: str = "tiny",
+        chunk: int | None = None,
+        denoise_steps: int | None = None,
+        logprob: str = "flow_noise",
+        noise_std_min: float = 0.1,
+        noise_std_max: float = 0.5,
+        sde_noise_level: float = 0.5,
+        chain_logprob: str = "sum",
+        detach_critic_input: bool = False,
+        embodiment_id: int | None = None,
+    ) -> None:
         super().__init__()
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
@@ -378,17 +489,28 @@ class GR00TPolicy(FlowPolicy):
             raise ConfigError(f"policy.chunk={chunk} is more than the preset's {d.max_seq_len} action positions")
         embodiment_id = run_embodiment(d, embodiment_id)
         if not 0 <= embodiment_id < d.embodiments:
-            raise ConfigError(f"policy.embodiment_id={embodiment_id} is not one of the preset's {d.embodiments} "
-                              f"embodiment slots (0..{d.embodiments - 1}); null picks new_embodiment")
+            raise ConfigError(
+                f"policy.embodiment_id={embodiment_id} is not one of the preset's {d.embodiments} "
+                f"embodiment slots (0..{d.embodiments - 1}); null picks new_embodiment"
+            )
         self.embodiment = embodiment_id
         self._flow_sign = False  # True only while flow.py's init fits velocity_out in its own sign
         self.backbone = EagleBackbone(d, bool(self.cameras))
         self.action_head = FlowmatchingActionHead(d)
         inner = d.dit_heads * d.dit_head_dim
-        self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk, denoise_steps=denoise_steps or d.denoise_steps,
-                       feature_dim=d.hidden_size, time_dim=inner, logprob=logprob, noise_std_min=noise_std_min,
-                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
-                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
+        self.init_flow(
+            flow_dim=d.max_action_dim,
+            chunk_len=chunk,
+            denoise_steps=denoise_steps or d.denoise_steps,
+            feature_dim=d.hidden_size,
+            time_dim=inner,
+            logprob=logprob,
+            noise_std_min=noise_std_min,
+            noise_std_max=noise_std_max,
+            sde_noise_level=sde_noise_level,
+            chain_logprob=chain_logprob,
+            detach_critic_input=detach_critic_input,
+        )
         self.value_head = nn.Sequential(nn.Linear(d.width, d.hidden_size), nn.Tanh(), nn.Linear(d.hidden_size, 1))
         if not self.action_head.future_tokens.weight.is_meta:
             self._prepare_contracting_init()
@@ -436,13 +558,17 @@ class GR00TPolicy(FlowPolicy):
 
     # --- checkpoints ----------------------------------------------------------------------------------
     LEROBOT_PREFIX = "_groot_model."  # lerobot's GrootPolicy keeps GR00TN15 as this attribute
-    UNUSED = ("backbone.eagle_model.language_model.lm_head.",  # tied to embed_tokens; N1.5 reads hidden states
-              "backbone.eagle_model.vision_model.vision_model.head.")  # SigLIP's pooling head, never run by N1.5
+    UNUSED = (
+        "backbone.eagle_model.language_model.lm_head.",  # tied to embed_tokens; N1.5 reads hidden states
+        "backbone.eagle_model.vision_model.vision_model.head.",
+    )  # SigLIP's pooling head, never run by N1.5
 
     # Qwen3's lm_head is tied to embed_tokens in N1.5's config, and a lerobot fine-tune of a tied model, written by
     # safetensors' save_model, keeps one name of the shared tensor, the first in sorted order: lm_head's
-    TIED = ("backbone.eagle_model.language_model.model.embed_tokens.weight",
-            "backbone.eagle_model.language_model.lm_head.weight")
+    TIED = (
+        "backbone.eagle_model.language_model.model.embed_tokens.weight",
+        "backbone.eagle_model.language_model.lm_head.weight",
+    )
 
     @classmethod
     def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
@@ -478,8 +604,12 @@ class GR00TPolicy(FlowPolicy):
         tokens, token_mask = instruction_tokens(obs, self.tokenize, self.env_spec.instruction, batch, device)
         return self.backbone_features(images, tokens, token_mask)
 
-    def backbone_features(self, images: torch.Tensor | None, tokens: torch.Tensor, token_mask: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def backbone_features(
+        self,
+        images: torch.Tensor | None,
+        tokens: torch.Tensor,
+        token_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """GR00T's backbone_features (B, L, width) and real (B, L) of images (B x cameras, 3, S, S) in [-1, 1] (None:
         no cameras) and instruction tokens (B, T): Eagle's language model over [image tokens, instruction tokens],
         the hidden state after its last kept layer (select_layer) through its final norm."""
@@ -505,8 +635,9 @@ class GR00TPolicy(FlowPolicy):
         """The Eagle backbone's part of `encode`: its features (B, L, width) and real tokens (B, L)."""
         return self.vl_features(obs)
 
-    def encode(self, obs: dict[str, torch.Tensor],
-               prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:
+    def encode(
+        self, obs: dict[str, torch.Tensor], prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[dict, torch.Tensor]:
         """Once per observation: the backbone features (or `prefix`, computed before), then `encode_features`."""
         vl, mask = self.prefix(obs) if prefix is None else prefix
         return self.encode_features(vl, mask, obs["state"])
@@ -524,8 +655,10 @@ class GR00TPolicy(FlowPolicy):
         pooled = (vl * weights).sum(1) / weights.sum(1)
         state = state.to(vl.device, vl.dtype)
         state = F.pad(state, (0, self.dims.max_state_dim - state.shape[-1]))
-        cond = {"state": head.state_encoder(state, self.embodiment)[:, None],
-                "cross_kv": [block.cross_kv(vl) for block in head.model.transformer_blocks]}
+        cond = {
+            "state": head.state_encoder(state, self.embodiment)[:, None],
+            "cross_kv": [block.cross_kv(vl) for block in head.model.transformer_blocks],
+        }
         return cond, pooled
 
     def features(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,4 +689,4 @@ class GR00TPolicy(FlowPolicy):
             block.attn1.to_out[0].bias.zero_()
         w1 = self.action_head.action_encoder.W1.W[self.embodiment]  # (in, out)
         w1.zero_()
-        w1[: self.action_dim].normal_(std=self.action_dim ** -0.5)
+        w1[: self.action_dim].normal_(std=self.action_dim**-0.5)

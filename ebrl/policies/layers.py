@@ -4,6 +4,7 @@ Module and parameter names follow transformers' Gemma/Llama decoder layers (self
 input_layernorm, ...) and SigLIP's vision model (embeddings.patch_embedding, encoder.layers.N.self_attn.out_proj,
 ...), so a family whose public checkpoints use those modules (pi0's PyTorch port, OpenVLA, GR00T) loads them by name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +75,12 @@ def call_block(block: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
-              own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor],
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention of q (N, heads, Lq, d) over `shared` keys and values (rows, kv heads, Ls, d)
     followed by `own` ones (N rows, Lo), grouped-query where kv heads are fewer. mask: True where a query may
     attend, (N, Lq, Ls + Lo), or (N or shared rows, Ls + Lo) for every query alike; None: everything.
@@ -176,8 +181,17 @@ class DecoderLayer(Block):
     gated residuals, conditioned on a vector given to `qkv` and `finish`.
     """
 
-    def __init__(self, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int, norm: str = "gemma",
-                 cond_dim: int | None = None, qkv_bias: bool = False) -> None:
+    def __init__(
+        self,
+        width: int,
+        mlp: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        norm: str = "gemma",
+        cond_dim: int | None = None,
+        qkv_bias: bool = False,
+    ) -> None:
         super().__init__()
         self.adaptive = cond_dim is not None
         if self.adaptive:
@@ -195,13 +209,19 @@ class DecoderLayer(Block):
     def _norm(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         return norm(x, cond) if self.adaptive else (norm(x), None)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, cond: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cond: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys (both rotated) and values, each (B, heads or kv_heads, L, head_dim)."""
         h, _ = self._norm(self.input_layernorm, x, cond)
         attn = self.self_attn
-        q, k, v = (proj(h).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (
+            proj(h).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
         return rotary(q, positions), rotary(k, positions), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,10 +235,12 @@ class DecoderLayer(Block):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def run_layers(streams: Sequence[tuple[torch.Tensor, Sequence[DecoderLayer], torch.Tensor | None]],
-               positions: torch.Tensor, mask: torch.Tensor,
-               past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+def run_layers(
+    streams: Sequence[tuple[torch.Tensor, Sequence[DecoderLayer], torch.Tensor | None]],
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each stream (x, its layers, its norm condition) through its own layers, with one attention over all streams per
     layer: a mixture of transformers (pi0) or, with one stream, a plain decoder.
 
@@ -231,8 +253,10 @@ def run_layers(streams: Sequence[tuple[torch.Tensor, Sequence[DecoderLayer], tor
     stream_positions = positions.split(sizes, 1)
 
     def layer(i: int, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        q, k, v = (torch.cat(parts, 2) for parts in
-                   zip(*(layers[i].qkv(x, p, c) for x, (_, layers, c), p in zip(xs, streams, stream_positions))))
+        q, k, v = (
+            torch.cat(parts, 2)
+            for parts in zip(*(layers[i].qkv(x, p, c) for x, (_, layers, c), p in zip(xs, streams, stream_positions)))
+        )
         out = attention(q, (k, v), mask=mask) if past is None else attention(q, past[i], (k, v), mask)
         return [layers[i].finish(x, o, c) for x, (_, layers, c), o in zip(xs, streams, out.split(sizes, 2))], (k, v)
 
@@ -256,7 +280,9 @@ class VisionAttention(nn.Module):
         self.out_proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (p(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         return self.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
@@ -338,8 +364,14 @@ def resize_with_pad(images: torch.Tensor, height: int, width: int) -> torch.Tens
     return F.pad(out, (left, width - new_w - left, top, height - new_h - top), value=-1.0)
 
 
-def camera_images(obs: dict[str, torch.Tensor], cameras: Sequence[str], size: int, dtype: torch.dtype,
-                  device: torch.device, pad: bool = False) -> torch.Tensor:
+def camera_images(
+    obs: dict[str, torch.Tensor],
+    cameras: Sequence[str],
+    size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pad: bool = False,
+) -> torch.Tensor:
     """The cameras' uint8 (B, H, W, 3) images, each resized to size x size, as one (B * cameras, 3, size, size)
     float batch in [-1, 1], camera-major within each row (row b's cameras are b*C .. b*C+C-1). pad: openpi's
     resize-with-pad (`resize_with_pad`) instead of an antialiased stretch."""
@@ -368,8 +400,9 @@ def byte_tokenize(texts: list[str], max_tokens: int) -> tuple[np.ndarray, np.nda
     return tokens, tokens != PAD
 
 
-def instruction_tokens(obs: dict[str, torch.Tensor], tokenize: Any, instruction: str, batch: int,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def instruction_tokens(
+    obs: dict[str, torch.Tensor], tokenize: Any, instruction: str, batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's tokens and mask: the runtime passes them; a bare obs gets the env's own instruction."""
     if "tokens" in obs:
         return obs["tokens"].to(device), obs["token_mask"].to(device).bool()
@@ -386,8 +419,9 @@ def map_tensors(tree: Any, fn: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(map_tensors(v, fn) for v in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: map_tensors(getattr(tree, f.name), fn)
-                                            for f in dataclasses.fields(tree)})
+        return dataclasses.replace(
+            tree, **{f.name: map_tensors(getattr(tree, f.name), fn) for f in dataclasses.fields(tree)}
+        )
     return tree
 
 
@@ -406,8 +440,9 @@ def cat_rows(trees: list[Any]) -> Any:
     if isinstance(first, (list, tuple)):
         return type(first)(cat_rows(list(parts)) for parts in zip(*trees))
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        return dataclasses.replace(first, **{f.name: cat_rows([getattr(t, f.name) for t in trees])
-                                             for f in dataclasses.fields(first)})
+        return dataclasses.replace(
+            first, **{f.name: cat_rows([getattr(t, f.name) for t in trees]) for f in dataclasses.fields(first)}
+        )
     return first
 
 

@@ -14,6 +14,7 @@ reproduced as its own code computes it (the source decides, so a checkpoint acts
 Which mode (mean_std or quantiles) is the checkpoint's: pi0 uses mean/std, pi0.5 quantiles (lerobot's
 normalization_mapping, openpi's use_quantile_norm), and `policy.norm_mode` may say otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ class NormStats:
 def _stats(entry: dict, source: str, name: str) -> Stats:
     if not isinstance(entry, dict):
         raise ConfigError(f"{source}: {name} is not a table of statistics")
-    return Stats(**{k: np.asarray(entry[k], dtype=np.float64).reshape(-1) for k in STAT_NAMES
-                    if entry.get(k) is not None})
+    return Stats(
+        **{k: np.asarray(entry[k], dtype=np.float64).reshape(-1) for k in STAT_NAMES if entry.get(k) is not None}
+    )
 
 
 def read_openpi(path: Path) -> NormStats:
@@ -77,27 +79,40 @@ def openpi_stats(table: dict, source: str) -> NormStats:
     table = table.get("norm_stats", table)
     missing = [k for k in ("state", "actions") if k not in table]
     if missing:
-        raise ConfigError(f"policy.norm_stats={source} has no {' or '.join(missing)} statistics (keys: "
-                          f"{', '.join(table) or 'none'}); openpi's norm_stats.json has 'state' and 'actions'")
-    return NormStats(_stats(table["state"], source, "state"), _stats(table["actions"], source, "actions"), "openpi",
-                     source)
+        raise ConfigError(
+            f"policy.norm_stats={source} has no {' or '.join(missing)} statistics (keys: "
+            f"{', '.join(table) or 'none'}); openpi's norm_stats.json has 'state' and 'actions'"
+        )
+    return NormStats(
+        _stats(table["state"], source, "state"), _stats(table["actions"], source, "actions"), "openpi", source
+    )
 
 
 def openpi_table(stats: NormStats) -> dict:
     """openpi's norm_stats.json contents of statistics in openpi's convention (`in_convention`)."""
     assert stats.convention == "openpi"
-    return {"norm_stats": {name: {k: getattr(getattr(stats, key), k).tolist() for k in STAT_NAMES
-                                  if getattr(getattr(stats, key), k) is not None}
-                           for key, name in (("state", "state"), ("action", "actions"))}}
+    return {
+        "norm_stats": {
+            name: {
+                k: getattr(getattr(stats, key), k).tolist()
+                for k in STAT_NAMES
+                if getattr(getattr(stats, key), k) is not None
+            }
+            for key, name in (("state", "state"), ("action", "actions"))
+        }
+    }
 
 
 def lerobot_tensors(stats: NormStats) -> dict[str, torch.Tensor]:
     """The tensors of a lerobot normalizer step's state file (`observation.state.mean`, `action.q01`, ...) of
     statistics in lerobot's convention (`in_convention`)."""
     assert stats.convention == "lerobot"
-    return {f"{feature}.{k}": torch.tensor(getattr(getattr(stats, key), k), dtype=torch.float32)
-            for key, feature in (("state", "observation.state"), ("action", "action")) for k in STAT_NAMES
-            if getattr(getattr(stats, key), k) is not None}
+    return {
+        f"{feature}.{k}": torch.tensor(getattr(getattr(stats, key), k), dtype=torch.float32)
+        for key, feature in (("state", "observation.state"), ("action", "action"))
+        for k in STAT_NAMES
+        if getattr(getattr(stats, key), k) is not None
+    }
 
 
 def in_convention(stats: NormStats, convention: str, eps: float = 1e-8) -> NormStats:
@@ -113,8 +128,11 @@ def in_convention(stats: NormStats, convention: str, eps: float = 1e-8) -> NormS
         f = getattr(stats, key)
         q99 = f.q99
         if f.q01 is not None and f.q99 is not None:  # the span each divides by: openpi's + 1e-6, lerobot's eps at 0
-            span = f.q99 - f.q01 + OPENPI_EPS if stats.convention == "openpi" else np.where(f.q99 == f.q01, old,
-                                                                                           f.q99 - f.q01)
+            span = (
+                f.q99 - f.q01 + OPENPI_EPS
+                if stats.convention == "openpi"
+                else np.where(f.q99 == f.q01, old, f.q99 - f.q01)
+            )
             q99 = f.q01 + span - (OPENPI_EPS if convention == "openpi" else 0.0)
         out[key] = Stats(f.mean, None if f.std is None else f.std + old - new, f.q01, q99)
     return NormStats(out["state"], out["action"], convention, stats.source, eps=eps, modes=dict(stats.modes))
@@ -146,17 +164,31 @@ def read_lerobot(folder: Path) -> NormStats:
     mapping = config.get("norm_map", {})
 
     def feature(key: str) -> Stats:
-        found = {name: tensors[f"{key}.{name}"].double().numpy().reshape(-1) for name in STAT_NAMES
-                 if f"{key}.{name}" in tensors}
+        found = {
+            name: tensors[f"{key}.{name}"].double().numpy().reshape(-1)
+            for name in STAT_NAMES
+            if f"{key}.{name}" in tensors
+        }
         if not found:
-            raise ConfigError(f"{folder / step['state_file']} has no statistics for {key} (it has: "
-                              f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in tensors}))})")
+            raise ConfigError(
+                f"{folder / step['state_file']} has no statistics for {key} (it has: "
+                f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in tensors}))})"
+            )
         return Stats(**found)
 
-    modes = {ours: LEROBOT_MODES[mapping[theirs]] for ours, theirs in (("state", "STATE"), ("action", "ACTION"))
-             if mapping.get(theirs) in LEROBOT_MODES}
-    return NormStats(feature("observation.state"), feature("action"), "lerobot", str(folder / step["state_file"]),
-                     eps=float(config.get("eps", 1e-8)), modes=modes)
+    modes = {
+        ours: LEROBOT_MODES[mapping[theirs]]
+        for ours, theirs in (("state", "STATE"), ("action", "ACTION"))
+        if mapping.get(theirs) in LEROBOT_MODES
+    }
+    return NormStats(
+        feature("observation.state"),
+        feature("action"),
+        "lerobot",
+        str(folder / step["state_file"]),
+        eps=float(config.get("eps", 1e-8)),
+        modes=modes,
+    )
 
 
 def read_norm_stats(path: str | Path) -> NormStats:
@@ -167,8 +199,9 @@ def read_norm_stats(path: str | Path) -> NormStats:
         return read_lerobot(p.parent) if p.name == "policy_preprocessor.json" else read_openpi(p)
     found = find_norm_stats(p)
     if found is None:
-        raise ConfigError(f"policy.norm_stats={path}: no norm_stats.json or policy_preprocessor.json there; give "
-                          "the file")
+        raise ConfigError(
+            f"policy.norm_stats={path}: no norm_stats.json or policy_preprocessor.json there; give the file"
+        )
     return read_norm_stats(found)
 
 
@@ -182,8 +215,10 @@ def find_norm_stats(folder: Path) -> Path | None:
         return folder / "norm_stats.json"
     found = sorted((folder / "assets").glob("*/norm_stats.json")) if folder.is_dir() else []
     if len(found) > 1:
-        raise ConfigError(f"{folder / 'assets'} holds statistics of {len(found)} datasets "
-                          f"({', '.join(f.parent.name for f in found)}): choose one with policy.norm_stats=<file>")
+        raise ConfigError(
+            f"{folder / 'assets'} holds statistics of {len(found)} datasets "
+            f"({', '.join(f.parent.name for f in found)}): choose one with policy.norm_stats=<file>"
+        )
     return found[0] if found else None
 
 
@@ -206,8 +241,10 @@ class Normalizer:
             need = ("mean", "std") if mode == "mean_std" else ("q01", "q99")
             feature = getattr(stats, key)
             if any(getattr(feature, n) is None for n in need):
-                raise ConfigError(f"{stats.source} has no {'/'.join(need)} for {key}, which {mode} normalisation "
-                                  f"needs; set policy.norm_mode to what the checkpoint was trained with")
+                raise ConfigError(
+                    f"{stats.source} has no {'/'.join(need)} for {key}, which {mode} normalisation "
+                    f"needs; set policy.norm_mode to what the checkpoint was trained with"
+                )
         self.stats, self.modes = stats, {"state": state_mode, "action": action_mode}
         self._cache: dict[tuple[str, str, str, torch.device], torch.Tensor] = {}
 
@@ -231,8 +268,11 @@ class Normalizer:
             mean, std = self._stat(key, "mean", dims, device), self._stat(key, "std", dims, device)
             return mean, std + (OPENPI_EPS if openpi else self.stats.eps), std + OPENPI_EPS if openpi else std
         q01, q99 = self._stat(key, "q01", dims, device), self._stat(key, "q99", dims, device)
-        span = q99 - q01 + OPENPI_EPS if openpi else torch.where(q99 == q01, torch.full_like(q01, self.stats.eps),
-                                                                 q99 - q01)
+        span = (
+            q99 - q01 + OPENPI_EPS
+            if openpi
+            else torch.where(q99 == q01, torch.full_like(q01, self.stats.eps), q99 - q01)
+        )
         return q01, span, span
 
     def normalize(self, key: str, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ A checkpoint acts as it was trained (the parity tests compare it with lerobot 0.
   left out of the sequence: the same outputs, less work);
 - `sample(obs, deterministic=True)` integrates the flow with plain Euler steps over every dim, as openpi samples.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,6 @@ from torch import nn
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
 from ebrl.policies.flow import FlowPolicy
-from ebrl.policies.normalize import Normalizer, find_norm_stats, norm_modes, read_norm_stats
-from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, clean, find_tokenizer
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DECODER_PROJECTIONS,
@@ -55,6 +54,8 @@ from ebrl.policies.layers import (
     run_layers,
     time_embedding,
 )
+from ebrl.policies.normalize import Normalizer, find_norm_stats, norm_modes, read_norm_stats
+from ebrl.policies.tokenizer import MAX_TOKENS, PaligemmaTokenizer, clean, find_tokenizer
 
 STATE_BINS = 256  # pi0.5 discretises each (normalised) state dim into 256 bins over [-1, 1]
 VARIANTS = ("pi0", "pi05")
@@ -93,21 +94,72 @@ class OpenPIDims:
 
 PRESETS: dict[str, OpenPIDims] = {
     "tiny": OpenPIDims(
-        image_size=32, patch_size=8, vit_width=32, vit_depth=2, vit_mlp=64, vit_heads=2,
-        width=64, depth=2, mlp=128, heads=4, kv_heads=1, head_dim=16, vocab=BYTE_VOCAB + STATE_BINS, max_tokens=48,
-        expert_width=32, expert_mlp=64, chunk=8, denoise_steps=4, max_action_dim=32, max_state_dim=128,
+        image_size=32,
+        patch_size=8,
+        vit_width=32,
+        vit_depth=2,
+        vit_mlp=64,
+        vit_heads=2,
+        width=64,
+        depth=2,
+        mlp=128,
+        heads=4,
+        kv_heads=1,
+        head_dim=16,
+        vocab=BYTE_VOCAB + STATE_BINS,
+        max_tokens=48,
+        expert_width=32,
+        expert_mlp=64,
+        chunk=8,
+        denoise_steps=4,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     "small": OpenPIDims(
-        image_size=64, patch_size=8, vit_width=128, vit_depth=4, vit_mlp=512, vit_heads=4,
-        width=256, depth=4, mlp=1024, heads=4, kv_heads=1, head_dim=64, vocab=BYTE_VOCAB + STATE_BINS, max_tokens=48,
-        expert_width=128, expert_mlp=512, chunk=10, denoise_steps=5, max_action_dim=32, max_state_dim=128,
+        image_size=64,
+        patch_size=8,
+        vit_width=128,
+        vit_depth=4,
+        vit_mlp=512,
+        vit_heads=4,
+        width=256,
+        depth=4,
+        mlp=1024,
+        heads=4,
+        kv_heads=1,
+        head_dim=64,
+        vocab=BYTE_VOCAB + STATE_BINS,
+        max_tokens=48,
+        expert_width=128,
+        expert_mlp=512,
+        chunk=10,
+        denoise_steps=5,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     # openpi's pi0/pi05 configs: SigLIP So400m/14 at 224 px, Gemma 2B prefix, gemma_300m action expert, 10 steps,
     # chunk 50, 32 padded action and state dims
     "full": OpenPIDims(
-        image_size=224, patch_size=14, vit_width=1152, vit_depth=27, vit_mlp=4304, vit_heads=16,
-        width=2048, depth=18, mlp=16384, heads=8, kv_heads=1, head_dim=256, vocab=257152, max_tokens=48,
-        expert_width=1024, expert_mlp=4096, chunk=50, denoise_steps=10, max_action_dim=32, max_state_dim=32,
+        image_size=224,
+        patch_size=14,
+        vit_width=1152,
+        vit_depth=27,
+        vit_mlp=4304,
+        vit_heads=16,
+        width=2048,
+        depth=18,
+        mlp=16384,
+        heads=8,
+        kv_heads=1,
+        head_dim=256,
+        vocab=257152,
+        max_tokens=48,
+        expert_width=1024,
+        expert_mlp=4096,
+        chunk=50,
+        denoise_steps=10,
+        max_action_dim=32,
+        max_state_dim=32,
     ),
 }
 
@@ -126,14 +178,24 @@ class Projector(nn.Module):
 class GemmaModel(nn.Module):
     """A Gemma stack (transformers' GemmaModel names): optional token embedding, decoder layers, final norm."""
 
-    def __init__(self, width: int, depth: int, mlp: int, heads: int, kv_heads: int, head_dim: int,
-                 vocab: int | None = None, cond_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        width: int,
+        depth: int,
+        mlp: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        vocab: int | None = None,
+        cond_dim: int | None = None,
+    ) -> None:
         super().__init__()
         if vocab is not None:
             self.embed_tokens = nn.Embedding(vocab, width)
-            nn.init.normal_(self.embed_tokens.weight, std=width ** -0.5)  # Gemma multiplies by sqrt(width) on use
-        self.layers = nn.ModuleList(DecoderLayer(width, mlp, heads, kv_heads, head_dim, "gemma", cond_dim)
-                                    for _ in range(depth))
+            nn.init.normal_(self.embed_tokens.weight, std=width**-0.5)  # Gemma multiplies by sqrt(width) on use
+        self.layers = nn.ModuleList(
+            DecoderLayer(width, mlp, heads, kv_heads, head_dim, "gemma", cond_dim) for _ in range(depth)
+        )
         self.norm: nn.Module = AdaRMSNorm(width, cond_dim) if cond_dim is not None else RMSNorm(width)
 
     def final_norm(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,8 +206,9 @@ class PaliGemmaModel(nn.Module):
     def __init__(self, d: OpenPIDims, cameras: bool) -> None:
         super().__init__()
         if cameras:  # a state-only env has no vision tower
-            self.vision_tower = SiglipVisionModel(d.image_size, d.patch_size, d.vit_width, d.vit_depth, d.vit_mlp,
-                                                  d.vit_heads)
+            self.vision_tower = SiglipVisionModel(
+                d.image_size, d.patch_size, d.vit_width, d.vit_depth, d.vit_mlp, d.vit_heads
+            )
             self.multi_modal_projector = Projector(d.vit_width, d.width)
         self.language_model = GemmaModel(d.width, d.depth, d.mlp, d.heads, d.kv_heads, d.head_dim, vocab=d.vocab)
 
@@ -159,8 +222,15 @@ class PaliGemma(nn.Module):
 class GemmaExpert(nn.Module):
     def __init__(self, d: OpenPIDims, adaptive: bool) -> None:
         super().__init__()
-        self.model = GemmaModel(d.expert_width, d.depth, d.expert_mlp, d.heads, d.kv_heads, d.head_dim,
-                                cond_dim=d.expert_width if adaptive else None)
+        self.model = GemmaModel(
+            d.expert_width,
+            d.depth,
+            d.expert_mlp,
+            d.heads,
+            d.kv_heads,
+            d.head_dim,
+            cond_dim=d.expert_width if adaptive else None,
+        )
 
 
 class PaliGemmaWithExpert(nn.Module):
@@ -192,14 +262,29 @@ class OpenPIPolicy(FlowPolicy):
         "pi05": (3.3e9, "Physical Intelligence 2025, pi0.5 paper sec. IV: the pi0 architecture (3.3B) with adaRMS"),
     }
 
-    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", variant: str | None = None, chunk: int | None = None,
-                 denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
-                 chain_logprob: str = "sum", detach_critic_input: bool = False, dims: dict[str, int] | None = None,
-                 tokenizer: str | None = None, norm_stats: str | None = None, norm_mode: str | None = None,
-                 cameras: dict[str, str | None] | None = None, action_dims: list[int] | None = None,
-                 action_scale: list[float] | None = None, prompt_style: str | None = None,
-                 state_dims: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        env_spec: EnvSpec,
+        preset: str = "tiny",
+        variant: str | None = None,
+        chunk: int | None = None,
+        denoise_steps: int | None = None,
+        logprob: str = "flow_noise",
+        noise_std_min: float = 0.1,
+        noise_std_max: float = 0.5,
+        sde_noise_level: float = 0.5,
+        chain_logprob: str = "sum",
+        detach_critic_input: bool = False,
+        dims: dict[str, int] | None = None,
+        tokenizer: str | None = None,
+        norm_stats: str | None = None,
+        norm_mode: str | None = None,
+        cameras: dict[str, str | None] | None = None,
+        action_dims: list[int] | None = None,
+        action_scale: list[float] | None = None,
+        prompt_style: str | None = None,
+        state_dims: list[int] | None = None,
+    ) -> None:
         super().__init__()
         variant = variant or "pi0"
         if variant not in VARIANTS:
@@ -211,20 +296,26 @@ class OpenPIPolicy(FlowPolicy):
         self.bind_cameras(cameras)
         self.tokenizer, self._decoded = None, {}  # (pi0.5: instruction ids -> their text)
         if tokenizer:
-            self.tokenizer = PaligemmaTokenizer(tokenizer, (dims or {}).get("max_tokens") or MAX_TOKENS[variant],
-                                                prompt_style or "openpi")
+            self.tokenizer = PaligemmaTokenizer(
+                tokenizer, (dims or {}).get("max_tokens") or MAX_TOKENS[variant], prompt_style or "openpi"
+            )
             if self.tokenizer.vocab_size > d.vocab:
-                raise ConfigError(f"policy.tokenizer={tokenizer} has {self.tokenizer.vocab_size} pieces, more than "
-                                  f"the preset's vocabulary of {d.vocab}")
+                raise ConfigError(
+                    f"policy.tokenizer={tokenizer} has {self.tokenizer.vocab_size} pieces, more than "
+                    f"the preset's vocabulary of {d.vocab}"
+                )
         self.normalizer = None
         if norm_stats:
             stats = read_norm_stats(norm_stats)
             self.normalizer = Normalizer(stats, *norm_modes(stats, norm_mode, NORM_MODES[variant]))
         elif norm_mode:
-            raise ConfigError(f"policy.norm_mode={norm_mode} needs statistics: give policy.norm_stats=<file> or a "
-                              "checkpoint folder that has them")
-        self.bind_actions(action_dims, action_scale, self.normalizer.dims("action") if self.normalizer else None,
-                          d.max_action_dim)
+            raise ConfigError(
+                f"policy.norm_mode={norm_mode} needs statistics: give policy.norm_stats=<file> or a "
+                "checkpoint folder that has them"
+            )
+        self.bind_actions(
+            action_dims, action_scale, self.normalizer.dims("action") if self.normalizer else None, d.max_action_dim
+        )
         w = d.expert_width
         self.paligemma_with_expert = PaliGemmaWithExpert(d, bool(self.cameras), adaptive=pi05)
         self.action_in_proj = nn.Linear(d.max_action_dim, w)
@@ -236,10 +327,19 @@ class OpenPIPolicy(FlowPolicy):
             self.state_proj = nn.Linear(d.max_state_dim, w)
             self.action_time_mlp_in = nn.Linear(2 * w, w)
             self.action_time_mlp_out = nn.Linear(w, w)
-        self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk or d.chunk,
-                       denoise_steps=denoise_steps or d.denoise_steps, feature_dim=w, time_dim=w, logprob=logprob,
-                       noise_std_min=noise_std_min, noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
-                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
+        self.init_flow(
+            flow_dim=d.max_action_dim,
+            chunk_len=chunk or d.chunk,
+            denoise_steps=denoise_steps or d.denoise_steps,
+            feature_dim=w,
+            time_dim=w,
+            logprob=logprob,
+            noise_std_min=noise_std_min,
+            noise_std_max=noise_std_max,
+            sde_noise_level=sde_noise_level,
+            chain_logprob=chain_logprob,
+            detach_critic_input=detach_critic_input,
+        )
         value_in = d.width + (0 if pi05 else w)  # pi0's state lives in the expert: its token output joins the pool
         self.value_head = nn.Sequential(nn.Linear(value_in, d.width), nn.Tanh(), nn.Linear(d.width, 1))
         if not self.action_in_proj.weight.is_meta:
@@ -262,8 +362,16 @@ class OpenPIPolicy(FlowPolicy):
 
     def action_expert(self) -> list[str]:
         """The Gemma-300M-shaped expert and the projections into and out of it."""
-        return ["paligemma_with_expert.gemma_expert.", "action_in_proj", "action_out_proj", "state_proj",
-                "action_time_mlp_in", "action_time_mlp_out", "time_mlp_in", "time_mlp_out"]
+        return [
+            "paligemma_with_expert.gemma_expert.",
+            "action_in_proj",
+            "action_out_proj",
+            "state_proj",
+            "action_time_mlp_in",
+            "action_time_mlp_out",
+            "time_mlp_in",
+            "time_mlp_out",
+        ]
 
     def lora_targets(self) -> str:
         """PaliGemma's Gemma layers (the vision tower stays frozen)."""
@@ -280,8 +388,12 @@ class OpenPIPolicy(FlowPolicy):
             return self.tokenizer.tokenize(texts)
         return self.tokenizer.pad([self.tokenizer.processor.Encode(clean(t)) for t in texts])
 
-    def state_prompt_tokens(self, tokens: torch.Tensor, mask: torch.Tensor, state: torch.Tensor,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def state_prompt_tokens(
+        self,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """pi0.5's prompt for each row: its instruction (decoded from `tokenize`'s ids) and its normalised state."""
         assert self.tokenizer is not None
         rows = [tuple(r[m].tolist()) for r, m in zip(tokens.cpu(), mask.cpu())]
@@ -298,20 +410,27 @@ class OpenPIPolicy(FlowPolicy):
         mapping, every env camera in sorted order. One line for a slot mapped to a camera the env lacks."""
         env_cameras = self.cameras  # (bind: the env's image keys, sorted)
         if not cameras:
-            self.camera_slots, self.camera_sources = [c[len("image/"):] for c in env_cameras], list(env_cameras)
+            self.camera_slots, self.camera_sources = [c[len("image/") :] for c in env_cameras], list(env_cameras)
             return
-        have = [c[len("image/"):] for c in env_cameras]
+        have = [c[len("image/") :] for c in env_cameras]
         for slot, cam in cameras.items():
             if cam is not None and f"image/{cam}" not in env_cameras:
-                raise ConfigError(f"policy.cameras maps the checkpoint's camera {slot} to env camera {cam!r}, which "
-                                  f"the env lacks (env.cameras: {have or 'none'}); add it to env.cameras or map the "
-                                  f"slot to null to mask it")
+                raise ConfigError(
+                    f"policy.cameras maps the checkpoint's camera {slot} to env camera {cam!r}, which "
+                    f"the env lacks (env.cameras: {have or 'none'}); add it to env.cameras or map the "
+                    f"slot to null to mask it"
+                )
         self.camera_slots = list(cameras)
         self.camera_sources = [None if cam is None else f"image/{cam}" for cam in cameras.values()]
         self.cameras = [c for c in self.camera_sources if c is not None]
 
-    def bind_actions(self, action_dims: list[int] | None, action_scale: list[float] | None,
-                     stats_dims: int | None, max_action_dim: int) -> None:
+    def bind_actions(
+        self,
+        action_dims: list[int] | None,
+        action_scale: list[float] | None,
+        stats_dims: int | None,
+        max_action_dim: int,
+    ) -> None:
         """Which of the model's action dims drive which env dims, with what factor (e.g. -1 for a gripper whose sign
         convention differs): `model_action_dim` real dims (the statistics', else the highest mapped + 1, else the
         env's), the rest padding. One line for a mapping that does not fit."""
@@ -319,20 +438,27 @@ class OpenPIPolicy(FlowPolicy):
         if action_dims is None:
             action_dims = list(range(env_dim))
             if stats_dims is not None and stats_dims < env_dim:
-                raise ConfigError(f"the checkpoint's actions have {stats_dims} dims, the env's {env_dim}: give "
-                                  f"policy.action_dims (a checkpoint dim for each env dim)")
+                raise ConfigError(
+                    f"the checkpoint's actions have {stats_dims} dims, the env's {env_dim}: give "
+                    f"policy.action_dims (a checkpoint dim for each env dim)"
+                )
         if len(action_dims) != env_dim:
-            raise ConfigError(f"policy.action_dims has {len(action_dims)} entries, the env's actions {env_dim} dims: "
-                              "give one checkpoint action dim per env dim")
+            raise ConfigError(
+                f"policy.action_dims has {len(action_dims)} entries, the env's actions {env_dim} dims: "
+                "give one checkpoint action dim per env dim"
+            )
         model_dim = stats_dims if stats_dims is not None else max(max(action_dims) + 1, env_dim)
         bad = [i for i in action_dims if not 0 <= i < model_dim]
         if bad or model_dim > max_action_dim:
-            raise ConfigError(f"policy.action_dims={list(action_dims)} names dims outside the checkpoint's "
-                              f"{min(model_dim, max_action_dim)} action dims (0..{min(model_dim, max_action_dim) - 1})")
+            raise ConfigError(
+                f"policy.action_dims={list(action_dims)} names dims outside the checkpoint's "
+                f"{min(model_dim, max_action_dim)} action dims (0..{min(model_dim, max_action_dim) - 1})"
+            )
         scale = [1.0] * env_dim if action_scale is None else [float(x) for x in action_scale]
         if len(scale) != env_dim or 0.0 in scale:
-            raise ConfigError(f"policy.action_scale={action_scale} must give one non-zero factor per env action dim "
-                              f"({env_dim})")
+            raise ConfigError(
+                f"policy.action_scale={action_scale} must give one non-zero factor per env action dim ({env_dim})"
+            )
         self.model_action_dim = model_dim
         identity = list(action_dims) == list(range(env_dim)) and model_dim == env_dim and set(scale) == {1.0}
         self._action_map = None if identity else (list(action_dims), scale)
@@ -379,11 +505,14 @@ class OpenPIPolicy(FlowPolicy):
         kind = config.get("type")
         variant = {"pi0": "pi0", "pi05": "pi05"}.get(kind) if kind else None
         if variant is None:  # openpi's converter does not record the variant: pi0.5 is the one with time_mlp_in
-            variant = "pi05" if any(k == "time_mlp_in.weight" or k.endswith(".time_mlp_in.weight") for k in keys) \
-                else "pi0"
+            variant = (
+                "pi05" if any(k == "time_mlp_in.weight" or k.endswith(".time_mlp_in.weight") for k in keys) else "pi0"
+            )
         if out.get("variant") not in (None, variant):
-            raise ConfigError(f"policy.checkpoint={folder} is a {variant} checkpoint, policy.variant={out['variant']}: "
-                              f"drop policy.variant or set it to {variant}")
+            raise ConfigError(
+                f"policy.checkpoint={folder} is a {variant} checkpoint, policy.variant={out['variant']}: "
+                f"drop policy.variant or set it to {variant}"
+            )
         out["variant"] = variant
         if out.get("tokenizer") is None and find_tokenizer(folder) is not None:
             out["tokenizer"] = str(find_tokenizer(folder))
@@ -391,34 +520,47 @@ class OpenPIPolicy(FlowPolicy):
             out["norm_stats"] = str(find_norm_stats(folder))
         if kind in ("pi0", "pi05") and out.get("prompt_style") is None:
             out["prompt_style"] = "lerobot"  # a lerobot policy folder: trained on lerobot's processors' prompts
-        for ours, theirs in (("chunk", "chunk_size"), ("chunk", "action_horizon"),
-                             ("denoise_steps", "num_inference_steps")):
+        for ours, theirs in (
+            ("chunk", "chunk_size"),
+            ("chunk", "action_horizon"),
+            ("denoise_steps", "num_inference_steps"),
+        ):
             if out.get(ours) is None and config.get(theirs) is not None:
                 out[ours] = int(config[theirs])
         dims = dict(out.get("dims") or {})
-        for ours, theirs in (("max_state_dim", "max_state_dim"), ("max_action_dim", "max_action_dim"),
-                             ("max_action_dim", "action_dim"), ("max_tokens", "tokenizer_max_length")):
+        for ours, theirs in (
+            ("max_state_dim", "max_state_dim"),
+            ("max_action_dim", "max_action_dim"),
+            ("max_action_dim", "action_dim"),
+            ("max_tokens", "tokenizer_max_length"),
+        ):
             if theirs in config and ours not in dims:
                 dims[ours] = int(config[theirs])
         for key in ("paligemma_variant", "action_expert_variant"):  # (policy.dims, when given, says the sizes)
             name = config.get(key)
             if name is not None and not out.get("dims") and (name not in GEMMA_VARIANTS or out.get("preset") != "full"):
-                raise ConfigError(f"policy.checkpoint={folder} has {key}={name}: build it with policy.preset=full"
-                                  if name in GEMMA_VARIANTS else
-                                  f"{folder}/config.json: {key}={name} is not a size openpi names "
-                                  f"({', '.join(GEMMA_VARIANTS)}); give its sizes in policy.dims")
+                raise ConfigError(
+                    f"policy.checkpoint={folder} has {key}={name}: build it with policy.preset=full"
+                    if name in GEMMA_VARIANTS
+                    else f"{folder}/config.json: {key}={name} is not a size openpi names "
+                    f"({', '.join(GEMMA_VARIANTS)}); give its sizes in policy.dims"
+                )
         out["dims"] = dims or None
         features = config.get("input_features") or {}
-        slots = [k[len("observation.images."):] for k in features if k.startswith("observation.images.")]
+        slots = [k[len("observation.images.") :] for k in features if k.startswith("observation.images.")]
         if slots and not out.get("cameras"):
-            raise ConfigError(f"policy.checkpoint={folder} was trained on cameras {', '.join(slots)}: map them to env "
-                              f"cameras, e.g. policy.cameras='{{{slots[0]}: agentview}}' (a slot mapped to null, or "
-                              "left out, is masked)")
+            raise ConfigError(
+                f"policy.checkpoint={folder} was trained on cameras {', '.join(slots)}: map them to env "
+                f"cameras, e.g. policy.cameras='{{{slots[0]}: agentview}}' (a slot mapped to null, or "
+                "left out, is masked)"
+            )
         if slots and out.get("cameras"):
             unknown = [s for s in out["cameras"] if s not in slots]
             if unknown:
-                raise ConfigError(f"policy.cameras names {', '.join(unknown)}, which the checkpoint has no slot for "
-                                  f"(its cameras: {', '.join(slots)})")
+                raise ConfigError(
+                    f"policy.cameras names {', '.join(unknown)}, which the checkpoint has no slot for "
+                    f"(its cameras: {', '.join(slots)})"
+                )
             out["cameras"] = {s: out["cameras"].get(s) for s in slots}
         return out
 
@@ -458,13 +600,15 @@ class OpenPIPolicy(FlowPolicy):
         them (B, width)."""
         emb, mask = self.embed_prefix(obs)
         positions = mask.long().cumsum(1) - 1
-        (out,), kv = run_layers([(emb, self.vlm.layers, None)], positions,
-                                mask[:, None, :].expand(-1, mask.shape[1], -1))
+        (out,), kv = run_layers(
+            [(emb, self.vlm.layers, None)], positions, mask[:, None, :].expand(-1, mask.shape[1], -1)
+        )
         weights = mask[..., None].to(out.dtype)
         return PrefixCache(kv, mask), (self.vlm.final_norm(out) * weights).sum(1) / weights.sum(1)
 
-    def encode(self, obs: dict[str, torch.Tensor],
-               prefix: tuple[PrefixCache, torch.Tensor] | None = None) -> tuple[PrefixCache, torch.Tensor]:
+    def encode(
+        self, obs: dict[str, torch.Tensor], prefix: tuple[PrefixCache, torch.Tensor] | None = None
+    ) -> tuple[PrefixCache, torch.Tensor]:
         """Run the prefix (or take it: `prefix`) and pi0's state token once: the cache every denoising step attends
         to, and the features (B, F) of the value head: the prefix pooled over its real tokens (+ pi0's state token
         output)."""
@@ -476,10 +620,13 @@ class OpenPIPolicy(FlowPolicy):
         state = self.normalize_state(obs["state"].to(mask.device, torch.float32)).to(kv[0][0].dtype)
         token = self.state_proj(F.pad(state, (0, self.dims.max_state_dim - state.shape[-1])))[:, None]
         ones = torch.ones(mask.shape[0], 1, dtype=torch.bool, device=mask.device)
-        (state_out,), state_kv = run_layers([(token, self.expert.layers, None)], mask.sum(1, keepdim=True),
-                                            torch.cat([mask, ones], 1)[:, None], past=kv)
-        cache = PrefixCache([(torch.cat([k, sk], 2), torch.cat([v, sv], 2)) for (k, v), (sk, sv) in zip(kv, state_kv)],
-                            torch.cat([mask, ones], 1))
+        (state_out,), state_kv = run_layers(
+            [(token, self.expert.layers, None)], mask.sum(1, keepdim=True), torch.cat([mask, ones], 1)[:, None], past=kv
+        )
+        cache = PrefixCache(
+            [(torch.cat([k, sk], 2), torch.cat([v, sv], 2)) for (k, v), (sk, sv) in zip(kv, state_kv)],
+            torch.cat([mask, ones], 1),
+        )
         return cache, torch.cat([pooled, self.expert.final_norm(state_out)[:, 0]], -1)
 
     # --- the action expert ------------------------------------------------------------------------
@@ -501,8 +648,13 @@ class OpenPIPolicy(FlowPolicy):
         n, horizon = x.shape[:2]
         real = cache.mask.repeat_interleave(n // cache.mask.shape[0], 0)  # the cache may be of N / r observations
         positions = real.sum(1, keepdim=True) + torch.arange(horizon, device=x.device)
-        mask = torch.cat([real[:, None, :].expand(-1, horizon, -1),
-                          torch.ones(n, horizon, horizon, dtype=torch.bool, device=x.device)], -1)
+        mask = torch.cat(
+            [
+                real[:, None, :].expand(-1, horizon, -1),
+                torch.ones(n, horizon, horizon, dtype=torch.bool, device=x.device),
+            ],
+            -1,
+        )
         (out,), _ = run_layers([(emb, self.expert.layers, cond)], positions, mask, past=cache.kv)
         return self.expert.final_norm(out, cond), temb
 
@@ -511,27 +663,33 @@ class OpenPIPolicy(FlowPolicy):
     LEROBOT_PREFIX = "model."
     # PaliGemma ties lm_head to embed_tokens, and safetensors' save_model (openpi's converter and trainer, lerobot's
     # save_pretrained) keeps one name of a shared tensor, the first in sorted order: lm_head's
-    TIED = ("paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
-            "paligemma_with_expert.paligemma.lm_head.weight")
+    TIED = (
+        "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
+        "paligemma_with_expert.paligemma.lm_head.weight",
+    )
     # transformers < 4.52 named PaliGemma's parts without the inner `model` (the lerobot/pi0 files of February 2025,
     # lerobot <= 0.3 fine-tunes); transformers' PaliGemmaForConditionalGeneration._checkpoint_conversion_mapping
     # renames them on load as these do, under openpi's `paligemma_with_expert.paligemma.`
-    OLD_PALIGEMMA = tuple((f"paligemma_with_expert.paligemma.{old}", f"paligemma_with_expert.paligemma.{new}")
-                          for old, new in (("language_model.model.", "model.language_model."),
-                                           ("vision_tower.", "model.vision_tower."),
-                                           ("multi_modal_projector.", "model.multi_modal_projector."),
-                                           ("language_model.lm_head.", "lm_head.")))
+    OLD_PALIGEMMA = tuple(
+        (f"paligemma_with_expert.paligemma.{old}", f"paligemma_with_expert.paligemma.{new}")
+        for old, new in (
+            ("language_model.model.", "model.language_model."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+            ("language_model.lm_head.", "lm_head."),
+        )
+    )
 
     @classmethod
     def published_names(cls, state: dict[str, Any]) -> dict[str, Any]:
         """A pi0/pi0.5 file's tensors under openpi's PyTorch names (this policy's): lerobot's "model." prefix removed
         and transformers < 4.52's PaliGemma names renamed; nothing dropped or added."""
         if state and all(k.startswith(cls.LEROBOT_PREFIX) for k in state):
-            state = {k[len(cls.LEROBOT_PREFIX):]: v for k, v in state.items()}
+            state = {k[len(cls.LEROBOT_PREFIX) :]: v for k, v in state.items()}
         out = {}
         for key, value in state.items():
             old = next((pair for pair in cls.OLD_PALIGEMMA if key.startswith(pair[0])), None)
-            out[key if old is None else old[1] + key[len(old[0]):]] = value
+            out[key if old is None else old[1] + key[len(old[0]) :]] = value
         return out
 
     def import_state_dict(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -545,8 +703,10 @@ class OpenPIPolicy(FlowPolicy):
             state = {**state, embed: state[head]}
         drop = ("paligemma_with_expert.paligemma.lm_head.", "paligemma_with_expert.gemma_expert.lm_head.")
         if not self.cameras:
-            drop += ("paligemma_with_expert.paligemma.model.vision_tower.",
-                     "paligemma_with_expert.paligemma.model.multi_modal_projector.")
+            drop += (
+                "paligemma_with_expert.paligemma.model.vision_tower.",
+                "paligemma_with_expert.paligemma.model.multi_modal_projector.",
+            )
         return {k: v for k, v in state.items() if not k.startswith(drop)}, self.rl_heads()
 
     @torch.no_grad()
@@ -570,4 +730,4 @@ class OpenPIPolicy(FlowPolicy):
             for layer in self.expert.layers:
                 layer.self_attn.o_proj.weight.zero_()
         self.action_in_proj.weight.zero_()
-        self.action_in_proj.weight[:, : self.model_action_dim].normal_(std=self.model_action_dim ** -0.5)
+        self.action_in_proj.weight[:, : self.model_action_dim].normal_(std=self.model_action_dim**-0.5)

@@ -30,6 +30,7 @@ Simplified: a byte-level tokenizer stands in for Llama-2's SentencePiece (no tok
 instruction goes in without OpenVLA's "In: What action should the robot take to ...? Out:" template; the state is
 zero-padded to the preset's max_state_dim (OFT's projector takes the robot's proprio dims, 8 on LIBERO).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,8 @@ from torch import nn
 
 from ebrl.config import ConfigError
 from ebrl.envs.base import EnvSpec
-from ebrl.policies.base import Policy, PolicySample, masked_mean
 from ebrl.policies import layers
-from ebrl.policies.weights import CheckpointError, read_weights
+from ebrl.policies.base import Policy, PolicySample, masked_mean
 from ebrl.policies.layers import (
     BYTE_VOCAB,
     DECODER_PROJECTIONS,
@@ -60,6 +60,7 @@ from ebrl.policies.layers import (
     instruction_tokens,
     run_layers,
 )
+from ebrl.policies.weights import CheckpointError, read_weights
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv2's input normalisation
 
@@ -93,25 +94,76 @@ class OpenVLAOFTDims:
 
 PRESETS: dict[str, OpenVLAOFTDims] = {
     "tiny": OpenVLAOFTDims(
-        image_size=32, patch_size=8, dino_width=32, dino_depth=2, dino_mlp=128, dino_heads=2, dino_registers=4,
-        siglip_width=32, siglip_depth=2, siglip_mlp=120, siglip_heads=2,
-        width=64, depth=2, mlp=172, heads=4, head_dim=16, vocab=BYTE_VOCAB, max_tokens=48,
-        chunk=8, head_blocks=2, max_state_dim=128,
+        image_size=32,
+        patch_size=8,
+        dino_width=32,
+        dino_depth=2,
+        dino_mlp=128,
+        dino_heads=2,
+        dino_registers=4,
+        siglip_width=32,
+        siglip_depth=2,
+        siglip_mlp=120,
+        siglip_heads=2,
+        width=64,
+        depth=2,
+        mlp=172,
+        heads=4,
+        head_dim=16,
+        vocab=BYTE_VOCAB,
+        max_tokens=48,
+        chunk=8,
+        head_blocks=2,
+        max_state_dim=128,
     ),
     "small": OpenVLAOFTDims(
-        image_size=64, patch_size=8, dino_width=128, dino_depth=3, dino_mlp=512, dino_heads=4, dino_registers=4,
-        siglip_width=144, siglip_depth=3, siglip_mlp=538, siglip_heads=4,
-        width=256, depth=4, mlp=688, heads=4, head_dim=64, vocab=BYTE_VOCAB, max_tokens=64,
-        chunk=8, head_blocks=2, max_state_dim=128,
+        image_size=64,
+        patch_size=8,
+        dino_width=128,
+        dino_depth=3,
+        dino_mlp=512,
+        dino_heads=4,
+        dino_registers=4,
+        siglip_width=144,
+        siglip_depth=3,
+        siglip_mlp=538,
+        siglip_heads=4,
+        width=256,
+        depth=4,
+        mlp=688,
+        heads=4,
+        head_dim=64,
+        vocab=BYTE_VOCAB,
+        max_tokens=64,
+        chunk=8,
+        head_blocks=2,
+        max_state_dim=128,
     ),
     # OpenVLA 7B (openvla/openvla-7b, "dinosiglip-vit-so-224px" + Llama-2-7B): timm vit_large_patch14_reg4_dinov2
     # and vit_so400m_patch14_siglip_224 at 224 px, Llama-2-7B with its vocab padded to 32064 (32000 + <PAD>, to a
     # multiple of 64); OFT's LIBERO chunk of 8 and 2-block L1 head. 7,541,237,184 parameters before OFT's additions.
     "full": OpenVLAOFTDims(
-        image_size=224, patch_size=14, dino_width=1024, dino_depth=24, dino_mlp=4096, dino_heads=16, dino_registers=4,
-        siglip_width=1152, siglip_depth=27, siglip_mlp=4304, siglip_heads=16,
-        width=4096, depth=32, mlp=11008, heads=32, head_dim=128, vocab=32064, max_tokens=64,
-        chunk=8, head_blocks=2, max_state_dim=128,
+        image_size=224,
+        patch_size=14,
+        dino_width=1024,
+        dino_depth=24,
+        dino_mlp=4096,
+        dino_heads=16,
+        dino_registers=4,
+        siglip_width=1152,
+        siglip_depth=27,
+        siglip_mlp=4304,
+        siglip_heads=16,
+        width=4096,
+        depth=32,
+        mlp=11008,
+        heads=32,
+        head_dim=128,
+        vocab=32064,
+        max_tokens=64,
+        chunk=8,
+        head_blocks=2,
+        max_state_dim=128,
     ),
 }
 
@@ -198,9 +250,19 @@ class VisionTransformer(nn.Module):
     only (timm's no_embed_class), LayerScale. SigLIP: no prefix tokens, no LayerScale, an attention-pool head.
     """
 
-    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, mlp: int, heads: int,
-                 registers: int = 0, class_token: bool = False, layer_scale: float | None = None,
-                 attn_pool: bool = False) -> None:
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        width: int,
+        depth: int,
+        mlp: int,
+        heads: int,
+        registers: int = 0,
+        class_token: bool = False,
+        layer_scale: float | None = None,
+        attn_pool: bool = False,
+    ) -> None:
         super().__init__()
         if depth < 2:
             raise ValueError(f"depth={depth}: OpenVLA reads the second-to-last block, so a ViT needs at least 2")
@@ -223,12 +285,13 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images) + self.pos_embed
-        prefix = [getattr(self, name).expand(x.shape[0], -1, -1) for name in ("cls_token", "reg_token")
-                  if hasattr(self, name)]
+        prefix = [
+            getattr(self, name).expand(x.shape[0], -1, -1) for name in ("cls_token", "reg_token") if hasattr(self, name)
+        ]
         x = torch.cat([*prefix, x], 1)
         for block in self.blocks[:-1]:
             x = call_block(block, block, x)
-        return x[:, self.num_prefix_tokens:]
+        return x[:, self.num_prefix_tokens :]
 
 
 class PrismaticVisionBackbone(nn.Module):
@@ -237,11 +300,20 @@ class PrismaticVisionBackbone(nn.Module):
     def __init__(self, d: OpenVLAOFTDims) -> None:
         super().__init__()
         self.image_size = d.image_size
-        self.featurizer = VisionTransformer(d.image_size, d.patch_size, d.dino_width, d.dino_depth, d.dino_mlp,
-                                            d.dino_heads, registers=d.dino_registers, class_token=True,
-                                            layer_scale=1e-5)
-        self.fused_featurizer = VisionTransformer(d.image_size, d.patch_size, d.siglip_width, d.siglip_depth,
-                                                  d.siglip_mlp, d.siglip_heads, attn_pool=True)
+        self.featurizer = VisionTransformer(
+            d.image_size,
+            d.patch_size,
+            d.dino_width,
+            d.dino_depth,
+            d.dino_mlp,
+            d.dino_heads,
+            registers=d.dino_registers,
+            class_token=True,
+            layer_scale=1e-5,
+        )
+        self.fused_featurizer = VisionTransformer(
+            d.image_size, d.patch_size, d.siglip_width, d.siglip_depth, d.siglip_mlp, d.siglip_heads, attn_pool=True
+        )
         self.embed_dim = d.dino_width + d.siglip_width
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -272,8 +344,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(d.vocab, d.width)
         nn.init.normal_(self.embed_tokens.weight, std=0.02)  # Llama's initializer_range
-        self.layers = nn.ModuleList(DecoderLayer(d.width, d.mlp, d.heads, d.heads, d.head_dim, norm="llama")
-                                    for _ in range(d.depth))
+        self.layers = nn.ModuleList(
+            DecoderLayer(d.width, d.mlp, d.heads, d.heads, d.head_dim, norm="llama") for _ in range(d.depth)
+        )
         self.norm = RMSNorm(d.width, eps=1e-5, offset=False)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -356,21 +429,33 @@ class OpenVLAOFTPolicy(Policy):
 
     # What the full preset is checked against. OFT's additions (L1 head 151.1M at 7 action dims, proprio projector
     # 17.3M at 128 padded state dims) and the RL value head (16.8M) come on top: +2.5% with a 7-dim action space.
-    PUBLISHED_PARAMETERS = {"default": (
-        7_541_237_184,
-        "OpenVLA 7B: 7,541,237,184 parameters (Hugging Face openvla/openvla-7b model page, '7.54B params', counted "
-        "from its safetensors: 15,082,474,368 bytes of bf16; the paper, Kim et al. 2024, arXiv 2406.09246, says 7B): "
-        "Llama-2-7B with a 32064-token vocab and untied lm_head 6,738,939,904 + DINOv2 ViT-L/14-reg4 303,230,976 + "
-        "SigLIP So400m/14 with its attention-pool head 427,680,704 + fused projector 71,385,600. OFT (Kim, Finn, "
-        "Liang 2025) adds its L1 head and proprio projector, RL a value head: ~2.5% above this figure.",
-    )}
+    PUBLISHED_PARAMETERS = {
+        "default": (
+            7_541_237_184,
+            "OpenVLA 7B: 7,541,237,184 parameters (Hugging Face openvla/openvla-7b model page, '7.54B params', counted "
+            "from its safetensors: 15,082,474,368 bytes of bf16; the paper, Kim et al. 2024, arXiv 2406.09246, "
+            "says 7B): "
+            "Llama-2-7B with a 32064-token vocab and untied lm_head 6,738,939,904 + DINOv2 ViT-L/14-reg4 303,230,976 + "
+            "SigLIP So400m/14 with its attention-pool head 427,680,704 + fused projector 71,385,600. OFT (Kim, Finn, "
+            "Liang 2025) adds its L1 head and proprio projector, RL a value head: ~2.5% above this figure.",
+        )
+    }
 
-    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
-                 action_std_init: float = 0.3, action_std_min: float = 0.02, action_std_max: float = 1.0) -> None:
+    def __init__(
+        self,
+        env_spec: EnvSpec,
+        preset: str = "tiny",
+        chunk: int | None = None,
+        action_std_init: float = 0.3,
+        action_std_min: float = 0.02,
+        action_std_max: float = 1.0,
+    ) -> None:
         super().__init__()
         if not 0 < action_std_min <= action_std_init <= action_std_max:
-            raise ConfigError(f"policy.action_std_min={action_std_min}, policy.action_std_init={action_std_init} and "
-                              f"policy.action_std_max={action_std_max} must satisfy 0 < min <= init <= max")
+            raise ConfigError(
+                f"policy.action_std_min={action_std_min}, policy.action_std_init={action_std_init} and "
+                f"policy.action_std_max={action_std_max} must satisfy 0 < min <= init <= max"
+            )
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         if chunk is not None and chunk < 1:
             raise ConfigError(f"policy.chunk={chunk} must be a positive integer")
@@ -441,8 +526,9 @@ class OpenVLAOFTPolicy(Policy):
         parts.append(self.proprio_projector(F.pad(state, (0, self.dims.max_state_dim - state.shape[-1])))[:, None])
         inserted = sum(p.shape[1] for p in parts[1:])
         parts.append(text[:, 1:])
-        real = torch.cat([token_mask[:, :1], torch.ones(batch, inserted, dtype=torch.bool, device=device),
-                          token_mask[:, 1:]], 1)
+        real = torch.cat(
+            [token_mask[:, :1], torch.ones(batch, inserted, dtype=torch.bool, device=device), token_mask[:, 1:]], 1
+        )
         return torch.cat(parts, 1), real
 
     def attention_mask(self, real: torch.Tensor, n_actions: int) -> torch.Tensor:
@@ -503,8 +589,9 @@ class OpenVLAOFTPolicy(Policy):
         """Value head on the action tokens' mean final hidden state."""
         return self.mean_and_value(obs)[1]
 
-    def evaluate(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-                 prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def evaluate(
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], prefix: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recomputes the mean from obs and scores the stored chunk; extras are not needed."""
         mean, value = self.mean_and_value(obs)
         log_std = self.log_std()
@@ -512,15 +599,17 @@ class OpenVLAOFTPolicy(Policy):
         entropy = (log_std + 0.5 * (1.0 + math.log(2 * math.pi))).sum().expand_as(log_prob)
         return log_prob, entropy, value
 
-    def l1_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def l1_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """OFT's supervised loss: mean |predicted - target| over the chunk (B, H, action_dim), over the actions `mask`
         (B, H) keeps."""
         mean, _ = self.mean_and_value(obs)
         return masked_mean((mean.float() - actions.to(mean.device, torch.float32)).abs().mean(-1), mask)
 
-    def supervised_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    def supervised_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """OFT's L1 regression of its action head."""
         return self.l1_loss(obs, actions, mask)
 
@@ -541,8 +630,10 @@ class OpenVLAOFTPolicy(Policy):
         L1 head) or an OFT module the checkpoint has only part of."""
         diffusion = [k for k in state if k.startswith(("noisy_action_projector.", "action_head.noise_predictor."))]
         if diffusion:
-            raise CheckpointError(f"a diffusion OpenVLA-OFT checkpoint ({diffusion[0]}): this policy builds OFT's L1 "
-                                  "regression head only; use an L1 checkpoint (use_l1_regression=True)")
+            raise CheckpointError(
+                f"a diffusion OpenVLA-OFT checkpoint ({diffusion[0]}): this policy builds OFT's L1 "
+                "regression head only; use an L1 checkpoint (use_l1_regression=True)"
+            )
         mapped: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             if key.endswith(".rotary_emb.inv_freq"):
@@ -556,8 +647,10 @@ class OpenVLAOFTPolicy(Policy):
             if any(k.startswith(prefix) for k in mapped):
                 lacking = [k for k in own if k.startswith(prefix) and k not in mapped]
                 if lacking:
-                    raise CheckpointError(f"the checkpoint has part of {prefix.rstrip('.')}: keys {len(lacking)} "
-                                          f"missing (e.g. {', '.join(lacking[:3])})")
+                    raise CheckpointError(
+                        f"the checkpoint has part of {prefix.rstrip('.')}: keys {len(lacking)} "
+                        f"missing (e.g. {', '.join(lacking[:3])})"
+                    )
         key = "proprio_projector.fc1.weight"
         if key in mapped and mapped[key].ndim == 2 and mapped[key].shape[1] < self.dims.max_state_dim:
             mapped[key] = F.pad(mapped[key], (0, self.dims.max_state_dim - mapped[key].shape[1]))
@@ -567,6 +660,7 @@ class OpenVLAOFTPolicy(Policy):
 
     def parameter_breakdown(self) -> dict[str, int]:
         """Parameters per component (works on the meta device)."""
+
         def count(module: nn.Module) -> int:
             return sum(p.numel() for p in module.parameters())
 
@@ -628,16 +722,24 @@ def read_oft_folder(path: str | Path, step: int | str | None = None) -> dict[str
     vision backbone (not built here), an unreadable component file, or a component key the shards also hold."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise CheckpointError(f"{path} is not a folder; give the OpenVLA-OFT checkpoint folder (safetensors shards, "
-                              "<component>--<step>_checkpoint.pt files, dataset_statistics.json)")
+        raise CheckpointError(
+            f"{path} is not a folder; give the OpenVLA-OFT checkpoint folder (safetensors shards, "
+            "<component>--<step>_checkpoint.pt files, dataset_statistics.json)"
+        )
     components = oft_component_files(folder, step)
     if "vision_backbone" in components:
-        raise CheckpointError(f"{components['vision_backbone']} is a FiLM vision backbone (use_film=True); this "
-                              "policy builds OpenVLA's backbone without FiLM")
-    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")) and \
-            (folder / "lora_adapter").is_dir():
-        raise CheckpointError(f"{folder} holds only a LoRA adapter (lora_adapter/), no merged model: merge it into "
-                              "the base model first (openvla-oft's vla-scripts/merge_lora_weights_and_save.py)")
+        raise CheckpointError(
+            f"{components['vision_backbone']} is a FiLM vision backbone (use_film=True); this "
+            "policy builds OpenVLA's backbone without FiLM"
+        )
+    if (
+        not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+        and (folder / "lora_adapter").is_dir()
+    ):
+        raise CheckpointError(
+            f"{folder} holds only a LoRA adapter (lora_adapter/), no merged model: merge it into "
+            "the base model first (openvla-oft's vla-scripts/merge_lora_weights_and_save.py)"
+        )
     state = read_weights(str(folder))
     for name, f in components.items():
         try:
@@ -647,7 +749,7 @@ def read_oft_folder(path: str | Path, step: int | str | None = None) -> dict[str
         if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
             raise CheckpointError(f"{f} is not a state dict of tensors (openvla-oft saves module.state_dict())")
         for key, value in raw.items():
-            full = f"{name}.{key[len(DDP_PREFIX):] if key.startswith(DDP_PREFIX) else key}"
+            full = f"{name}.{key[len(DDP_PREFIX) :] if key.startswith(DDP_PREFIX) else key}"
             if full in state:
                 raise CheckpointError(f"{f.name} holds {key}, which the safetensors shards also hold as {full}")
             state[full] = value

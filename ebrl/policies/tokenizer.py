@@ -14,6 +14,7 @@ differ, and a checkpoint lerobot fine-tuned was trained on theirs (style="lerobo
 and "\n" is appended to it before one encoding; pi0.5's state is zero-padded to max_state_dim before it is
 digitised. The parity tests check both styles' tokens against those processors.
 """
+
 from __future__ import annotations
 
 import io
@@ -57,17 +58,22 @@ class PaligemmaTokenizer:
         if p.is_dir():
             found = find_tokenizer(p)
             if found is None:
-                raise ConfigError(f"policy.tokenizer={path} holds no {' or '.join(MODEL_NAMES)}; give PaliGemma's "
-                                  "SentencePiece model file")
+                raise ConfigError(
+                    f"policy.tokenizer={path} holds no {' or '.join(MODEL_NAMES)}; give PaliGemma's "
+                    "SentencePiece model file"
+                )
             p = found
         if not p.is_file():
-            raise ConfigError(f"policy.tokenizer={path} does not exist; give PaliGemma's SentencePiece model file "
-                              "(paligemma_tokenizer.model)")
+            raise ConfigError(
+                f"policy.tokenizer={path} does not exist; give PaliGemma's SentencePiece model file "
+                "(paligemma_tokenizer.model)"
+            )
         try:
             import sentencepiece
         except ImportError:
-            raise ConfigError("policy.tokenizer needs the sentencepiece package: pip install -r requirements.txt"
-                              ) from None
+            raise ConfigError(
+                "policy.tokenizer needs the sentencepiece package: pip install -r requirements.txt"
+            ) from None
         self.processor = sentencepiece.SentencePieceProcessor()
         try:
             self.processor.LoadFromSerializedProto(p.read_bytes())
@@ -110,10 +116,25 @@ def train_gemma_like(path: str | Path, texts: list[str], vocab_size: int = 400) 
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(texts) * 50), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-        byte_fallback=True, split_digits=True, normalization_rule_name="identity", add_dummy_prefix=False,
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n"], pad_id=0,
-        eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(list(texts) * 50),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n"],
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     out = Path(path)
     out.write_bytes(model.getvalue())
     return out

@@ -12,6 +12,7 @@ Everything outside the trainer (generation, checkpoints loaded for evaluation, `
 family's own layout: `merged_state` folds the adapters into their base weights, `split_lora` and `load_state` keep a
 checkpoint's base weights and adapters apart so that training resumes where it was.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -31,8 +32,11 @@ def prepare_training(policy: Policy, policy_cfg: dict[str, Any]) -> None:
     if policy.lora_scaling is not None:  # (peft leaves only its adapters trainable: what else trains follows)
         from peft import LoraConfig, inject_adapter_in_model
 
-        config = LoraConfig(r=int(policy_cfg["lora_rank"]), lora_alpha=float(policy_cfg["lora_alpha"]),
-                            target_modules=policy.lora_targets())
+        config = LoraConfig(
+            r=int(policy_cfg["lora_rank"]),
+            lora_alpha=float(policy_cfg["lora_alpha"]),
+            target_modules=policy.lora_targets(),
+        )
         trains = {name for name, p in policy.named_parameters() if p.requires_grad}
         inject_adapter_in_model(config, policy, adapter_name=ADAPTER)
         for name, p in policy.named_parameters():
@@ -76,17 +80,21 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float | None) -> dict[
     return merge_lora(*split_lora(state), scaling)
 
 
-def merge_lora(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor] | None,
-               scaling: float | None) -> dict[str, torch.Tensor]:
+def merge_lora(
+    base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor] | None, scaling: float | None
+) -> dict[str, torch.Tensor]:
     """Base weights in the family's layout with the adapters folded in, W + s B A (float32 where adapted)."""
     if lora is None:
         return base
-    return {k: v if ab is None else v.float() + scaling * (ab[0].float() @ ab[1].float())
-            for k, v, ab in folded(base, lora)}
+    return {
+        k: v if ab is None else v.float() + scaling * (ab[0].float() @ ab[1].float()) for k, v, ab in folded(base, lora)
+    }
 
 
-def folded(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor] | None,
-           ) -> Iterator[tuple[str, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
+def folded(
+    base: dict[str, torch.Tensor],
+    lora: dict[str, torch.Tensor] | None,
+) -> Iterator[tuple[str, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
     """(key, base weight, its adapter's (B, A) or None) in the family's layout: a publication folds one weight at a
     time into its slot (W + s B A), holding no float32 copy of the adapted layers."""
     for key, value in base.items():
@@ -95,8 +103,9 @@ def folded(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor] | None,
         yield key, value, None if down is None else (lora[f"{module}.lora_B.{ADAPTER}.weight"], down)
 
 
-def load_state(policy: torch.nn.Module, base: dict[str, torch.Tensor],
-               lora: dict[str, torch.Tensor] | None = None) -> None:
+def load_state(
+    policy: torch.nn.Module, base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor] | None = None
+) -> None:
     """Load base weights in the family's layout (and a checkpoint's adapters) into a policy, LoRA'd or not; without
     `lora` a LoRA'd policy's adapters keep what they hold (at the start: B = 0, no change to the weights)."""
     own = policy.state_dict()

@@ -38,6 +38,7 @@ Simplified against Cosmos Policy: actions and state are tokens with their own pr
 into whole latent frames), no value or future-proprioception frames (the value head is the RL one), no padding-mask
 input channel, a small conv codec trained here instead of the Wan2.1 VAE, byte-level text instead of T5, no dropout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,22 +85,58 @@ class WAMDims:
 
 PRESETS: dict[str, WAMDims] = {
     "tiny": WAMDims(
-        image_size=32, codec_channels=(8, 16), latent_channels=4, patch_size=2, width=64, depth=2, heads=4,
-        lora_dim=16, text_width=32, vocab=BYTE_VOCAB, max_tokens=48, chunk=8, denoise_steps=4,
-        max_action_dim=32, max_state_dim=128,
+        image_size=32,
+        codec_channels=(8, 16),
+        latent_channels=4,
+        patch_size=2,
+        width=64,
+        depth=2,
+        heads=4,
+        lora_dim=16,
+        text_width=32,
+        vocab=BYTE_VOCAB,
+        max_tokens=48,
+        chunk=8,
+        denoise_steps=4,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     "small": WAMDims(
-        image_size=64, codec_channels=(32, 64, 128), latent_channels=8, patch_size=2, width=256, depth=4, heads=4,
-        lora_dim=64, text_width=128, vocab=BYTE_VOCAB, max_tokens=48, chunk=16, denoise_steps=5,
-        max_action_dim=32, max_state_dim=128,
+        image_size=64,
+        codec_channels=(32, 64, 128),
+        latent_channels=8,
+        patch_size=2,
+        width=256,
+        depth=4,
+        heads=4,
+        lora_dim=64,
+        text_width=128,
+        vocab=BYTE_VOCAB,
+        max_tokens=48,
+        chunk=16,
+        denoise_steps=5,
+        max_action_dim=32,
+        max_state_dim=128,
     ),
     # Cosmos-Predict2-2B (cosmos-predict2 PREDICT2_VIDEO2WORLD_NET_2B): model_channels 2048, 28 blocks, 16 heads,
     # mlp_ratio 4, crossattn_emb_channels 1024 (T5-11B, vocabulary 32128), AdaLN-LoRA rank 256, 16 latent channels,
     # 2x2 patches, 8x spatial compression (Wan2.1 VAE). Chunk 16 and 5 steps are this repo's choice.
     "full": WAMDims(
-        image_size=224, codec_channels=(64, 128, 256), latent_channels=16, patch_size=2, width=2048, depth=28,
-        heads=16, lora_dim=256, text_width=1024, vocab=32128, max_tokens=48, chunk=16, denoise_steps=5,
-        max_action_dim=32, max_state_dim=64,
+        image_size=224,
+        codec_channels=(64, 128, 256),
+        latent_channels=16,
+        patch_size=2,
+        width=2048,
+        depth=28,
+        heads=16,
+        lora_dim=256,
+        text_width=1024,
+        vocab=32128,
+        max_tokens=48,
+        chunk=16,
+        denoise_steps=5,
+        max_action_dim=32,
+        max_state_dim=64,
     ),
 }
 
@@ -138,7 +175,7 @@ class FinalLayer(nn.Module):
         super().__init__()
         self.norm = AdaLayerNorm(d.width, d.width, lora_dim=d.lora_dim, bias=False, eps=1e-6)
         if frames:
-            self.linear = nn.Linear(d.width, d.patch_size ** 2 * d.latent_channels, bias=False)
+            self.linear = nn.Linear(d.width, d.patch_size**2 * d.latent_channels, bias=False)
 
 
 class WAMPolicy(FlowPolicy):
@@ -149,16 +186,28 @@ class WAMPolicy(FlowPolicy):
     # T5-vocabulary text table (32.9M: the T5 encoder itself is outside Cosmos' 2B), the conv codec (1.4M: Cosmos
     # uses the Wan2.1 VAE, also outside the 2B), patch/camera/action/state embeddings (0.8M) and the RL heads (12.7M).
     PUBLISHED_PARAMETERS = {
-        "default": (2.0e9, "Cosmos-Predict2-2B-Video2World, 'Diffusion-based video and text to visual world "
-                           "generation (2 billion parameters)', NVIDIA Cosmos docs, Predict2 model matrix; the "
-                           "video DiT only (text encoder and VAE excluded), the model Cosmos Policy fine-tunes"),
+        "default": (
+            2.0e9,
+            "Cosmos-Predict2-2B-Video2World, 'Diffusion-based video and text to visual world "
+            "generation (2 billion parameters)', NVIDIA Cosmos docs, Predict2 model matrix; the "
+            "video DiT only (text encoder and VAE excluded), the model Cosmos Policy fine-tunes",
+        ),
     }
     FRAME_DROP = 0.5  # share of world_model_loss rows whose future frames are hidden: trains the action-only path
 
-    def __init__(self, env_spec: EnvSpec, preset: str = "tiny", chunk: int | None = None,
-                 denoise_steps: int | None = None, logprob: str = "flow_noise", noise_std_min: float = 0.1,
-                 noise_std_max: float = 0.5, sde_noise_level: float = 0.5,
-                 chain_logprob: str = "sum", detach_critic_input: bool = False) -> None:
+    def __init__(
+        self,
+        env_spec: EnvSpec,
+        preset: str = "tiny",
+        chunk: int | None = None,
+        denoise_steps: int | None = None,
+        logprob: str = "flow_noise",
+        noise_std_min: float = 0.1,
+        noise_std_max: float = 0.5,
+        sde_noise_level: float = 0.5,
+        chain_logprob: str = "sum",
+        detach_critic_input: bool = False,
+    ) -> None:
         super().__init__()
         d = self.dims = self.bind(PRESETS, preset, env_spec)
         chunk = chunk or d.chunk
@@ -167,7 +216,7 @@ class WAMPolicy(FlowPolicy):
         self.frame_patches = (self.latent_size // d.patch_size) ** 2  # tokens per camera and frame
         if self.cameras:  # a state-only env has no frames: the model is an action DiT
             self.frame_codec = FrameCodec(d.codec_channels, d.latent_channels)
-            self.x_embedder = nn.Linear((d.latent_channels + 1) * d.patch_size ** 2, w, bias=False)
+            self.x_embedder = nn.Linear((d.latent_channels + 1) * d.patch_size**2, w, bias=False)
             self.pos_embed = nn.Parameter(0.02 * torch.randn(self.frame_patches, w))
             self.camera_embed = nn.Embedding(len(self.cameras), w)
             nn.init.normal_(self.camera_embed.weight, std=0.02)
@@ -181,19 +230,38 @@ class WAMPolicy(FlowPolicy):
         self.t_embedder = TimestepEncoder(w, freq_dim=w, out_dim=3 * w, bias=False)
         self.t_embedding_norm = RMSNorm(w, 1e-6, offset=False)
         self.blocks = nn.ModuleList(
-            BasicTransformerBlock(w, d.heads, w // d.heads, norm_type="ada_norm_zero", cond_dim=w,
-                                  cross_attention_dim=d.text_width, bias=False, qk_norm=True, lora_dim=d.lora_dim,
-                                  norm_eps=1e-6)
-            for _ in range(d.depth))
+            BasicTransformerBlock(
+                w,
+                d.heads,
+                w // d.heads,
+                norm_type="ada_norm_zero",
+                cond_dim=w,
+                cross_attention_dim=d.text_width,
+                bias=False,
+                qk_norm=True,
+                lora_dim=d.lora_dim,
+                norm_eps=1e-6,
+            )
+            for _ in range(d.depth)
+        )
         self.final_layer = FinalLayer(d, bool(self.cameras))
         self.action_in_proj = nn.Linear(d.max_action_dim, w)
         self.action_position = nn.Embedding(chunk, w)
         nn.init.normal_(self.action_position.weight, std=0.02)
         self.action_out_proj = nn.Linear(w, d.max_action_dim)
-        self.init_flow(flow_dim=d.max_action_dim, chunk_len=chunk, denoise_steps=denoise_steps or d.denoise_steps,
-                       feature_dim=w, time_dim=w, logprob=logprob, noise_std_min=noise_std_min,
-                       noise_std_max=noise_std_max, sde_noise_level=sde_noise_level,
-                       chain_logprob=chain_logprob, detach_critic_input=detach_critic_input)
+        self.init_flow(
+            flow_dim=d.max_action_dim,
+            chunk_len=chunk,
+            denoise_steps=denoise_steps or d.denoise_steps,
+            feature_dim=w,
+            time_dim=w,
+            logprob=logprob,
+            noise_std_min=noise_std_min,
+            noise_std_max=noise_std_max,
+            sde_noise_level=sde_noise_level,
+            chain_logprob=chain_logprob,
+            detach_critic_input=detach_critic_input,
+        )
         self.frame_steps = self.denoise_steps  # Euler steps of `imagine`'s joint chain; rollouts never use it
         self.value_head = nn.Sequential(nn.Linear(w, w), nn.Tanh(), nn.Linear(w, 1))
         if not self.action_in_proj.weight.is_meta:
@@ -256,7 +324,7 @@ class WAMPolicy(FlowPolicy):
     def embed_frames(self, latent_tokens: torch.Tensor, current: bool) -> torch.Tensor:
         """Latent patches -> DiT tokens (B, cameras * patches, width); Cosmos' condition-mask channel marks the
         current (conditioning) frames."""
-        flag = latent_tokens.new_full((*latent_tokens.shape[:2], self.dims.patch_size ** 2), float(current))
+        flag = latent_tokens.new_full((*latent_tokens.shape[:2], self.dims.patch_size**2), float(current))
         x = self.x_embedder(torch.cat([latent_tokens, flag], -1))
         position = self.pos_embed.repeat(len(self.cameras), 1)
         camera = self.camera_embed.weight.repeat_interleave(self.frame_patches, 0)
@@ -287,15 +355,22 @@ class WAMPolicy(FlowPolicy):
         text_kv, past = [], []
         for block in self.blocks:
             text_kv.append(block.cross_kv(text))
-            h, kv = call_block(block, block, h, temb, context_kv=text_kv[-1], context_mask=text_mask, groups=groups,
-                               shared=shared)
+            h, kv = call_block(
+                block, block, h, temb, context_kv=text_kv[-1], context_mask=text_mask, groups=groups, shared=shared
+            )
             past.append(kv)
         pooled = self.final_layer.norm.norm(h).mean(1)
         return {"text_kv": text_kv, "text_mask": text_mask, "past": past}, pooled
 
-    def denoise(self, cond: dict, x: torch.Tensor, t: torch.Tensor, frames: torch.Tensor | None = None,
-                t_frames: torch.Tensor | None = None, frames_visible: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def denoise(
+        self,
+        cond: dict,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        frames: torch.Tensor | None = None,
+        t_frames: torch.Tensor | None = None,
+        frames_visible: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One DiT pass over the noisy tokens: action chunks x (N, H, max_action_dim) at times t (N,) and, for the
         joint model, noisy future frame latents (N, cameras * patches, C p p) at t_frames (N,). frames_visible (N,)
         bool hides a row's frame tokens from every attention, which is what dropping them computes.
@@ -307,18 +382,34 @@ class WAMPolicy(FlowPolicy):
             h = torch.cat([self.embed_frames(frames, current=False), h], 1)
             times, sizes = [t_frames, t], [frames.shape[1], horizon]
         temb, shared = self.time_conditions(times)
-        groups = torch.repeat_interleave(torch.arange(len(sizes), device=x.device),
-                                         torch.tensor(sizes, device=x.device), output_size=sum(sizes))
+        groups = torch.repeat_interleave(
+            torch.arange(len(sizes), device=x.device), torch.tensor(sizes, device=x.device), output_size=sum(sizes)
+        )
         mask = None
         if frames is not None and frames_visible is not None:
             n, past = x.shape[0], cond["past"][0][0].shape[2]
-            keys = torch.cat([torch.ones(n, past, dtype=torch.bool, device=x.device),
-                              frames_visible[:, None].expand(-1, sizes[0]),
-                              torch.ones(n, horizon, dtype=torch.bool, device=x.device)], 1)
+            keys = torch.cat(
+                [
+                    torch.ones(n, past, dtype=torch.bool, device=x.device),
+                    frames_visible[:, None].expand(-1, sizes[0]),
+                    torch.ones(n, horizon, dtype=torch.bool, device=x.device),
+                ],
+                1,
+            )
             mask = keys[:, None, :].expand(-1, h.shape[1], -1)
         for block, text_kv, past_kv in zip(self.blocks, cond["text_kv"], cond["past"]):
-            h, _ = call_block(block, block, h, temb, context_kv=text_kv, context_mask=cond["text_mask"],
-                              past_kv=past_kv, attention_mask=mask, groups=groups, shared=shared)
+            h, _ = call_block(
+                block,
+                block,
+                h,
+                temb,
+                context_kv=text_kv,
+                context_mask=cond["text_mask"],
+                past_kv=past_kv,
+                attention_mask=mask,
+                groups=groups,
+                shared=shared,
+            )
         h, _ = self.final_layer.norm(h, temb, groups, shared)
         frame_velocity = self.final_layer.linear(h[:, : sizes[0]]) if frames is not None else None
         return h[:, -horizon:], frame_velocity, temb[:, -1]
@@ -329,8 +420,9 @@ class WAMPolicy(FlowPolicy):
         return h, temb
 
     # --- world model ------------------------------------------------------------------------------
-    def world_model_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                         future_images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def world_model_loss(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor, future_images: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Joint flow matching: {"action": action velocity MSE, "frame": frame-latent velocity MSE (rows whose
         frames are visible), "reconstruction": the codec's pixel MSE on current and future frames}; sum them to train.
 
@@ -376,7 +468,7 @@ class WAMPolicy(FlowPolicy):
         x = torch.randn(batch, self.chunk_len, self.flow_dim, device=pooled.device, dtype=pooled.dtype)
         z = None
         if self.cameras:
-            patch = self.dims.latent_channels * self.dims.patch_size ** 2
+            patch = self.dims.latent_channels * self.dims.patch_size**2
             z = torch.randn(batch, len(self.cameras) * self.frame_patches, patch, device=x.device, dtype=x.dtype)
         for t in self.times(steps, x.device):
             times = t.expand(batch)
@@ -384,8 +476,11 @@ class WAMPolicy(FlowPolicy):
             x = x - self.velocity_out(h) / steps
             if z is not None:
                 z = z - frame_velocity / steps
-        return {"chunk": x[..., : self.action_dim], "frames": self.decode_frames(z) if z is not None else {},
-                "latents": z}
+        return {
+            "chunk": x[..., : self.action_dim],
+            "frames": self.decode_frames(z) if z is not None else {},
+            "latents": z,
+        }
 
     # --- initialisation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -397,4 +492,4 @@ class WAMPolicy(FlowPolicy):
         for block in self.blocks:
             block.attn1.to_out.weight.zero_()
         self.action_in_proj.weight.zero_()
-        self.action_in_proj.weight[:, : self.action_dim].normal_(std=self.action_dim ** -0.5)
+        self.action_in_proj.weight[:, : self.action_dim].normal_(std=self.action_dim**-0.5)

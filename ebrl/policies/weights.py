@@ -9,6 +9,7 @@ the policy before anything is loaded.
 The folder's other files (config.json, normalisation statistics, tokenizer) are read by the family (`Policy.
 import_state_dict` maps names; ebrl/policies/build.py passes the folder to the constructor).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,19 @@ class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that is missing, corrupt or made for another policy; the message is one line."""
 
 
-def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str,
-                     may_miss: tuple[str, ...] = ()) -> None:
+def check_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], source: str, may_miss: tuple[str, ...] = ()
+) -> None:
     """One line naming the first mismatched keys, or nothing when `state` fits `model` (keys under the prefixes in
     `may_miss` may be absent)."""
     own = model.state_dict()
     missing = [k for k in own if k not in state and not k.startswith(may_miss)]
     unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
@@ -55,8 +60,11 @@ def checkpoint_folder(path: str) -> Path | None:
         return p.parent
     if not p.is_dir():
         return None
-    return p / "pretrained_model" if (p / "pretrained_model" / SINGLE).is_file() or \
-        (p / "pretrained_model" / INDEX).is_file() else p
+    return (
+        p / "pretrained_model"
+        if (p / "pretrained_model" / SINGLE).is_file() or (p / "pretrained_model" / INDEX).is_file()
+        else p
+    )
 
 
 def checkpoint_config(path: str) -> dict:
@@ -76,8 +84,9 @@ def weight_files(path: str) -> list[Path]:
         return [p]
     folder = checkpoint_folder(path)
     if folder is None:
-        raise CheckpointError(f"policy.checkpoint={path} does not exist; give a local checkpoint folder or "
-                              ".safetensors file")
+        raise CheckpointError(
+            f"policy.checkpoint={path} does not exist; give a local checkpoint folder or .safetensors file"
+        )
     if (folder / SINGLE).is_file():
         return [folder / SINGLE]
     if (folder / INDEX).is_file():
@@ -87,11 +96,14 @@ def weight_files(path: str) -> list[Path]:
             raise CheckpointError(f"{folder / INDEX} is not a safetensors index ({type(e).__name__})") from None
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise CheckpointError(f"{folder / INDEX} lists {len(missing)} shards that are not there "
-                                  f"(e.g. {', '.join(missing[:3])})")
+            raise CheckpointError(
+                f"{folder / INDEX} lists {len(missing)} shards that are not there (e.g. {', '.join(missing[:3])})"
+            )
         return [folder / s for s in shards]
-    raise CheckpointError(f"policy.checkpoint={path} holds no {SINGLE} or {INDEX}; give the checkpoint folder "
-                          "its writer saved, or a .safetensors file")
+    raise CheckpointError(
+        f"policy.checkpoint={path} holds no {SINGLE} or {INDEX}; give the checkpoint folder "
+        "its writer saved, or a .safetensors file"
+    )
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -103,15 +115,16 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(f)))
         except Exception as e:
-            raise CheckpointError(f"policy.checkpoint={path}: {f.name} is not a readable safetensors file "
-                                  f"({type(e).__name__})") from None
+            raise CheckpointError(
+                f"policy.checkpoint={path}: {f.name} is not a readable safetensors file ({type(e).__name__})"
+            ) from None
     return state
 
 
 def load_weights(model: nn.Module, path: str) -> list[str]:
-    """Start a `Policy` from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's published
-    layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads a
-    published checkpoint lacks); their parameters are left as they were."""
+    """Start a `Policy` from a local checkpoint (policy.checkpoint=...): the policy's own keys, or its family's
+    published layout as `Policy.import_state_dict` maps it. Returns the prefixes the file had nothing for (the RL heads
+    a published checkpoint lacks); their parameters are left as they were."""
     state, may_miss = model.import_state_dict(model.read_checkpoint(path))
     check_state_dict(model, state, f"policy.checkpoint={path}", tuple(may_miss))
     model.load_state_dict(state, strict=False)

@@ -5,6 +5,7 @@ from the same seeded reset, so their returns differ only by what the policy samp
 executed action of an episode gets A = (R - mean of its group) / (std of its group + eps). There
 is no value loss and no GAE: the policy's value head is left untrained.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -71,12 +72,19 @@ class GRPOTrainer(PPOTrainer):
     Expects a rollout of one episode per env from grouped seeded resets (`collect(reset_seeds=...)`).
     """
 
-    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0,
-               critic_only: bool = False, version: int | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: RolloutBatch,
+        decoupled: bool = False,
+        is_clip: float = 2.0,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> dict[str, float]:
         # only the first episode of each env counts: anything after it would belong to another start
         alive = first_episode(batch.done)
-        return super().update(replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip,
-                              version=version)  # (no critic to warm up)
+        return super().update(
+            replace(batch, mask=batch.mask & alive.unsqueeze(-1)), decoupled, is_clip, version=version
+        )  # (no critic to warm up)
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, None, dict[str, float]]:
         adv, ret, std = group_advantages(batch.reward, batch.done, self.cfg.group_size, finished(batch))

@@ -8,6 +8,7 @@ optimizer's own, seeded alike on every rank: replicas (DDP) must round alike, an
 rank and drawn from by generation. Its state travels in the optimizer's state dict, so a resumed run rounds on (FSDP's
 state gathered by parameter name leaves it out: a shard has no replica to agree with, and its generator restarts).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
@@ -20,16 +21,20 @@ CHUNK = 1 << 24  # elements per slice of a step
 ROUNDING_SEED = 0  # the stochastic rounding's, on every rank
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
-                   moments: str = "float32", betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-5,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]],
+    lr: float,
+    moments: str = "float32",
+    betas: Sequence[float] = (0.9, 0.999),
+    eps: float = 1e-5,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
     """AdamW at `lr` (a group's own "lr" wins) with its moments in `moments` (float32 | bfloat16); weight_decay 0 is
     Adam."""
     betas = (float(betas[0]), float(betas[1]))
     if DTYPES[moments] == torch.float32:
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    return LowPrecisionAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            state_dtype=DTYPES[moments])
+    return LowPrecisionAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=DTYPES[moments])
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -49,9 +54,16 @@ class LowPrecisionAdam(torch.optim.Optimizer):
     """AdamW (Loshchilov and Hutter 2019: Adam with decoupled weight decay, as torch's AdamW) with its moments held in
     `state_dtype` (see the module docstring); the parameters keep their own dtype (the trainer's float32 masters)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]], lr: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5, weight_decay: float = 0.0,
-                 state_dtype: torch.dtype = torch.bfloat16, seed: int = ROUNDING_SEED) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-5,
+        weight_decay: float = 0.0,
+        state_dtype: torch.dtype = torch.bfloat16,
+        seed: int = ROUNDING_SEED,
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
         device = _local(self.param_groups[0]["params"][0]).device  # (a generator draws on its own device only)
@@ -88,12 +100,12 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
                 step = float(state["step"])
-                lr1, c2 = group["lr"] / (1 - beta1 ** step), 1 - beta2 ** step
+                lr1, c2 = group["lr"] / (1 - beta1**step), 1 - beta2**step
                 # in slices, so that the float32 temporaries stay small beside a 0.5B-parameter embedding table; a
                 # sharded (FSDP) parameter's, its rank's shard
                 flat = [_local(t).view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 for start in range(0, p.numel(), CHUNK):
-                    param, grad, m, v = (t[start: start + CHUNK] for t in flat)
+                    param, grad, m, v = (t[start : start + CHUNK] for t in flat)
                     if group["weight_decay"]:
                         param.mul_(1 - group["lr"] * group["weight_decay"])
                     g = grad.float()

@@ -15,6 +15,7 @@ is taken around the proximal policy (the trainer's weights when the update start
 stale behaviour policy, and each action's surrogate is reweighted by the truncated importance
 weight proximal / behaviour, so stale data neither widens the trust region nor biases the gradient.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -134,8 +135,9 @@ def ppo_loss(
     return loss, stats
 
 
-def proximal_rows(batch: RolloutBatch, decoupled: bool, version: int | None, how: str,
-                  low_precision: bool) -> torch.Tensor:
+def proximal_rows(
+    batch: RolloutBatch, decoupled: bool, version: int | None, how: str, low_precision: bool
+) -> torch.Tensor:
     """(B,) the rows an update's proximal pass values (under the weights it starts from, `version`). Decoupled: those
     older weights sampled (every row with algo.proximal=all, or where the versions are not known); the others take
     their behaviour log-prob and value, which these weights gave. Otherwise the data's weights are these, but a
@@ -152,11 +154,13 @@ def proximal_rows(batch: RolloutBatch, decoupled: bool, version: int | None, how
     return _flat(batch.version) != version
 
 
-def value_loss(value: torch.Tensor, ret: torch.Tensor, old_value: torch.Tensor, clip: float | None,
-               huber_delta: float | None) -> torch.Tensor:
+def value_loss(
+    value: torch.Tensor, ret: torch.Tensor, old_value: torch.Tensor, clip: float | None, huber_delta: float | None
+) -> torch.Tensor:
     """(B,) loss of each row's value against its return: squared error / 2, or Huber at `huber_delta` (the same
     below it); with `clip`, the larger of that and the loss of the value kept within `clip` of the rollout's
     `old_value` (PPO2's value clip, as RLinf's critic loss)."""
+
     def loss(err: torch.Tensor) -> torch.Tensor:
         if huber_delta is None:
             return 0.5 * err.pow(2)
@@ -176,8 +180,10 @@ def param_groups(policy: Policy, cfg: AlgoConfig) -> list[dict]:
     value_lr), each group only where it has parameters. An algorithm without a critic (GRPO, SFT: no critic_lr) gives
     the value head no gradient, so its group, at algo.lr, never steps; it is kept for the optimizer state's layout."""
     named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in named if not name.startswith(CRITIC)], "lr": cfg.lr},
-              {"params": [p for name, p in named if name.startswith(CRITIC)], "lr": cfg.get("critic_lr", cfg.lr)}]
+    groups = [
+        {"params": [p for name, p in named if not name.startswith(CRITIC)], "lr": cfg.lr},
+        {"params": [p for name, p in named if name.startswith(CRITIC)], "lr": cfg.get("critic_lr", cfg.lr)},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -206,8 +212,13 @@ class PPOTrainer:
     returns, no critic); the clipped loss, epochs, minibatches and early stop stay this one.
     """
 
-    def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: AlgoConfig,
+        device: torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.policy = policy
         self.cfg = cfg
         self.device = device or torch.device("cpu")
@@ -219,10 +230,17 @@ class PPOTrainer:
             # policy may get no gradient (GRPO: the value head), hence find_unused_parameters (torch warns once where
             # there are none). static_graph=True instead left GRPO's replicas with different weights after one update.
             ids = [self.device] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=ids, process_group=group,
-                                                 find_unused_parameters=True)
-        self.optimizer = make_optimizer(param_groups(policy, cfg), cfg.lr, cfg.get("optimizer_dtype", "float32"),
-                                        cfg.adam_betas, cfg.adam_eps, cfg.weight_decay)
+            self.model = DistributedDataParallel(
+                self.model, device_ids=ids, process_group=group, find_unused_parameters=True
+            )
+        self.optimizer = make_optimizer(
+            param_groups(policy, cfg),
+            cfg.lr,
+            cfg.get("optimizer_dtype", "float32"),
+            cfg.adam_betas,
+            cfg.adam_eps,
+            cfg.weight_decay,
+        )
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         critic = {id(p) for name, p in policy.named_parameters() if name.startswith(CRITIC)}
         self.actor = [p for p in self.trained if id(p) not in critic]  # what a critic-only step leaves as it is
@@ -252,8 +270,10 @@ class PPOTrainer:
             return state
         position = {id(p): i for i, p in enumerate(trained_parameters(self.policy))}
         ids = saved[0]["params"]  # (in the order of trained_parameters when it was saved)
-        groups = [{**saved[0], "params": [ids[position[id(p)]] for p in group["params"]]}
-                  for group in self.optimizer.param_groups]
+        groups = [
+            {**saved[0], "params": [ids[position[id(p)]] for p in group["params"]]}
+            for group in self.optimizer.param_groups
+        ]
         return {**state, "param_groups": groups}
 
     def optimizer_state(self) -> dict:
@@ -263,8 +283,9 @@ class PPOTrainer:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.policy, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.policy, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Advantages (T, N), value targets (T, N) or None when there is no critic, and their metrics."""
@@ -274,7 +295,8 @@ class PPOTrainer:
         adv, ret = compute_gae(reward, batch.value, batch.done, batch.last_value, cfg.gamma, cfg.gae_lambda, cutoff)
         rows = batch.mask.any(-1)  # the value loss's rows: padded, stale and discarded ones have no return to learn
         _, (ret_mean, _, value_mean), (ret_var, error_var, _) = self.row_moments(
-            torch.stack([ret[rows], ret[rows] - batch.value[rows], batch.value[rows]], 1))
+            torch.stack([ret[rows], ret[rows] - batch.value[rows], batch.value[rows]], 1)
+        )
         metrics = {
             "train/explained_variance": float(1.0 - error_var / ret_var) if ret_var > 0 else 0.0,
             "train/value_mean": float(value_mean),
@@ -316,8 +338,13 @@ class PPOTrainer:
 
     @torch.no_grad()
     def proximal(
-        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], rows: int,
-        prefix: Any = None, which: torch.Tensor | None = None,
+        self,
+        obs: dict[str, torch.Tensor],
+        chunk: torch.Tensor,
+        extras: dict[str, torch.Tensor],
+        rows: int,
+        prefix: Any = None,
+        which: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, H) log-prob and (n,) value under the current weights of the rows `which` picks (all of them by
         default), `rows` at a time to bound activation memory; `prefix`: every row's frozen prefix (`prefixes`).
@@ -332,7 +359,7 @@ class PPOTrainer:
             return chunk.new_zeros(0, chunk.shape[1]), chunk.new_zeros(0)
         lp, value = [], []
         for i in range(passes):
-            part = picked[i * rows:(i + 1) * rows]
+            part = picked[i * rows : (i + 1) * rows]
             kept = len(part)
             if not kept:  # (sharded, and this rank has valued all it has: a pass to keep pace, dropped)
                 part = torch.zeros(1, dtype=torch.long, device=chunk.device)
@@ -348,8 +375,14 @@ class PPOTrainer:
         policy's every rank makes the same number of calls however many rows it values)."""
         return self.policy.value({k: v.to(self.device) for k, v in obs.items()}).float().cpu()
 
-    def update(self, batch: RolloutBatch, decoupled: bool = False, is_clip: float = 2.0,
-               critic_only: bool = False, version: int | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: RolloutBatch,
+        decoupled: bool = False,
+        is_clip: float = 2.0,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> dict[str, float]:
         """Epochs x minibatches of the clipped loss on one rollout; returns the metrics averaged over minibatches.
 
         decoupled: the rollout may come from older weights (asynchronous schedules), so clip around the proximal
@@ -401,8 +434,21 @@ class PPOTrainer:
             for idx in torch.randperm(B, device=dev).split(mb):
                 self.pace()
                 self.optimizer.zero_grad(set_to_none=True)
-                step = self._accumulate(idx, idx.split(rows), obs, chunk, extras, old_lp, behaviour_lp, adv, critic,
-                                        mask, is_clip, critic_only, prefix)
+                step = self._accumulate(
+                    idx,
+                    idx.split(rows),
+                    obs,
+                    chunk,
+                    extras,
+                    old_lp,
+                    behaviour_lp,
+                    adv,
+                    critic,
+                    mask,
+                    is_clip,
+                    critic_only,
+                    prefix,
+                )
                 if critic_only:
                     for p in self.actor:
                         p.grad = None  # (AdamW leaves a parameter without a gradient as it is)
@@ -437,11 +483,22 @@ class PPOTrainer:
         out.update(metrics)
         return out
 
-    def _accumulate(self, idx: torch.Tensor, parts: tuple[torch.Tensor, ...], obs: dict[str, torch.Tensor],
-                    chunk: torch.Tensor, extras: dict[str, torch.Tensor], old_lp: torch.Tensor,
-                    behaviour_lp: torch.Tensor | None, adv: torch.Tensor,
-                    critic: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor,
-                    is_clip: float, critic_only: bool = False, prefix: Any = None) -> dict[str, torch.Tensor]:
+    def _accumulate(
+        self,
+        idx: torch.Tensor,
+        parts: tuple[torch.Tensor, ...],
+        obs: dict[str, torch.Tensor],
+        chunk: torch.Tensor,
+        extras: dict[str, torch.Tensor],
+        old_lp: torch.Tensor,
+        behaviour_lp: torch.Tensor | None,
+        adv: torch.Tensor,
+        critic: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor,
+        is_clip: float,
+        critic_only: bool = False,
+        prefix: Any = None,
+    ) -> dict[str, torch.Tensor]:
         """The gradient of minibatch `idx`'s loss, one backward pass per part (micro-batch) adding up to it: every
         part's terms are divided by the whole minibatch's counts. `critic`: each row's value target and the value
         the clip holds it near (None: no critic); `prefix`: every row's frozen prefix (None: each pass runs it).
@@ -457,12 +514,23 @@ class PPOTrainer:
         out: dict[str, torch.Tensor] = {}
         for i, part in enumerate(parts):
             with self._sync_gradients(i == len(parts) - 1):
-                new_lp, entropy, value = self.model(_rows(obs, part), chunk[part], _rows(extras, part),
-                                                    _rows(prefix, part))
+                new_lp, entropy, value = self.model(
+                    _rows(obs, part), chunk[part], _rows(extras, part), _rows(prefix, part)
+                )
                 pm = mask[part].float()
-                pg_loss, stats = ppo_loss(new_lp, old_lp[part], adv[part], mask[part], cfg.clip,
-                                          None if behaviour_lp is None else behaviour_lp[part], is_clip, units,
-                                          cfg.clip_high, level, cfg.get("dual_clip"))
+                pg_loss, stats = ppo_loss(
+                    new_lp,
+                    old_lp[part],
+                    adv[part],
+                    mask[part],
+                    cfg.clip,
+                    None if behaviour_lp is None else behaviour_lp[part],
+                    is_clip,
+                    units,
+                    cfg.clip_high,
+                    level,
+                    cfg.get("dual_clip"),
+                )
                 ent = (entropy * pm).sum() / actions
                 actor = 0.0 if critic_only else 1.0
                 loss = actor * (pg_loss - cfg.entropy_coef * ent)
@@ -509,13 +577,19 @@ class _Evaluate(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-                prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor], prefix: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return evaluate(self.policy, obs, chunk, extras, prefix)
 
 
-def evaluate(policy: Policy, obs: dict[str, torch.Tensor], chunk: torch.Tensor, extras: dict[str, torch.Tensor],
-             prefix: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def evaluate(
+    policy: Policy,
+    obs: dict[str, torch.Tensor],
+    chunk: torch.Tensor,
+    extras: dict[str, torch.Tensor],
+    prefix: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`policy.evaluate`, given the rows' frozen prefix where there is one (a user's own policy class may take no
     `prefix`: docs/extend/own-classes.md)."""
     if prefix is None:

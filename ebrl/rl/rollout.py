@@ -12,6 +12,7 @@ shared slots (`batch_obs`), and an iteration's observations once more, straight 
 
 Every schedule builds its batches with these functions (docs/internals/design.md, "Data").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,15 +101,19 @@ class RolloutStats:
         self.discarded_steps = 0  # env steps of the partial episodes they were in, dropped from the loss
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {"env/episodes": float(len(self.returns)), "sim/failures": float(self.failures),
-                                 "sim/discarded_steps": float(self.discarded_steps)}
+        out: dict[str, float] = {
+            "env/episodes": float(len(self.returns)),
+            "sim/failures": float(self.failures),
+            "sim/discarded_steps": float(self.discarded_steps),
+        }
         if self.returns:
             out["env/return"] = float(np.mean(self.returns))
             out["env/episode_length"] = float(np.mean(self.lengths))
             out["env/success_rate"] = float(np.mean(self.successes))
             out["env/successes"] = float(np.sum(self.successes))
-            out["env/success_low"], out["env/success_high"] = wilson_interval(int(np.sum(self.successes)),
-                                                                              len(self.successes))
+            out["env/success_low"], out["env/success_high"] = wilson_interval(
+                int(np.sum(self.successes)), len(self.successes)
+            )
         out.update(self.task_metrics())
         if self.step_times:
             t = np.concatenate(self.step_times) * 1e3
@@ -207,8 +212,13 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool = False) -
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, tuple(shape))
 
 
-def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_mask: torch.Tensor,
-              envs: list[int], shared: bool = False) -> dict[str, torch.Tensor]:
+def batch_obs(
+    per_env: list[dict[str, np.ndarray]],
+    tokens: torch.Tensor,
+    token_mask: torch.Tensor,
+    envs: list[int],
+    shared: bool = False,
+) -> dict[str, torch.Tensor]:
     """Observations of the given envs as a policy batch (one copy: each env's arrays straight into their row), with
     each env's instruction tokens; `shared`: in shared memory (`new_tensor`), for a process to read."""
     obs = {}
@@ -222,8 +232,9 @@ def batch_obs(per_env: list[dict[str, np.ndarray]], tokens: torch.Tensor, token_
     return obs
 
 
-def stack_group_obs(groups: Sequence[Sequence[dict[str, torch.Tensor]]], steps: int,
-                    shared: bool = False) -> dict[str, torch.Tensor]:
+def stack_group_obs(
+    groups: Sequence[Sequence[dict[str, torch.Tensor]]], steps: int, shared: bool = False
+) -> dict[str, torch.Tensor]:
     """Each group's chunk-step observations (oldest first; each (N_g, ...)) as one (steps, N, ...) tensor per key,
     the groups side by side in order and a group with fewer chunk steps padded with its last (as `pad_steps`): one
     copy each, straight into place; `shared`: in shared memory, for the trainer's process."""
@@ -234,16 +245,21 @@ def stack_group_obs(groups: Sequence[Sequence[dict[str, torch.Tensor]]], steps: 
     for g, n in zip(groups, sizes):
         for t in range(steps):
             for k, v in g[min(t, len(g) - 1)].items():
-                out[k][t, start:start + n] = v
+                out[k][t, start : start + n] = v
         start += n
     return out
 
 
-def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
-                last_obs: dict[str, torch.Tensor] | None = None, with_obs: bool = True) -> RolloutBatch:
+def stack_steps(
+    steps: Sequence[ChunkStep],
+    last_value: torch.Tensor,
+    last_obs: dict[str, torch.Tensor] | None = None,
+    with_obs: bool = True,
+) -> RolloutBatch:
     """Recorded chunk steps -> one (T, N, ...) batch (with their versions where every step has one); with
     `last_obs`, the obs `last_value` was taken on, and the cut-off obs the steps kept, as bootstrap observations.
     with_obs=False leaves the chunk steps' observations out (obs={}: `stack_group_obs` puts them in place later)."""
+
     def stack(name: str) -> torch.Tensor:
         return torch.stack([getattr(s, name) for s in steps])
 
@@ -267,12 +283,15 @@ def stack_steps(steps: Sequence[ChunkStep], last_value: torch.Tensor,
         cutoff_value=stack("cutoff_value"),
         version=stack("version") if all(s.version is not None for s in steps) else None,
         failed=stack("failed") if all(s.failed is not None for s in steps) else None,
-        last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
+        last_obs=last_obs,
+        cutoff_obs=cutoff_obs,
+        cutoff_at=cutoff_at,
     )
 
 
 def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     """Groups' batches (T, N_g, ...) side by side -> one (T, N, ...) batch, envs in group order."""
+
     def cat(get: object, dim: int = 1) -> torch.Tensor:
         return torch.cat([get(b) for b in batches], dim)  # type: ignore[operator]
 
@@ -297,7 +316,9 @@ def concat_envs(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         cutoff_value=cat(lambda b: b.cutoff_value),
         version=cat(lambda b: b.version),
         failed=None if any(b.failed is None for b in batches) else cat(lambda b: b.failed),
-        last_obs=last_obs, cutoff_obs=cutoff_obs, cutoff_at=cutoff_at,
+        last_obs=last_obs,
+        cutoff_obs=cutoff_obs,
+        cutoff_at=cutoff_at,
     )
 
 
@@ -316,11 +337,19 @@ def pad_steps(batch: RolloutBatch, steps: int) -> RolloutBatch:
         return torch.cat([x, tail])
 
     return dataclasses.replace(
-        batch, obs={k: pad(v) for k, v in batch.obs.items()}, chunk=pad(batch.chunk),
-        extras={k: pad(v) for k, v in batch.extras.items()}, log_prob=pad(batch.log_prob), value=pad(batch.value),
-        reward=pad(batch.reward, 0.0), done=pad(batch.done, False), mask=pad(batch.mask, False),
-        cutoff_value=pad(batch.cutoff_value, 0.0), version=None if batch.version is None else pad(batch.version),
-        failed=None if batch.failed is None else pad(batch.failed, False))
+        batch,
+        obs={k: pad(v) for k, v in batch.obs.items()},
+        chunk=pad(batch.chunk),
+        extras={k: pad(v) for k, v in batch.extras.items()},
+        log_prob=pad(batch.log_prob),
+        value=pad(batch.value),
+        reward=pad(batch.reward, 0.0),
+        done=pad(batch.done, False),
+        mask=pad(batch.mask, False),
+        cutoff_value=pad(batch.cutoff_value, 0.0),
+        version=None if batch.version is None else pad(batch.version),
+        failed=None if batch.failed is None else pad(batch.failed, False),
+    )
 
 
 def drop_stale(batch: RolloutBatch, train_version: int, max_staleness: int) -> tuple[int, float]:

@@ -4,6 +4,7 @@ action chunk) samples, AdamW over what `policy.train` trains. The RL heads (valu
 supervised loss, so they get no gradient and keep their initialisation: RL's critic warm-up (`algo.critic_warmup`)
 trains the value head first.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,22 +51,37 @@ class SFTTrainer:
     """One optimizer step per `update`, on a batch of demonstration samples; `validate` measures the loss without
     a step. Data-parallel over `group` (DDP) when given."""
 
-    def __init__(self, policy: Policy, cfg: AlgoConfig, device: torch.device | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: AlgoConfig,
+        device: torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.policy, self.cfg = policy, cfg
         self.device = device or torch.device("cpu")
         self.model: torch.nn.Module = _Supervised(policy)
         if group is not None:
             ids = [self.device] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=ids, process_group=group,
-                                                 find_unused_parameters=True)
-        self.optimizer = make_optimizer(param_groups(policy, cfg), cfg.lr, cfg.get("optimizer_dtype", "float32"),
-                                        cfg.adam_betas, cfg.adam_eps, cfg.weight_decay)
+            self.model = DistributedDataParallel(
+                self.model, device_ids=ids, process_group=group, find_unused_parameters=True
+            )
+        self.optimizer = make_optimizer(
+            param_groups(policy, cfg),
+            cfg.lr,
+            cfg.get("optimizer_dtype", "float32"),
+            cfg.adam_betas,
+            cfg.adam_eps,
+            cfg.weight_decay,
+        )
         self.trained = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _to(self, batch: DemoBatch) -> DemoBatch:
-        return DemoBatch({k: v.to(self.device) for k, v in batch.obs.items()}, batch.actions.to(self.device),
-                         batch.mask.to(self.device))
+        return DemoBatch(
+            {k: v.to(self.device) for k, v in batch.obs.items()},
+            batch.actions.to(self.device),
+            batch.mask.to(self.device),
+        )
 
     def update(self, batch: DemoBatch) -> dict[str, float]:
         """One step on `batch`, in `algo.micro_batch` rows at a time (their gradients add up to the batch's)."""

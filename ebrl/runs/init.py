@@ -39,9 +39,10 @@ def init_file(cfg: Any) -> Path | None:
     path = checkpoint_file(init)
     checkpoint = cfg.policy.get("checkpoint")
     if checkpoint and (not path.is_file() or made_from(path) != str(checkpoint)):
-        raise ConfigError(f"init={init} and policy.checkpoint={checkpoint} both give the first weights; keep one (init: "
-                          "a run of ours, policy.checkpoint: a published checkpoint), or both where the init run was "
-                          "made from that checkpoint (the folder then describes the model, init gives the weights)")
+        raise ConfigError(f"init={init} and policy.checkpoint={checkpoint} both give the first weights; keep one "
+                          "(init: a run of ours, policy.checkpoint: a published checkpoint), or both where the init "
+                          "run was made from that checkpoint (the folder then describes the model, init gives the "
+                          "weights)")
     if not path.is_file():
         raise ConfigError(f"init={init} is neither a run folder with checkpoints/last.pt nor a checkpoint file; give "
                           "one (e.g. an algo=sft run's folder), init=auto or init=null")

@@ -67,9 +67,9 @@ def demo_samples(demos: Demos, episodes: list[int], horizon: int, tokens: torch.
 
 
 def fit_demos(demos: Demos, spec: EnvSpec, env: Any, state_dims: Sequence[int] | None = None) -> None:
-    """The demonstrations fitted to the env the policy is built for (in place), or one line where their state or
-    actions differ. A state of the `state_dims` the policy reads (policy.state_dims; a LeRobot LIBERO dataset's 8 dims beside our
-    adapter's 8 + the objects') is laid into the env's state at those dims, the rest 0, as the policy picks them."""
+    """The demonstrations fitted to the env the policy is built for (in place), or one line where their state or actions
+    differ. A state of the `state_dims` the policy reads (policy.state_dims; a LeRobot LIBERO dataset's 8 dims beside
+    our adapter's 8 + the objects') is laid into the env's state at those dims, the rest 0, as the policy picks them."""
     state = demos.episodes[0].obs["state"].shape[1]
     want = spec.obs["state"].shape[0]
     where = f"env={env.name} env.task={env.task}"
@@ -236,7 +236,8 @@ class SupervisedRun(Run):
         lines = {"train": (np.array([r["samples"] for r in rows]), np.array([r["losses/sft"] for r in rows]))}
         held = [r for r in rows if "losses/sft_valid" in r]
         if held:
-            lines["held-out"] = (np.array([r["samples"] for r in held]), np.array([r["losses/sft_valid"] for r in held]))
+            samples, losses = [r["samples"] for r in held], [r["losses/sft_valid"] for r in held]
+            lines["held-out"] = (np.array(samples), np.array(losses))
         path = plot_lines(self.run_dir / "sft_loss.png", lines, "samples seen", "loss",
                           f"SFT loss ({self.policy.__class__.__name__}, {len(self.demos.train)} demos)", log_y=True)
         return [path] if path else []

@@ -18,6 +18,7 @@ Where the slots live:
 Counters and handles sit in a small shared int64 tensor and byte buffer, so the channel pickles into every spawned
 process whatever its slots are.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -58,15 +59,21 @@ def layout(state: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
 
 
 def views(flat: torch.Tensor, entries: list[Entry]) -> dict[str, torch.Tensor]:
-    return {e.key: flat[e.offset: e.offset + e.numel].view(e.shape) for e in entries}
+    return {e.key: flat[e.offset : e.offset + e.numel].view(e.shape) for e in entries}
 
 
 class WeightChannel:
     """The latest published weights (see the module docstring): `publish` on the trainer's side, `pull` on
     generation's; `cuda=True` for slots on the trainer's GPU shared with generation on the same GPU."""
 
-    def __init__(self, state: dict[str, torch.Tensor], ctx: Any, dtype: torch.dtype, cuda: bool = False,
-                 lora_scaling: float | None = None) -> None:
+    def __init__(
+        self,
+        state: dict[str, torch.Tensor],
+        ctx: Any,
+        dtype: torch.dtype,
+        cuda: bool = False,
+        lora_scaling: float | None = None,
+    ) -> None:
         """`state`: the first weights (version 0), a state dict in the family's layout; `dtype`: the payload's."""
         self.entries, self.numel = layout(state)
         self.dtype, self.cuda, self.lora_scaling = dtype, cuda, lora_scaling
@@ -192,8 +199,7 @@ class WeightChannel:
                 target.copy_(value, non_blocking=flat.is_cuda and value.is_cuda)
             else:
                 up, down = (whole(t).to(target.device, target.dtype) for t in ab)
-                torch.addmm(value.to(target.device, target.dtype), up, down, alpha=self.lora_scaling,
-                            out=target)
+                torch.addmm(value.to(target.device, target.dtype), up, down, alpha=self.lora_scaling, out=target)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The newest weights as a state dict (copies, on the host): tests and checks."""

@@ -1,4 +1,5 @@
 """Atomic checkpoints (temp file + rename) that refuse to load into a different policy."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ CHECKPOINT_FORMAT = 1
 
 def previous_of(path: Path) -> Path:
     """Where `atomic_save(..., keep_previous=True)` keeps the file `path` held before: last.pt -> previous.pt."""
-    return path.with_name("previous" + path.suffix) if path.stem == "last" else path.with_name(path.stem + ".previous"
-                                                                                                + path.suffix)
+    return (
+        path.with_name("previous" + path.suffix)
+        if path.stem == "last"
+        else path.with_name(path.stem + ".previous" + path.suffix)
+    )
 
 
 def state_nbytes(obj: Any) -> int:
@@ -46,8 +50,11 @@ def intact(path: Path) -> str:
     except Exception:  # (not ours, or unreadable: name the files only)
         iteration = None
     at = f" (iteration {iteration})" if iteration is not None else ""
-    return " and ".join(f"{p}{at if p == kept[0] else ''}" for p in kept) + (" are" if len(kept) > 1 else " is") + \
-        " intact"
+    return (
+        " and ".join(f"{p}{at if p == kept[0] else ''}" for p in kept)
+        + (" are" if len(kept) > 1 else " is")
+        + " intact"
+    )
 
 
 def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
@@ -57,8 +64,10 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     need, free = state_nbytes(obj), free_bytes(path.parent)
     if need > free:
-        raise DiskFull(f"the disk is full at {path.parent}: the checkpoint needs {megabytes(need)} and "
-                       f"{megabytes(free)} is free; {intact(path)}")
+        raise DiskFull(
+            f"the disk is full at {path.parent}: the checkpoint needs {megabytes(need)} and "
+            f"{megabytes(free)} is free; {intact(path)}"
+        )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -72,9 +81,11 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, Exception) and is_disk_full(e):
-            raise DiskFull(f"the disk filled up at {path.parent} while the checkpoint was written (about "
-                           f"{megabytes(need)}; {megabytes(free_bytes(path.parent))} free after the partial file was "
-                           f"removed); {intact(path)}") from e
+            raise DiskFull(
+                f"the disk filled up at {path.parent} while the checkpoint was written (about "
+                f"{megabytes(need)}; {megabytes(free_bytes(path.parent))} free after the partial file was "
+                f"removed); {intact(path)}"
+            ) from e
         raise
 
 
@@ -111,9 +122,11 @@ class CheckpointWriter:
             from ebrl.telemetry.report import console
 
             self._warned = True
-            console.print(f"warning: {megabytes(free)} free at {path.parent}, less than two checkpoints "
-                          f"({megabytes(need)} each): when the disk fills the run stops, keeping the last intact one",
-                          soft_wrap=True)
+            console.print(
+                f"warning: {megabytes(free)} free at {path.parent}, less than two checkpoints "
+                f"({megabytes(need)} each): when the disk fills the run stops, keeping the last intact one",
+                soft_wrap=True,
+            )
         self._thread = threading.Thread(target=self._write, args=(obj, path, keep_previous), name="ebrl-checkpoint")
         self._thread.start()
 
@@ -148,8 +161,14 @@ def model_entries(state: dict[str, torch.Tensor], policy_cfg: dict[str, Any]) ->
     return {"model": base, "lora": lora, "lora_scaling": lora_scaling(policy_cfg)}
 
 
-def checkpoint_record(conf: dict[str, Any], model: dict[str, torch.Tensor], optimizer: dict, iteration: int,
-                      env_steps: int, wandb_id: str | None) -> dict[str, Any]:
+def checkpoint_record(
+    conf: dict[str, Any],
+    model: dict[str, torch.Tensor],
+    optimizer: dict,
+    iteration: int,
+    env_steps: int,
+    wandb_id: str | None,
+) -> dict[str, Any]:
     """What a run's checkpoint holds (RL and SFT runs alike): the policy's identity and weights, the optimizer state,
     the counts, this process's generators and the resolved config."""
     import numpy as np
@@ -208,8 +227,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             iteration = _read(previous_of(path)).get("iteration")
         except CheckpointError:
             raise e from None
-        raise CheckpointError(f"{e}; {previous_of(path)} (iteration {iteration}) is intact: move it to {path} to "
-                              "start from it") from None
+        raise CheckpointError(
+            f"{e}; {previous_of(path)} (iteration {iteration}) is intact: move it to {path} to start from it"
+        ) from None
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -231,8 +251,7 @@ def checkpoint_file(path: str | Path) -> Path:
     return p / "checkpoints" / "last.pt" if p.is_dir() else p
 
 
-def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str,
-                           resume: bool = True) -> dict[str, Any]:
+def load_policy_checkpoint(path: Path, policy_cfg: dict[str, Any], source: str, resume: bool = True) -> dict[str, Any]:
     """A checkpoint (`load_checkpoint`) made for the policy `policy_cfg` configures; otherwise one line that starts
     with `source` (the key that named it, e.g. "resume=runs/...") and names the policy keys that differ. What was
     trained (policy.train) must match only to `resume` training: the weights mean the same either way."""

@@ -5,6 +5,7 @@ Inside a chunk every env steps on its own, in its own process, without a barrier
 at once, even while the main thread generates. With core rebinding (`CorePool`) an env runs its chunk only while it
 holds a simulation core, every thread of its process pinned to it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -81,8 +82,14 @@ class CorePool:
     cores, a simulator niced below them gets a tenth of a core it shares with one, and only many simulators at once
     win their share back (the kernel weighs every runnable thread by its nice): `Placement.sim_slots`."""
 
-    def __init__(self, cores: Sequence[int], alpha: float = 0.3, order: str = "longest",
-                 spare: Sequence[int] = (), slots: int = 1) -> None:
+    def __init__(
+        self,
+        cores: Sequence[int],
+        alpha: float = 0.3,
+        order: str = "longest",
+        spare: Sequence[int] = (),
+        slots: int = 1,
+    ) -> None:
         if not cores:
             raise ValueError("a core pool needs at least one core")
         if order not in CORE_ORDERS:
@@ -223,8 +230,9 @@ class Dispatcher:
     `ChunkEnded`, `TrainerSaid` or `Broke`. `waitables` are the trainer's pipes (none for a trainer in this process).
     """
 
-    def __init__(self, pool: SimWorkerPool, cores: CorePool | None, events: queue.SimpleQueue[Event],
-                 trainer: Any = None) -> None:
+    def __init__(
+        self, pool: SimWorkerPool, cores: CorePool | None, events: queue.SimpleQueue[Event], trainer: Any = None
+    ) -> None:
         self.pool, self.cores, self.events, self.trainer = pool, cores, events, trainer
         self._lock = threading.Lock()
         self._ready: list[int] = []  # without a core pool: envs to submit at once
@@ -314,7 +322,8 @@ class Dispatcher:
                 self._start_ready()
                 ready = multiprocessing.connection.wait(
                     [*self._running, *([results, died] if trainer is not None else []), self._wake_recv],
-                    timeout=self._until_overdue())
+                    timeout=self._until_overdue(),
+                )
                 # a chunk without progress is taken as hung: wait_chunk replaces it and reports a failed chunk
                 for conn in list(dict.fromkeys([*ready, *self._overdue()])):
                     if conn is self._wake_recv:

@@ -13,6 +13,7 @@ Two process groups per rank, on the one store torchrun gives:
   group (plus an NCCL group on GPUs).
 After update k every trainer holds the same weights and publishes them to its own node's generation as version k.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,14 +26,19 @@ import torch
 import torch.distributed as dist
 
 from ebrl.errors import StageFailed
-from ebrl.policies.training import is_sharded
 from ebrl.node import Ranks, visible_gpu
+from ebrl.policies.training import is_sharded
 from ebrl.telemetry.metrics import wilson_interval
 
 # Rates and counts add up over ranks; the iteration's wall time is the slowest rank's; episode figures are averaged
 # over episodes, everything else over ranks.
-SUMMED = ("perf/env_steps_per_s", "perf/rollout_only_steps_per_s", "perf/iteration_env_steps", "env/episodes",
-          "env/successes")
+SUMMED = (
+    "perf/env_steps_per_s",
+    "perf/rollout_only_steps_per_s",
+    "perf/iteration_env_steps",
+    "env/episodes",
+    "env/successes",
+)
 SLOWEST = ("time/iteration_s",)
 EPISODE_MEANS = ("env/return", "env/episode_length", "env/success_rate")  # weighted by each rank's env/episodes
 TASK_MEANS = ("success", "return")  # env/<task>/<figure> of a multi-task run: weighted by env/<task>/episodes
@@ -69,11 +75,17 @@ def init_supervisors(ranks: Ranks, timeout_s: float) -> None:
 def join_trainers(ranks: Ranks, backend: str, timeout_s: float) -> None:
     """The trainer processes' group (a pipelined schedule's trainer is a child of the supervisor and inherits its
     environment): on the store the supervisors' group already serves, under a prefix of its own."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=_timeout(timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=_timeout(timeout_s)
+    )
     prefix = f"ebrl-trainers/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=ranks.rank, world_size=ranks.world,
-                            timeout=_timeout(timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, store),
+        rank=ranks.rank,
+        world_size=ranks.world,
+        timeout=_timeout(timeout_s),
+    )
 
 
 def trainer_backend(device: torch.device | str) -> str:
@@ -144,8 +156,10 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         values = [m.get(key) for m in per_rank]
         if any(v != values[0] for v in values):
             shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise DistributedError(f"the ranks' {key} differ after iteration {first.get('iteration')} ({shown}); "
-                                   "their weights are no longer the same")
+            raise DistributedError(
+                f"the ranks' {key} differ after iteration {first.get('iteration')} ({shown}); "
+                "their weights are no longer the same"
+            )
     out: dict[str, Any] = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):  # every key, in first-seen order
         if GPU_FIGURE.fullmatch(key):
@@ -182,9 +196,12 @@ def combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 gpus.setdefault(match[2], []).append(float(value))
     for figure, values in gpus.items():  # over every rank's GPUs: the mean utilisation, the largest memory peak
         out[f"perf/gpu_{figure}"] = max(values) if figure == "mem_gb" else sum(values) / len(values)
-    if out.get("env/episodes") and "env/successes" in out:  # the interval of the run's success rate, over every rank's episodes
-        out["env/success_low"], out["env/success_high"] = wilson_interval(round(out["env/successes"]),
-                                                                          round(out["env/episodes"]))
+    if (
+        out.get("env/episodes") and "env/successes" in out
+    ):  # the interval of the run's success rate, over every rank's episodes
+        out["env/success_low"], out["env/success_high"] = wilson_interval(
+            round(out["env/successes"]), round(out["env/episodes"])
+        )
     out["dist/ranks"] = len(per_rank)
     return out
 

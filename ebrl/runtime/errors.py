@@ -1,6 +1,7 @@
 """Bad input ends a run with one line on stderr, a non-zero exit, and nothing left behind; Ctrl-C or SIGTERM
 (torchrun stopping the other ranks when one failed) with a checkpoint and one line; a failed trainer or rank with
 one line naming it."""
+
 from __future__ import annotations
 
 import os

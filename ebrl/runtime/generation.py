@@ -12,6 +12,7 @@ It runs in one of two places behind one interface:
   and the next call switches over (make before break, `Succession`: the rollout does not wait for the start).
 `scheduler.generation` picks the place; under MPS it is the process, so that an allocator's new share can apply.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,13 @@ def _to(obs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.T
 
 def _sample(policy: Policy, obs: dict[str, torch.Tensor], device: torch.device, version: int) -> Sampled:
     out = policy.sample(_to(obs, device))
-    return Sampled(out.chunk.cpu(), {k: v.cpu() for k, v in out.extras.items()}, out.log_prob.cpu(),
-                   out.value.float().cpu(), version)
+    return Sampled(
+        out.chunk.cpu(),
+        {k: v.cpu() for k, v in out.extras.items()},
+        out.log_prob.cpu(),
+        out.value.float().cpu(),
+        version,
+    )
 
 
 def _value(policy: Policy, obs: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -80,8 +86,15 @@ class LocalGeneration:
         pass
 
 
-def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, seed: int) -> tuple[torch.nn.Module, int]:
+def child_policy(
+    policy_conf: dict[str, Any],
+    spec: EnvSpec,
+    channel: WeightChannel,
+    cpus: Sequence[int],
+    threads: int,
+    device: str,
+    seed: int,
+) -> tuple[torch.nn.Module, int]:
     """A generation process's start (`start_worker`) and its policy (eval mode, policy.dtype) with the latest
     published weights; and their version."""
     start_worker(cpus, threads, seed, device)
@@ -89,9 +102,17 @@ def child_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChan
     return policy, channel.pull(policy, -1)
 
 
-def generation_main(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
-                    requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
-                    cpus: Sequence[int], threads: int, device: str, seed: int) -> None:
+def generation_main(
+    policy_conf: dict[str, Any],
+    spec: EnvSpec,
+    channel: WeightChannel,
+    requests: multiprocessing.connection.Connection,
+    results: multiprocessing.connection.Connection,
+    cpus: Sequence[int],
+    threads: int,
+    device: str,
+    seed: int,
+) -> None:
     """Body of a generation process: build the policy from the published weights, say Ready(version), then serve
     Sample -> Sampled, Value -> Values and Release -> Released until Stop or the supervisor is gone. A failure answers
     Failed(one line) and ends the process."""
@@ -142,18 +163,39 @@ class GenerationProcess:
     Each process seeds its sampling from `seed` plus 1000 times its place in the line of successors.
     """
 
-    def __init__(self, policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, seed: int, start_timeout: float = 600.0,
-                 on_switch: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        policy_conf: dict[str, Any],
+        spec: EnvSpec,
+        channel: WeightChannel,
+        cpus: Sequence[int],
+        threads: int,
+        device: str,
+        seed: int,
+        start_timeout: float = 600.0,
+        on_switch: Callable[[int, int], None] | None = None,
+    ) -> None:
         import torch.multiprocessing as tmp
 
         ctx = tmp.get_context("spawn")
         self.cpus = list(cpus)
         self.version = 0  # of the weights that sampled last, counted by the channel
         self.succession: Succession[_Worker] = Succession(
-            lambda successor: _Worker(ctx, (policy_conf, spec, channel, self.cpus, threads, device,
-                                            seed + 1000 * self.succession.respawns if successor else seed)),
-            start_timeout, on_switch)
+            lambda successor: _Worker(
+                ctx,
+                (
+                    policy_conf,
+                    spec,
+                    channel,
+                    self.cpus,
+                    threads,
+                    device,
+                    seed + 1000 * self.succession.respawns if successor else seed,
+                ),
+            ),
+            start_timeout,
+            on_switch,
+        )
 
     @property
     def pid(self) -> int:
@@ -204,13 +246,26 @@ class GenerationProcess:
         self.succession.switch().close()
 
 
-def make_generation(conf: dict[str, Any], spec: EnvSpec, policy: Policy, placement: Placement,
-                    weights: WeightChannel | SharedWeights, seed: int) -> LocalGeneration | GenerationProcess:
+def make_generation(
+    conf: dict[str, Any],
+    spec: EnvSpec,
+    policy: Policy,
+    placement: Placement,
+    weights: WeightChannel | SharedWeights,
+    seed: int,
+) -> LocalGeneration | GenerationProcess:
     """Generation where the placement puts it: on `policy` in the supervisor, or in a process of its own started in
     its stage's environment, on its cores, with this process's torch threads, mapping the trainer's `weights`."""
     if placement.generation != "process":
         return LocalGeneration(policy, placement.device, weights)
     with placement.spawn_env("generate"):
-        return GenerationProcess(conf["policy"], spec, weights, placement.cpus("generate"), torch.get_num_threads(),
-                                 str(placement.device), seed,
-                                 on_switch=functools.partial(placement.switched, "generate"))
+        return GenerationProcess(
+            conf["policy"],
+            spec,
+            weights,
+            placement.cpus("generate"),
+            torch.get_num_threads(),
+            str(placement.device),
+            seed,
+            on_switch=functools.partial(placement.switched, "generate"),
+        )

@@ -23,6 +23,7 @@ events in and carries out what comes back:
 `colocated` is this loop with one group, `ahead` 0 and a trainer in the supervisor: every env runs its chunk, the
 group's chunk step ends when the last one reported (the barrier), and after the last one the update runs.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,8 +34,16 @@ import numpy as np
 import torch
 
 from ebrl.envs.worker import ChunkReport
-from ebrl.rl.rollout import (ChunkStep, RolloutBatch, RolloutStats, concat_envs, drop_stale, pad_steps,
-                             stack_group_obs, stack_steps)
+from ebrl.rl.rollout import (
+    ChunkStep,
+    RolloutBatch,
+    RolloutStats,
+    concat_envs,
+    drop_stale,
+    pad_steps,
+    stack_group_obs,
+    stack_steps,
+)
 
 Next = Literal["start", "wait", "park"]
 
@@ -196,14 +205,18 @@ class RolloutLoop:
             group.reports[env] = ChunkReport.nothing()
         return [e for e, ended in zip(group.envs, group.ended) if not ended]
 
-    def finish_segment(self, group: Group, last_value: torch.Tensor,
-                       last_obs: dict[str, torch.Tensor] | None = None) -> Shipment | None:
+    def finish_segment(
+        self, group: Group, last_value: torch.Tensor, last_obs: dict[str, torch.Tensor] | None = None
+    ) -> Shipment | None:
         """The group collected its segment (`last_value`: the bootstrap value of its envs' current obs, the policy
         batch `last_obs`; episodic: zeros and None, whole episodes need none); once every group did, that iteration
         ships."""
         done = self.segments.setdefault(group.segment, {})
-        done[group.index] = (stack_steps(group.steps, last_value, last_obs, with_obs=False), group.stats,
-                             [step.obs for step in group.steps])
+        done[group.index] = (
+            stack_steps(group.steps, last_value, last_obs, with_obs=False),
+            group.stats,
+            [step.obs for step in group.steps],
+        )
         group.steps, group.stats = [], RolloutStats()
         group.ended = np.zeros(len(group.envs), bool)
         group.segment += 1
@@ -257,8 +270,10 @@ class RolloutLoop:
         if len(group.steps) < self.rules.chunks:
             return False
         if self.rules.episodic:
-            raise RuntimeError(f"{int((~group.ended).sum())} of {len(group.envs)} episodes of group {group.index} did "
-                               f"not end within {self.rules.chunks} chunks (env.max_episode_steps is the limit)")
+            raise RuntimeError(
+                f"{int((~group.ended).sum())} of {len(group.envs)} episodes of group {group.index} did "
+                f"not end within {self.rules.chunks} chunks (env.max_episode_steps is the limit)"
+            )
         return True
 
     def _next(self, group: Group, ending: bool) -> Next:
@@ -296,6 +311,8 @@ class RolloutLoop:
     def _split(self, groups: int, segment: int) -> None:
         """The envs in `groups` consecutive groups of whole units, all about to start `segment`."""
         unit = self.rules.unit
-        self.groups = [Group(g, [int(u) * unit + j for u in units for j in range(unit)], segment=segment)
-                       for g, units in enumerate(np.array_split(np.arange(self.units), groups))]
+        self.groups = [
+            Group(g, [int(u) * unit + j for u in units for j in range(unit)], segment=segment)
+            for g, units in enumerate(np.array_split(np.arange(self.units), groups))
+        ]
         self.group_of = {i: g for g in self.groups for i in g.envs}

@@ -4,6 +4,7 @@ dataclass per message, sent over a `PipedProcess`'s pipes (torch tensors inside 
 The simulator workers speak their own protocol of plain tuples (ebrl/envs/process.py): they may run under a
 benchmark's own interpreter, which has neither torch nor this module's imports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

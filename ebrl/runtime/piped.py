@@ -1,5 +1,6 @@
 """A spawned child process that serves requests from one pipe and answers on another: the trainer process and the
 generation process are both one (their messages: ebrl/runtime/messages.py)."""
+
 from __future__ import annotations
 
 import multiprocessing.connection
@@ -51,8 +52,9 @@ class PipedProcess:
         """Start target(*head, requests, results, *tail) in a process of the `ctx` (spawn) context."""
         self._requests, their_requests = ctx.Pipe(duplex=False)[::-1]
         their_results, self.results = ctx.Pipe(duplex=False)[::-1]
-        self.process = ctx.Process(target=target, name=name, daemon=True,
-                                   args=(*head, their_requests, their_results, *tail))
+        self.process = ctx.Process(
+            target=target, name=name, daemon=True, args=(*head, their_requests, their_results, *tail)
+        )
         self.process.start()
         their_requests.close()
         their_results.close()

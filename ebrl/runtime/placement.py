@@ -17,6 +17,7 @@ map stage -> cores / GPU / SM share / memory budget and everything that changes 
   fixed for a process's life); `switched` moves a stage's lease and CPU accounting to a respawned process.
 - `measured(...)`: an iteration's figures as the allocator reads them, per stage (`Measured`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,11 +33,10 @@ from ebrl.alloc.memory import GiB, MemoryModel, check_shared_memory, fitting_str
 from ebrl.alloc.profile import STAGES
 from ebrl.checks import generation_place, sm_partition, train_core_count
 from ebrl.config import ConfigError
-from ebrl.node import cuda_device_count
 from ebrl.envs.base import EnvSpec
-from ebrl.node import Ranks, set_process_affinity
-from ebrl.shape import RolloutShape
+from ebrl.node import Ranks, cuda_device_count, set_process_affinity
 from ebrl.runtime.resources import Lease, MpsDaemons, ResourceError, ResourcePool, apply_memory_budget, visible_gpu
+from ebrl.shape import RolloutShape
 from ebrl.telemetry.monitor import gpu_free_bytes
 from ebrl.telemetry.report import console
 from ebrl.telemetry.timers import ProcessCpu, busy_cores
@@ -55,15 +55,17 @@ class Placement:
     """See the module docstring. `cores`: this rank's; `device`: where the policy runs; `out_dir`: where MPS daemons
     keep their pipes."""
 
-    def __init__(self, cfg: DictConfig, cores: Sequence[int], device: torch.device, out_dir: Any,
-                 ranks: Ranks) -> None:
+    def __init__(self, cfg: DictConfig, cores: Sequence[int], device: torch.device, out_dir: Any, ranks: Ranks) -> None:
         self.cfg, self.cores, self.device, self.ranks = cfg, list(cores), device, ranks
         s = cfg.scheduler
         self.generation = "supervisor" if self.local else generation_place(cfg)
         k = train_core_count(s.train_share, len(self.cores)) if s.train_share else 0
         rollout = self.cores[: len(self.cores) - k]
-        self.split = {"simulate": rollout, "generate": rollout, "train": self.cores[len(self.cores) - k:] if k else
-                      self.cores}
+        self.split = {
+            "simulate": rollout,
+            "generate": rollout,
+            "train": self.cores[len(self.cores) - k :] if k else self.cores,
+        }
         self.own_gpu = bool(k) and device.type == "cuda" and cuda_device_count() > 1  # (NVML: starts no CUDA)
         self.budgets: dict[str, int] = {}  # GPU bytes per stage (a GPU run's pool: `check_memory`)
         # how the ranks' trainers hold the training state (distributed.strategy; auto: ddp, unless `check_memory`
@@ -87,9 +89,14 @@ class Placement:
         cfg = self.cfg
         try:
             gpus = self.ranks.gpus(cfg.hw.gpus)
-            self.pool = ResourcePool(self.cores, gpus=gpus, sm_count=cfg.hw.sm_count,
-                                     gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30), partition=self.partition(),
-                                     run_dir=out_dir)
+            self.pool = ResourcePool(
+                self.cores,
+                gpus=gpus,
+                sm_count=cfg.hw.sm_count,
+                gpu_memory_bytes=int(cfg.hw.gpu_memory_gb * 2**30),
+                partition=self.partition(),
+                run_dir=out_dir,
+            )
             self._lease()
             if self.pool.partition == "mps":  # before any CUDA starts: a client's share is fixed then
                 self.mps = MpsDaemons(range(gpus), out_dir)
@@ -254,23 +261,42 @@ class Placement:
         gpu = self.device.type == "cuda"
         if self.local and not gpu:
             return
-        model = MemoryModel.of(OmegaConf.to_container(cfg.policy, resolve=True), spec, cfg.algo.optimizer_dtype,
-                               self.device.type, trace=gpu, cache_prefix=cfg.algo.cache_prefix)
+        model = MemoryModel.of(
+            OmegaConf.to_container(cfg.policy, resolve=True),
+            spec,
+            cfg.algo.optimizer_dtype,
+            self.device.type,
+            trace=gpu,
+            cache_prefix=cfg.algo.cache_prefix,
+        )
         shape = RolloutShape.of(cfg, self.ranks.world, spec.max_episode_steps, model.execute)
         one_gpu = gpu and cfg.scheduler.train_share is None  # (disaggregated trains on a GPU of its own)
-        if not self.local:  # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
-            check_shared_memory(model.shared_memory(0, shape.rows, channel_on_device=one_gpu,
-                                                    checkpoint=self.ranks.leader))
+        if (
+            not self.local
+        ):  # (the simulators' slots are held already; rank 0's trainer alone sends a checkpoint's state)
+            check_shared_memory(
+                model.shared_memory(0, shape.rows, channel_on_device=one_gpu, checkpoint=self.ranks.leader)
+            )
         memory = self.pool.gpu_memory_bytes if self.pool is not None else int(cfg.hw.gpu_memory_gb * GiB)
         if gpu and memory:
-            strategy, budgets = fitting_strategy(model, memory, shape.envs, shape.micro_rows, shape.chunks,
-                                                 render_contexts(cfg.env), f"hw={cfg.hw.name}",
-                                                 self.ranks.world if self.ranks.distributed else 1,
-                                                 cfg.distributed.strategy, trainer_process=not self.local)
+            strategy, budgets = fitting_strategy(
+                model,
+                memory,
+                shape.envs,
+                shape.micro_rows,
+                shape.chunks,
+                render_contexts(cfg.env),
+                f"hw={cfg.hw.name}",
+                self.ranks.world if self.ranks.distributed else 1,
+                cfg.distributed.strategy,
+                trainer_process=not self.local,
+            )
             if strategy != self.strategy and self.ranks.leader:
-                console.print(f"distributed.strategy=auto: a replica of the training state does not fit one GPU of "
-                              f"hw={cfg.hw.name}: the trainers shard it over the {self.ranks.world} ranks (FSDP)",
-                              soft_wrap=True)
+                console.print(
+                    f"distributed.strategy=auto: a replica of the training state does not fit one GPU of "
+                    f"hw={cfg.hw.name}: the trainers shard it over the {self.ranks.world} ranks (FSDP)",
+                    soft_wrap=True,
+                )
             self.strategy = strategy
             if self.local:  # (one process on one copy of the weights: nothing to lease apart)
                 return
@@ -298,8 +324,9 @@ class Placement:
         say in one line if generation or the trainer is not its daemon's client (its share would not be enforced)."""
         self.runtime = runtime
         # the supervisor generates (unless generation has a process of its own) beside the simulators
-        set_process_affinity(os.getpid(), self.cpus("generate") if self.generation == "supervisor" else
-                             self.split["simulate"])
+        set_process_affinity(
+            os.getpid(), self.cpus("generate") if self.generation == "supervisor" else self.split["simulate"]
+        )
         for worker in runtime.pool.workers:
             worker.bind(self.cpus("simulate") + self.spare())
             # generation and training are on the critical path of every env: when they want a shared core they get
@@ -309,8 +336,12 @@ class Placement:
             for stage, pid in (("generate", runtime.generation.pid), ("train", runtime.trainer.pid)):
                 self.pool.attach(stage, pid)
         if self.mps is not None:  # (generation and the trainer are up: each holds its CUDA context, a client's)
-            line = self.mps.unenforced({"generation": (runtime.generation.pid, self.pool.leases["generate"].gpu),
-                                        "the trainer": (runtime.trainer.pid, self.pool.leases["train"].gpu)})
+            line = self.mps.unenforced(
+                {
+                    "generation": (runtime.generation.pid, self.pool.leases["generate"].gpu),
+                    "the trainer": (runtime.trainer.pid, self.pool.leases["train"].gpu),
+                }
+            )
             if line is not None:
                 console.print(line, soft_wrap=True)
         if self.allocator is not None and self.allocator.current is not None:
@@ -344,16 +375,18 @@ class Placement:
         if self.cpu is not None:
             self.cpu.add(CPU_GROUP[stage], new_pid)
 
-    def measured(self, steps_per_s: float, cpu_shares: dict[str, float], busy: dict[str, float],
-                 cpu_busy: float = 0.0) -> Measured:
+    def measured(
+        self, steps_per_s: float, cpu_shares: dict[str, float], busy: dict[str, float], cpu_busy: float = 0.0
+    ) -> Measured:
         """One iteration's figures per stage: `cpu_shares` of the process groups (`account`), `busy` from the
         trace; `cpu_busy`, the rank's cores' busy fraction, less the groups' shares is what other processes kept busy
         (`foreign`, in cores; the thread teams of the supervisor and a lent trainer leave them their cores)."""
         foreign = max(0.0, cpu_busy - sum(cpu_shares.values())) * len(self.cores)
         if self.cpu is not None:
             self.cpu.foreign = foreign
-        return Measured(steps_per_s, {stage: cpu_shares.get(group, 0.0) for stage, group in CPU_GROUP.items()},
-                        dict(busy), foreign)
+        return Measured(
+            steps_per_s, {stage: cpu_shares.get(group, 0.0) for stage, group in CPU_GROUP.items()}, dict(busy), foreign
+        )
 
     # --- plans -----------------------------------------------------------------------------------
     def observe(self, measured: Measured) -> tuple[str | None, dict[str, float]]:
@@ -382,8 +415,13 @@ class Placement:
         gpu = 0 if self.cfg.hw.gpus else None
         for stage in ("generate", "train"):
             share = None if gpu is None or plan is None else plan.x[stage]
-            self.pool.lease(stage, cpus[stage], gpu=gpu, sm_share=share,
-                            mem_bytes=self.budgets.get(stage) if gpu is not None else None)
+            self.pool.lease(
+                stage,
+                cpus[stage],
+                gpu=gpu,
+                sm_share=share,
+                mem_bytes=self.budgets.get(stage) if gpu is not None else None,
+            )
         self.pool.lease("simulate", cpus["simulate"])
 
     # An MPS share (and memory cap) is read when a process's CUDA starts: a new one is a new process, started under
@@ -396,9 +434,12 @@ class Placement:
         overlap = free is None or free >= need  # (room for a second copy of generation's weights while it starts)
         with self.spawn_env("generate"):
             self.runtime.generation.respawn(cpus=lease.cpus, overlap=overlap)
-        how = ("the running one serves until it is ready" if overlap else
-               f"the GPU has {free / 2**30:.1f} GiB free and a second generation needs {need / 2**30:.1f}: the running "
-               "one stopped first, and generation waited for the new one")
+        how = (
+            "the running one serves until it is ready"
+            if overlap
+            else f"the GPU has {free / 2**30:.1f} GiB free and a second generation needs {need / 2**30:.1f}: the "
+            "running one stopped first, and generation waited for the new one"
+        )
         self._requota_started(lease, "generation", how)
 
     def _requota_trainer(self, lease: Lease) -> None:
@@ -406,18 +447,27 @@ class Placement:
             return self._requota_recorded(lease, "the trainer is one of several ranks' data-parallel group")
         with self.spawn_env("train"):
             self.runtime.trainer.respawn(cpus=lease.cpus)
-        self._requota_started(lease, "the trainer", "it takes over between two updates, with the model and Adam state; "
-                              "the old one frees the GPU before the new one allocates")
+        self._requota_started(
+            lease,
+            "the trainer",
+            "it takes over between two updates, with the model and Adam state; "
+            "the old one frees the GPU before the new one allocates",
+        )
 
     @staticmethod
     def _requota_started(lease: Lease, what: str, how: str) -> None:
-        console.print(f"allocator: {what} restarts with {_share(lease)} (an MPS share is fixed for a process's "
-                      f"life); {how}", soft_wrap=True)
+        console.print(
+            f"allocator: {what} restarts with {_share(lease)} (an MPS share is fixed for a process's life); {how}",
+            soft_wrap=True,
+        )
 
     @staticmethod
     def _requota_recorded(lease: Lease, why: str) -> None:
-        console.print(f"allocator: {lease.stage}'s {_share(lease)} is recorded, not applied: {why}, and an MPS share "
-                      "is fixed for a process's life", soft_wrap=True)
+        console.print(
+            f"allocator: {lease.stage}'s {_share(lease)} is recorded, not applied: {why}, and an MPS share "
+            "is fixed for a process's life",
+            soft_wrap=True,
+        )
 
     def close(self) -> None:
         """Give this process its cores back and stop the MPS daemons (after every client is gone)."""

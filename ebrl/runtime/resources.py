@@ -7,6 +7,7 @@ CUDA green contexts (re-created in-process; caps that overlap, see GreenPartitio
 only recorded and the GPU time-slices.
 torch is imported only where a GPU is touched, so spawned CPU workers that import this module start fast.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     import torch
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-GREEN_UNAVAILABLE = ("green contexts need a CUDA build of torch with green-context support and a driver >= 12.4; "
-                     "use hw.sm_partition=mps or none")
+GREEN_UNAVAILABLE = (
+    "green contexts need a CUDA build of torch with green-context support and a driver >= 12.4; "
+    "use hw.sm_partition=mps or none"
+)
 
 # NVIDIA MPS documentation, "Appendix: Environment Variables"
 # (https://docs.nvidia.com/deploy/mps/latest/appendix-environment-variables.html):
@@ -149,8 +152,10 @@ class GreenPartition:
 
         sms = {stage: green_sm_count(share, self.sm_count, self.rule) for stage, share in shares.items()}
         if sum(sms.values()) > self.sm_count:
-            raise ResourceError(f"green shares {shares} need {sum(sms.values())} SMs on GPU {self.device}, which has "
-                                f"{self.sm_count} (at least {self.rule[0]} per context): lower the shares")
+            raise ResourceError(
+                f"green shares {shares} need {sum(sms.values())} SMs on GPU {self.device}, which has "
+                f"{self.sm_count} (at least {self.rule[0]} per context): lower the shares"
+            )
         torch.cuda.synchronize(self.device)  # no kernel may still run in a context about to go
         self._contexts.clear()
         self._streams.clear()
@@ -160,8 +165,9 @@ class GreenPartition:
                 ctx = GreenContext.create(num_sms=n, device_id=self.device)
             except RuntimeError as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ResourceError(f"green context of {n} SMs on GPU {self.device} failed ({first}); "
-                                    f"{GREEN_UNAVAILABLE}") from None
+                raise ResourceError(
+                    f"green context of {n} SMs on GPU {self.device} failed ({first}); {GREEN_UNAVAILABLE}"
+                ) from None
             self._contexts[stage], self._streams[stage] = ctx, ctx.Stream()
 
     def context(self, stage: str) -> Any:
@@ -198,8 +204,10 @@ def apply_memory_budget(mem_bytes: int, device: int) -> float:
     import torch
 
     if not torch.cuda.is_available():
-        raise ResourceError(f"a memory budget of {mem_bytes} bytes needs a CUDA device and this torch has none: "
-                            "lease mem_bytes=None on this hw")
+        raise ResourceError(
+            f"a memory budget of {mem_bytes} bytes needs a CUDA device and this torch has none: "
+            "lease mem_bytes=None on this hw"
+        )
     total = torch.cuda.get_device_properties(device).total_memory
     if not 0 < mem_bytes <= total:
         raise ResourceError(f"mem_bytes={mem_bytes} is not in (0, {total}], the memory of GPU {device}")
@@ -214,8 +222,10 @@ def over_budget(usage: dict[str, int], leases: dict[str, Lease]) -> list[str]:
     for stage, used in usage.items():
         lease = leases.get(stage)
         if lease is not None and lease.mem_bytes is not None and used > lease.mem_bytes:
-            lines.append(f"stage {stage} uses {used} bytes ({used / 2**30:.2f} GiB) of GPU {lease.gpu}, over its "
-                         f"budget of {lease.mem_bytes} bytes ({lease.mem_bytes / 2**30:.2f} GiB)")
+            lines.append(
+                f"stage {stage} uses {used} bytes ({used / 2**30:.2f} GiB) of GPU {lease.gpu}, over its "
+                f"budget of {lease.mem_bytes} bytes ({lease.mem_bytes / 2**30:.2f} GiB)"
+            )
     return lines
 
 
@@ -253,42 +263,60 @@ class MpsDaemon:
         return self.pipe_dir / "control"
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpu(self.gpu), "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
-                "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+        return {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": visible_gpu(self.gpu),
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
 
     def start(self) -> None:
         """`nvidia-cuda-mps-control -d` for this GPU; returns once its control pipe exists."""
         exe = shutil.which(MPS_CONTROL)
         if exe is None:
-            raise ResourceError(f"hw.mps=true but {MPS_CONTROL} is not on PATH: install the NVIDIA driver utilities "
-                                "or set hw.mps=false")
+            raise ResourceError(
+                f"hw.mps=true but {MPS_CONTROL} is not on PATH: install the NVIDIA driver utilities or set hw.mps=false"
+            )
         if len(str(self.control).encode()) > AF_UNIX_PATH - 16:  # (room for the servers' pipes beside it)
-            raise ResourceError(f"the MPS pipe directory {self.pipe_dir} is too long for a Unix socket's path "
-                                f"({AF_UNIX_PATH} bytes): use a node whose {MPS_PIPE_ROOT} is a short path")
+            raise ResourceError(
+                f"the MPS pipe directory {self.pipe_dir} is too long for a Unix socket's path "
+                f"({AF_UNIX_PATH} bytes): use a node whose {MPS_PIPE_ROOT} is a short path"
+            )
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out_path = self.log_dir / "start.out"
         # output to a file, not a pipe: the forked daemon may inherit the descriptors and a pipe would never end
         with open(out_path, "w") as out:
             try:
-                rc = subprocess.run([exe, "-d"], env=self._env(), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, timeout=self.timeout_s).returncode
+                rc = subprocess.run(
+                    [exe, "-d"],
+                    env=self._env(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=self.timeout_s,
+                ).returncode
             except subprocess.TimeoutExpired:
-                raise ResourceError(f"{MPS_CONTROL} -d for GPU {self.gpu} did not return within {self.timeout_s:g} "
-                                    f"s: see {self.log_dir / 'control.log'}") from None
+                raise ResourceError(
+                    f"{MPS_CONTROL} -d for GPU {self.gpu} did not return within {self.timeout_s:g} "
+                    f"s: see {self.log_dir / 'control.log'}"
+                ) from None
         if rc != 0:
             said = " ".join(out_path.read_text().split())[:200] or "no output"
             self._remove_pipes()
-            raise ResourceError(f"{MPS_CONTROL} -d for GPU {self.gpu} exited with {rc} ({said}): "
-                                f"see {self.log_dir / 'control.log'}")
+            raise ResourceError(
+                f"{MPS_CONTROL} -d for GPU {self.gpu} exited with {rc} ({said}): see {self.log_dir / 'control.log'}"
+            )
         self._exe, self.running = exe, True
         atexit.register(self.stop)
         deadline = time.monotonic() + self.timeout_s
         while not self.control.exists():
             if time.monotonic() > deadline:
                 self.stop()
-                raise ResourceError(f"the MPS daemon of GPU {self.gpu} did not open {self.control} within "
-                                    f"{self.timeout_s:g} s: see {self.log_dir / 'control.log'}")
+                raise ResourceError(
+                    f"the MPS daemon of GPU {self.gpu} did not open {self.control} within "
+                    f"{self.timeout_s:g} s: see {self.log_dir / 'control.log'}"
+                )
             time.sleep(0.02)
 
     def adopt(self) -> bool:
@@ -305,8 +333,9 @@ class MpsDaemon:
         word; raises OSError or subprocess.TimeoutExpired when it cannot be asked."""
         if self._exe is None:
             raise OSError(f"the MPS daemon of GPU {self.gpu} was not started")
-        done = subprocess.run([self._exe], input=f"{command}\n", env=self._env(), text=True, capture_output=True,
-                              timeout=self.timeout_s)
+        done = subprocess.run(
+            [self._exe], input=f"{command}\n", env=self._env(), text=True, capture_output=True, timeout=self.timeout_s
+        )
         return done.stdout.split()
 
     def clients(self) -> set[int]:
@@ -380,8 +409,10 @@ class MpsDaemons:
                 served = daemon.clients()
             except (OSError, subprocess.TimeoutExpired) as e:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                return (f"MPS: the daemon of GPU {gpu} could not be asked for its clients ({reason}): the stages' SM "
-                        f"shares may not be enforced; see {daemon.log_dir / 'control.log'}")
+                return (
+                    f"MPS: the daemon of GPU {gpu} could not be asked for its clients ({reason}): the stages' SM "
+                    f"shares may not be enforced; see {daemon.log_dir / 'control.log'}"
+                )
             if pid not in served:
                 missing.append((what, pid, daemon))
         if not missing:
@@ -389,9 +420,11 @@ class MpsDaemons:
         names = " and ".join(f"{what} (pid {pid})" for what, pid, _ in missing)
         daemon = missing[0][2]
         verb = "is" if len(missing) == 1 else "are"
-        return (f"MPS: {names} {verb} not a client of GPU {daemon.gpu}'s daemon ({daemon.pipe_dir}), so {verb} not "
-                f"held to an SM share or memory limit; a client that cannot reach the daemon's pipe runs without MPS: "
-                f"see {daemon.log_dir / 'control.log'}")
+        return (
+            f"MPS: {names} {verb} not a client of GPU {daemon.gpu}'s daemon ({daemon.pipe_dir}), so {verb} not "
+            f"held to an SM share or memory limit; a client that cannot reach the daemon's pipe runs without MPS: "
+            f"see {daemon.log_dir / 'control.log'}"
+        )
 
     def stop(self) -> None:
         for daemon in reversed(self.daemons):
@@ -411,15 +444,23 @@ class ResourcePool:
     to every attached process at once, SM shares and budgets through the stage's re-quota callback (MPS: respawn the
     worker with its new environment; green: rebuild its contexts); with partition "none" shares are only recorded."""
 
-    def __init__(self, cores: Sequence[int], gpus: int = 0, sm_count: int = 0, gpu_memory_bytes: int = 0,
-                 partition: str = "none", run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        cores: Sequence[int],
+        gpus: int = 0,
+        sm_count: int = 0,
+        gpu_memory_bytes: int = 0,
+        partition: str = "none",
+        run_dir: Path | None = None,
+    ) -> None:
         if partition not in PARTITIONS:
             raise ResourceError(f"hw.sm_partition={partition!r} is not one of: {', '.join(PARTITIONS)}")
         if partition != "none" and gpus == 0:
             raise ResourceError(f"hw.sm_partition={partition} needs a GPU; this hw has none: use hw.sm_partition=none")
         if partition == "green" and sm_count <= 0:
-            raise ResourceError(f"hw.sm_partition=green needs the GPU's SM count, got hw.sm_count={sm_count}: "
-                                "set hw.sm_count")
+            raise ResourceError(
+                f"hw.sm_partition=green needs the GPU's SM count, got hw.sm_count={sm_count}: set hw.sm_count"
+            )
         if not cores:
             raise ResourceError("the resource pool has no cores: give it at least one (hw.cpu_cores)")
         self.cores = tuple(sorted(set(cores)))
@@ -433,8 +474,14 @@ class ResourcePool:
         self._requota: dict[str, Callable[[Lease], None]] = {}
 
     # --- leases -----------------------------------------------------------------------------
-    def lease(self, stage: str, cpus: Iterable[int], gpu: int | None = None, sm_share: float | None = None,
-              mem_bytes: int | None = None) -> Lease:
+    def lease(
+        self,
+        stage: str,
+        cpus: Iterable[int],
+        gpu: int | None = None,
+        sm_share: float | None = None,
+        mem_bytes: int | None = None,
+    ) -> Lease:
         """Grant `stage` these resources; granting a stage that already holds a lease resizes it."""
         if stage in self.leases:
             return self.resize(stage, cpus=cpus, gpu=gpu, sm_share=sm_share, mem_bytes=mem_bytes)
@@ -446,8 +493,9 @@ class ResourcePool:
         old = self._held(stage)
         unknown = set(changes) - {"cpus", "gpu", "sm_share", "mem_bytes"}
         if unknown:
-            raise ResourceError(f"resize({stage!r}) got {', '.join(sorted(unknown))}; accepted: cpus, gpu, sm_share, "
-                                "mem_bytes")
+            raise ResourceError(
+                f"resize({stage!r}) got {', '.join(sorted(unknown))}; accepted: cpus, gpu, sm_share, mem_bytes"
+            )
         if "cpus" in changes:
             changes["cpus"] = tuple(changes["cpus"])
         new = self._record(self._validate(replace(old, **changes, version=old.version + 1)))
@@ -477,17 +525,21 @@ class ResourcePool:
         s = lease.stage
         cpus = tuple(sorted(set(lease.cpus)))
         if not cpus:
-            raise ResourceError(f"stage {s}: cpus is empty: lease at least one of the pool's cores "
-                                f"{cpu_list(self.cores)}")
+            raise ResourceError(
+                f"stage {s}: cpus is empty: lease at least one of the pool's cores {cpu_list(self.cores)}"
+            )
         outside = set(cpus) - set(self.cores)
         if outside:
-            raise ResourceError(f"stage {s}: cpus {cpu_list(outside)} are not in the pool's cores "
-                                f"{cpu_list(self.cores)}: lease cores from that set")
+            raise ResourceError(
+                f"stage {s}: cpus {cpu_list(outside)} are not in the pool's cores "
+                f"{cpu_list(self.cores)}: lease cores from that set"
+            )
         share, mem = lease.sm_share, lease.mem_bytes
         if lease.gpu is None:
             if share is not None or mem is not None:
-                raise ResourceError(f"stage {s}: sm_share={share} and mem_bytes={mem} need a GPU but gpu=None: lease "
-                                    "a gpu or drop them")
+                raise ResourceError(
+                    f"stage {s}: sm_share={share} and mem_bytes={mem} need a GPU but gpu=None: lease a gpu or drop them"
+                )
             return replace(lease, cpus=cpus)
         if not 0 <= lease.gpu < self.gpus:
             have = f"GPUs 0..{self.gpus - 1}" if self.gpus else "no GPU: lease gpu=None"
@@ -501,18 +553,23 @@ class ResourcePool:
             total = share + sum(x.sm_share or 0.0 for x in others)
             if total > 1 + 1e-9:
                 held = ", ".join(f"{x.stage}={x.sm_share:.3g}" for x in others if x.sm_share)
-                raise ResourceError(f"stage {s}: sm_share={share:.3g} brings the SM shares of GPU {lease.gpu} to "
-                                    f"{total:.3g} > 1 (held: {held}): lower it or shrink another stage first")
+                raise ResourceError(
+                    f"stage {s}: sm_share={share:.3g} brings the SM shares of GPU {lease.gpu} to "
+                    f"{total:.3g} > 1 (held: {held}): lower it or shrink another stage first"
+                )
         if mem is not None:
             if self.gpu_memory_bytes <= 0:
-                raise ResourceError(f"stage {s}: mem_bytes={mem} but the pool does not know the GPU's memory: set "
-                                    "hw.gpu_memory_gb")
+                raise ResourceError(
+                    f"stage {s}: mem_bytes={mem} but the pool does not know the GPU's memory: set hw.gpu_memory_gb"
+                )
             if mem <= 0:
                 raise ResourceError(f"stage {s}: mem_bytes={mem} must be > 0 (None: no budget)")
             total_mem = mem + sum(x.mem_bytes or 0 for x in others)
             if total_mem > self.gpu_memory_bytes:
-                raise ResourceError(f"stage {s}: mem_bytes={mem} brings the budgets on GPU {lease.gpu} to {total_mem} "
-                                    f"bytes, over its {self.gpu_memory_bytes}: lower it or shrink another stage first")
+                raise ResourceError(
+                    f"stage {s}: mem_bytes={mem} brings the budgets on GPU {lease.gpu} to {total_mem} "
+                    f"bytes, over its {self.gpu_memory_bytes}: lower it or shrink another stage first"
+                )
         return replace(lease, cpus=cpus, sm_share=share)
 
     # --- processes --------------------------------------------------------------------------

@@ -29,6 +29,7 @@ schedule: a segment is one episode per env from its group's seeded reset.
 Inside a chunk every env steps on its own (its chunk runs in its process without a barrier); the observations,
 rewards and dones cross through each env's shared-memory slot.
 """
+
 from __future__ import annotations
 
 import queue
@@ -110,8 +111,10 @@ class Ledger:
         self.returned = 0  # iterations handed to the caller
 
     def ship(self, shipment: Shipment) -> None:
-        self.shipped[shipment.iteration] = (shipment.stats, {"sched/dropped_chunks": float(shipment.dropped),
-                                                              "sched/staleness_mean": shipment.staleness})
+        self.shipped[shipment.iteration] = (
+            shipment.stats,
+            {"sched/dropped_chunks": float(shipment.dropped), "sched/staleness_mean": shipment.staleness},
+        )
 
     def trained(self, iteration: int, metrics: dict[str, float]) -> None:
         stats, shipped = self.shipped.pop(iteration)
@@ -128,12 +131,19 @@ def _rows_of(obs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tenso
     return {k: v[rows] for k, v in obs.items()}
 
 
-def real_stages(conf: dict[str, Any], pool: SimWorkerPool, policy: Policy, placement: Placement,
-                cores: CorePool | None, resume: str | None, init: str | None, seed: int) -> tuple[Any, Any, Dispatcher]:
+def real_stages(
+    conf: dict[str, Any],
+    pool: SimWorkerPool,
+    policy: Policy,
+    placement: Placement,
+    cores: CorePool | None,
+    resume: str | None,
+    init: str | None,
+    seed: int,
+) -> tuple[Any, Any, Dispatcher]:
     """The trainer, generation and the dispatcher thread of a run: processes, threads and the simulators' pipes."""
     events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-    trainer = make_trainer_stage(conf, pool.spec, policy, placement, lambda m: events.put(TrainerSaid(m)), resume,
-                                 init)
+    trainer = make_trainer_stage(conf, pool.spec, policy, placement, lambda m: events.put(TrainerSaid(m)), resume, init)
     try:
         generation = make_generation(conf, pool.spec, policy, placement, trainer.weights, seed + 2)
     except BaseException:
@@ -147,10 +157,20 @@ class Scheduler:
     carries out the loop's answers: values and samples through generation, actions into the shared slots, envs to the
     dispatcher, shipments to the trainer. See the module docstring."""
 
-    def __init__(self, pool: SimWorkerPool, policy: Policy, conf: dict[str, Any], placement: Placement,
-                 base_version: int = 0, resume: str | None = None, seed: int = 0, critic_warmup: int = 0,
-                 init: str | None = None, stages: Callable[..., tuple[Any, Any, Any]] = real_stages,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        pool: SimWorkerPool,
+        policy: Policy,
+        conf: dict[str, Any],
+        placement: Placement,
+        base_version: int = 0,
+        resume: str | None = None,
+        seed: int = 0,
+        critic_warmup: int = 0,
+        init: str | None = None,
+        stages: Callable[..., tuple[Any, Any, Any]] = real_stages,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         """critic_warmup: the run's first updates that train the value head alone (a run from `init`); init: the
         checkpoint file the policy's first weights came from (a trainer process reads them from it too). `stages`
         builds the trainer, generation and dispatcher (`real_stages`' arguments), `clock` stamps the trace: a run's
@@ -160,9 +180,21 @@ class Scheduler:
         self.schedule = s = Schedule.from_config(conf["scheduler"])
         episodic = conf["algo"]["name"] == "grpo"  # one whole episode per env from its group's seeded reset
         shape = RolloutShape.of(conf, placement.ranks.world, pool.spec.max_episode_steps, policy.execute)
-        self.loop = RolloutLoop(shape.envs, s.groups, Rules(
-            shape.chunks, int(conf["iterations"]) - base_version, s.ahead, s.max_staleness, s.queue_size, base_version,
-            episodic, shape.group_size), shared_obs=s.trainer == "process")
+        self.loop = RolloutLoop(
+            shape.envs,
+            s.groups,
+            Rules(
+                shape.chunks,
+                int(conf["iterations"]) - base_version,
+                s.ahead,
+                s.max_staleness,
+                s.queue_size,
+                base_version,
+                episodic,
+                shape.group_size,
+            ),
+            shared_obs=s.trainer == "process",
+        )
         self.observations = Observations(policy, pool, shared=placement.generation == "process")
         self.trace = Trace(clock)
         self.ledger = Ledger()
@@ -170,10 +202,14 @@ class Scheduler:
         # rank 0's trainer sends its state after each update a checkpoint is due at (FSDP: every rank's trainer
         # gathers it then, together), so a checkpoint holds exactly the weights of its iteration
         self.checkpoint_every = int(conf["checkpoint_every"])
-        cores = (CorePool(placement.cpus("simulate"), order=s.core_order, spare=placement.spare())
-                 if s.core_rebinding else None)
-        self.trainer, self.generation, self.dispatcher = stages(conf, pool, policy, placement, cores, resume, init,
-                                                                seed)
+        cores = (
+            CorePool(placement.cpus("simulate"), order=s.core_order, spare=placement.spare())
+            if s.core_rebinding
+            else None
+        )
+        self.trainer, self.generation, self.dispatcher = stages(
+            conf, pool, policy, placement, cores, resume, init, seed
+        )
 
     # --- the caller's view ----------------------------------------------------------------------
     @property
@@ -271,9 +307,16 @@ class Scheduler:
 
     def _chunk_reported(self, env: int, report: ChunkReport) -> None:
         if report.failed is None:
-            self.trace.add(f"simulate/env{env}", "chunk", report.started, report.ended, steps=report.executed,
-                           step_s=float(report.step_times.sum()), cpus=list(report.cpus),
-                           version=int(self.loop.group_of[env].pending.version[0]))
+            self.trace.add(
+                f"simulate/env{env}",
+                "chunk",
+                report.started,
+                report.ended,
+                steps=report.executed,
+                step_s=float(report.step_times.sum()),
+                cpus=list(report.cpus),
+                version=int(self.loop.group_of[env].pending.version[0]),
+            )
         self.loop.reported(env, report)
 
     def _serve(self, serving: Serving) -> list[Shipment]:
@@ -289,8 +332,9 @@ class Scheduler:
         with torch.no_grad():  # (not inference mode: a trainer in this process trains on what this samples)
             cut = serving.cut
             if cut:  # values of the obs episodes were cut off on, by the weights that acted
-                finals = self.observations.batch([o for g in cut for o in g.cut_obs],
-                                                 [g.envs[j] for g in cut for j in g.steps[-1].cut])
+                finals = self.observations.batch(
+                    [o for g in cut for o in g.cut_obs], [g.envs[j] for g in cut for j in g.steps[-1].cut]
+                )
                 values = self.generation.value(finals)
                 for g, rows in zip(cut, _rows([len(g.cut_obs) for g in cut])):
                     g.set_cutoff_values(values[rows], _rows_of(finals, rows))
@@ -304,8 +348,15 @@ class Scheduler:
             if starting:
                 shipped += self._sample(starting, [] if episodic else serving.ending)
             self.loop.served(serving)
-        self.trace.add("generate", "sample", t0, self.trace.clock(), groups=[g.index for g in serving.groups],
-                       version=self.generation.version, pid=self.generation.pid)
+        self.trace.add(
+            "generate",
+            "sample",
+            t0,
+            self.trace.clock(),
+            groups=[g.index for g in serving.groups],
+            version=self.generation.version,
+            pid=self.generation.pid,
+        )
         return [s for s in shipped if s is not None]
 
     def _sample(self, starting: list[Group], ending: list[Group]) -> list[Shipment | None]:
@@ -319,10 +370,17 @@ class Scheduler:
         for g, rows in zip(starting, _rows([len(g.envs) for g in starting])):
             if g in ending:  # its segment's bootstrap value: from this sample's prefix
                 shipped.append(self.loop.finish_segment(g, out.value[rows], _rows_of(obs, rows)))
-            run = self.loop.started(g, ChunkStep(
-                obs=_rows_of(obs, rows), chunk=out.chunk[rows], extras=_rows_of(out.extras, rows),
-                log_prob=out.log_prob[rows], value=out.value[rows],
-                version=torch.full((len(g.envs),), version, dtype=torch.long)))
+            run = self.loop.started(
+                g,
+                ChunkStep(
+                    obs=_rows_of(obs, rows),
+                    chunk=out.chunk[rows],
+                    extras=_rows_of(out.extras, rows),
+                    log_prob=out.log_prob[rows],
+                    value=out.value[rows],
+                    version=torch.full((len(g.envs),), version, dtype=torch.long),
+                ),
+            )
             for i, actions in zip(g.envs, executed[rows].numpy()):
                 self.pool.workers[i].actions[: len(actions)] = actions
             self.dispatcher.ready(run)
@@ -336,8 +394,9 @@ class Scheduler:
             return
         seeds = {}
         for g in groups:
-            of_segment = group_seeds(self.seed, self.base_version + g.segment, len(self.pool.workers),
-                                     self.loop.rules.unit)
+            of_segment = group_seeds(
+                self.seed, self.base_version + g.segment, len(self.pool.workers), self.loop.rules.unit
+            )
             seeds.update({i: of_segment[i] for i in g.envs})
         t0 = self.trace.clock()
         before = len(self.pool.failures)
@@ -356,8 +415,15 @@ class Scheduler:
         gather = k % self.checkpoint_every == 0 or k == self.base_version + self.loop.rules.iterations
         s = self.schedule
         # (the trainer has finished the updates before this one: it starts from the weights of version k - 1)
-        self.trainer.train(shipment.iteration, shipment.batch, decoupled=s.overlap and s.decoupled,
-                           is_clip=s.is_clip, gather=gather, critic_only=k <= self.critic_warmup, version=k - 1)
+        self.trainer.train(
+            shipment.iteration,
+            shipment.batch,
+            decoupled=s.overlap and s.decoupled,
+            is_clip=s.is_clip,
+            gather=gather,
+            critic_only=k <= self.critic_warmup,
+            version=k - 1,
+        )
 
     def _hand_over(self) -> None:
         """The ready successor trains from the next update on, with the trainer's state after every update sent to
@@ -371,8 +437,7 @@ class Scheduler:
             return
         iteration = message.iteration
         self.trace.add("train", "update", message.start, message.published, iteration=iteration)
-        self.trace.add("train", "publish", message.published, message.end, iteration=iteration,
-                       version=message.version)
+        self.trace.add("train", "publish", message.published, message.end, iteration=iteration, version=message.version)
         metrics = {**message.metrics, "sched/weights_version": float(self.base_version + message.version)}
         cores = self.dispatcher.cores
         if cores is not None and cores.spare:  # what the simulators borrowed so far (work-conserving)

@@ -6,6 +6,7 @@ and takes over once it said it is ready. Generation and the trainer both hand ov
 hand-over is theirs (generation: nothing, it maps the published weights; the trainer: its model and Adam state,
 between two updates).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
@@ -13,7 +14,6 @@ from typing import Callable, Generic, TypeVar
 from ebrl.errors import StageFailed
 from ebrl.runtime.messages import Ready
 from ebrl.runtime.piped import PipedProcess
-
 
 P = TypeVar("P", bound=PipedProcess)
 
@@ -23,8 +23,12 @@ class Succession(Generic[P]):
     successor serve and calls `on_switch(old_pid, new_pid)`, where the placement moves the stage's lease and CPU
     accounting to it. `start(successor)` starts a process without waiting for it; the first one is waited for."""
 
-    def __init__(self, start: Callable[[bool], P], start_timeout: float = 600.0,
-                 on_switch: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        start: Callable[[bool], P],
+        start_timeout: float = 600.0,
+        on_switch: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.start, self.start_timeout, self.on_switch = start, start_timeout, on_switch
         self.current: P = start(False)
         self._ready(self.current, start_timeout)

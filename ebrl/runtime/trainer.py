@@ -14,6 +14,7 @@ two places behind one interface (`Trainer`):
 Either way updates go in with `train`, and results come back as messages (`Trained`, then `State` when a checkpoint
 is due) on the runtime's event queue.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,11 +31,13 @@ from omegaconf import OmegaConf
 
 from ebrl.envs.base import EnvSpec, one_line
 from ebrl.errors import StageFailed
+from ebrl.node import Ranks
 from ebrl.policies.build import build_policy
 from ebrl.policies.training import load_state, lora_scaling
+from ebrl.rl.rollout import RolloutBatch
+from ebrl.rl.trainers import make_trainer
 from ebrl.runtime.channel import SharedWeights, WeightChannel
 from ebrl.runtime.checkpoint import detached_copy, restore_weights
-from ebrl.node import Ranks
 from ebrl.runtime.distributed import (
     DistributedError,
     Gathered,
@@ -49,8 +52,6 @@ from ebrl.runtime.messages import Load, Ready, State, StateRequest, Stop, Train,
 from ebrl.runtime.piped import PipedProcess, report_failure, start_worker
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.succession import Succession
-from ebrl.rl.rollout import RolloutBatch
-from ebrl.rl.trainers import make_trainer
 
 
 class TrainerError(StageFailed):
@@ -94,10 +95,19 @@ class TrainerThreads:
         self.running.value = 0
 
 
-def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
-                 requests: multiprocessing.connection.Connection, results: multiprocessing.connection.Connection,
-                 cpus: Sequence[int], threads: TrainerThreads, device: str, resume: str | None, successor: bool,
-                 init: str | None = None) -> None:
+def trainer_main(
+    conf: dict[str, Any],
+    spec: EnvSpec,
+    channel: WeightChannel,
+    requests: multiprocessing.connection.Connection,
+    results: multiprocessing.connection.Connection,
+    cpus: Sequence[int],
+    threads: TrainerThreads,
+    device: str,
+    resume: str | None,
+    successor: bool,
+    init: str | None = None,
+) -> None:
     """Body of the trainer process: build the policy and the trainer, then serve requests until "stop".
 
     The first weights: a resumed run's checkpoint (`resume`, the float32 masters and Adam state as they were), else
@@ -156,8 +166,13 @@ def trainer_main(conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel,
                 start = time.perf_counter()
                 threads.most = 0
                 threads.follow()  # (before the update's first passes: the proximal policy's, the advantages)
-                metrics = trainer.update(message.batch, decoupled=message.decoupled, is_clip=message.is_clip,
-                                         critic_only=message.critic_only, version=message.version)
+                metrics = trainer.update(
+                    message.batch,
+                    decoupled=message.decoupled,
+                    is_clip=message.is_clip,
+                    critic_only=message.critic_only,
+                    version=message.version,
+                )
                 metrics["sched/train_threads"] = float(threads.most)
                 published = time.perf_counter()
                 version, fingerprint = publish(policy, channel, fingerprint=group is not None)
@@ -210,8 +225,14 @@ def checkpoint_state(policy: torch.nn.Module, trainer: Any, leader: bool) -> tup
     return (model, detached_copy(optimizer, shared=True)) if leader else None
 
 
-def trainer_policy(policy_conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, device: str,
-                   resume: str | None, init: str | None = None) -> tuple[torch.nn.Module, dict | None]:
+def trainer_policy(
+    policy_conf: dict[str, Any],
+    spec: EnvSpec,
+    channel: WeightChannel,
+    device: str,
+    resume: str | None,
+    init: str | None = None,
+) -> tuple[torch.nn.Module, dict | None]:
     """The trainer's policy with its first weights (see trainer_main), and the resumed checkpoint (or None)."""
     if resume is not None:  # the float32 masters as they were, not the channel's policy.dtype copy
         policy = build_policy(policy_conf, spec, device, train=True, weights="given")
@@ -235,15 +256,29 @@ class TrainerProcess(PipedProcess):
     what = "trainer process"
     error = TrainerError
 
-    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: TrainerThreads, device: str, resume: str | None = None, successor: bool = False,
-                 init: str | None = None) -> None:
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        spec: EnvSpec,
+        channel: WeightChannel,
+        cpus: Sequence[int],
+        threads: TrainerThreads,
+        device: str,
+        resume: str | None = None,
+        successor: bool = False,
+        init: str | None = None,
+    ) -> None:
         """Start the trainer publishing into `channel` (see trainer_main for `resume`, `successor` and `init`); it
         says `Ready` once it serves."""
         import torch.multiprocessing as tmp
 
-        super().__init__(tmp.get_context("spawn"), trainer_main, "ebrl-trainer", (conf, spec, channel),
-                         (list(cpus), threads, device, resume, successor, init))
+        super().__init__(
+            tmp.get_context("spawn"),
+            trainer_main,
+            "ebrl-trainer",
+            (conf, spec, channel),
+            (list(cpus), threads, device, resume, successor, init),
+        )
 
     @property
     def waitables(self) -> list[Any]:
@@ -281,8 +316,16 @@ class Trainer:
         """An update was interrupted half-way: the weights here are not a checkpoint's."""
         return False
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False, version: int | None = None) -> None:
+    def train(
+        self,
+        iteration: int,
+        batch: RolloutBatch,
+        decoupled: bool,
+        is_clip: float,
+        gather: bool = False,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> None:
         """Train on `batch` (critic_only: the value head alone) from the weights of `version` (in the count of
         `batch.version`); `Trained` comes back, and with gather then rank 0's `State` too (a checkpoint is due)."""
         raise NotImplementedError
@@ -332,16 +375,25 @@ class LocalTrainer(Trainer):
     parallel over `group` with several ranks; `post` puts its messages on the runtime's event queue. A resumed run's
     weights are already in `policy`; its Adam state is read from `resume`."""
 
-    def __init__(self, policy: torch.nn.Module, algo: Any, device: torch.device, post: Post,
-                 resume: str | None = None, group: dist.ProcessGroup | None = None, rank: int = 0) -> None:
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        algo: Any,
+        device: torch.device,
+        post: Post,
+        resume: str | None = None,
+        group: dist.ProcessGroup | None = None,
+        rank: int = 0,
+    ) -> None:
         super().__init__()
         self.policy, self.post, self.group, self.rank = policy, post, group, rank
         self.trainer = make_trainer(policy, algo, device, group)
         if group is None:
             self.trainer.stop_asked = stop_asked  # (`update_then_stop` around each update)
         if resume is not None:
-            self.trainer.load_optimizer_state(torch.load(resume, map_location="cpu", weights_only=False,
-                                                         mmap=True)["optimizer"])
+            self.trainer.load_optimizer_state(
+                torch.load(resume, map_location="cpu", weights_only=False, mmap=True)["optimizer"]
+            )
         self.weights = SharedWeights()
         self.threads = torch.get_num_threads()
         self._torn = False
@@ -354,23 +406,33 @@ class LocalTrainer(Trainer):
     def torn(self) -> bool:
         return self._torn
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False, version: int | None = None) -> None:
+    def train(
+        self,
+        iteration: int,
+        batch: RolloutBatch,
+        decoupled: bool,
+        is_clip: float,
+        gather: bool = False,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> None:
         start = time.perf_counter()
         self._torn = True  # (stays so when the update is interrupted: its weights are half-stepped)
         # one rank: a Ctrl-C or SIGTERM ends the update at its next step, then stops the run (with several, a rank
         # leaving the update early would leave the others' collectives unmatched: the update is interrupted)
         with update_then_stop() if self.group is None else contextlib.nullcontext():
             try:
-                metrics = self.trainer.update(batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only,
-                                              version=version)
+                metrics = self.trainer.update(
+                    batch, decoupled=decoupled, is_clip=is_clip, critic_only=critic_only, version=version
+                )
                 if self.group is not None:  # rank 0 checks that every replica holds the same weights
                     metrics["dist/weights_sum"] = weights_sum(self.policy.state_dict())
             except RuntimeError as e:
                 if self.group is None:
                     raise
-                raise DistributedError(f"rank {self.rank}'s update failed ({one_line(e)}); another rank may have "
-                                       "stopped") from None
+                raise DistributedError(
+                    f"rank {self.rank}'s update failed ({one_line(e)}); another rank may have stopped"
+                ) from None
             self._torn = False
             published = time.perf_counter()
             self.post(Trained(iteration, metrics, self.weights.publish(), start, published, published))
@@ -388,18 +450,37 @@ class ProcessTrainer(Trainer):
     """The trainer in its own process (`process`), and a successor started under a new share that takes over between
     two updates with the model and Adam state (`Succession`). `on_switch(old_pid, new_pid)` after a hand-over."""
 
-    def __init__(self, conf: dict[str, Any], spec: EnvSpec, channel: WeightChannel, cpus: Sequence[int],
-                 threads: int, device: str, resume: str | None = None,
-                 on_switch: Callable[[int, int], None] | None = None, init: str | None = None,
-                 idle_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        spec: EnvSpec,
+        channel: WeightChannel,
+        cpus: Sequence[int],
+        threads: int,
+        device: str,
+        resume: str | None = None,
+        on_switch: Callable[[int, int], None] | None = None,
+        init: str | None = None,
+        idle_threads: int | None = None,
+    ) -> None:
         super().__init__()
         self.weights, self.threads, self.cpus = channel, threads, list(cpus)
         # the count it trains with now, shared with the process (and a successor): Placement.lend_to_trainer sets it
         self.shared_threads = TrainerThreads(torch.multiprocessing.get_context("spawn"), threads, idle_threads)
         self.succession: Succession[TrainerProcess] = Succession(
-            lambda successor: TrainerProcess(conf, spec, channel, self.cpus, self.shared_threads, device,
-                                             None if successor else resume, successor, None if successor else init),
-            on_switch=on_switch)
+            lambda successor: TrainerProcess(
+                conf,
+                spec,
+                channel,
+                self.cpus,
+                self.shared_threads,
+                device,
+                None if successor else resume,
+                successor,
+                None if successor else init,
+            ),
+            on_switch=on_switch,
+        )
 
     @property
     def process(self) -> TrainerProcess:
@@ -409,8 +490,16 @@ class ProcessTrainer(Trainer):
     def pid(self) -> int:
         return self.process.pid
 
-    def train(self, iteration: int, batch: RolloutBatch, decoupled: bool, is_clip: float, gather: bool = False,
-              critic_only: bool = False, version: int | None = None) -> None:
+    def train(
+        self,
+        iteration: int,
+        batch: RolloutBatch,
+        decoupled: bool,
+        is_clip: float,
+        gather: bool = False,
+        critic_only: bool = False,
+        version: int | None = None,
+    ) -> None:
         self.process.send(Train(iteration, batch, decoupled, is_clip, gather, critic_only, version))
 
     def request_state(self) -> None:
@@ -429,8 +518,13 @@ class ProcessTrainer(Trainer):
     def successor_ready(self, timeout: float = 0.0) -> bool:
         return self.succession.successor_ready(timeout)
 
-    def switch(self, model: dict[str, torch.Tensor], optimizer: dict, release: Callable[[], None],
-               swap: Callable[[TrainerProcess], None]) -> None:
+    def switch(
+        self,
+        model: dict[str, torch.Tensor],
+        optimizer: dict,
+        release: Callable[[], None],
+        swap: Callable[[TrainerProcess], None],
+    ) -> None:
         """The ready successor trains from now on, from this state (the trainer's after every update sent to it).
         The old one stops first, so its GPU memory is free before the successor allocates (it built nothing yet);
         with the weights' slots on the GPU, generation lets go of the old trainer's slots first (`release`).
@@ -448,22 +542,49 @@ class ProcessTrainer(Trainer):
         self.succession.close()
 
 
-def make_trainer_stage(conf: dict[str, Any], spec: EnvSpec, policy: torch.nn.Module, placement: Placement, post: Post,
-                       resume: str | None = None, init: str | None = None) -> Trainer:
+def make_trainer_stage(
+    conf: dict[str, Any],
+    spec: EnvSpec,
+    policy: torch.nn.Module,
+    placement: Placement,
+    post: Post,
+    resume: str | None = None,
+    init: str | None = None,
+) -> Trainer:
     """The schedule's trainer (`scheduler.trainer`): in the supervisor on `policy`, or in a process of its own
     started in its stage's environment (placement.spawn_env), on its cores and device, publishing into a new
     `WeightChannel` that holds `policy`'s weights as version 0. `resume`: a run's checkpoint to continue from;
     `init`: the checkpoint `policy`'s first weights came from (a trainer process reads them in full precision)."""
     if placement.local:
-        return LocalTrainer(policy, OmegaConf.create(conf["algo"]), placement.device, post, resume,
-                            placement.train_group(), placement.ranks.rank)
+        return LocalTrainer(
+            policy,
+            OmegaConf.create(conf["algo"]),
+            placement.device,
+            post,
+            resume,
+            placement.train_group(),
+            placement.ranks.rank,
+        )
     device = placement.device
     # on one GPU generation reads the trainer's published weights on the device (CUDA IPC), else from host memory
-    channel = WeightChannel(policy.state_dict(), torch.multiprocessing.get_context("spawn"), policy.compute_dtype,
-                            cuda=device.type == "cuda" and placement.train_device == str(device),
-                            lora_scaling=lora_scaling(conf["policy"]))
+    channel = WeightChannel(
+        policy.state_dict(),
+        torch.multiprocessing.get_context("spawn"),
+        policy.compute_dtype,
+        cuda=device.type == "cuda" and placement.train_device == str(device),
+        lora_scaling=lora_scaling(conf["policy"]),
+    )
     conf = {**conf, "distributed": {**conf["distributed"], "strategy": placement.strategy}}  # (auto: settled)
     with placement.spawn_env("train"):
-        return ProcessTrainer(conf, spec, channel, placement.cpus("train"), placement.threads("train"),
-                              placement.train_device, resume, on_switch=functools.partial(placement.switched, "train"),
-                              init=init, idle_threads=placement.idle_trainer_threads())
+        return ProcessTrainer(
+            conf,
+            spec,
+            channel,
+            placement.cpus("train"),
+            placement.threads("train"),
+            placement.train_device,
+            resume,
+            on_switch=functools.partial(placement.switched, "train"),
+            init=init,
+            idle_threads=placement.idle_trainer_threads(),
+        )

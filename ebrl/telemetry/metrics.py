@@ -1,4 +1,5 @@
 """Metrics: one JSON line per iteration in the run folder, and W&B when `logger=wandb`."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,14 @@ def sweep_group(hydra_cfg: Any = None) -> str | None:
 class MetricsLog:
     """Appends to `<run>/metrics.jsonl` (so a resumed run continues the same file) and mirrors to W&B."""
 
-    def __init__(self, run_dir: Path, logger_cfg: dict[str, Any], config: dict[str, Any], resume_id: str | None = None,
-                 step_metric: str = "env_steps"):
+    def __init__(
+        self,
+        run_dir: Path,
+        logger_cfg: dict[str, Any],
+        config: dict[str, Any],
+        resume_id: str | None = None,
+        step_metric: str = "env_steps",
+    ):
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
@@ -75,9 +82,11 @@ class MetricsLog:
 
             if not is_disk_full(e):
                 raise
-            raise DiskFull(f"the disk is full at {self.path.parent}: {self.path.name} could not take iteration "
-                           f"{metrics.get('iteration', '?')}'s line ({len(line)} bytes; "
-                           f"{megabytes(free_bytes(self.path.parent))} free)") from e
+            raise DiskFull(
+                f"the disk is full at {self.path.parent}: {self.path.name} could not take iteration "
+                f"{metrics.get('iteration', '?')}'s line ({len(line)} bytes; "
+                f"{megabytes(free_bytes(self.path.parent))} free)"
+            ) from e
         if self._wandb is not None:
             self._wandb.log(metrics)
 
@@ -97,8 +106,10 @@ class MetricsLog:
         import wandb
 
         wall = summary["wall_s"] or float("nan")
-        table = wandb.Table(columns=["stage", "seconds", "share of wall"],
-                            data=[[stage, s, s / wall] for stage, s in summary["stage_s"].items()])
+        table = wandb.Table(
+            columns=["stage", "seconds", "share of wall"],
+            data=[[stage, s, s / wall] for stage, s in summary["stage_s"].items()],
+        )
         self._wandb.log({"env_steps": summary["env_steps"], "time/stages": table})
         flat = {k: v for k, v in summary.items() if not isinstance(v, dict)}
         flat.update({f"{k}/{name}": x for k, d in summary.items() if isinstance(d, dict) for name, x in d.items()})

@@ -3,6 +3,7 @@
 Samples are stamped with `time.perf_counter()`, the clock of the stage trace (ebrl/telemetry/trace.py), so
 utilisation and stage busy intervals can be plotted on one axis (ebrl/telemetry/plots.py).
 """
+
 from __future__ import annotations
 
 import threading
@@ -80,8 +81,10 @@ def open_nvml() -> tuple[Any, str]:
         pynvml.nvmlInit()
     except Exception as e:  # pynvml.NVMLError: no library, no driver, or a driver that refuses
         if type(e).__name__ == "NVMLError_LibraryNotFound":
-            return None, ("NVML unavailable: libnvidia-ml.so.1 is not there (no NVIDIA driver, or a container "
-                          "started without the driver's utility libraries: NVIDIA_DRIVER_CAPABILITIES=compute,utility)")
+            return None, (
+                "NVML unavailable: libnvidia-ml.so.1 is not there (no NVIDIA driver, or a container "
+                "started without the driver's utility libraries: NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
+            )
         return None, f"NVML unavailable ({type(e).__name__}: {e})"
     return pynvml, ""
 
@@ -96,8 +99,11 @@ def nvml_indices(nvml: Any, entries: Sequence[str] | None) -> list[int]:
     uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
     found = []
     for entry in (e.strip() for e in entries):
-        named = ([int(entry)] if entry.isdigit() and int(entry) < count else
-                 [i for i, uuid in enumerate(uuids) if entry.startswith("GPU-") and uuid.startswith(entry)])
+        named = (
+            [int(entry)]
+            if entry.isdigit() and int(entry) < count
+            else [i for i, uuid in enumerate(uuids) if entry.startswith("GPU-") and uuid.startswith(entry)]
+        )
         if len(named) == 1 and named[0] not in found:
             found.append(named[0])
     return found
@@ -123,8 +129,9 @@ def gpu_free_bytes(entry: str) -> int | None:
     if nvml is None:
         return None
     try:
-        handle = (nvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
-                  else nvml.nvmlDeviceGetHandleByUUID(entry))
+        handle = (
+            nvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit() else nvml.nvmlDeviceGetHandleByUUID(entry)
+        )
         return int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
     except nvml.NVMLError:
         return None
@@ -202,8 +209,10 @@ class GpuMonitor(_Sampler):
         nvml = self._nvml
         out = {}
         for i, handle in self.handles.items():
-            reading = {"util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                       "mem_used": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)}
+            reading = {
+                "util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                "mem_used": float(nvml.nvmlDeviceGetMemoryInfo(handle).used),
+            }
             if self.gpm[i]:
                 try:
                     reading.update(self._gpm_read(i))
@@ -214,7 +223,7 @@ class GpuMonitor(_Sampler):
 
     def read(self) -> dict[str, float]:
         """Metrics over the samples since the last read: perf/gpu<i>_util, _sm_util (GPM), _mem_gb (peak)."""
-        fresh, self._read_from = self.samples[self._read_from:], len(self.samples)
+        fresh, self._read_from = self.samples[self._read_from :], len(self.samples)
         out: dict[str, float] = {}
         for gpu in fresh[0][1] if fresh else ():
             for name in ("util", "sm_util"):
@@ -231,6 +240,10 @@ class GpuMonitor(_Sampler):
             for gpu, figures in reading.items():
                 for name, value in figures.items():
                     values.setdefault(gpu, {}).setdefault(name, []).append(value)
-        return {gpu: {**{f"mean_{k}": sum(v) / len(v) for k, v in figures.items()},
-                      "peak_mem_used": max(figures["mem_used"])}
-                for gpu, figures in values.items()}
+        return {
+            gpu: {
+                **{f"mean_{k}": sum(v) / len(v) for k, v in figures.items()},
+                "peak_mem_used": max(figures["mem_used"]),
+            }
+            for gpu, figures in values.items()
+        }

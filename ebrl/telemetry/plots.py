@@ -4,6 +4,7 @@ cpu_busy.png (busy % of each core), stage_busy.png (busy fraction of simulate / 
 `Trace.busy`'s convention) and, where GPU samples exist, gpu.png. Every x-axis is seconds since the run
 started on the one `time.perf_counter()` clock that the trace and the samplers share, so the figures line up.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -77,8 +78,9 @@ def gpu_series(samples: list[tuple[float, dict[int, dict[str, float]]]], origin:
     return Series(t, percent), Series(t, memory)
 
 
-def _draw(ax: Any, series: Series, ylabel: str, title: str, where: str,
-          styles: dict[str, dict[str, Any]] | None = None) -> None:
+def _draw(
+    ax: Any, series: Series, ylabel: str, title: str, where: str, styles: dict[str, dict[str, Any]] | None = None
+) -> None:
     """Every line of `series` on `ax` as steps (`where`: "pre" for a sample, the mean over the interval that ends at
     its time; "mid" for a bin around its centre), with `styles[label]` where given; labelled axes, title, legend."""
     for label, values in series.lines.items():
@@ -138,8 +140,15 @@ def plot_gpu(series: tuple[Series, Series], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, ylabel: str, title: str,
-               log_y: bool = False, ylim: tuple[float, float] | None = None) -> Path | None:
+def plot_lines(
+    path: Path,
+    lines: dict[str, tuple[np.ndarray, np.ndarray]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log_y: bool = False,
+    ylim: tuple[float, float] | None = None,
+) -> Path | None:
     """A figure of (x, y) lines (a loss curve, success against env steps), written to `path`; None and one console
     line when it cannot be drawn."""
     try:
@@ -147,14 +156,24 @@ def plot_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xlab
             warnings.filterwarnings("ignore", message="The value of the smallest subnormal")
             _draw_lines(path, lines, xlabel, ylabel, title, log_y, ylim)
     except Exception as e:  # noqa: BLE001  (a figure is a by-product)
-        console.print(f"{path.name} not written: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
-                      soft_wrap=True, markup=False)
+        console.print(
+            f"{path.name} not written: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+            soft_wrap=True,
+            markup=False,
+        )
         return None
     return path
 
 
-def _draw_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, ylabel: str, title: str,
-                log_y: bool, ylim: tuple[float, float] | None) -> None:
+def _draw_lines(
+    path: Path,
+    lines: dict[str, tuple[np.ndarray, np.ndarray]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log_y: bool,
+    ylim: tuple[float, float] | None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,9 +196,15 @@ def _draw_lines(path: Path, lines: dict[str, tuple[np.ndarray, np.ndarray]], xla
     plt.close(fig)
 
 
-def write_plots(run_dir: Path, trace: Trace, origin: float, end: float, sim_cores: int,
-                cpu_samples: list[tuple[float, dict[int, float]]],
-                gpu_samples: list[tuple[float, dict[int, dict[str, float]]]] | None = None) -> list[Path]:
+def write_plots(
+    run_dir: Path,
+    trace: Trace,
+    origin: float,
+    end: float,
+    sim_cores: int,
+    cpu_samples: list[tuple[float, dict[int, float]]],
+    gpu_samples: list[tuple[float, dict[int, dict[str, float]]]] | None = None,
+) -> list[Path]:
     """Write the figures this run has data for into `run_dir` and return their paths. A figure that fails (or
     matplotlib missing) costs one console line, never the run."""
     try:
@@ -187,8 +212,9 @@ def write_plots(run_dir: Path, trace: Trace, origin: float, end: float, sim_core
 
         matplotlib.use("Agg")  # files only: no display
     except ImportError:
-        console.print("no utilisation plots: matplotlib is not installed (pip install -r requirements.txt)",
-                      soft_wrap=True)
+        console.print(
+            "no utilisation plots: matplotlib is not installed (pip install -r requirements.txt)", soft_wrap=True
+        )
         return []
     figures: list[tuple[str, Callable[[Path], None]]] = [
         ("cpu_busy.png", lambda p: plot_cpu_busy(cpu_busy_series(cpu_samples, origin), p)),

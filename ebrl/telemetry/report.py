@@ -1,4 +1,5 @@
 """What the console shows: a progress bar over iterations and the summary table at the end."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,15 @@ class ProgressBar:
     where the console is a terminal; where stdout is not (a job log under SLURM, `nohup`, `> log`, `| tee`), each
     iteration also prints one plain line there, and a line every `heartbeat_s` while an iteration runs longer."""
 
-    def __init__(self, total: int, done: int = 0, enabled: bool = True, label: str = "train",
-                 heartbeat_s: float = 60.0, stream: Any = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        done: int = 0,
+        enabled: bool = True,
+        label: str = "train",
+        heartbeat_s: float = 60.0,
+        stream: Any = None,
+    ) -> None:
         self._progress = None
         self._log: BatchLog | None = None
         if not enabled:
@@ -104,15 +112,19 @@ class BatchLog:
         elapsed = time.monotonic() - self.start
         made = self.done - self.first
         eta = elapsed / made * (self.total - self.done) if made else float("nan")
-        self._print(f"{self.label} {self.done}/{self.total}  {figures}  elapsed {_clock(elapsed)}  "
-                    f"ETA {_clock(eta) if eta == eta else '?'}")
+        self._print(
+            f"{self.label} {self.done}/{self.total}  {figures}  elapsed {_clock(elapsed)}  "
+            f"ETA {_clock(eta) if eta == eta else '?'}"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(min(self.heartbeat_s, 5.0)):
             now = time.monotonic()
             if now - self.last >= self.heartbeat_s and self.done < self.total:
-                self._print(f"{self.label} {self.done}/{self.total}  the next still running "
-                            f"({_clock(now - self.last)} since the last line)  elapsed {_clock(now - self.start)}")
+                self._print(
+                    f"{self.label} {self.done}/{self.total}  the next still running "
+                    f"({_clock(now - self.last)} since the last line)  elapsed {_clock(now - self.start)}"
+                )
 
     def close(self) -> None:
         self._stop.set()
@@ -134,8 +146,10 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     for name, success in (("first", summary.success_start), ("last", summary.success_end)):
         if success is not None:
             its = "iteration" if success.iterations == 1 else f"{success.iterations} iterations"
-            table.add_row(f"success rate, {name} {its} ({success.episodes} episodes, 95% CI)",
-                          f"{success.rate:.1%} ({success.low:.0%} to {success.high:.0%})")
+            table.add_row(
+                f"success rate, {name} {its} ({success.episodes} episodes, 95% CI)",
+                f"{success.rate:.1%} ({success.low:.0%} to {success.high:.0%})",
+            )
     if summary.success_end is None:
         table.add_row("success rate", "n/a (no episode ended)")
     table.add_row("episode return (last iteration)", _fmt(summary.mean_return, ".3f"))
@@ -170,8 +184,10 @@ def print_eval(summary: Any, run_dir: Path) -> None:
     table.add_row("success rate (95% Wilson CI)", f"{summary.success_rate:.1%} ({low:.1%} to {high:.1%})")
     for task, t in getattr(summary, "per_task", {}).items():
         lo, hi = t["success_ci95"]
-        table.add_row(f"  {task} ({t['episodes']} episodes)", f"{t['success_rate']:.1%} ({lo:.1%} to {hi:.1%}), "
-                      f"return {_fmt(t['mean_return'], '.3f')}")
+        table.add_row(
+            f"  {task} ({t['episodes']} episodes)",
+            f"{t['success_rate']:.1%} ({lo:.1%} to {hi:.1%}), return {_fmt(t['mean_return'], '.3f')}",
+        )
     table.add_row("episode return (mean)", _fmt(summary.mean_return, ".3f"))
     table.add_row("episode length (mean)", _fmt(summary.mean_length, ".1f"))
     table.add_row("videos", f"{len(summary.videos)} in videos/" if summary.videos else "none")

@@ -1,5 +1,6 @@
 """Where the CPU went: each core's busy fraction (`CpuMonitor`) and each group of processes' CPU share
 (`ProcessCpu`). Each stage's own time comes from the trace (ebrl/telemetry/trace.py), on one clock for every process."""
+
 from __future__ import annotations
 
 import time

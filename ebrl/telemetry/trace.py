@@ -10,6 +10,7 @@ span to the file as it is added, the spans themselves are kept only since the it
 (for the per-iteration figures), and the whole run's figures (`busy` without `since`, the plots) come from a
 `Timeline` of each stage's seconds in fixed bins, which merges neighbours once it holds MAX_BINS of them.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ class Timeline:
         # slice: a span as long as the envs sharing a core make it costs no Python per bin)
         for k in {lo, hi - 1}:
             row[k] += (min(last, k + 1) - max(first, k)) * self.width
-        row[lo + 1: hi - 1] += self.width
+        row[lo + 1 : hi - 1] += self.width
         while self.seconds.shape[1] > MAX_BINS:
             self._coarsen()
 
@@ -148,8 +149,11 @@ class Trace:
         [start, end], clipped to it."""
         if since < self.base:
             raise ValueError(f"spans before index {self.base} were let go (since={since}); use the timeline")
-        return [Span(s.lane, s.name, max(s.start, start), min(s.end, end), s.args)
-                for s in self.spans[since - self.base:] if s.end > start and s.start < end]
+        return [
+            Span(s.lane, s.name, max(s.start, start), min(s.end, end), s.args)
+            for s in self.spans[since - self.base :]
+            if s.end > start and s.start < end
+        ]
 
     def busy(self, start: float, end: float, sim_cores: int, since: int | None = None) -> dict[str, float]:
         """Busy fraction of each stage over [start, end]: the union of its spans over the window's length;
@@ -158,8 +162,11 @@ class Trace:
         length = max(end - start, 1e-9)
         if since is None:
             seconds = self.timeline.occupied(start, end, sim_cores)
-            return {"simulate": seconds["simulate"] / (length * max(sim_cores, 1)),
-                    "generate": seconds["generate"] / length, "train": seconds["train"] / length}
+            return {
+                "simulate": seconds["simulate"] / (length * max(sim_cores, 1)),
+                "generate": seconds["generate"] / length,
+                "train": seconds["train"] / length,
+            }
         spans = self.window(start, end, since)
         out: dict[str, float] = {}
         sim = sum(s.end - s.start for s in spans if s.stage == "simulate")
@@ -193,7 +200,9 @@ class Trace:
         microseconds from `origin`, by default the first span's start), one thread row per lane."""
         with self.lock:
             if self.file is not None:
-                names = [json.dumps(_name_event(lane, self.lanes[lane])) for lane in sorted(self.lanes, key=_lane_order)]
+                names = [
+                    json.dumps(_name_event(lane, self.lanes[lane])) for lane in sorted(self.lanes, key=_lane_order)
+                ]
                 try:
                     self.file.write(",\n".join(names) + "\n]\n")  # (every span's line ended with a comma)
                     self.file.close()
@@ -221,8 +230,11 @@ class Trace:
         except OSError:
             pass
         self.file, self.gave_up = None, True
-        console.print(f"warning: {name} could not be written ({error.strerror or error}); the run goes on without "
-                      "its trace (the metrics and checkpoints are apart)", soft_wrap=True)
+        console.print(
+            f"warning: {name} could not be written ({error.strerror or error}); the run goes on without "
+            "its trace (the metrics and checkpoints are apart)",
+            soft_wrap=True,
+        )
 
     def _stream(self, span: Span) -> None:
         tid = self.lanes.setdefault(span.lane, len(self.lanes))
@@ -233,13 +245,24 @@ def read_spans(path: Path) -> list[Span]:
     """The spans of a trace.json (times in seconds from its origin), lanes by name."""
     events = json.loads(path.read_text())
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    return [Span(names[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}))
-            for e in events if e["ph"] == "X"]
+    return [
+        Span(names[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}))
+        for e in events
+        if e["ph"] == "X"
+    ]
 
 
 def _span_event(s: Span, tid: int, origin: float) -> dict[str, Any]:
-    return {"ph": "X", "name": s.name, "cat": s.stage, "pid": 0, "tid": tid, "ts": (s.start - origin) * 1e6,
-            "dur": (s.end - s.start) * 1e6, "args": s.args}
+    return {
+        "ph": "X",
+        "name": s.name,
+        "cat": s.stage,
+        "pid": 0,
+        "tid": tid,
+        "ts": (s.start - origin) * 1e6,
+        "dur": (s.end - s.start) * 1e6,
+        "args": s.args,
+    }
 
 
 def _name_event(lane: str, tid: int) -> dict[str, Any]:

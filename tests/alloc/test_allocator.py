@@ -1,5 +1,6 @@
 """The allocator in real runs: a profile that is wrong about the simulators is corrected by what the run measures
 and the simulators get more cores; profiles are found by policy x env x hw, and a mismatching one is refused."""
+
 from __future__ import annotations
 
 import json
@@ -19,22 +20,40 @@ CPU = {"simulate": "cores", "generate": "core_share", "train": "core_share"}
 
 def test_cpu_sets_keep_generation_and_training_apart_and_let_the_simulators_fill_the_rest():
     assert cpu_sets({"simulate": 1, "generate": 0.5, "train": 0.5}, [0, 1]) == {
-        "simulate": [0], "generate": [0], "train": [1]}
+        "simulate": [0],
+        "generate": [0],
+        "train": [1],
+    }
     # a fractional sim share spills onto the policy's cores, where the (niced) simulators fill what they leave
     assert cpu_sets({"simulate": 1.5, "generate": 0.25, "train": 0.25}, [4, 5]) == {
-        "simulate": [4, 5], "generate": [4], "train": [5]}
+        "simulate": [4, 5],
+        "generate": [4],
+        "train": [5],
+    }
     assert cpu_sets({"simulate": 5, "generate": 1.25, "train": 1.75}, list(range(8))) == {
-        "simulate": [0, 1, 2, 3, 4], "generate": [4, 5], "train": [6, 7]}
+        "simulate": [0, 1, 2, 3, 4],
+        "generate": [4, 5],
+        "train": [6, 7],
+    }
     assert cpu_sets({"simulate": 1, "generate": 0.25, "train": 1.75}, [0, 1])["generate"] == [1]  # no core left
     # a GPU node: train its own core, generate its own and the supervisor's (tests/alloc/test_gpu_node.py)
     assert cpu_sets({"simulate": 5, "generate": 0.3, "train": 0.3}, list(range(8)), gpu=True) == {
-        "simulate": [0, 1, 2, 3, 4], "generate": [5, 6], "train": [7]}
+        "simulate": [0, 1, 2, 3, 4],
+        "generate": [5, 6],
+        "train": [7],
+    }
 
 
 def test_stage_rates_from_cpu_time():
     # 100 env steps/s on 2 cores; the simulators used 80% of the cores: 16 ms of CPU per env step
-    rates = stage_rates({"simulate": 1.5, "generate": 0.25, "train": 0.25}, 100.0,
-                        {"simulate": 0.8, "generate": 0.05, "train": 0.1}, {}, cores=2, gpu=False)
+    rates = stage_rates(
+        {"simulate": 1.5, "generate": 0.25, "train": 0.25},
+        100.0,
+        {"simulate": 0.8, "generate": 0.05, "train": 0.1},
+        {},
+        cores=2,
+        gpu=False,
+    )
     assert rates["simulate"] == pytest.approx(1.5 / 0.016)
     assert rates["generate"] == pytest.approx(0.25 / 0.001) and rates["train"] == pytest.approx(0.25 / 0.002)
 
@@ -42,14 +61,27 @@ def test_stage_rates_from_cpu_time():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move the simulators between")
 def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_than_the_profile(tmp_path):
     # (fenced: a work-conserving run lends the simulators the other core from the start, and this checks the move)
-    cfg = compose_config(*SMALL, "allocator=elastic", "allocator.window=2", "allocator.cooldown=0", "iterations=6",
-                         "hw.cpu_cores=2", f"allocator.profiles_dir={tmp_path / 'profiles'}",
-                         "scheduler.work_conserving=false", "env.fast_step=false")
+    cfg = compose_config(
+        *SMALL,
+        "allocator=elastic",
+        "allocator.window=2",
+        "allocator.cooldown=0",
+        "iterations=6",
+        "hw.cpu_cores=2",
+        f"allocator.profiles_dir={tmp_path / 'profiles'}",
+        "scheduler.work_conserving=false",
+        "env.fast_step=false",
+    )
     # (the stock simulator step: simulation must outweigh generation and training by far for the move to pay)
     # a profile that thinks simulation costs 5 ms of CPU per env step (it costs ~15 here; generation ~1, training
     # ~2.5, as profiled): it plans 1 core for the simulators and the other for generation and training
-    wrong = linear_profile({"simulate": 0.005, "generate": 0.001, "train": 0.0025}, [2], CPU, profile_key(cfg),
-                           {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    wrong = linear_profile(
+        {"simulate": 0.005, "generate": 0.001, "train": 0.0025},
+        [2],
+        CPU,
+        profile_key(cfg),
+        {"simulate": 2.0, "generate": 2.0, "train": 2.0},
+    )
     wrong.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
     run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
     allocator = run.placement.allocator
@@ -74,11 +106,21 @@ def test_elastic_allocator_gives_the_simulators_more_cores_when_they_are_slower_
 
 
 def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(tmp_path):
-    cfg = compose_config(*SMALL, "scheduler.groups=1", "iterations=3", "hw.cpu_cores=2",
-                         f"allocator.profiles_dir={tmp_path / 'profiles'}")
+    cfg = compose_config(
+        *SMALL,
+        "scheduler.groups=1",
+        "iterations=3",
+        "hw.cpu_cores=2",
+        f"allocator.profiles_dir={tmp_path / 'profiles'}",
+    )
     # measured at batches 2 and 4 alike: ties go to the smaller batch (more groups to pipeline), 2 groups of 2 envs
-    profile = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.0025}, [2, 4], CPU, profile_key(cfg),
-                             {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    profile = linear_profile(
+        {"simulate": 0.015, "generate": 0.001, "train": 0.0025},
+        [2, 4],
+        CPU,
+        profile_key(cfg),
+        {"simulate": 2.0, "generate": 2.0, "train": 2.0},
+    )
     profile.save(profile_path(tmp_path / "profiles", profile_key(cfg)))
     run = Experiment.from_config(cfg, run_dir=tmp_path / "run")
     assert run.placement.allocator.current.batch == 2
@@ -92,8 +134,13 @@ def test_the_plan_picks_the_generation_batch_and_the_envs_are_regrouped_for_it(t
 def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refused(tmp_path):
     cfg = compose_config(*SMALL, f"allocator.profiles_dir={tmp_path}")
     assert Allocator(cfg, [0, 1]).profile is None  # none yet: calibrate from the costs of iteration 2
-    profile = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [2], CPU, profile_key(cfg),
-                             {"simulate": 2.0, "generate": 2.0, "train": 2.0})
+    profile = linear_profile(
+        {"simulate": 0.015, "generate": 0.001, "train": 0.002},
+        [2],
+        CPU,
+        profile_key(cfg),
+        {"simulate": 2.0, "generate": 2.0, "train": 2.0},
+    )
     path = profile.save(profile_path(tmp_path, profile_key(cfg)))
     found = Allocator(cfg, [0, 1])
     assert found.profile is not None and str(path) in found.source
@@ -104,8 +151,13 @@ def test_a_profile_is_found_by_policy_env_and_hw_and_a_mismatching_one_is_refuse
     assert "was measured for preset=tiny, and this run has preset=small" in str(e.value)
     assert "\n" not in str(e.value)
     # hw=cpu is whatever machine runs it: a profile from one with other cores does not steer this one
-    bigger = linear_profile({"simulate": 0.015, "generate": 0.001, "train": 0.002}, [2], CPU,
-                            {**profile_key(cfg), "cores": 64}, {"simulate": 64.0, "generate": 64.0, "train": 64.0})
+    bigger = linear_profile(
+        {"simulate": 0.015, "generate": 0.001, "train": 0.002},
+        [2],
+        CPU,
+        {**profile_key(cfg), "cores": 64},
+        {"simulate": 64.0, "generate": 64.0, "train": 64.0},
+    )
     bigger.save(path)
     cores = profile_key(cfg)["cores"]
     with pytest.raises(ConfigError, match=f"was measured for cores=64, and this run has cores={cores}"):

@@ -1,5 +1,6 @@
 """The allocator on a GPU node (hw=h200x1: 16 cores, one GPU): generate and train keep a core each for their CPU side,
 and a calibration reads their rates per SM share, so it predicts what it measured."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,14 +23,22 @@ WHOLE_GPU = {"generate": 2000.0, "train": 800.0}
 
 def figures(steps_per_s: float, sm: dict[str, float]) -> Measured:
     """What an iteration measures where each stage costs what it did at calibration, with SM shares `sm`."""
-    return Measured(steps_per_s, {"simulate": SIM_CPU_S * steps_per_s / len(CORES), "generate": 0.05, "train": 0.05},
-                    {s: steps_per_s / (WHOLE_GPU[s] * sm[s]) for s in WHOLE_GPU})
+    return Measured(
+        steps_per_s,
+        {"simulate": SIM_CPU_S * steps_per_s / len(CORES), "generate": 0.05, "train": 0.05},
+        {s: steps_per_s / (WHOLE_GPU[s] * sm[s]) for s in WHOLE_GPU},
+    )
 
 
 def test_the_planner_keeps_a_core_each_for_the_supervisor_generate_and_train():
     # simulate (50 env steps/s per core) is the bottleneck: it gets every core the node can spare
-    profile = linear_profile({"simulate": SIM_CPU_S, "generate": 1 / 2000, "train": 1 / 800}, [4], GPU, {},
-                             {"simulate": 16, "generate": 1.0, "train": 1.0})
+    profile = linear_profile(
+        {"simulate": SIM_CPU_S, "generate": 1 / 2000, "train": 1 / 800},
+        [4],
+        GPU,
+        {},
+        {"simulate": 16, "generate": 1.0, "train": 1.0},
+    )
     best = plan(profile, Totals(cores=16, gpus=1), num_envs=8)
     assert best.x["simulate"] == 16 - 1 - 2 and best.rates["simulate"] == pytest.approx(650.0)
     assert plan(profile, Totals(cores=16, gpus=1, gpu_stage_cores=2), num_envs=8).x["simulate"] == 16 - 1 - 4
@@ -43,12 +52,16 @@ def test_generate_and_train_lease_cores_of_their_own_next_to_the_simulators():
     # a plan that leaves fewer: each still has its own; with one core left they share it
     assert cpu_sets({"simulate": 14, "generate": 0.3, "train": 0.6}, CORES, gpu=True)["generate"] == [14]
     assert cpu_sets({"simulate": 15, "generate": 0.3, "train": 0.6}, CORES, gpu=True) == {
-        "simulate": list(range(15)), "generate": [15], "train": [15]}
+        "simulate": list(range(15)),
+        "generate": [15],
+        "train": [15],
+    }
 
 
 def test_a_gpu_calibration_predicts_the_rates_it_measured_and_does_not_replan_without_a_change(tmp_path):
-    cfg = compose_config("scheduler=ebrl", "hw=h200x1", "allocator=elastic", "env.num_envs=8",
-                         f"allocator.profiles_dir={tmp_path}")
+    cfg = compose_config(
+        "scheduler=ebrl", "hw=h200x1", "allocator=elastic", "env.num_envs=8", f"allocator.profiles_dir={tmp_path}"
+    )
     allocator = Allocator(cfg, CORES)
     assert allocator.profile is None and allocator.totals.gpu_stage_cores == 1
     calibration = figures(STEPS_PER_S, {"generate": 1.0, "train": 1.0})
@@ -66,8 +79,11 @@ def test_a_gpu_calibration_predicts_the_rates_it_measured_and_does_not_replan_wi
     assert now.x["simulate"] <= 13 and now.x["generate"] + now.x["train"] <= 1 + 1e-9
     leases = allocator.leases
     assert leases["simulate"] == list(range(int(now.x["simulate"])))
-    assert leases["train"] == [15] and 15 not in leases["generate"] and not set(leases["generate"]) & set(
-        leases["simulate"])
+    assert (
+        leases["train"] == [15]
+        and 15 not in leases["generate"]
+        and not set(leases["generate"]) & set(leases["simulate"])
+    )
     # the stages go on costing what they did: every observation measures what the plan predicted, nothing moves
     for _ in range(6):
         line, metrics = allocator.observe(figures(now.throughput, now.x))

@@ -1,5 +1,6 @@
 """The memory model against what a real trainer holds: its weights, gradients and Adam moments byte for byte, the
 activations a real pass saves, the GPU budgets and the /dev/shm check (the full-size figures: ebrl.bench.memory)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from ebrl.alloc.memory import (MemoryModel, budgets, check_shared_memory, fitting_strategy, render_contexts,
-                               saved_activations)
+from ebrl.alloc.memory import (
+    MemoryModel,
+    budgets,
+    check_shared_memory,
+    fitting_strategy,
+    render_contexts,
+    saved_activations,
+)
 from ebrl.config import ConfigError
 from ebrl.policies.build import build_policy
 from ebrl.policies.layers import map_tensors
@@ -24,10 +31,16 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("overrides", [("policy.train=all",), ("policy.train=action_expert",),
-                                       ("policy.train=lora", "policy.lora_rank=4"),
-                                       ("policy.train=action_expert", "policy.dtype=bfloat16"),
-                                       ("policy.train=all", "algo.optimizer_dtype=bfloat16")])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("policy.train=all",),
+        ("policy.train=action_expert",),
+        ("policy.train=lora", "policy.lora_rank=4"),
+        ("policy.train=action_expert", "policy.dtype=bfloat16"),
+        ("policy.train=all", "algo.optimizer_dtype=bfloat16"),
+    ],
+)
 def test_the_trainers_state_is_what_the_model_says(overrides: tuple[str, ...]) -> None:
     policy_cfg = policy_config("openpi", *overrides)
     algo = compose_config("algo.epochs=1", "algo.minibatches=1", *(o for o in overrides if o.startswith("algo."))).algo
@@ -49,8 +62,9 @@ def test_the_trainers_state_is_what_the_model_says(overrides: tuple[str, ...]) -
     assert model.checkpoint_state() == sent - steps
     assert model.shared_memory(2, 8, False, checkpoint=True) - model.shared_memory(2, 8, False) == sent - steps
     bf16 = "policy.dtype=bfloat16" in overrides
-    assert predicted["autocast copies"] == (tensor_bytes(p for p in policy.parameters() if p.requires_grad) // 2
-                                            if bf16 else 0)
+    assert predicted["autocast copies"] == (
+        tensor_bytes(p for p in policy.parameters() if p.requires_grad) // 2 if bf16 else 0
+    )
 
 
 @pytest.mark.parametrize("name", ["openpi", "gr00t", "wam", "openvla_oft"])

@@ -1,4 +1,5 @@
 """The planner's split against optima worked out by hand and by brute force, and the controllers' hysteresis."""
+
 from __future__ import annotations
 
 import itertools
@@ -45,8 +46,13 @@ def test_two_cores_time_slice_between_all_stages():
 
 def test_gpu_split_gives_sm_shares_of_one_gpu_in_granules():
     granule = 8 / 132  # green contexts on Hopper
-    profile = linear_profile({"simulate": 0.010, "generate": 0.0005, "train": 0.001}, [8], GPU, {},
-                             {"simulate": 4, "generate": 1.0, "train": 1.0})
+    profile = linear_profile(
+        {"simulate": 0.010, "generate": 0.0005, "train": 0.001},
+        [8],
+        GPU,
+        {},
+        {"simulate": 4, "generate": 1.0, "train": 1.0},
+    )
     best = plan(profile, Totals(cores=6, gpus=1, sm_granule=granule), num_envs=8)
     assert best.x["simulate"] == 3  # one core each stays with the supervisor, generate and train
     assert best.x["generate"] + best.x["train"] <= 1 + 1e-9
@@ -90,12 +96,18 @@ def test_equal_rates_at_every_batch_pick_the_smaller_batch():
     assert plan(cpu_profile(batches=(2, 4, 8)), Totals(cores=8), num_envs=8).batch == 2
 
 
-@pytest.mark.parametrize("totals, needed", [
-    (Totals(cores=1), "a CPU-only node needs 1.5 cores"),
-    (Totals(cores=0), "needs 1.5 cores"),
-    (Totals(cores=3, gpus=1), "a GPU node needs 4 cores \\(1 to simulate, 1 for the supervisor, 1 each for generate"),
-    (Totals(cores=1, gpus=1, gpu_stage_cores=0), "a GPU node needs 2 cores"),
-])
+@pytest.mark.parametrize(
+    "totals, needed",
+    [
+        (Totals(cores=1), "a CPU-only node needs 1.5 cores"),
+        (Totals(cores=0), "needs 1.5 cores"),
+        (
+            Totals(cores=3, gpus=1),
+            "a GPU node needs 4 cores \\(1 to simulate, 1 for the supervisor, 1 each for generate",
+        ),
+        (Totals(cores=1, gpus=1, gpu_stage_cores=0), "a GPU node needs 2 cores"),
+    ],
+)
 def test_too_small_a_node_says_what_is_needed(totals, needed):
     with pytest.raises(PlanError, match=needed):
         plan(cpu_profile(), totals, num_envs=8)
@@ -114,8 +126,12 @@ def test_one_group_loses_to_two_when_its_faster_generation_does_not_pay_for_the_
     # rate is 200 at both, and the old tie-break (larger second-slowest stage: 600) picked batch 8. But one group
     # serialises simulate and generate: 1 / (1/200 + 1/600) = 150, while two allow 2 / (1/200 + 1/500) = 285.7,
     # above simulate's 200. So batch 4: 200 env steps/s against 150.
-    points = [Point("simulate", 2.0, 4, 200.0), Point("train", 1.0, 4, 1000.0),
-              Point("generate", 1.0, 4, 500.0), Point("generate", 1.0, 8, 600.0)]
+    points = [
+        Point("simulate", 2.0, 4, 200.0),
+        Point("train", 1.0, 4, 1000.0),
+        Point("generate", 1.0, 4, 500.0),
+        Point("generate", 1.0, 8, 600.0),
+    ]
     profile = StageProfile(points, resource=CPU)
     fixed = {"simulate": 2, "generate": 1, "train": 1}
     best = plan(profile, Totals(cores=4), num_envs=8, fixed=fixed)
@@ -152,12 +168,14 @@ def test_the_cycle_and_what_limits_a_plan():
     assert one.cycle == pytest.approx(1800 / 11)  # 1 / (1/200 + 1/900) = 163.6, below simulate's 200
     assert one.throughput == pytest.approx(1800 / 11)
     assert one.limited_by == CYCLE == "the group cycle" and one.bottleneck == "simulate"
-    assert describe(one).endswith("generation batch 8 (predicted 163.6 env steps/s, limited by the group cycle: "
-                                  "1 group)")
+    assert describe(one).endswith(
+        "generation batch 8 (predicted 163.6 env steps/s, limited by the group cycle: 1 group)"
+    )
     two = Plan(x, batch=4, groups=2, rates=rates)
     assert two.cycle == pytest.approx(3600 / 11) and two.throughput == 200.0  # 327.3: simulate binds
-    assert two.limited_by == "simulate" and describe(two).endswith("(predicted 200.0 env steps/s, simulate the "
-                                                                   "bottleneck)")
+    assert two.limited_by == "simulate" and describe(two).endswith(
+        "(predicted 200.0 env steps/s, simulate the bottleneck)"
+    )
     # a stage with nothing to do (inf) does not slow the cycle; an unknown rate (nan) leaves everything unknown
     idle = Plan(x, batch=8, groups=1, rates={**rates, "generate": math.inf})
     assert idle.cycle == 200.0 and idle.throughput == 200.0 and idle.limited_by == "simulate"
@@ -177,8 +195,11 @@ def brute_force(profile: StageProfile, totals: Totals, num_envs: int) -> float:
     for batch in (b for b in profile.batches("generate") if num_envs % b == 0):
         for s, g, t in itertools.product(sims, shares, shares):
             if (g + t if gpu else s + g + t) <= (1 if gpu else totals.cores) + 1e-9:
-                rates = [profile.rate("simulate", s, batch), profile.rate("generate", g, batch),
-                         profile.rate("train", t, batch)]
+                rates = [
+                    profile.rate("simulate", s, batch),
+                    profile.rate("generate", g, batch),
+                    profile.rate("train", t, batch),
+                ]
                 cycle = (num_envs // batch) / (1 / rates[0] + 1 / rates[1])
                 best = max(best, min(*rates, cycle))
     return best
@@ -200,16 +221,23 @@ def test_plan_is_the_best_split_on_random_profiles(seed):
     assert best.batch in (2, 4, 8) and best.groups == 8 // best.batch  # batch 8: one group, where the cycle binds
     assert best.throughput == min(*best.rates.values(), best.cycle)
     assert all(best.rates[s] == profile.rate(s, best.x[s], best.batch) for s in STAGES)
-    assert best.x["simulate"] >= 1 and (best.x["simulate"] == int(best.x["simulate"]) if gpu else
-                                        (best.x["simulate"] / totals.core_granule).is_integer())
+    assert best.x["simulate"] >= 1 and (
+        best.x["simulate"] == int(best.x["simulate"])
+        if gpu
+        else (best.x["simulate"] / totals.core_granule).is_integer()
+    )
     shares = best.x["generate"] + best.x["train"]
-    assert (shares <= 1 + 1e-9 and best.x["simulate"] <= totals.max_sim_cores) if gpu else \
-        best.x["simulate"] + shares <= totals.cores + 1e-9
+    assert (
+        (shares <= 1 + 1e-9 and best.x["simulate"] <= totals.max_sim_cores)
+        if gpu
+        else best.x["simulate"] + shares <= totals.cores + 1e-9
+    )
     assert best.throughput == pytest.approx(brute_force(profile, totals, num_envs=8), rel=1e-12)
 
 
-def drive(controller: ElasticController | StaticController, profile: StageProfile, truth: Callable[[int], float],
-          steps: int) -> list[Plan]:
+def drive(
+    controller: ElasticController | StaticController, profile: StageProfile, truth: Callable[[int], float], steps: int
+) -> list[Plan]:
     """Feed `steps` observations where simulate really runs at truth(step) times the profile's prediction."""
     plans = []
     for step in range(1, steps + 1):
@@ -229,12 +257,15 @@ def test_a_single_blip_does_not_replan():
         assert controller.decisions == []
 
 
-@pytest.mark.parametrize("num_envs, late, limit", [
-    (16, 0, "simulate is the bottleneck ("),  # 2 groups: simulate binds
-    # 1 group: the cycle binds, and a simulator at a third of its rate slows it less (333 -> 143 env steps/s), so
-    # the EMA's first steps predict less than 10% to gain: the votes start 4 observations later
-    (8, 4, "the group cycle (simulate 1"),
-])
+@pytest.mark.parametrize(
+    "num_envs, late, limit",
+    [
+        (16, 0, "simulate is the bottleneck ("),  # 2 groups: simulate binds
+        # 1 group: the cycle binds, and a simulator at a third of its rate slows it less (333 -> 143 env steps/s), so
+        # the EMA's first steps predict less than 10% to gain: the votes start 4 observations later
+        (8, 4, "the group cycle (simulate 1"),
+    ],
+)
 def test_a_sustained_shift_replans_once_after_window_observations(num_envs, late, limit):
     profile = cpu_profile()
     for window in (3, 5):

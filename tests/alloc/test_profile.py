@@ -1,4 +1,5 @@
 """StageProfile: interpolation on the measured grid, the extrapolation rules, YAML round-trip, file names."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,17 @@ RESOURCE = {"simulate": "cores", "generate": "core_share", "train": "core_share"
 
 def grid_profile() -> StageProfile:
     """simulate: sublinear in cores; generate: two batches, the larger one faster and measured at fewer shares."""
-    points = [Point("simulate", 1, 8, 100.0), Point("simulate", 2, 8, 180.0), Point("simulate", 4, 8, 300.0),
-              Point("generate", 0.5, 4, 50.0), Point("generate", 1.0, 4, 90.0), Point("generate", 2.0, 4, 120.0),
-              Point("generate", 1.0, 16, 200.0), Point("generate", 2.0, 16, 440.0),
-              Point("train", 1.0, 8, 70.0)]
+    points = [
+        Point("simulate", 1, 8, 100.0),
+        Point("simulate", 2, 8, 180.0),
+        Point("simulate", 4, 8, 300.0),
+        Point("generate", 0.5, 4, 50.0),
+        Point("generate", 1.0, 4, 90.0),
+        Point("generate", 2.0, 4, 120.0),
+        Point("generate", 1.0, 16, 200.0),
+        Point("generate", 2.0, 16, 440.0),
+        Point("train", 1.0, 8, 70.0),
+    ]
     return StageProfile(points, KEY, RESOURCE)
 
 
@@ -94,14 +102,17 @@ def test_save_load_round_trip(tmp_path):
     assert "version: 1" in path.read_text()
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("- just\n- a list\n", "not a stage profile"),
-    ("version: 2\nkey: {}\nresource: {}\npoints: {}\n", "version 2, expected 1"),
-    ("version: 1\nkey: {}\npoints: {}\n", "missing or not a mapping: resource"),
-    ("version: 1\nkey: {}\nresource: {}\npoints: {simulate: [{x: 1, rate: 3}]}\n", "malformed point"),
-    ("version: 1\nkey: {}\nresource: {}\npoints: {simulate: [{x: 1, batch: 8, rate: -3}]}\n", "rate > 0"),
-    ("version: 1\nkey: [unclosed\n", "not YAML"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("- just\n- a list\n", "not a stage profile"),
+        ("version: 2\nkey: {}\nresource: {}\npoints: {}\n", "version 2, expected 1"),
+        ("version: 1\nkey: {}\npoints: {}\n", "missing or not a mapping: resource"),
+        ("version: 1\nkey: {}\nresource: {}\npoints: {simulate: [{x: 1, rate: 3}]}\n", "malformed point"),
+        ("version: 1\nkey: {}\nresource: {}\npoints: {simulate: [{x: 1, batch: 8, rate: -3}]}\n", "rate > 0"),
+        ("version: 1\nkey: [unclosed\n", "not YAML"),
+    ],
+)
 def test_load_of_a_broken_file_names_the_file_and_the_problem(tmp_path, text, problem):
     path = tmp_path / "broken.yaml"
     path.write_text(text)

@@ -1,6 +1,7 @@
 """The at-scale benchmark end to end on a small workload: costs measured on real simulators and the real policy,
 written and read back, and a prediction in virtual time for more envs on more cores than this machine has (no
 timings asserted)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,20 @@ def test_costs_are_measured_saved_and_predict_a_bigger_node(tmp_path, capsys):
     assert costs["generate_fit"][0] + costs["generate_fit"][1] > 0
     assert costs["init"] and costs["init"].endswith("_sft.pt")  # (the run's first weights acted)
     assert out["rows"][0]["simulated"]["env_steps_per_s"] > 0
-    bigger = main(["--modes", "colocated", "ebrl", *small, "--costs", str(tmp_path / "costs.json"), "--envs", "16",
-                   "--cores", "8"])
+    bigger = main(
+        [
+            "--modes",
+            "colocated",
+            "ebrl",
+            *small,
+            "--costs",
+            str(tmp_path / "costs.json"),
+            "--envs",
+            "16",
+            "--cores",
+            "8",
+        ]
+    )
     for row in bigger["rows"]:
         assert row["simulated"]["envs"] == 16 and row["simulated"]["cores"] == 8
     printed = capsys.readouterr().out
@@ -38,8 +51,20 @@ def test_a_gpu_node_without_its_simulator_steps_is_one_line(capsys):
 def test_the_design_cards_command_answers_and_fits_by_default(capsys):
     # pi0 at full size on the paper's 8 A100s: RoboCasa's published steps taken as its default, the replicas' state
     # sharded where one GPU would not hold it
-    out = main(["policy=openpi", "policy.preset=full", "env=robocasa", "hw=a100x8", "--modes", "ebrl", "--envs", "8",
-                "--iterations", "2"])
+    out = main(
+        [
+            "policy=openpi",
+            "policy.preset=full",
+            "env=robocasa",
+            "hw=a100x8",
+            "--modes",
+            "ebrl",
+            "--envs",
+            "8",
+            "--iterations",
+            "2",
+        ]
+    )
     assert "the paper's published RoboCasa steps" in out["costs"]["simulator steps"]
     assert "(FSDP)" in out["capacity"]["memory"] and out["capacity"]["memory"].endswith("it fits")
     assert out["rows"][0]["simulated"]["env_steps_per_s"] > 0

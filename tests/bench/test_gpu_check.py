@@ -1,5 +1,6 @@
 """gpu_check's driver on this CPU machine: its two parts, a check ended by SIGTERM or --timeout (its MPS daemon
 stopped, its processes ended), and the figures `python -m ebrl.bench.at_scale --gpu-costs` reads from it."""
+
 from __future__ import annotations
 
 import json
@@ -46,11 +47,16 @@ def test_two_parts_hold_every_check_once():
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "--timeout"])
-def test_a_check_ended_by_sigterm_or_its_timeout_stops_its_daemon_and_its_processes(stop, tmp_path, repo,
-                                                                                    fake_mps_control):
+def test_a_check_ended_by_sigterm_or_its_timeout_stops_its_daemon_and_its_processes(
+    stop, tmp_path, repo, fake_mps_control
+):
     out = tmp_path / "figures.json"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDING, str(tmp_path / "run"), str(out),
-                             "600" if stop == "SIGTERM" else "4"], cwd=repo, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDING, str(tmp_path / "run"), str(out), "600" if stop == "SIGTERM" else "4"],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = next(line for line in proc.stdout if line.startswith("HOLDING"))
     control, child = Path(line.split()[1]), int(line.split()[2])
     assert control.exists() and psutil.pid_exists(child)
@@ -62,8 +68,10 @@ def test_a_check_ended_by_sigterm_or_its_timeout_stops_its_daemon_and_its_proces
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     why = "SIGTERM came" if stop == "SIGTERM" else "--timeout=4 s passed"
     assert f"FAIL  mps        {why} during it; the processes it started are ended" in said
-    assert json.loads(out.read_text()) == {"mps": {"status": "FAIL", "error": f"{why} during it"},
-                                           "green": {"status": "SKIP", "reason": f"not reached: {why}"}}
+    assert json.loads(out.read_text()) == {
+        "mps": {"status": "FAIL", "error": f"{why} during it"},
+        "green": {"status": "SKIP", "reason": f"not reached: {why}"},
+    }
 
 
 def test_at_scale_reads_the_costs_that_gpu_check_writes(tmp_path):

@@ -1,5 +1,6 @@
 """gpu_check's kit for a GPU machine that reaches no registry: its device command, and every check imported in that
 machine's Python 3.12 image with the kit's wheels on top (skipped, naming the commands, where either is missing)."""
+
 from __future__ import annotations
 
 import ctypes.util
@@ -29,16 +30,29 @@ def test_every_check_imports_on_the_gpu_machines_image_with_the_kit(tmp_path):
     MuJoCo renders through EGL; the loader packages hold the libraries the device tool's recipe names."""
     python = benchmark_python("gpu-image")
     if python is None or not (KIT / "whl").is_dir():
-        pytest.skip("needs the GPU image's venv and the kit: python -m ebrl.envs.setup gpu-image && "
-                    "python -m ebrl.bench.gpu_check --kit .kit")
+        pytest.skip(
+            "needs the GPU image's venv and the kit: python -m ebrl.envs.setup gpu-image && "
+            "python -m ebrl.bench.gpu_check --kit .kit"
+        )
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path),
-           "OUT": str(tmp_path / "out"), "PYTHONPATH": ""}
+    env = {
+        **os.environ,
+        "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}",
+        "TMPDIR": str(tmp_path),
+        "OUT": str(tmp_path / "out"),
+        "PYTHONPATH": "",
+    }
     (tmp_path / "out").mkdir()
     site = "${TMPDIR:-/tmp}/ebrl-site"
     for part, names in PARTS.items():
-        done = subprocess.run(["bash", "-c", check_command(str(KIT), part, site, f"$OUT/gpu_check_part{part}")],
-                              cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            ["bash", "-c", check_command(str(KIT), part, site, f"$OUT/gpu_check_part{part}")],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         figures = json.loads((tmp_path / "out" / f"gpu_check_part{part}.json").read_text())
         assert list(figures) == list(names)
@@ -49,17 +63,26 @@ def test_every_check_imports_on_the_gpu_machines_image_with_the_kit(tmp_path):
     installed = {p.name.split("-")[0].lower() for p in (tmp_path / "ebrl-site").glob("*.dist-info")}
     assert installed == {name.replace("-", "_") for name in CARRIED}
     site_env = {**env, "PYTHONPATH": str(tmp_path / "ebrl-site")}
-    code = ("from ebrl.bench.memory import compose; import hydra, torch, sys; cfg = compose('policy.preset=small'); "
-            "print(cfg.policy.preset, torch.__version__, sys.version_info[:2], hydra.__file__)")
-    done = subprocess.run([str(python), "-c", code], cwd=repo, env=site_env, capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "from ebrl.bench.memory import compose; import hydra, torch, sys; cfg = compose('policy.preset=small'); "
+        "print(cfg.policy.preset, torch.__version__, sys.version_info[:2], hydra.__file__)"
+    )
+    done = subprocess.run(
+        [str(python), "-c", code], cwd=repo, env=site_env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[:2] == ["small", "2.11.0+cu130"] and str(tmp_path / "ebrl-site") in done.stdout
     if ctypes.util.find_library("EGL") is not None:  # (python -m ebrl.install brings Mesa's EGL here)
         from ebrl.bench.gpu_check import RENDER
 
-        done = subprocess.run([str(python), "-c", RENDER.replace("time.sleep(8)", "")], cwd=repo, env=site_env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [str(python), "-c", RENDER.replace("time.sleep(8)", "")],
+            cwd=repo,
+            env=site_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.stdout.startswith("READY "), done.stderr[-2000:]
     gl = tmp_path / "gl"
     for deb in sorted((KIT / "deb").glob("*.deb")):

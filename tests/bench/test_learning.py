@@ -1,4 +1,5 @@
 """The learning benchmark's arithmetic: success over a moving window of iterations, and the time to a target."""
+
 from __future__ import annotations
 
 import math
@@ -10,9 +11,19 @@ from ebrl.bench.learning import WINDOW, Run
 
 def a_run(successes: list[int], episodes: list[int]) -> Run:
     n = len(successes)
-    return Run("ppo", "colocated", 0, env_steps=[320.0 * (i + 1) for i in range(n)],
-               seconds=[2.0 * (i + 1) for i in range(n)], successes=successes, episodes=episodes, approx_kl=0.0,
-               clipfrac=0.0, explained_variance=0.0, env_steps_per_s=160.0)
+    return Run(
+        "ppo",
+        "colocated",
+        0,
+        env_steps=[320.0 * (i + 1) for i in range(n)],
+        seconds=[2.0 * (i + 1) for i in range(n)],
+        successes=successes,
+        episodes=episodes,
+        approx_kl=0.0,
+        clipfrac=0.0,
+        explained_variance=0.0,
+        env_steps_per_s=160.0,
+    )
 
 
 def test_success_is_pooled_over_the_windows_episodes_and_the_target_is_its_first_crossing():

@@ -1,4 +1,5 @@
 """The scheduler benchmark on a minimal workload: every row measured, positive, with a finite limit (no timings)."""
+
 from __future__ import annotations
 
 import json
@@ -9,20 +10,46 @@ import pytest
 
 from ebrl.bench.schedulers import GYM_E2E, GYM_ROLLOUT, SIM_ONLY, STAGES, limits_of, main, round_order
 
-MINIMAL = ["--num-envs", "2", "--iterations", "2", "--repeats", "1", "--rollout-chunks", "2",
-           "algo.minibatches=2", "algo.epochs=1", "scheduler.torch_threads=1", "env.max_episode_steps=12"]
+MINIMAL = [
+    "--num-envs",
+    "2",
+    "--iterations",
+    "2",
+    "--repeats",
+    "1",
+    "--rollout-chunks",
+    "2",
+    "algo.minibatches=2",
+    "algo.epochs=1",
+    "scheduler.torch_threads=1",
+    "env.max_episode_steps=12",
+]
 
 
 def test_benchmark_reports_every_row(tmp_path, capsys):
     # (3 iterations: with 2, a fast simulator lets the pipelined mode's rollout of the measured second iteration run
     # entirely during the first one's update, and that iteration holds no simulation to share the CPU with)
-    result = main([*MINIMAL, "--iterations", "3", "--modes", "colocated", "ebrl[scheduler.groups=2]", "--json",
-                   str(tmp_path / "bench.json"), "--foreign-load", "1", "--foreign-pinned"])
+    result = main(
+        [
+            *MINIMAL,
+            "--iterations",
+            "3",
+            "--modes",
+            "colocated",
+            "ebrl[scheduler.groups=2]",
+            "--json",
+            str(tmp_path / "bench.json"),
+            "--foreign-load",
+            "1",
+            "--foreign-pinned",
+        ]
+    )
     rows = {r["row"]: r for r in result["rows"]}
     loaded = ["colocated +1 busy pinned", "ebrl[scheduler.groups=2] +1 busy pinned"]
     assert list(rows) == ["colocated", "ebrl[scheduler.groups=2]", *loaded, SIM_ONLY, GYM_ROLLOUT, GYM_E2E]
-    assert [result["under_load"][mode]["kept"] for mode in result["stages"]] == \
-        [rows[row]["env_steps_per_s"] / rows[mode]["env_steps_per_s"] for mode, row in zip(result["stages"], loaded)]
+    assert [result["under_load"][mode]["kept"] for mode in result["stages"]] == [
+        rows[row]["env_steps_per_s"] / rows[mode]["env_steps_per_s"] for mode, row in zip(result["stages"], loaded)
+    ]
     for r in rows.values():
         assert r["env_steps_per_s"] > 0 and len(r["per_round"]) == 1 and r["min"] == r["max"] == r["per_round"][0]
         assert math.isfinite(r["limit"]) and r["limit"] > 0 and r["achieved_over_limit"] > 0
@@ -59,8 +86,9 @@ def test_rounds_alternate_the_order_of_the_modes():
 def test_the_limit_on_a_gpu_node_shares_the_gpu_between_generation_and_training():
     # 10 ms of CPU per simulated step on 16 cores (1600 steps/s); 0.5 ms of GPU for generation and 1 ms for training
     cost = {"simulate": 0.010, "generate": 0.0005, "train": 0.001}
-    assert limits_of(cost, 16, gpu=True) == pytest.approx({"sim+gen+train": 1 / 0.0015, "sim": 1600.0,
-                                                           "sim+gen": 1600.0})
+    assert limits_of(cost, 16, gpu=True) == pytest.approx(
+        {"sim+gen+train": 1 / 0.0015, "sim": 1600.0, "sim+gen": 1600.0}
+    )
     assert limits_of(cost, 16, gpu=False)["sim+gen+train"] == pytest.approx(16 / 0.0115)  # on CPU all share cores
 
 
@@ -74,8 +102,14 @@ def test_benchmark_rejects_an_unknown_mode_in_one_line(capsys):
 def test_straggler_envs_match_the_base_spec_and_step_more_substeps():
     from ebrl.bench.stragglers import StragglerEnv
 
-    kwargs = dict(inner_target="ebrl.envs.robosuite_env.RobosuiteEnv", straggler_envs=1, straggler_task="Stack",
-                  task="Lift", max_episode_steps=12, control_freq=20)
+    kwargs = dict(
+        inner_target="ebrl.envs.robosuite_env.RobosuiteEnv",
+        straggler_envs=1,
+        straggler_task="Stack",
+        task="Lift",
+        max_episode_steps=12,
+        control_freq=20,
+    )
     straggler, normal = StragglerEnv(seed=0, **kwargs), StragglerEnv(seed=1, **kwargs)
     try:
         assert straggler.straggler and not normal.straggler
@@ -91,8 +125,15 @@ def test_straggler_envs_match_the_base_spec_and_step_more_substeps():
 def test_a_straggler_may_slow_down_mid_run_at_its_next_reset():
     from ebrl.bench.stragglers import StragglerEnv
 
-    env = StragglerEnv(inner_target="ebrl.envs.robosuite_env.RobosuiteEnv", straggler_envs=1, straggler_after_steps=3,
-                       task="Lift", max_episode_steps=12, control_freq=20, seed=0)
+    env = StragglerEnv(
+        inner_target="ebrl.envs.robosuite_env.RobosuiteEnv",
+        straggler_envs=1,
+        straggler_after_steps=3,
+        task="Lift",
+        max_episode_steps=12,
+        control_freq=20,
+        seed=0,
+    )
     try:
         assert not env.slow and env.env.env.control_freq == 20
         env.begin_episode()
@@ -153,12 +194,29 @@ def test_a_workload_the_config_refuses_is_one_line_from_the_command_line():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "ebrl.bench.schedulers", "--num-envs", "15", "--iterations", "2",
-                           "--repeats", "1", "--modes", "colocated", "--no-gym"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ebrl.bench.schedulers",
+            "--num-envs",
+            "15",
+            "--iterations",
+            "2",
+            "--repeats",
+            "1",
+            "--modes",
+            "colocated",
+            "--no-gym",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: algo.minibatches=4 does not divide the rollout batch env.num_envs x algo.rollout_chunks = 150"]
+        "error: algo.minibatches=4 does not divide the rollout batch env.num_envs x algo.rollout_chunks = 150"
+    ]
 
 
 def test_a_benchmark_that_fails_says_so_in_one_line_and_keeps_the_traceback():

@@ -1,5 +1,6 @@
 """The per-part timer of the simulation benchmark: a call inside another is charged to the inner part while it runs,
 everything inside a reset to the reset, and the originals come back (a clock that moves only when told)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The simulation-speed benchmark on one task: the stock and the fast control step on the run's path, the physics
 inside it, each part's share, one simulator process's CPU time and the run's processes' at once, measured in the
 benchmark's own processes (no timings asserted)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,29 @@ from ebrl.bench.sim_parts import PARTS
 from ebrl.bench.sim_speed import main
 
 
-@pytest.mark.parametrize("suite, task, substeps, envs", [
-    ("robosuite", "Lift", 25, 2),  # robosuite's 500 Hz physics under a 20 Hz control step
-    ("maniskill", "PushCube-v1", 5, 1),  # PhysX at 100 Hz, timed inside the stock steps
-])
+@pytest.mark.parametrize(
+    "suite, task, substeps, envs",
+    [
+        ("robosuite", "Lift", 25, 2),  # robosuite's 500 Hz physics under a 20 Hz control step
+        ("maniskill", "PushCube-v1", 5, 1),  # PhysX at 100 Hz, timed inside the stock steps
+    ],
+)
 def test_sim_speed_measures_the_runs_step_its_physics_and_its_parts(capsys, suite, task, substeps, envs):
-    rows = main(["--benchmarks", suite, "--tasks", task, "--steps", "48", "--repeats", "1", "policy.execute=4",
-                 "env.max_episode_steps=20", f"env.num_envs={envs}"])
+    rows = main(
+        [
+            "--benchmarks",
+            suite,
+            "--tasks",
+            task,
+            "--steps",
+            "48",
+            "--repeats",
+            "1",
+            "policy.execute=4",
+            "env.max_episode_steps=20",
+            f"env.num_envs={envs}",
+        ]
+    )
     assert [r["task"] for r in rows] == [task]
     row = rows[0]
     assert row["substeps"] == substeps and row["execute"] == 4  # (the run's override)

@@ -13,6 +13,7 @@ Each `write` is a dataset of the npz's episodes (state_<i>, action_<i>, reward_<
 Each `read` is a dataset read through `LeRobotDataset(root=...)`, every frame, saved into `out` as
 read<k>_<state|action|image|episode> (images as lerobot gives them: float32 CHW in [0, 1]) and read<k>_task.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,19 @@ def write(spec: dict, inputs: dict, tasks: list[str], fps: int) -> None:
         options["metadata_buffer_size"] = 1  # (each episode's meta written at once, so that its file can roll too)
     ds = LeRobotDataset.create("ebrl/test", fps=fps, features=features, root=spec["root"], use_videos=True, **options)
     if "file_mb" in spec:  # (0.4) files this small hold an episode each, and chunks_size files a chunk folder
-        ds.meta.update_chunk_settings(chunks_size=spec["chunks_size"], data_files_size_in_mb=spec["file_mb"],
-                                      video_files_size_in_mb=spec["file_mb"])
+        ds.meta.update_chunk_settings(
+            chunks_size=spec["chunks_size"],
+            data_files_size_in_mb=spec["file_mb"],
+            video_files_size_in_mb=spec["file_mb"],
+        )
     for i, task in enumerate(tasks):
         for t in range(len(inputs[f"state_{i}"])):
-            frame = {"observation.state": inputs[f"state_{i}"][t], "action": inputs[f"action_{i}"][t],
-                     "next.reward": inputs[f"reward_{i}"][t:t + 1], CAMERA: inputs[f"{spec['images']}_{i}"][t]}
+            frame = {
+                "observation.state": inputs[f"state_{i}"][t],
+                "action": inputs[f"action_{i}"][t],
+                "next.reward": inputs[f"reward_{i}"][t : t + 1],
+                CAMERA: inputs[f"{spec['images']}_{i}"][t],
+            }
             if CODEBASE_VERSION == "v2.1":
                 ds.add_frame(frame, task=task)
             else:

@@ -1,5 +1,6 @@
 """The recorder's episodes replay to success from their seeds, the command works as a user types it, and a user's
 own robomimic file is read by the same reader."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,10 @@ TASKS = [
 @pytest.mark.parametrize("env,task,expert,extra", TASKS, ids=[t for _, t, _, _ in TASKS])
 def test_recorded_episodes_replay_to_success(env, task, expert, extra, tmp_path):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = compose("record", overrides=[f"env={env}", f"env.task={task}", "episodes=2", f"out={tmp_path}",
-                                           "progress=false", *extra])
+        cfg = compose(
+            "record",
+            overrides=[f"env={env}", f"env.task={task}", "episodes=2", f"out={tmp_path}", "progress=false", *extra],
+        )
     path = record(cfg)
     demos = read_demos(path, valid_share=0.0)
     assert [len(demos.train), len(demos.valid)] == [1, 1]  # valid=0.2 of 2 rounds to one held out, as mask/valid
@@ -49,8 +52,14 @@ def test_recorded_episodes_replay_to_success(env, task, expert, extra, tmp_path)
 
 
 def run_demos(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ebrl.demos", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ebrl.demos", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
 
 
 def test_the_command_as_a_user_types_it(tmp_path):
@@ -61,7 +70,8 @@ def test_the_command_as_a_user_types_it(tmp_path):
     bad = run_demos("record", "env.task=Door", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: env=robosuite env.task=Door has no scripted expert; these have: env=robosuite env.task=Lift, "
-        "env=robosuite env.task=Stack, env=maniskill env.task=PickCube-v1, env=maniskill env.task=PushCube-v1"]
+        "env=robosuite env.task=Stack, env=maniskill env.task=PickCube-v1, env=maniskill env.task=PushCube-v1"
+    ]
     usage = run_demos(cwd=tmp_path)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m ebrl.demos record env=")
 
@@ -87,6 +97,9 @@ def test_a_users_own_robomimic_file_reads_by_its_keys(tmp_path):
     assert len(demos.train) == 9 and demos.steps == sum(5 + i for i in range(11))
     e = demos.episodes[3]
     assert e.obs["state"].shape == (8, 13) and e.obs["image/agentview"].shape == (8, 8, 8, 3) and len(e) == 8
-    with pytest.raises(DemosError, match=r"has no obs/state \(demos.state_keys\); its obs are: agentview_image, "
-                                         r"object, robot0_eef_pos$"):
+    with pytest.raises(
+        DemosError,
+        match=r"has no obs/state \(demos.state_keys\); its obs are: agentview_image, "
+        r"object, robot0_eef_pos$",
+    ):
         read_demos(tmp_path / "image.hdf5")

@@ -11,6 +11,7 @@ and 1.9 at most): the images are smooth gradients whose level steps by FRAME_STE
 wrong time is off by more. SVT-AV1 does not encode frames under 32 pixels (it dies of SIGFPE), so its datasets are
 32x32.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ TASKS = ["lift the cube", "stack the cube", "lift the cube"]
 FPS = 10
 FRAME_STEP = 6  # grey levels between consecutive frames
 VIDEO_MAE = 3.0  # mean absolute error, grey levels, of a decoded frame against the one written
-KEYS = dict(state_keys=["observation.state"], image_keys={"agentview": "observation.images.front"},
-            cameras=["agentview"])
+KEYS = dict(
+    state_keys=["observation.state"], image_keys={"agentview": "observation.images.front"}, cameras=["agentview"]
+)
 
 
 def gradient(size: int, frame: int, episode: int) -> np.ndarray:
@@ -64,19 +66,35 @@ def lerobot_job(name: str, folder: Path, write: list[dict], read: list[str]) -> 
     if python is None:
         pytest.skip(f"no {name} interpreter: {SETUP_COMMAND.format(name=name)}")
     np.savez(folder / "inputs.npz", **inputs())
-    job = {"inputs": str(folder / "inputs.npz"), "fps": FPS, "tasks": TASKS, "out": str(folder / "read.npz"),
-           "write": [{**w, "root": str(folder / w["root"])} for w in write], "read": read}
+    job = {
+        "inputs": str(folder / "inputs.npz"),
+        "fps": FPS,
+        "tasks": TASKS,
+        "out": str(folder / "read.npz"),
+        "write": [{**w, "root": str(folder / w["root"])} for w in write],
+        "read": read,
+    }
     (folder / "job.json").write_text(json.dumps(job))
-    done = subprocess.run([str(python), str(SCRIPT), str(folder / "job.json")], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [str(python), str(SCRIPT), str(folder / "job.json")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(folder / "read.npz"))
 
 
 def our_episodes() -> list[Episode]:
     data = inputs()
-    return [Episode({"state": data[f"state_{i}"], "image/agentview": data[f"image16_{i}"]}, data[f"action_{i}"],
-                    data[f"reward_{i}"], True, 100 + i, TASKS[i]) for i in range(len(LENGTHS))]
+    return [
+        Episode(
+            {"state": data[f"state_{i}"], "image/agentview": data[f"image16_{i}"]},
+            data[f"action_{i}"],
+            data[f"reward_{i}"],
+            True,
+            100 + i,
+            TASKS[i],
+        )
+        for i in range(len(LENGTHS))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +102,24 @@ def v30(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     """lerobot 0.4.4's datasets (images in the parquet, AV1 and h264 video) and what its reader makes of ours."""
     folder = tmp_path_factory.mktemp("lerobot_v30")
     write_lerobot(folder / "ours", our_episodes(), "lift the cube", FPS, valid=1, info={"expert": "test"})
-    read = lerobot_job("lerobot", folder, [
-        {"root": "image", "images": "image16", "dtype": "image", "vcodec": "libsvtav1"},
-        {"root": "av1", "images": "image32", "dtype": "video", "vcodec": "libsvtav1"},
-        {"root": "h264", "images": "image16", "dtype": "video", "vcodec": "h264"},
-        {"root": "files", "images": "image32", "dtype": "video", "vcodec": "libsvtav1", "file_mb": 1e-4,
-         "chunks_size": 2},
-    ], [str(folder / "ours")])
+    read = lerobot_job(
+        "lerobot",
+        folder,
+        [
+            {"root": "image", "images": "image16", "dtype": "image", "vcodec": "libsvtav1"},
+            {"root": "av1", "images": "image32", "dtype": "video", "vcodec": "libsvtav1"},
+            {"root": "h264", "images": "image16", "dtype": "video", "vcodec": "h264"},
+            {
+                "root": "files",
+                "images": "image32",
+                "dtype": "video",
+                "vcodec": "libsvtav1",
+                "file_mb": 1e-4,
+                "chunks_size": 2,
+            },
+        ],
+        [str(folder / "ours")],
+    )
     return folder, read
 
 
@@ -98,8 +127,15 @@ def v30(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 def v21(tmp_path_factory) -> Path:
     """lerobot 0.3.3's datasets: images in the parquet and AV1 video."""
     folder = tmp_path_factory.mktemp("lerobot_v21")
-    lerobot_job("lerobot-v21", folder, [{"root": "image", "images": "image16", "dtype": "image", "vcodec": "libsvtav1"},
-                                        {"root": "av1", "images": "image32", "dtype": "video", "vcodec": "libsvtav1"}], [])
+    lerobot_job(
+        "lerobot-v21",
+        folder,
+        [
+            {"root": "image", "images": "image16", "dtype": "image", "vcodec": "libsvtav1"},
+            {"root": "av1", "images": "image32", "dtype": "video", "vcodec": "libsvtav1"},
+        ],
+        [],
+    )
     return folder
 
 
@@ -136,7 +172,10 @@ def test_lerobot_v30_video_frames_read_within_the_codecs_error(v30, codec, image
 def test_lerobot_v30_episodes_across_files_and_chunks(v30):
     root = v30[0] / "files"
     assert sorted(p.relative_to(root).as_posix() for p in root.glob("data/*/*.parquet")) == [
-        "data/chunk-000/file-000.parquet", "data/chunk-000/file-001.parquet", "data/chunk-001/file-000.parquet"]
+        "data/chunk-000/file-000.parquet",
+        "data/chunk-000/file-001.parquet",
+        "data/chunk-001/file-000.parquet",
+    ]
     assert len(list(root.glob("videos/*/chunk-001/*.mp4"))) == 1 and len(list(root.glob("meta/episodes/*/*"))) > 1
     assert_written(root, "image32", exact=False)
 
@@ -171,8 +210,11 @@ def test_our_writer_reads_back_through_ours_and_lerobots(v30):
 def test_a_missing_video_is_one_line(v30, tmp_path):
     shutil.copytree(v30[0] / "av1", tmp_path / "av1")
     (tmp_path / "av1" / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4").unlink()
-    with pytest.raises(DemosError, match=r"av1 is missing the video videos/observation.images.front/chunk-000/"
-                                         r"file-000.mp4$"):
+    with pytest.raises(
+        DemosError,
+        match=r"av1 is missing the video videos/observation.images.front/chunk-000/"
+        r"file-000.mp4$",
+    ):
         read_demos(tmp_path / "av1", **KEYS)
 
 
@@ -181,23 +223,30 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(DemosError, match=r"is neither a LeRobot dataset \(meta/info.json\) nor holds .hdf5 files"):
         read_demos(tmp_path / "empty")
     root = write_lerobot(tmp_path / "ours", our_episodes(), "lift the cube", FPS)
-    with pytest.raises(DemosError, match=r"has no feature state \(demos.state_keys\); its features are: action, "
-                                         r"episode_index, frame_index, index, next.done, next.reward, next.success, "
-                                         r"observation.images.agentview, observation.state, task_index, timestamp$"):
+    with pytest.raises(
+        DemosError,
+        match=r"has no feature state \(demos.state_keys\); its features are: action, "
+        r"episode_index, frame_index, index, next.done, next.reward, next.success, "
+        r"observation.images.agentview, observation.state, task_index, timestamp$",
+    ):
         read_demos(root, state_keys=["state"])
     with pytest.raises(DemosError, match=r"has no feature observation.images.wrist \(env camera wrist; "):
         read_demos(root, cameras=["wrist"])
     info = json.loads((root / "meta" / "info.json").read_text())
     (root / "meta" / "info.json").write_text(json.dumps({**info, "codebase_version": "v2.0"}))
-    with pytest.raises(DemosError, match=r"is a LeRobot dataset of codebase_version 'v2.0'; this reader reads v2.1 "
-                                         r"and v3.0"):
+    with pytest.raises(
+        DemosError,
+        match=r"is a LeRobot dataset of codebase_version 'v2.0'; this reader reads v2.1 "
+        r"and v3.0",
+    ):
         read_demos(root)
 
 
 def test_both_writers_give_the_same_demos(tmp_path):
     episodes = [Episode(e.obs, e.actions, e.rewards, e.success, e.seed) for e in our_episodes()]
-    lerobot = read_demos(write_lerobot(tmp_path / "lerobot", episodes, "lift the cube", FPS, valid=1),
-                         cameras=["agentview"])
+    lerobot = read_demos(
+        write_lerobot(tmp_path / "lerobot", episodes, "lift the cube", FPS, valid=1), cameras=["agentview"]
+    )
     hdf5 = read_demos(write_demos(tmp_path / "demo.hdf5", episodes, "lift the cube", {}, [2]), cameras=["agentview"])
     assert_same(hdf5, lerobot)
 
@@ -219,7 +268,9 @@ def test_record_format_lerobot_gives_the_hdf5_episodes(tmp_path):
     demos = {}
     for fmt in ("hdf5", "lerobot"):
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-            cfg = compose("record", overrides=["episodes=2", f"out={tmp_path / fmt}", "progress=false", f"format={fmt}"])
+            cfg = compose(
+                "record", overrides=["episodes=2", f"out={tmp_path / fmt}", "progress=false", f"format={fmt}"]
+            )
         demos[fmt] = read_demos(record(cfg))
     assert_same(demos["hdf5"], demos["lerobot"])
     assert demos["lerobot"].valid == [1]  # valid=0.2 of 2: the recorder's valid split

@@ -1,4 +1,5 @@
 """Checks shared by the adapter tests."""
+
 import json
 import os
 import subprocess
@@ -25,8 +26,16 @@ def run_in_interpreter(python, code: str, timeout: float = 240) -> dict:
     closed; it prints one JSON line of findings last, which is returned."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("LIBERO_CONFIG_PATH", None)
-    proc = subprocess.run([str(python), "-c", code], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(python), "-c", code],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -73,9 +82,16 @@ def trajectory(env, sim, steps: int, seeds=(5, 6), scale: float = 1.0) -> list:
         actions = np.random.default_rng(seed).uniform(-scale, scale, (steps, env.spec.action_dim))
         for action in actions:
             obs, reward, terminated, truncated, info = env.step(action)
-            out.append((obs, reward, terminated, truncated, info["success"],
-                        *({k: np.array(v) for k, v in x.items()} if isinstance(x, dict) else np.array(x)
-                          for x in state())))
+            out.append(
+                (
+                    obs,
+                    reward,
+                    terminated,
+                    truncated,
+                    info["success"],
+                    *({k: np.array(v) for k, v in x.items()} if isinstance(x, dict) else np.array(x) for x in state()),
+                )
+            )
     return out
 
 

@@ -1,6 +1,7 @@
 """Under the dense (shaped) reward, succeeding is worth more than hovering just short of success: the real simulators'
 rewards, driven by the scripted expert, as the run's config builds them (docs/use/environments.md, "Dense reward and
 success")."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,14 @@ def expert_episode(env: str) -> tuple[list[float], list[bool], bool, int, int, f
             rewards.append(float(result.rewards[0]))
             successes.append(bool(result.successes[0]))
             if result.done:
-                return rewards, successes, result.terminated, adapter.spec.max_episode_steps, \
-                    PRESETS[cfg.policy.preset].chunk, cfg.algo.gamma
+                return (
+                    rewards,
+                    successes,
+                    result.terminated,
+                    adapter.spec.max_episode_steps,
+                    PRESETS[cfg.policy.preset].chunk,
+                    cfg.algo.gamma,
+                )
     finally:
         adapter.close()
 
@@ -40,7 +47,7 @@ def discounted_return(rewards: list[float], terminated: bool, chunk: int, gamma:
     """The return of an episode's first chunk step, as GAE takes it (lambda 1, no critic along the way). An episode
     cut off by its step limit is bootstrapped (with `bootstrap`) from the value of staying as its last step was: its
     reward at every step from then on."""
-    per_chunk = torch.tensor([sum(rewards[i:i + chunk]) for i in range(0, len(rewards), chunk)]).view(-1, 1)
+    per_chunk = torch.tensor([sum(rewards[i : i + chunk]) for i in range(0, len(rewards), chunk)]).view(-1, 1)
     T = per_chunk.shape[0]
     done = torch.zeros(T, 1, dtype=torch.bool)
     done[-1] = True

@@ -1,4 +1,5 @@
 """The fast control step against the stock simulator, in one process: bit for bit at every control step."""
+
 import numpy as np
 import pytest
 
@@ -89,8 +90,14 @@ def test_what_it_does_not_cover_runs_the_stock_step_and_says_why():
 
     config = load_composite_controller_config(controller="BASIC", robot="Panda")
     config["body_parts"]["right"]["interpolation"] = "linear"
-    interpolated = robosuite.make("Lift", robots="Panda", controller_configs=config, has_renderer=False,
-                                  has_offscreen_renderer=False, use_camera_obs=False)
+    interpolated = robosuite.make(
+        "Lift",
+        robots="Panda",
+        controller_configs=config,
+        has_renderer=False,
+        has_offscreen_renderer=False,
+        use_camera_obs=False,
+    )
     step, why = fast_step_for(interpolated)
     assert step is None and why == "right: an interpolator"
     assert fast_or_stock(interpolated, True) == (interpolated.step, "right: an interpolator")
@@ -102,7 +109,9 @@ LIBERO = benchmark_python("libero")
 @pytest.mark.skipif(LIBERO is None, reason=f"no LIBERO venv: run `{SETUP_COMMAND.format(name='libero')}`")
 def test_libero_fast_step_is_the_stock_step_bit_for_bit():
     """Two tasks of two suites under robosuite 1.4, in LIBERO's interpreter: each reset's settling steps too."""
-    out = run_in_interpreter(LIBERO, """
+    out = run_in_interpreter(
+        LIBERO,
+        """
 import json
 from ebrl.envs.libero_env import LiberoEnv
 from tests.envs.common import assert_identical, trajectory
@@ -112,7 +121,8 @@ for suite, task in (("libero_spatial", "0"), ("libero_10", "3")):
     offs.append(fast.fast_step_off)
     assert_identical(trajectory(fast, fast.env.env.sim, 25), trajectory(stock, stock.env.env.sim, 25))
 print(json.dumps({"offs": offs}))
-""")
+""",
+    )
     assert out["offs"] == ["", ""]  # the fast step ran (and equalled the stock one: the code asserts it)
 
 
@@ -124,7 +134,9 @@ def test_robocasa_robot_fast_step_is_the_stock_step_bit_for_bit():
     """RoboCasa's PandaOmron under its hybrid mobile-base controller (OSC arm, gripper, joint-velocity base, torso),
     in RoboCasa's interpreter (its robosuite 1.5.2 fork), on robosuite's Lift: a kitchen needs the 10 GB of assets
     this machine does not have; the kitchens' step, _pre_action and observables are robosuite's own."""
-    out = run_in_interpreter(ROBOCASA, """
+    out = run_in_interpreter(
+        ROBOCASA,
+        """
 import json
 import numpy as np
 import robosuite
@@ -151,7 +163,8 @@ fast, stock = make(), make()
 step, why = fast_step_for(fast)
 assert_identical(run(fast, step), run(stock, stock.step))
 print(json.dumps({"why": why, "parts": sorted(fast.robots[0].composite_controller.part_controllers)}))
-""")
+""",
+    )
     assert out == {"why": "", "parts": ["base", "right", "right_gripper", "torso"]}
 
 
@@ -163,6 +176,7 @@ def test_maniskill_fast_action_is_the_stock_step_bit_for_bit(task):
 
     def state(env):
         px = env.env.unwrapped.scene.px
+
         def arrays():
             bodies = px.get_articulation_link_components() + px.get_rigid_dynamic_components()
             robots = {id(link.articulation): link.articulation for link in px.get_articulation_link_components()}
@@ -170,6 +184,7 @@ def test_maniskill_fast_action_is_the_stock_step_bit_for_bit(task):
             for robot in robots.values():
                 out += [robot.qpos, robot.qvel, *(joint.drive_target for joint in robot.active_joints)]
             return out
+
         return arrays
 
     fast, stock = (ManiSkillEnv(task, max_episode_steps=1000, fast_step=way, seed=0) for way in (True, False))
@@ -196,8 +211,13 @@ def test_maniskill_fast_action_sets_the_stock_drive_targets_over_many_states_and
             for set_action in (agent.controller.set_action, fast):
                 set_action(action)
                 arm = agent.controller.controllers["arm"]
-                results.append((np.array([j.drive_target for j in robot.active_joints]),
-                                arm._target_pose.raw_pose.numpy().copy(), arm._target_qpos.numpy().copy()))
+                results.append(
+                    (
+                        np.array([j.drive_target for j in robot.active_joints]),
+                        arm._target_pose.raw_pose.numpy().copy(),
+                        arm._target_qpos.numpy().copy(),
+                    )
+                )
             assert_identical([results[1]], [results[0]])
 
 
@@ -206,8 +226,11 @@ def test_maniskill_rotation_quaternions_are_the_stock_ones_over_20000_rotations(
     a correctly rounded one for about 1 in 1,000 inputs, which 20,000 rotations meet (ManiSkill's batched call as the
     reference, its elementwise kernels checked against single calls on the first 200)."""
     import torch
-    from mani_skill.utils.geometry.rotation_conversions import (_sqrt_positive_part, euler_angles_to_matrix,
-                                                                matrix_to_quaternion)
+    from mani_skill.utils.geometry.rotation_conversions import (
+        _sqrt_positive_part,
+        euler_angles_to_matrix,
+        matrix_to_quaternion,
+    )
 
     from ebrl.envs.maniskill_fast import _quaternion
 

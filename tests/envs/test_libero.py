@@ -1,4 +1,5 @@
 """LIBERO for real, in its own interpreter (built by `python -m ebrl.envs.setup libero`)."""
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,11 @@ print(json.dumps({"same": bool(np.array_equal(a["state"], b["state"])),
 """)
     assert out["same"] and out["other"]
     assert out["executed"] == 5 and out["successes"] == [False] * 5
-    assert out["instruction"] == out["language"] == "pick up the black bowl between the plate and the ramekin and place it on the plate"
+    assert (
+        out["instruction"]
+        == out["language"]
+        == "pick up the black bowl between the plate and the ramekin and place it on the plate"
+    )
     assert out["name"].startswith("pick_up_the_black_bowl")
     assert out["action_dim"] == 7 and out["state_dim"] > 8  # proprio (8) + object state
 
@@ -86,11 +91,20 @@ print(json.dumps(found))
 
 def test_main_interpreter_says_run_setup():
     """The main interpreter has robosuite 1.5.2 and no LIBERO: one line naming the setup command."""
-    code = ("from ebrl.envs.libero_env import LiberoEnv\n"
-            "from ebrl.envs.base import EnvSetupError\n"
-            "try:\n    LiberoEnv(task='0')\nexcept EnvSetupError as e:\n    print(e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=120)
+    code = (
+        "from ebrl.envs.libero_env import LiberoEnv\n"
+        "from ebrl.envs.base import EnvSetupError\n"
+        "try:\n    LiberoEnv(task='0')\nexcept EnvSetupError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and not lines:
         pytest.skip("this interpreter has LIBERO installed")
@@ -109,11 +123,23 @@ def test_libero_and_robosuite_15_workers_side_by_side():
     from ebrl.envs.worker import SimWorkerPool
     from tests.envs.test_worker import LIFT
 
-    libero_cfg = dict(_target_="ebrl.envs.libero_env.LiberoEnv", name="libero", task="0", suite="libero_spatial",
-                      num_envs=1, max_episode_steps=20, cameras=[], image_size=64, reward="dense",
-                      terminate_on_success=True, python=None)
-    with SimWorkerPool(libero_cfg, num_envs=1, seed=0, execute=4) as libero, \
-            SimWorkerPool(LIFT, num_envs=1, seed=0, execute=4) as robosuite:
+    libero_cfg = dict(
+        _target_="ebrl.envs.libero_env.LiberoEnv",
+        name="libero",
+        task="0",
+        suite="libero_spatial",
+        num_envs=1,
+        max_episode_steps=20,
+        cameras=[],
+        image_size=64,
+        reward="dense",
+        terminate_on_success=True,
+        python=None,
+    )
+    with (
+        SimWorkerPool(libero_cfg, num_envs=1, seed=0, execute=4) as libero,
+        SimWorkerPool(LIFT, num_envs=1, seed=0, execute=4) as robosuite,
+    ):
         for pool, python in ((libero, str(PYTHON)), (robosuite, sys.executable)):
             with open(f"/proc/{pool.workers[0].pid}/cmdline", "rb") as f:
                 assert f.read().split(b"\0")[0].decode() == python

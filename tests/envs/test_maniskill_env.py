@@ -1,4 +1,5 @@
 """ManiSkill adapter: each task steps the real simulator (SAPIEN, CPU physics, Vulkan renderer)."""
+
 import os
 import subprocess
 import sys
@@ -14,8 +15,17 @@ TASKS = ["PickCube-v1", "PushCube-v1", "StackCube-v1"]
 
 
 def make(task: str = "PickCube-v1", **overrides) -> ManiSkillEnv:
-    kwargs = dict(task=task, max_episode_steps=50, cameras=[], image_size=64, reward="dense",
-                  terminate_on_success=True, control_mode="pd_ee_delta_pose", sim_backend="cpu", seed=0)
+    kwargs = dict(
+        task=task,
+        max_episode_steps=50,
+        cameras=[],
+        image_size=64,
+        reward="dense",
+        terminate_on_success=True,
+        control_mode="pd_ee_delta_pose",
+        sim_backend="cpu",
+        seed=0,
+    )
     kwargs.update(overrides)
     return ManiSkillEnv(**kwargs)
 
@@ -65,10 +75,12 @@ def test_unknown_task_is_one_line():
 
 
 def test_no_vulkan_device_says_to_run_the_installer():
-    code = ("from ebrl.envs.maniskill_env import ManiSkillEnv\n"
-            "from ebrl.envs.base import EnvSetupError\n"
-            "try:\n    ManiSkillEnv(task='PickCube-v1')\n"
-            "except EnvSetupError as e:\n    print('ERROR', e)\n")
+    code = (
+        "from ebrl.envs.maniskill_env import ManiSkillEnv\n"
+        "from ebrl.envs.base import EnvSetupError\n"
+        "try:\n    ManiSkillEnv(task='PickCube-v1')\n"
+        "except EnvSetupError as e:\n    print('ERROR', e)\n"
+    )
     env = dict(os.environ, VK_ICD_FILENAMES="/nonexistent/icd.json")  # hide every Vulkan driver
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     line = [line for line in out.splitlines() if line.startswith("ERROR")]

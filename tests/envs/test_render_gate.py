@@ -1,5 +1,6 @@
 """Cameras render only at the steps whose observation is read (a chunk's last, the step limit's, a reset), and what
 is read is what rendering at every step gives, bit for bit: the same frames, states, rewards and physics."""
+
 import numpy as np
 import pytest
 
@@ -8,12 +9,18 @@ from ebrl.envs.robosuite_env import RobosuiteEnv
 from tests.envs.common import CHUNKS, assert_same, frames, random_chunk, read_over_chunks
 
 
-@pytest.mark.parametrize("make", [
-    lambda: RobosuiteEnv(task="Lift", max_episode_steps=12, cameras=["agentview"], image_size=48, reward="dense",
-                         seed=0),
-    lambda: ManiSkillEnv(task="PickCube-v1", max_episode_steps=12, cameras=["base_camera"], image_size=48,
-                         reward="dense", seed=0),
-], ids=["robosuite", "maniskill"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RobosuiteEnv(
+            task="Lift", max_episode_steps=12, cameras=["agentview"], image_size=48, reward="dense", seed=0
+        ),
+        lambda: ManiSkillEnv(
+            task="PickCube-v1", max_episode_steps=12, cameras=["base_camera"], image_size=48, reward="dense", seed=0
+        ),
+    ],
+    ids=["robosuite", "maniskill"],
+)
 def test_frames_rendered_at_the_boundaries_are_those_of_every_step(make):
     every, gated = make(), make()
     try:
@@ -35,8 +42,7 @@ def test_frames_rendered_at_the_boundaries_are_those_of_every_step(make):
 
 
 def test_an_episode_that_ends_before_its_chunks_last_step_has_its_final_frame():
-    env = RobosuiteEnv(task="Lift", max_episode_steps=40, cameras=["agentview"], image_size=48, reward="sparse",
-                       seed=0)
+    env = RobosuiteEnv(task="Lift", max_episode_steps=40, cameras=["agentview"], image_size=48, reward="sparse", seed=0)
     try:
         env.begin_episode(seed=3)
         env.step = lambda action, step=env.step: (*step(action)[:2], True, False, {"success": True})  # ends at once

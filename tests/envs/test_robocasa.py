@@ -3,6 +3,7 @@
 The ~10 GB of kitchen assets cannot be downloaded here, so no kitchen is built: these tests cover
 the venv, the import, RoboCasa's task registry and the one-line errors that stop a run before it.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ from tests.envs.common import run_in_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = benchmark_python("robocasa")
-needs_venv = pytest.mark.skipif(PYTHON is None,
-                                reason=f"no RoboCasa venv: run `{SETUP_COMMAND.format(name='robocasa')}`")
+needs_venv = pytest.mark.skipif(
+    PYTHON is None, reason=f"no RoboCasa venv: run `{SETUP_COMMAND.format(name='robocasa')}`"
+)
 DEFAULT_TASK = "PickPlaceCounterToCabinet"  # RoboCasa 1.0's name for v0.x's PnPCounterToCab
 
 # Runs under the venv's interpreter; prints one JSON line of findings as its last line.
@@ -44,14 +46,16 @@ def run_in_venv(code: str, timeout: float = 240) -> dict:
 
 @needs_venv
 def test_package_imports_and_registry_has_the_default_task():
-    out = run_in_venv("""
+    out = run_in_venv(
+        """
 import numpy, mujoco, robosuite, robocasa
 from ebrl.envs.robocasa_env import _import_robocasa
 _, tasks = _import_robocasa()
 print(json.dumps({"robocasa": robocasa.__version__, "robosuite": robosuite.__version__, "numpy": numpy.__version__,
                   "mujoco": mujoco.__version__, "tasks": sorted(tasks), "torch": "torch" in sys.modules,
                   "made": DEFAULT in robosuite.ALL_ENVIRONMENTS}))
-""".replace("DEFAULT", repr(DEFAULT_TASK)))
+""".replace("DEFAULT", repr(DEFAULT_TASK))
+    )
     assert out["robocasa"] == "1.0.0" and out["robosuite"].startswith("1.5")
     assert out["numpy"] == "2.2.5" and out["mujoco"] == "3.3.1"
     assert DEFAULT_TASK in out["tasks"] and out["made"]  # robosuite.make knows it too
@@ -110,11 +114,20 @@ print(json.dumps({"old_name": error_of(task="PnPCounterToCab"), "typo": error_of
 
 def test_main_interpreter_says_run_setup():
     """The main interpreter has robosuite 1.5.2 and no RoboCasa: one line naming the setup command."""
-    code = ("from ebrl.envs.robocasa_env import RoboCasaEnv\n"
-            "from ebrl.envs.base import EnvSetupError\n"
-            f"try:\n    RoboCasaEnv(task={DEFAULT_TASK!r})\nexcept EnvSetupError as e:\n    print(e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=120)
+    code = (
+        "from ebrl.envs.robocasa_env import RoboCasaEnv\n"
+        "from ebrl.envs.base import EnvSetupError\n"
+        f"try:\n    RoboCasaEnv(task={DEFAULT_TASK!r})\nexcept EnvSetupError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and not lines:
         pytest.skip("this interpreter has RoboCasa and its assets installed")

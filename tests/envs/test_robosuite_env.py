@@ -1,18 +1,28 @@
 """robosuite adapter: each task steps the real simulator (MuJoCo) for a few steps."""
+
 import numpy as np
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.robosuite_env import RobosuiteEnv
 from ebrl.envs.process import build_adapter, release_build_memory
+from ebrl.envs.robosuite_env import RobosuiteEnv
 from tests.envs.common import assert_matches_spec, random_chunk
 
 TASKS = ["Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"]
 
 
 def make(task: str = "Lift", **overrides) -> RobosuiteEnv:
-    kwargs = dict(task=task, max_episode_steps=20, cameras=[], image_size=64, reward="dense",
-                  terminate_on_success=True, robot="Panda", control_freq=20, seed=0)
+    kwargs = dict(
+        task=task,
+        max_episode_steps=20,
+        cameras=[],
+        image_size=64,
+        reward="dense",
+        terminate_on_success=True,
+        robot="Panda",
+        control_freq=20,
+        seed=0,
+    )
     kwargs.update(overrides)
     return RobosuiteEnv(**kwargs)
 
@@ -70,8 +80,16 @@ def test_unknown_task_is_one_line():
 
 def test_camera_images_of_a_worker_build_which_gives_back_the_compile_cache():
     mujoco = pytest.importorskip("mujoco")
-    cfg = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", task="Lift", max_episode_steps=20,
-               cameras=["agentview"], image_size=48, reward="dense", robot="Panda", control_freq=20)
+    cfg = dict(
+        _target_="ebrl.envs.robosuite_env.RobosuiteEnv",
+        task="Lift",
+        max_episode_steps=20,
+        cameras=["agentview"],
+        image_size=48,
+        reward="dense",
+        robot="Panda",
+        control_freq=20,
+    )
     built = build_adapter(cfg, seed=0)
     assert mujoco.mj_getCacheSize(mujoco.mj_getCache()) == 0  # decoded meshes and textures given back
     direct = make("Lift", cameras=["agentview"], image_size=48)  # compiles again: the cache fills

@@ -1,4 +1,5 @@
 """The per-benchmark setup command: its marker logic, without the network."""
+
 from __future__ import annotations
 
 import json

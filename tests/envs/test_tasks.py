@@ -1,6 +1,7 @@
 """Many tasks in one run: which env runs which task (GRPO groups whole), one slot layout for tasks of different state
 sizes (real robosuite workers: Lift and Stack; robosuite beside LIBERO in its venv), and each env's own instruction
 and per-task episodes."""
+
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -13,9 +14,17 @@ from ebrl.envs.tasks import assign_tasks, joint_spec, task_config, task_list
 from ebrl.envs.worker import SimWorkerPool
 from tests.conftest import compose_config
 
-ROBOSUITE = {"_target_": "ebrl.envs.robosuite_env.RobosuiteEnv", "name": "robosuite", "task": "Lift",
-             "max_episode_steps": 6, "cameras": [], "image_size": 64, "reward": "dense", "robot": "Panda",
-             "control_freq": 20}
+ROBOSUITE = {
+    "_target_": "ebrl.envs.robosuite_env.RobosuiteEnv",
+    "name": "robosuite",
+    "task": "Lift",
+    "max_episode_steps": 6,
+    "cameras": [],
+    "image_size": 64,
+    "reward": "dense",
+    "robot": "Panda",
+    "control_freq": 20,
+}
 
 
 def test_envs_go_to_tasks_round_robin_and_a_grpo_group_keeps_one_task():
@@ -33,13 +42,24 @@ def test_task_weights_share_the_units_and_interleave_them():
     assert sorted(got) == ["A", "A", "B", "C"]  # every task gets a unit, however small its weight
 
 
-@pytest.mark.parametrize("cfg, n, line", [
-    ({"tasks": ["Lift", "Stack", "Door"]}, 2, "env.tasks has 3 tasks and the run has env.num_envs=2: each task needs "
-                                              "at least one; give env.num_envs=3 or more"),
-    ({"tasks": ["Lift", "Stack"], "task_weights": [1]}, 4, "env.task_weights=[1.0] must give one positive weight per"),
-    ({"tasks": "Lift"}, 4, "env.tasks='Lift' must be a non-empty list of tasks"),
-    ({"tasks": "all", **ROBOSUITE}, 4, "env.tasks=all: env=robosuite has no task list of its own"),
-])
+@pytest.mark.parametrize(
+    "cfg, n, line",
+    [
+        (
+            {"tasks": ["Lift", "Stack", "Door"]},
+            2,
+            "env.tasks has 3 tasks and the run has env.num_envs=2: each task needs "
+            "at least one; give env.num_envs=3 or more",
+        ),
+        (
+            {"tasks": ["Lift", "Stack"], "task_weights": [1]},
+            4,
+            "env.task_weights=[1.0] must give one positive weight per",
+        ),
+        ({"tasks": "Lift"}, 4, "env.tasks='Lift' must be a non-empty list of tasks"),
+        ({"tasks": "all", **ROBOSUITE}, 4, "env.tasks=all: env=robosuite has no task list of its own"),
+    ],
+)
 def test_a_task_assignment_that_cannot_work_is_one_line(cfg, n, line):
     with pytest.raises(EnvSetupError) as info:
         assign_tasks(cfg, n)
@@ -87,13 +107,19 @@ def test_a_task_of_another_benchmark_becomes_its_whole_env_config():
     lift, libero = cfg.env.tasks
     assert lift == "Lift"
     assert (libero["_target_"], libero["name"], libero["suite"], libero["task"]) == (
-        "ebrl.envs.libero_env.LiberoEnv", "libero", "libero_10", "3")
+        "ebrl.envs.libero_env.LiberoEnv",
+        "libero",
+        "libero_10",
+        "3",
+    )
     assert libero["max_episode_steps"] == 512 and libero["cameras"] == []  # its suite's limit; the run's observation
     env = OmegaConf.to_container(cfg.env)
     assert assign_tasks(env, 4) == ["Lift", "libero:3"] * 2
     assert task_config(env, "libero:3")["name"] == "libero" and task_config(env, "Lift")["task"] == "Lift"
-    for tasks, line in [("[Lift,{env:libero,tsk:'3'}]", r"env=libero: tsk is not one of its keys \(_target_, name,"),
-                        ("[Lift,{env:gym,task:'3'}]", "must name a benchmark as env: one of robosuite, maniskill")]:
+    for tasks, line in [
+        ("[Lift,{env:libero,tsk:'3'}]", r"env=libero: tsk is not one of its keys \(_target_, name,"),
+        ("[Lift,{env:gym,task:'3'}]", "must name a benchmark as env: one of robosuite, maniskill"),
+    ]:
         with pytest.raises(ConfigError, match=line):
             validate(compose_config("env.num_envs=2", f"env.tasks={tasks}"))
 
@@ -101,8 +127,9 @@ def test_a_task_of_another_benchmark_becomes_its_whole_env_config():
 @pytest.mark.slow  # (LIBERO's build: 15 s)
 @pytest.mark.skipif(LIBERO_PYTHON is None, reason="no LIBERO venv: run `python -m ebrl.envs.setup libero`")
 def test_robosuite_and_libero_envs_run_side_by_side_under_their_own_interpreters():
-    cfg = compose_config("env.num_envs=2", "env.max_episode_steps=6",
-                         "env.tasks=[Lift,{env:libero,task:'0',max_episode_steps:6}]")
+    cfg = compose_config(
+        "env.num_envs=2", "env.max_episode_steps=6", "env.tasks=[Lift,{env:libero,task:'0',max_episode_steps:6}]"
+    )
     validate(cfg)
     with SimWorkerPool(OmegaConf.to_container(cfg.env), num_envs=2, seed=0, execute=4) as pool:
         lift, libero = (w.spec for w in pool.workers)

@@ -1,4 +1,5 @@
 """Simulator worker processes: shared-memory slots, small notices, clean shutdown (real robosuite Lift)."""
+
 import os
 import signal
 import subprocess
@@ -11,14 +12,32 @@ import psutil
 import pytest
 
 from ebrl.envs.base import EnvSetupError
-from ebrl.envs.slots import SlotLayout
 from ebrl.envs.egl import EglDevice, egl_devices
-from ebrl.envs.worker import (Progress, SimFailure, SimWorker, SimWorkerPool, SimulatorsFailing, egl_environment,
-                              simulator_gpu_environment)
+from ebrl.envs.slots import SlotLayout
+from ebrl.envs.worker import (
+    Progress,
+    SimFailure,
+    SimulatorsFailing,
+    SimWorker,
+    SimWorkerPool,
+    egl_environment,
+    simulator_gpu_environment,
+)
 
-LIFT = dict(_target_="ebrl.envs.robosuite_env.RobosuiteEnv", name="robosuite", task="Lift", num_envs=2,
-            max_episode_steps=8, cameras=[], image_size=64, reward="dense", terminate_on_success=True,
-            python=None, robot="Panda", control_freq=20)
+LIFT = dict(
+    _target_="ebrl.envs.robosuite_env.RobosuiteEnv",
+    name="robosuite",
+    task="Lift",
+    num_envs=2,
+    max_episode_steps=8,
+    cameras=[],
+    image_size=64,
+    reward="dense",
+    terminate_on_success=True,
+    python=None,
+    robot="Panda",
+    control_freq=20,
+)
 
 
 def shm_segments():
@@ -67,7 +86,6 @@ def test_pool_runs_chunks_in_child_processes_and_reports_episode_ends():
     assert all(w.pid is None or not _alive(w.pid) for w in pool.workers)
 
 
-
 def test_grouped_seeded_resets_share_initial_states_and_a_0_step_chunk_leaves_an_env_alone():
     from ebrl.rl.grpo import group_seeds
 
@@ -92,6 +110,7 @@ def test_grouped_seeded_resets_share_initial_states_and_a_0_step_chunk_leaves_an
         assert np.array_equal(second[0], second[1]) and np.array_equal(second[2], second[3])
         assert not np.array_equal(second[0], second[2])
         assert not np.array_equal(second[0], first[0]) and not np.array_equal(second[2], first[2])
+
 
 def _alive(pid):
     try:
@@ -169,8 +188,9 @@ def test_a_failed_simulator_is_replaced_in_its_slot_and_repeated_failures_stop()
         assert [r.executed for r in pool.wait_all()] == [2, 2]  # the new process steps its new episode
         os.kill(replacement.pid, signal.SIGKILL)
         pool.submit_all(2)
-        with pytest.raises(SimulatorsFailing, match="2 simulator failures within 600 s, more than "
-                                                    "scheduler.max_sim_failures=1"):
+        with pytest.raises(
+            SimulatorsFailing, match="2 simulator failures within 600 s, more than scheduler.max_sim_failures=1"
+        ):
             pool.wait_all()
     assert shm_segments() - before == set()
 
@@ -233,8 +253,11 @@ def test_a_pool_whose_simulators_do_not_exit_kills_them_after_one_shared_wait(mo
 
     waits = []
     release = worker_module._Resources.release
-    monkeypatch.setattr(worker_module._Resources, "release",
-                        lambda self, timeout=5.0: (waits.append(timeout), release(self, timeout))[1])
+    monkeypatch.setattr(
+        worker_module._Resources,
+        "release",
+        lambda self, timeout=5.0: (waits.append(timeout), release(self, timeout))[1],
+    )
     before = shm_segments()
     pool = SimWorkerPool(LIFT, num_envs=3, seed=0, execute=4)
     pool.start()
@@ -268,11 +291,16 @@ def test_a_simulator_that_dies_before_a_seeded_reset_is_replaced_and_reset_from_
 def test_slot_layout_is_aligned_and_disjoint():
     from ebrl.envs.base import ArraySpec, EnvSpec
 
-    spec = EnvSpec(obs={"state": ArraySpec((9,), "float32"), "image/cam": ArraySpec((8, 8, 3), "uint8")},
-                   action_dim=7, instruction="x", max_episode_steps=10)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((9,), "float32"), "image/cam": ArraySpec((8, 8, 3), "uint8")},
+        action_dim=7,
+        instruction="x",
+        max_episode_steps=10,
+    )
     layout = SlotLayout.build(spec, execute=5)
-    spans = sorted((offset, offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
-                   for _, shape, dtype, offset in layout.fields)
+    spans = sorted(
+        (offset, offset + int(np.prod(shape)) * np.dtype(dtype).itemsize) for _, shape, dtype, offset in layout.fields
+    )
     assert all(offset % 64 == 0 for offset, _ in spans)
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     assert spans[-1][1] <= layout.size
@@ -282,15 +310,21 @@ def test_slot_layout_is_aligned_and_disjoint():
 
 def test_importing_the_worker_does_not_import_torch():
     code = "import sys, ebrl.envs.process, ebrl.envs.worker; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.stdout.strip() == "False"
 
 
 def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
     # a second interpreter (a venv sharing this one's packages) stands for a benchmark's own environment
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / "venv")],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / "venv")], check=True
+    )
     python = str(tmp_path / "venv" / "bin" / "python")
     worker = SimWorker(dict(LIFT, python=python), seed=0, execute=4)
     try:
@@ -330,12 +364,15 @@ def robosuite_egl_device(env: dict[str, str]) -> int:
 UUIDS = ["GPU-0aa3c1d2-7e51-4f0c-9b6e-1d2f3a4b5c6d", "GPU-5bb8e2f1-0c3d-4a5e-8f7a-9b0c1d2e3f4a"]
 
 
-@pytest.mark.parametrize("visible, gpus, device", [
-    (None, 1, 0),  # python run.py on a one-GPU node: CUDA's device 0
-    ("5", 8, 5),  # a torchrun rank, pinned to the node's GPU 5: its simulators render there too
-    ("2,3", 2, 2),  # one process given GPUs 2 and 3 runs on the first
-    ("GPU-5bb8", 2, 1),  # a UUID (prefix) is looked up: robosuite would fail on int("GPU-...")
-])
+@pytest.mark.parametrize(
+    "visible, gpus, device",
+    [
+        (None, 1, 0),  # python run.py on a one-GPU node: CUDA's device 0
+        ("5", 8, 5),  # a torchrun rank, pinned to the node's GPU 5: its simulators render there too
+        ("2,3", 2, 2),  # one process given GPUs 2 and 3 runs on the first
+        ("GPU-5bb8", 2, 1),  # a UUID (prefix) is looked up: robosuite would fail on int("GPU-...")
+    ],
+)
 def test_simulators_on_a_gpu_node_render_on_their_supervisors_gpu(visible, gpus, device):
     env = egl_environment(visible, gpus, UUIDS)
     assert env["MUJOCO_EGL_DEVICE_ID"] == str(device) and robosuite_egl_device(env) == device
@@ -353,8 +390,11 @@ def test_cpu_nodes_and_gpus_it_cannot_name_get_no_egl_device(visible, gpus):
 def test_a_simulator_process_starts_with_the_pools_environment(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     # a supervisor that generates under MPS is a client (Placement.check_memory): its simulators are not
-    for key, value in (("CUDA_MPS_PIPE_DIRECTORY", "/tmp/ebrl-mps-x/gpu0"), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40"),
-                       ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1024M")):
+    for key, value in (
+        ("CUDA_MPS_PIPE_DIRECTORY", "/tmp/ebrl-mps-x/gpu0"),
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1024M"),
+    ):
         monkeypatch.setenv(key, value)
     extra = simulator_gpu_environment(gpus=1)
     assert extra == {"MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "0"}  # (this machine's one EGL device)
@@ -396,11 +436,14 @@ def test_this_machines_egl_devices_are_listed_and_mesas_says_it_is_software():
     assert claimed.cuda == 0 and not claimed.software
 
 
-@pytest.mark.parametrize("visible, gpu_index, egl", [
-    (None, 0, 1),  # every GPU shown: EGL lists GPU 1 first, and the run's GPU is 0
-    ("1", 1, 0),  # a rank pinned to GPU 1: NVIDIA's driver counts ordinals among the GPUs its process sees
-    ("5,4", 5, 2),  # ordinal 0 is GPU 5 here
-])
+@pytest.mark.parametrize(
+    "visible, gpu_index, egl",
+    [
+        (None, 0, 1),  # every GPU shown: EGL lists GPU 1 first, and the run's GPU is 0
+        ("1", 1, 0),  # a rank pinned to GPU 1: NVIDIA's driver counts ordinals among the GPUs its process sees
+        ("5,4", 5, 2),  # ordinal 0 is GPU 5 here
+    ],
+)
 def test_a_gpu_renders_on_the_egl_device_nvidias_driver_says_is_it(visible, gpu_index, egl):
     shown = {None: {0: 1, 1: 0}, "1": {0: 0}, "5,4": {0: 2, 1: 0}}[visible]  # CUDA ordinal -> EGL index
     devices = [EglDevice(i, next((o for o, e in shown.items() if e == i), None), "") for i in range(3)]
@@ -422,18 +465,22 @@ def test_a_gpu_without_an_nvidia_egl_device_renders_on_mesas_software_device_and
     software = next(d.index for d in devices if d.software)
     assert env == {"MUJOCO_EGL_DEVICE_ID": str(software), "CUDA_VISIBLE_DEVICES": f"3,{software}"}
     # the real robosuite: its import-time check, then its EGL context on the device chosen
-    code = ("import robosuite.utils.binding_utils\n"
-            "from robosuite.renderers.context.egl_context import EGLGLContext\n"
-            "EGLGLContext(64, 64, device_id=-1)\n"
-            "from ebrl.envs.egl import software_renderer\n"
-            "print(software_renderer())")
+    code = (
+        "import robosuite.utils.binding_utils\n"
+        "from robosuite.renderers.context.egl_context import EGLGLContext\n"
+        "EGLGLContext(64, 64, device_id=-1)\n"
+        "from ebrl.envs.egl import software_renderer\n"
+        "print(software_renderer())"
+    )
     child = {**os.environ, "MUJOCO_GL": "egl", "PYOPENGL_PLATFORM": "egl", **env}
     proc = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"MuJoCo renders through EGL device {software}, Mesa's software renderer")
     # the device NVIDIA's driver says is GPU 3 (ordinal 0 of what the rank sees): no software renderer to say
-    assert egl_environment("3", 1, (), egl_devices(nvidia({0: 0}))) == {"MUJOCO_EGL_DEVICE_ID": "0",
-                                                                       "CUDA_VISIBLE_DEVICES": "3,0"}
+    assert egl_environment("3", 1, (), egl_devices(nvidia({0: 0}))) == {
+        "MUJOCO_EGL_DEVICE_ID": "0",
+        "CUDA_VISIBLE_DEVICES": "3,0",
+    }
 
 
 def test_simulators_that_render_on_the_cpu_on_a_gpu_node_say_so_once(monkeypatch, capsys):
@@ -441,8 +488,9 @@ def test_simulators_that_render_on_the_cpu_on_a_gpu_node_say_so_once(monkeypatch
     if egl_devices() is None:
         pytest.skip("no libEGL here: python -m ebrl.install installs Mesa's")
     cfg = dict(LIFT, cameras=["agentview"])
-    with SimWorkerPool(cfg, num_envs=2, seed=0, execute=2, process_env=simulator_gpu_environment(gpus=1),
-                       on_gpu=True) as pool:
+    with SimWorkerPool(
+        cfg, num_envs=2, seed=0, execute=2, process_env=simulator_gpu_environment(gpus=1), on_gpu=True
+    ) as pool:
         pool.reset_all()
         assert pool.stacked_obs()["image/agentview"].shape == (2, 64, 64, 3)
         assert pool.spec.software_render  # (what a CPU node's pool, on_gpu=False, leaves unsaid)

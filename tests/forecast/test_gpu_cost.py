@@ -1,6 +1,7 @@
 """The GPU cost model's counts and roofline on cases whose answer is known: a linear layer's FLOPs and bytes,
 attention as one kernel, which operations backward runs for; the interpolation in rows against a direct count on a
 real policy; a call's time at an SM share and under the host's floor."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ebrl.forecast.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, UpdateShape, count_ops, roofline, train_time
 from ebrl.bench.memory import env_spec
+from ebrl.forecast.gpu_cost import GPUS, GpuSpec, Ops, PolicyOps, UpdateShape, count_ops, roofline, train_time
 
 
 def test_a_linear_layer_attention_and_what_backward_runs_for():
@@ -30,8 +31,9 @@ def test_a_linear_layer_attention_and_what_backward_runs_for():
 
 
 def test_a_calls_time_at_a_share_and_under_the_hosts_floor():
-    gpu = GpuSpec("test", bf16_flops=1e12, hbm_bytes_per_s=1e9, nvlink_bytes_per_s=1e9, sm_count=100, memory_gb=1,
-                  source="-")
+    gpu = GpuSpec(
+        "test", bf16_flops=1e12, hbm_bytes_per_s=1e9, nvlink_bytes_per_s=1e9, sm_count=100, memory_gb=1, source="-"
+    )
     # two operations, each the same at any rows: 1e9 FLOPs (1 ms, compute-bound) and 1e6 bytes (1 ms, memory-bound)
     ops = Ops((np.array([1e9, 0.0]),) * 2, (np.array([0.0, 1e6]),) * 2, np.array([False, False]))
     assert roofline(ops, 1, gpu, 1.0, 0.0).seconds == pytest.approx(2e-3)
@@ -42,8 +44,9 @@ def test_a_calls_time_at_a_share_and_under_the_hosts_floor():
 
 
 def test_a_policys_operations_are_linear_in_rows():
-    from ebrl.bench.memory import compose
     from omegaconf import OmegaConf
+
+    from ebrl.bench.memory import compose
 
     policy_cfg = OmegaConf.to_container(compose("policy=openpi", "policy.preset=small").policy, resolve=True)
     ops = PolicyOps.of(policy_cfg, env_spec(1), device="cpu")
@@ -77,8 +80,9 @@ def test_a_policys_operations_are_linear_in_rows():
 
 
 def test_a_frozen_prefix_is_charged_once_per_row() -> None:
-    from ebrl.bench.memory import compose
     from omegaconf import OmegaConf
+
+    from ebrl.bench.memory import compose
 
     algo = ("algo.epochs=4", "algo.minibatches=2", "algo.micro_batch=16")
     cfg = compose("policy=openpi", "policy.preset=small", "policy.train=action_expert", *algo)
@@ -89,7 +93,9 @@ def test_a_frozen_prefix_is_charged_once_per_row() -> None:
     cached = train_time(ops, 64, UpdateShape(cfg.algo), h100, 1.0, 0.0).seconds
     plain = train_time(ops, 64, UpdateShape(compose(*algo, "algo.cache_prefix=false").algo), h100, 1.0, 0.0).seconds
     once = sum(roofline(ops.prefix, 16, h100, 1.0, 0.0).seconds for _ in range(4))  # (64 rows, 16 at a time)
-    pass_ = lambda o: sum(roofline(o, 16, h100, 1.0, 0.0, only_grad=g, factor=f).seconds  # noqa: E731
-                          for g, f in ((False, 1.0), (True, 2.0)))  # a forward and its backward
+    pass_ = lambda o: sum(
+        roofline(o, 16, h100, 1.0, 0.0, only_grad=g, factor=f).seconds  # noqa: E731
+        for g, f in ((False, 1.0), (True, 2.0))
+    )  # a forward and its backward
     assert cached - plain == pytest.approx(once + 4 * 4 * (pass_(ops.cached) - pass_(ops.forward)), rel=1e-6)
     assert cached < plain

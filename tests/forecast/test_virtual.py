@@ -1,5 +1,6 @@
 """The runtime in virtual time: the CPU model's shares, and the real Scheduler driven through every schedule on
 costs whose answer is known."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,8 @@ def test_cores_divide_by_weight_pinned_threads_first_and_free_ones_even_out():
     assert rates(Cpu(2), one("pinned", (0,)), one("free", (0, 1))) == [1.0, 1.0]
     # sharing a core costs the measured time-slicing overhead; a core of one's own does not
     assert rates(Cpu(2, timeslice=0.1), one("a", (0,)), one("b", (0,)), one("c", (1,))) == pytest.approx(
-        [0.5 / 1.1, 0.5 / 1.1, 1.0])
+        [0.5 / 1.1, 0.5 / 1.1, 1.0]
+    )
 
 
 def test_a_multithreaded_task_moves_at_its_slowest_threads_pace():
@@ -66,8 +68,10 @@ def test_cohorts_give_the_rates_of_placing_every_thread_by_itself():
     rng = np.random.default_rng(0)
     for trial in range(300):
         cores = int(rng.integers(1, 9))
-        tasks = [Task(f"simulate/pinned{i}", 1.0, 1, (int(rng.integers(cores)),), int(rng.choice([0, 10])))
-                 for i in range(int(rng.integers(0, 2 * cores)))]
+        tasks = [
+            Task(f"simulate/pinned{i}", 1.0, 1, (int(rng.integers(cores)),), int(rng.choice([0, 10])))
+            for i in range(int(rng.integers(0, 2 * cores)))
+        ]
         if cores > 1:
             tasks.append(Task("train", 1.0, int(rng.integers(1, cores + 1)), tuple(range(cores)), 0, 0.7))
             span = tuple(range(1, cores)) if cores > 2 else tuple(range(cores))
@@ -129,8 +133,17 @@ class Flat:
 
 
 def config(mode: str, envs: int = 4, chunks: int = 3):
-    return compose_overrides([f"env.num_envs={envs}", f"algo.rollout_chunks={chunks}", "algo.minibatches=1",
-                              "logger=none", "progress=false", "iterations=4"], mode)
+    return compose_overrides(
+        [
+            f"env.num_envs={envs}",
+            f"algo.rollout_chunks={chunks}",
+            "algo.minibatches=1",
+            "logger=none",
+            "progress=false",
+            "iterations=4",
+        ],
+        mode,
+    )
 
 
 def test_colocated_in_virtual_time_gives_the_known_answer():
@@ -140,8 +153,9 @@ def test_colocated_in_virtual_time_gives_the_known_answer():
     out = predict(config("colocated", n, chunks), costs, iterations=4, cores=cores)
     per_iteration = chunks * (n * c * costs.step + costs.gen) / cores + (costs.val + costs.row * n * chunks) / cores
     assert out["env_steps_per_s"] == pytest.approx(n * chunks * c / per_iteration, rel=1e-9)
-    assert out["cpu_share"]["simulate"] + out["cpu_share"]["generate"] + out["cpu_share"]["train"] == \
-        pytest.approx(1.0)  # (work-conserving: while anything runs, both cores do)
+    assert out["cpu_share"]["simulate"] + out["cpu_share"]["generate"] + out["cpu_share"]["train"] == pytest.approx(
+        1.0
+    )  # (work-conserving: while anything runs, both cores do)
 
 
 class Serial(Flat):
@@ -170,8 +184,18 @@ def test_grpo_segments_reset_and_run_in_virtual_time(mode):
     costs = Flat()
     costs.max_episode_steps = 16
     costs.episode_length = lambda env, rng: 16
-    cfg = compose_overrides(["env.num_envs=4", "algo=grpo", "algo.group_size=2", "algo.minibatches=1", "logger=none",
-                             "progress=false", "iterations=4"], mode)
+    cfg = compose_overrides(
+        [
+            "env.num_envs=4",
+            "algo=grpo",
+            "algo.group_size=2",
+            "algo.minibatches=1",
+            "logger=none",
+            "progress=false",
+            "iterations=4",
+        ],
+        mode,
+    )
     out = predict(cfg, costs, iterations=4, cores=2)
     assert out["env_steps_per_s"] > 0 and len(out["per_iteration"]) == 4
 
@@ -198,8 +222,12 @@ def test_a_gpu_nodes_stages_run_on_its_gpu_and_no_schedule_beats_the_bounds():
     # gpu_check's measured costs replace the roofline's: on the whole GPU as measured, at a share as much longer as
     # the roofline says
     at_half = costs.on_gpu("sample", 8, 0.5).seconds / costs.on_gpu("sample", 8, 1.0).seconds
-    costs.measured_gpu = {"gpu": "H200", "policy": "-", "sample_s": {"1": 0.01, "8": 0.02, "32": 0.05},
-                          "train_s_per_row_epoch": 0.003}
+    costs.measured_gpu = {
+        "gpu": "H200",
+        "policy": "-",
+        "sample_s": {"1": 0.01, "8": 0.02, "32": 0.05},
+        "train_s_per_row_epoch": 0.003,
+    }
     assert costs.on_gpu("sample", 8, 1.0).seconds == pytest.approx(0.02)
     assert costs.on_gpu("sample", 8, 0.5).seconds == pytest.approx(0.02 * at_half)
     assert costs.on_gpu("sample", 64, 1.0).seconds == pytest.approx(0.05 + 0.03 / 24 * 32)  # (the last slope)

@@ -12,6 +12,7 @@ queued. The noise of each prediction comes from a seeded generator (lerobot's `s
 anything runs). Writes <out>/queue.safetensors: the actions the env executed (post-processed, before the adapter's
 clip), the noises, and the observation before each action (state, image), in order.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from lerobot_reference import lerobot_variant, local_tokenizer  # (this folder: the folder's sizes and tokenizer)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,10 +58,12 @@ def main(out: Path, variant: str, k: int, steps: int) -> None:
     for _ in range(steps):
         states.append(torch.from_numpy(obs["state"]))
         images.append(torch.from_numpy(obs["image/agentview"]))
-        batch = {"observation.state": torch.from_numpy(obs["state"][:8])[None],
-                 "observation.images.base_0_rgb": torch.from_numpy(obs["image/agentview"]).permute(2, 0, 1)[None]
-                 .float() / 255.0,
-                 "task": [env.spec.instruction]}
+        batch = {
+            "observation.state": torch.from_numpy(obs["state"][:8])[None],
+            "observation.images.base_0_rgb": torch.from_numpy(obs["image/agentview"]).permute(2, 0, 1)[None].float()
+            / 255.0,
+            "task": [env.spec.instruction],
+        }
         with torch.no_grad():
             action = post(policy.select_action(pre(batch)))
         actions.append(action[0].float())
@@ -70,8 +72,15 @@ def main(out: Path, variant: str, k: int, steps: int) -> None:
     env.close()
     from safetensors.torch import save_file
 
-    save_file({"actions": torch.stack(actions), "noise": torch.cat(noises), "state": torch.stack(states),
-               "image": torch.stack(images)}, str(out / "queue.safetensors"))
+    save_file(
+        {
+            "actions": torch.stack(actions),
+            "noise": torch.cat(noises),
+            "state": torch.stack(states),
+            "image": torch.stack(images),
+        },
+        str(out / "queue.safetensors"),
+    )
     print(f"{steps} steps, {len(noises)} chunks predicted, written to {out}")
 
 

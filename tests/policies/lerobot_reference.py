@@ -23,6 +23,7 @@ here they shrink, by editing the config objects it builds its real modules from)
 read from (a local folder made from the given SentencePiece model instead of the hub), and the two torchvision op
 schemas (PyPI's torchvision links CUDA, so its C ops do not load on a CPU torch; no policy here calls them).
 """
+
 from __future__ import annotations
 
 import json
@@ -88,11 +89,13 @@ def lerobot_variant(variant: str) -> tuple:
         from lerobot.policies.pi0 import modeling_pi0 as modeling
         from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
         from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors as processors
+
         policy_cls = modeling.PI0Policy
     else:
         from lerobot.policies.pi05 import modeling_pi05 as modeling
         from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
         from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as processors
+
         policy_cls = modeling.PI05Policy
     shrink(modeling)
     return modeling, policy_cls, Config, processors
@@ -103,7 +106,7 @@ def env_batch(ref: dict[str, torch.Tensor], tasks: list[str]) -> dict:
     batch = {"observation.state": ref["state"], "task": list(tasks)}
     for key, image in ref.items():
         if key.startswith("image/"):
-            batch[f"observation.images.{key[len('image/'):]}"] = image.permute(0, 3, 1, 2).float() / 255.0
+            batch[f"observation.images.{key[len('image/') :]}"] = image.permute(0, 3, 1, 2).float() / 255.0
     return batch
 
 
@@ -115,22 +118,37 @@ def reference(out: Path, variant: str) -> None:
     features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,))}
     for cam in CAMERAS:
         features[f"observation.images.{cam}"] = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224))
-    config = Config(dtype="float32",
-                    chunk_size=CHUNK, n_action_steps=CHUNK, num_inference_steps=STEPS, device="cpu",
-                    input_features=features,
-                    output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))})
+    config = Config(
+        dtype="float32",
+        chunk_size=CHUNK,
+        n_action_steps=CHUNK,
+        num_inference_steps=STEPS,
+        device="cpu",
+        input_features=features,
+        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))},
+    )
     policy = policy_cls(config).eval()
     with torch.no_grad():  # random weights everywhere: lerobot's init leaves norms at 0 and adaRMS closed
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     g = torch.Generator().manual_seed(1)
     stats = {
-        "observation.state": {"mean": torch.randn(STATE_DIM, generator=g), "std": torch.rand(STATE_DIM, generator=g) + 0.5,
-                              "q01": -1.5 - torch.rand(STATE_DIM, generator=g), "q99": 1.5 + torch.rand(STATE_DIM, generator=g),
-                              "min": -3 * torch.ones(STATE_DIM), "max": 3 * torch.ones(STATE_DIM)},
-        "action": {"mean": 0.1 * torch.randn(ACTION_DIM, generator=g), "std": torch.rand(ACTION_DIM, generator=g) + 0.5,
-                   "q01": -1.0 - torch.rand(ACTION_DIM, generator=g), "q99": 1.0 + torch.rand(ACTION_DIM, generator=g),
-                   "min": -2 * torch.ones(ACTION_DIM), "max": 2 * torch.ones(ACTION_DIM)},
+        "observation.state": {
+            "mean": torch.randn(STATE_DIM, generator=g),
+            "std": torch.rand(STATE_DIM, generator=g) + 0.5,
+            "q01": -1.5 - torch.rand(STATE_DIM, generator=g),
+            "q99": 1.5 + torch.rand(STATE_DIM, generator=g),
+            "min": -3 * torch.ones(STATE_DIM),
+            "max": 3 * torch.ones(STATE_DIM),
+        },
+        "action": {
+            "mean": 0.1 * torch.randn(ACTION_DIM, generator=g),
+            "std": torch.rand(ACTION_DIM, generator=g) + 0.5,
+            "q01": -1.0 - torch.rand(ACTION_DIM, generator=g),
+            "q99": 1.0 + torch.rand(ACTION_DIM, generator=g),
+            "min": -2 * torch.ones(ACTION_DIM),
+            "max": 2 * torch.ones(ACTION_DIM),
+        },
     }
     pre, post = processors(config, dataset_stats=stats)
 
@@ -141,12 +159,24 @@ def reference(out: Path, variant: str) -> None:
     # openpi's converter layout: the PI0Pytorch module, its config record, the statistics in assets/<asset_id>
     (out / "openpi" / "assets" / "test_robot").mkdir(parents=True, exist_ok=True)
     save_model(policy.model, str(out / "openpi" / "model.safetensors"))
-    (out / "openpi" / "config.json").write_text(json.dumps({
-        "action_dim": config.max_action_dim, "action_horizon": CHUNK, "paligemma_variant": "gemma_2b",
-        "action_expert_variant": "gemma_300m", "precision": "float32"}, indent=2))
-    openpi_stats = {"norm_stats": {
-        "state": {k: stats["observation.state"][k].tolist() for k in ("mean", "std", "q01", "q99")},
-        "actions": {k: stats["action"][k].tolist() for k in ("mean", "std", "q01", "q99")}}}
+    (out / "openpi" / "config.json").write_text(
+        json.dumps(
+            {
+                "action_dim": config.max_action_dim,
+                "action_horizon": CHUNK,
+                "paligemma_variant": "gemma_2b",
+                "action_expert_variant": "gemma_300m",
+                "precision": "float32",
+            },
+            indent=2,
+        )
+    )
+    openpi_stats = {
+        "norm_stats": {
+            "state": {k: stats["observation.state"][k].tolist() for k in ("mean", "std", "q01", "q99")},
+            "actions": {k: stats["action"][k].tolist() for k in ("mean", "std", "q01", "q99")},
+        }
+    }
     (out / "openpi" / "assets" / "test_robot" / "norm_stats.json").write_text(json.dumps(openpi_stats, indent=2))
 
     # a batch as an env gives it (uint8 images; lerobot takes them as float in [0, 1]) and what lerobot acts
@@ -158,27 +188,44 @@ def reference(out: Path, variant: str) -> None:
     with torch.no_grad():
         chunk = policy.predict_action_chunk(processed, noise=noise)
     actions = post(chunk)
-    tensors = {"state": state, "noise": noise, "tokens": processed["observation.language.tokens"].long(),
-               "token_mask": processed["observation.language.attention_mask"].bool(),
-               "normalized_state": processed["observation.state"].float(), "model_chunk": chunk.float(), "actions": actions.float()}
+    tensors = {
+        "state": state,
+        "noise": noise,
+        "tokens": processed["observation.language.tokens"].long(),
+        "token_mask": processed["observation.language.attention_mask"].bool(),
+        "normalized_state": processed["observation.state"].float(),
+        "model_chunk": chunk.float(),
+        "actions": actions.float(),
+    }
     tensors.update({f"image/{cam}": image for cam, image in images.items()})
     # openpi's resize-with-pad as lerobot runs it, on a non-square image in [-1, 1]
     wide = torch.rand(BATCH, 180, 240, 3, generator=g) * 2 - 1
     tensors.update(wide=wide, wide_padded=modeling.resize_with_pad_torch(wide, 224, 224))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "reference.safetensors"))
-    (out / "reference.json").write_text(json.dumps({
-        "tasks": TASKS, "vlm": VLM, "expert": EXPERT, "vision": VISION, "chunk": CHUNK, "steps": STEPS,
-        "state_dim": STATE_DIM, "action_dim": ACTION_DIM, "cameras": list(CAMERAS),
-        "max_tokens": config.tokenizer_max_length}))
+    (out / "reference.json").write_text(
+        json.dumps(
+            {
+                "tasks": TASKS,
+                "vlm": VLM,
+                "expert": EXPERT,
+                "vision": VISION,
+                "chunk": CHUNK,
+                "steps": STEPS,
+                "state_dim": STATE_DIM,
+                "action_dim": ACTION_DIM,
+                "cameras": list(CAMERAS),
+                "max_tokens": config.tokenizer_max_length,
+            }
+        )
+    )
     print(f"reference written to {out}")
 
 
 def act(job: list[dict]) -> None:
     """Each case's folder loaded as lerobot loads a policy, acting on its reference's batch with its noise."""
-    from safetensors.torch import load_file
-
     from lerobot.configs.policies import PreTrainedConfig
     from lerobot.policies.factory import make_pre_post_processors
+    from safetensors.torch import load_file
 
     for case in job:
         _, policy_cls, _, processors = lerobot_variant(case["variant"])
@@ -190,8 +237,10 @@ def act(job: list[dict]) -> None:
             config = PreTrainedConfig.from_pretrained(ref_folder / "lerobot")
             policy = policy_cls.from_pretrained(folder, config=config)
             table = json.loads(next((folder / "assets").glob("*/norm_stats.json")).read_text())["norm_stats"]
-            stats = {"observation.state": {k: torch.tensor(v) for k, v in table["state"].items()},
-                     "action": {k: torch.tensor(v) for k, v in table["actions"].items()}}
+            stats = {
+                "observation.state": {k: torch.tensor(v) for k, v in table["state"].items()},
+                "action": {k: torch.tensor(v) for k, v in table["actions"].items()},
+            }
             pre, post = processors(config, dataset_stats=stats)
         # (lerobot 0.4.4's from_pretrained loads what fits and only prints what did not: the test checks the weights)
         weights = load_file(str(folder / "model.safetensors"))
@@ -202,9 +251,11 @@ def act(job: list[dict]) -> None:
         tasks = json.loads((ref_folder / "reference.json").read_text())["tasks"]
         with torch.no_grad():
             chunk = policy.predict_action_chunk(pre(env_batch(ref, tasks)), noise=ref["noise"])
-        save_file({"model_chunk": chunk.float().contiguous(), "actions": post(chunk).float().contiguous()},
-                  case["out"], metadata={"differ": json.dumps(differ),
-                                         "n_action_steps": str(policy.config.n_action_steps)})
+        save_file(
+            {"model_chunk": chunk.float().contiguous(), "actions": post(chunk).float().contiguous()},
+            case["out"],
+            metadata={"differ": json.dumps(differ), "n_action_steps": str(policy.config.n_action_steps)},
+        )
 
 
 if __name__ == "__main__":

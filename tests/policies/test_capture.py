@@ -1,6 +1,7 @@
 """`policy.capture`: generation's denoising loop replayed from CUDA graphs or compiled gives what the loop as it is
 gives, on the same draws, for each flow family at the tiny preset, and still does after new weights are copied in
 (ebrl/policies/capture.py)."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -20,12 +21,15 @@ from tests.policies.test_families import make_obs, make_spec
 # each flow family, and the chains whose loops differ: every step stochastic (Flow-Noise's learned std), one random
 # step (Flow-SDE, the index a tensor), and plain Euler steps (evaluation)
 FAMILIES = [("openpi", ()), ("openpi", ("policy.variant=pi05",)), ("gr00t", ()), ("wam", ())]
-CHAINS = [(("policy.logprob=flow_noise", "policy.chain_logprob=sum"), False),
-          (("policy.logprob=flow_sde", "policy.chain_logprob=one_step"), False),
-          (("policy.logprob=flow_sde", "policy.chain_logprob=mean"), True)]
+CHAINS = [
+    (("policy.logprob=flow_noise", "policy.chain_logprob=sum"), False),
+    (("policy.logprob=flow_sde", "policy.chain_logprob=one_step"), False),
+    (("policy.logprob=flow_sde", "policy.chain_logprob=mean"), True),
+]
 CASES = [(name, extra + chain, deterministic) for name, extra in FAMILIES for chain, deterministic in CHAINS]
-IDS = [" ".join((name, *extra, "deterministic" if deterministic else "")).strip()
-       for name, extra, deterministic in CASES]
+IDS = [
+    " ".join((name, *extra, "deterministic" if deterministic else "")).strip() for name, extra, deterministic in CASES
+]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
@@ -39,8 +43,9 @@ def fresh_dynamo():
 
 def built(name: str, extra: tuple[str, ...], capture: str, device: str = "cpu", seed: int = 0) -> FlowPolicy:
     """The policy `run.py policy=<name> <extra> policy.capture=<capture>` builds, its weights from `seed`."""
-    cfg = OmegaConf.to_container(compose_config(f"policy={name}", *extra, f"policy.capture={capture}").policy,
-                                 resolve=True)
+    cfg = OmegaConf.to_container(
+        compose_config(f"policy={name}", *extra, f"policy.capture={capture}").policy, resolve=True
+    )
     torch.manual_seed(seed)
     return build_policy(cfg, make_spec(), device)
 
@@ -56,8 +61,9 @@ def assert_same(got: PolicySample, want: PolicySample, atol: float) -> None:
     pairs = [(got.chunk, want.chunk), (got.log_prob, want.log_prob), (got.value, want.value)]
     pairs += [(got.extras[k], want.extras[k]) for k in want.extras]
     for a, b in pairs:
-        assert a.shape == b.shape and torch.allclose(a.float().cpu(), b.float().cpu(), atol=atol, rtol=atol), \
-            float((a.float().cpu() - b.float().cpu()).abs().max())
+        assert a.shape == b.shape and torch.allclose(a.float().cpu(), b.float().cpu(), atol=atol, rtol=atol), float(
+            (a.float().cpu() - b.float().cpu()).abs().max()
+        )
 
 
 def publish_new_weights(policies: list[FlowPolicy], seed: int) -> None:
@@ -99,8 +105,9 @@ def test_a_capture_the_device_cannot_run_stops_at_build() -> None:
         policy.capture = "always"
 
 
-def equal_before_and_after_new_weights(name: str, extra: tuple[str, ...], deterministic: bool, capture: str,
-                                       device: str, atol: float) -> None:
+def equal_before_and_after_new_weights(
+    name: str, extra: tuple[str, ...], deterministic: bool, capture: str, device: str, atol: float
+) -> None:
     """`capture` against off on `device`: the same samples, at two batch sizes, and again after new weights."""
     plain, captured = built(name, extra, "off", device), built(name, extra, capture, device)
     for batch in (3, 5, 3):  # the second 3 replays what the first captured
@@ -123,5 +130,6 @@ def test_compiled_loop_samples_what_the_loop_samples(name: str, extra: tuple[str
 @pytest.mark.parametrize("name,extra,deterministic", CASES, ids=IDS)
 def test_graphed_loop_samples_what_the_loop_samples(name: str, extra: tuple[str, ...], deterministic: bool) -> None:
     # the same kernels replayed: float32 (policy.dtype's default on CUDA is bfloat16; gpu_check measures that)
-    equal_before_and_after_new_weights(name, extra + ("policy.dtype=float32",), deterministic, "graph", "cuda",
-                                       atol=1e-5)
+    equal_before_and_after_new_weights(
+        name, extra + ("policy.dtype=float32",), deterministic, "graph", "cuda", atol=1e-5
+    )

@@ -1,5 +1,6 @@
 """What a checkpoint brings besides its weights, at the tiny preset: statistics, action dims, camera slots, and the
 one line a mismatch gives."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,22 @@ def openpi_cfg(**overrides) -> dict:
 
 def write_stats(path, action_dims: int = 5) -> str:
     rng = np.random.default_rng(0)
-    table = {"norm_stats": {
-        "state": {"mean": rng.normal(size=STATE).tolist(), "std": (rng.random(STATE) + 0.5).tolist(),
-                  "q01": (-1 - rng.random(STATE)).tolist(), "q99": (1 + rng.random(STATE)).tolist()},
-        "actions": {"mean": rng.normal(size=action_dims).tolist(), "std": (rng.random(action_dims) + 0.5).tolist(),
-                    "q01": (-1 - rng.random(action_dims)).tolist(), "q99": (1 + rng.random(action_dims)).tolist()}}}
+    table = {
+        "norm_stats": {
+            "state": {
+                "mean": rng.normal(size=STATE).tolist(),
+                "std": (rng.random(STATE) + 0.5).tolist(),
+                "q01": (-1 - rng.random(STATE)).tolist(),
+                "q99": (1 + rng.random(STATE)).tolist(),
+            },
+            "actions": {
+                "mean": rng.normal(size=action_dims).tolist(),
+                "std": (rng.random(action_dims) + 0.5).tolist(),
+                "q01": (-1 - rng.random(action_dims)).tolist(),
+                "q99": (1 + rng.random(action_dims)).tolist(),
+            },
+        }
+    }
     path.write_text(json.dumps(table))
     return str(path)
 
@@ -41,10 +53,12 @@ def write_stats(path, action_dims: int = 5) -> str:
 def test_statistics_and_action_dims_keep_log_probs_in_the_models_space(tmp_path, variant) -> None:
     stats = write_stats(tmp_path / "norm_stats.json")
     torch.manual_seed(0)
-    policy = build_policy(openpi_cfg(variant=variant, norm_stats=stats, action_dims=[4, 0, 2, 1],
-                                     action_scale=[1, 1, 1, -1]), spec())
+    policy = build_policy(
+        openpi_cfg(variant=variant, norm_stats=stats, action_dims=[4, 0, 2, 1], action_scale=[1, 1, 1, -1]), spec()
+    )
     assert policy.model_action_dim == 5 and policy.normalizer.modes["action"] == (
-        "mean_std" if variant == "pi0" else "quantiles")
+        "mean_std" if variant == "pi0" else "quantiles"
+    )
     obs = {"state": torch.randn(3, STATE)}
     out = policy.sample(obs)
     last = out.extras["chain"][:, -1, :, :5]
@@ -75,25 +89,35 @@ def test_state_dims_pick_what_the_checkpoint_reads() -> None:
 
 
 def test_camera_slots_mask_what_no_env_camera_fills() -> None:
-    policy = build_policy(openpi_cfg(cameras={"base_0_rgb": "front", "left_wrist_0_rgb": None}), spec(("front", "side")))
+    policy = build_policy(
+        openpi_cfg(cameras={"base_0_rgb": "front", "left_wrist_0_rgb": None}), spec(("front", "side"))
+    )
     assert policy.camera_slots == ["base_0_rgb", "left_wrist_0_rgb"] and policy.cameras == ["image/front"]
-    obs = {"state": torch.randn(2, STATE), "image/front": torch.randint(0, 256, (2, 40, 48, 3), dtype=torch.uint8),
-           "image/side": torch.randint(0, 256, (2, 40, 48, 3), dtype=torch.uint8)}
+    obs = {
+        "state": torch.randn(2, STATE),
+        "image/front": torch.randint(0, 256, (2, 40, 48, 3), dtype=torch.uint8),
+        "image/side": torch.randint(0, 256, (2, 40, 48, 3), dtype=torch.uint8),
+    }
     emb, real = policy.embed_prefix(obs)
     patches = (32 // 8) ** 2
     assert emb.shape[1] == patches + policy.dims.max_tokens and real[:, :patches].all()  # one slot's patches + text
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"cameras": {"base_0_rgb": "wrist"}}, "maps the checkpoint's camera base_0_rgb to env camera 'wrist', which the "
-                                           "env lacks"),
-    ({"action_dims": [0, 1]}, "policy.action_dims has 2 entries, the env's actions 4 dims"),
-    ({"action_dims": [0, 1, 2, 40]}, r"names dims outside the checkpoint's"),
-    ({"action_scale": [1, 0, 1, 1]}, "must give one non-zero factor per env action dim"),
-    ({"norm_mode": "quantiles"}, "needs statistics"),
-    ({"dims": {"widht": 8}}, "policy.dims has no size widht"),
-    ({"state_dims": [0, 9]}, r"policy.state_dims=\[0, 9\] must pick dims of the env's state \(0..5\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"cameras": {"base_0_rgb": "wrist"}},
+            "maps the checkpoint's camera base_0_rgb to env camera 'wrist', which the env lacks",
+        ),
+        ({"action_dims": [0, 1]}, "policy.action_dims has 2 entries, the env's actions 4 dims"),
+        ({"action_dims": [0, 1, 2, 40]}, r"names dims outside the checkpoint's"),
+        ({"action_scale": [1, 0, 1, 1]}, "must give one non-zero factor per env action dim"),
+        ({"norm_mode": "quantiles"}, "needs statistics"),
+        ({"dims": {"widht": 8}}, "policy.dims has no size widht"),
+        ({"state_dims": [0, 9]}, r"policy.state_dims=\[0, 9\] must pick dims of the env's state \(0..5\)"),
+    ],
+)
 def test_what_does_not_fit_is_one_line(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         build_policy(openpi_cfg(**overrides), spec(("front",)))
@@ -103,9 +127,14 @@ def test_a_lerobot_folder_says_its_variant_and_cameras(tmp_path) -> None:
     torch.manual_seed(0)
     source = build_policy(openpi_cfg(), spec())
     save_file({f"model.{k}": v for k, v in source.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    config = {"type": "pi0", "chunk_size": source.chunk_len, "input_features": {
-        "observation.state": {"type": "STATE", "shape": [STATE]},
-        "observation.images.base_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]}}}
+    config = {
+        "type": "pi0",
+        "chunk_size": source.chunk_len,
+        "input_features": {
+            "observation.state": {"type": "STATE", "shape": [STATE]},
+            "observation.images.base_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]},
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="is a pi0 checkpoint, policy.variant=pi05"):
         build_policy(openpi_cfg(checkpoint=str(tmp_path), variant="pi05"), spec())

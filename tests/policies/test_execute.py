@@ -1,5 +1,6 @@
 """How many actions of each chunk the env executes (`policy.execute`): where the number comes from, in training and
 in mode=eval, and what the policy accepts."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,9 @@ def test_a_checkpoint_folders_n_action_steps_and_what_an_evaluated_run_trained_w
     assert settled(folder, "policy.preset=full", "env=libero")[0] == 5  # training: the recipe's
     k, source = settled(folder, "policy.preset=full", "env=libero", "mode=eval")
     assert k == 10 and "n_action_steps" in source  # the published checkpoint as its folder runs it
-    k, source = settled(folder, "policy.preset=full", "env=libero", "mode=eval", "checkpoint=runs/x",
-                        trained={"execute": 5})
+    k, source = settled(
+        folder, "policy.preset=full", "env=libero", "mode=eval", "checkpoint=runs/x", trained={"execute": 5}
+    )
     assert k == 5 and "trained with" in source  # a run's checkpoint as it trained
 
 

@@ -1,6 +1,7 @@
 """Every policy family behind conf/policy/*.yaml (and openpi's pi05 variant): shapes, sample/evaluate agreement,
 gradients to the exploration and value heads, preset sizes, and full presets on the meta device against the
 published parameter counts each module names in PUBLISHED_PARAMETERS."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -83,8 +84,11 @@ def learns_state_mapping(policy: Policy, target: Any, steps: int, drop: float, l
     return float(matched), float(shuffled)
 
 
-@pytest.fixture(scope="module", params=[(v, cams) for v in VARIANTS for cams in ((), ("front", "wrist"))],
-                ids=[f"{i}-{'cams' if cams else 'state'}" for i in IDS for cams in (0, 1)])
+@pytest.fixture(
+    scope="module",
+    params=[(v, cams) for v in VARIANTS for cams in ((), ("front", "wrist"))],
+    ids=[f"{i}-{'cams' if cams else 'state'}" for i in IDS for cams in (0, 1)],
+)
 def policy(request: pytest.FixtureRequest) -> Policy:
     (name, extra), cams = request.param
     torch.manual_seed(0)
@@ -168,8 +172,11 @@ def test_presets_and_chunk_override(name: str, extra: tuple[str, ...]) -> None:
         build(name, extra, make_spec(state_dim=9999))
 
 
-@pytest.mark.parametrize("name,extra", [v for v in VARIANTS if "policy.logprob=flow_sde" not in v[1]],
-                         ids=[i for i in IDS if "flow_sde" not in i])
+@pytest.mark.parametrize(
+    "name,extra",
+    [v for v in VARIANTS if "policy.logprob=flow_sde" not in v[1]],
+    ids=[i for i in IDS if "flow_sde" not in i],
+)
 def test_full_preset_matches_the_published_size(name: str, extra: tuple[str, ...]) -> None:
     cls, kwargs = policy_kwargs(name, extra, preset="full")
     with torch.device("meta"):

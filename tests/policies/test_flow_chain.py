@@ -1,6 +1,7 @@
 """The flow families' stochastic chain as RLinf's pi0 recipes run it (`policy.chain_logprob`, Flow-SDE's step, the
 critic's detached input), on tiny pi0: each mode's log-prob is reproduced by evaluate, and the formulas are checked
 against a transcription of RLinf's own (rlinf/models/embodiment/openpi/openpi_action_model.py, a3816b5)."""
+
 from __future__ import annotations
 
 import math
@@ -69,7 +70,7 @@ def rlinf_flow_sde(x_t: torch.Tensor, v_t: torch.Tensor, idx: int, steps: int, n
     x0_pred, x1_pred = x_t - v_t * t, x_t + v_t * (1 - t)
     denom = torch.where(timesteps == 1, timesteps[1], timesteps)
     sigma = (noise_level * torch.sqrt(timesteps / (1 - denom)))[:-1][idx]
-    mean = x0_pred * (1 - (t - delta)) + x1_pred * (t - delta - sigma ** 2 * delta / (2 * t))
+    mean = x0_pred * (1 - (t - delta)) + x1_pred * (t - delta - sigma**2 * delta / (2 * t))
     return mean, torch.sqrt(delta) * sigma
 
 
@@ -95,6 +96,8 @@ def test_a_detached_critic_input_trains_the_value_head_alone(detach: bool) -> No
     out = policy.sample(obs)
     policy.zero_grad()
     policy.evaluate(obs, out.chunk, out.extras)[2].pow(2).sum().backward()
-    moved = {name.split(".")[0] for name, p in policy.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    moved = {
+        name.split(".")[0] for name, p in policy.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0
+    }
     assert "value_head" in moved
     assert (moved == {"value_head"}) == detach, moved

@@ -1,5 +1,6 @@
 """GR00TPolicy: the DiT reads image and instruction through cross-attention, GR00T's time convention, the causal
 backbone, flow matching learns a mapping, and the full preset's components on the meta device."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,10 @@ def test_actions_read_image_and_instruction_through_cross_attention() -> None:
     policy = GR00TPolicy(make_spec(("front", "wrist"), size=(48, 64)))  # non-square cameras are resized
     obs = make_obs(policy, 2)
     other_image = {**obs, "image/front": 255 - obs["image/front"]}
-    other_text = {**obs, **dict(zip(("tokens", "token_mask"),
-                                    map(torch.from_numpy, policy.tokenize(["open the drawer"] * 2))))}
+    other_text = {
+        **obs,
+        **dict(zip(("tokens", "token_mask"), map(torch.from_numpy, policy.tokenize(["open the drawer"] * 2)))),
+    }
     x, t = torch.randn(2, policy.chunk_len, policy.flow_dim), torch.full((2,), 0.5)
     blocks = policy.action_head.model.transformer_blocks
     assert [b.attn1_cross for b in blocks] == [True, False]  # even blocks cross-attend, odd ones self-attend

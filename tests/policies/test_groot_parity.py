@@ -8,6 +8,7 @@ loads each file through `load_weights` and must match in float32: the velocity (
 sign) at the same actions and times, and the chunk of a plain Euler chain from the same noise.
 The layout tests need no venv: files built by NVIDIA's and lerobot's naming rules from our own tensors.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,16 +53,24 @@ def reference(groot_reference: Path) -> Path:
 def make_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """groot_reference.py's folders and io.safetensors (skipped without lerobot's interpreter)."""
     if not LEROBOT.is_file():
-        pytest.skip(f"no lerobot venv at {LEROBOT}: run `python -m ebrl.envs.setup lerobot` for the GR00T parity "
-                    "tests")
+        pytest.skip(f"no lerobot venv at {LEROBOT}: run `python -m ebrl.envs.setup lerobot` for the GR00T parity tests")
     out = tmp_path_factory.mktemp("groot")
     d = dataclasses.asdict(dataclasses.replace(PRESETS["small"], embodiments=SLOTS))
     d["image_token"] = d["vocab"] - 1  # byte 255's id: no ASCII instruction token
-    spec = {"dims": d, "batch": BATCH, "chunk": PRESETS["small"].chunk, "steps": STEPS, "seed": 0,
-            "embodiment_id": EMBODIMENT, "text_tokens": 10, "vl_tokens": 12}
+    spec = {
+        "dims": d,
+        "batch": BATCH,
+        "chunk": PRESETS["small"].chunk,
+        "steps": STEPS,
+        "seed": 0,
+        "embodiment_id": EMBODIMENT,
+        "text_tokens": 10,
+        "vl_tokens": 12,
+    }
     (out / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([str(LEROBOT), str(REFERENCE), str(out / "spec.json"), str(out)], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [str(LEROBOT), str(REFERENCE), str(out / "spec.json"), str(out)], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -79,8 +88,11 @@ def chain(policy: GR00TPolicy, cond: dict, x: torch.Tensor, t: torch.Tensor) -> 
     v = torch.stack([policy.velocity(x[:, k], ts[k].expand(x.shape[0]), cond)[0] for k in range(x.shape[1])], 1)
     y = x[:, 0]
     for k in range(policy.denoise_steps):
-        y = y - policy.velocity(y, policy.times(policy.denoise_steps, y.device)[k].expand(y.shape[0]), cond)[0] \
+        y = (
+            y
+            - policy.velocity(y, policy.times(policy.denoise_steps, y.device)[k].expand(y.shape[0]), cond)[0]
             / policy.denoise_steps
+        )
     return v, y
 
 
@@ -144,8 +156,9 @@ def save_sharded(state: dict[str, torch.Tensor], folder: Path, shards: int = 3) 
         save_file({k: state[k].contiguous() for k in part}, str(folder / name))
         weight_map.update({k: name for k in part})
     total = sum(v.numel() * v.element_size() for v in state.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
 
 
 def fresh(cameras: tuple[str, ...] = ("front",)) -> GR00TPolicy:
@@ -163,8 +176,9 @@ def test_nvidia_and_lerobot_layouts_load(tmp_path: Path, one_thread) -> None:
     from safetensors.torch import save_file
 
     (tmp_path / "lerobot").mkdir()
-    save_file({f"_groot_model.{k}": v.contiguous() for k, v in state.items()},
-              str(tmp_path / "lerobot" / "model.safetensors"))
+    save_file(
+        {f"_groot_model.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "lerobot" / "model.safetensors")
+    )
     for layout in ("nvidia", "lerobot"):
         target = fresh()
         assert load_weights(target, str(tmp_path / layout)) == target.rl_heads()
@@ -196,8 +210,9 @@ def test_a_lerobot_fine_tune_of_a_tied_model_loads(tmp_path: Path, one_thread) -
     lerobot._groot_model = source
     save_model(lerobot, str(tmp_path / "model.safetensors"))
     embed, head = GR00TPolicy.TIED
-    assert {f"_groot_model.{head}"} == {k for k in safe_open(str(tmp_path / "model.safetensors"), "pt").keys()
-                                        if k.endswith((embed, head))}
+    assert {f"_groot_model.{head}"} == {
+        k for k in safe_open(str(tmp_path / "model.safetensors"), "pt").keys() if k.endswith((embed, head))
+    }
     target = fresh()
     assert load_weights(target, str(tmp_path)) == target.rl_heads()
     assert torch.equal(target.state_dict()[embed], language_model.model.embed_tokens.weight)

@@ -6,6 +6,7 @@ lerobot's and safetensors' writers, its save_pretrained folder and openpi's conv
 plus what lerobot acts on a batch. We load both folders and compare: the tokens its processor gives (with a real
 SentencePiece model trained here), its normalised state, and its deterministic chunk through its post-processor.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,15 @@ from ebrl.policies.tokenizer import PaligemmaTokenizer, train_gemma_like
 from tests.conftest import ONE_THREAD
 
 REFERENCE = Path(__file__).with_name("lerobot_reference.py")
-CORPUS = ["pick up the black bowl between the plate and the ramekin and place it on the plate",
-          "put the cream cheese in the bowl", "open the top drawer and put the bowl inside", "turn on the stove",
-          "Task: lift the red cube, State: 12 128 255 0 77 3;\nAction: ", "push the plate to the front of the stove",
-          "put both the alphabet soup and the tomato sauce in the basket"]
+CORPUS = [
+    "pick up the black bowl between the plate and the ramekin and place it on the plate",
+    "put the cream cheese in the bowl",
+    "open the top drawer and put the bowl inside",
+    "turn on the stove",
+    "Task: lift the red cube, State: 12 128 255 0 77 3;\nAction: ",
+    "push the plate to the front of the stove",
+    "put both the alphabet soup and the tomato sauce in the basket",
+]
 
 
 def train_sentencepiece(path: Path) -> Path:
@@ -46,27 +52,51 @@ def reference(request, lerobot_references) -> tuple[str, Path]:
 def build_ours(out: Path, layout: str, spec: EnvSpec | None = None, **overrides) -> tuple[torch.nn.Module, dict, dict]:
     """Our policy from the reference's folder `layout`, with lerobot's sizes; and the reference's record and batch."""
     cfg, spec = ours_config(out, layout, spec, **overrides)
-    return build_policy(cfg, spec), json.loads((out / "reference.json").read_text()), load_file(
-        str(out / "reference.safetensors"))
+    return (
+        build_policy(cfg, spec),
+        json.loads((out / "reference.json").read_text()),
+        load_file(str(out / "reference.safetensors")),
+    )
 
 
 def ours_config(out: Path, layout: str, spec: EnvSpec | None = None, **overrides) -> tuple[dict, EnvSpec]:
     """The resolved policy config of our policy from the reference's folder `layout` (at lerobot's sizes, its
     cameras mapped to an env's agentview and wrist, the third masked), and that env's spec (or `spec`)."""
     meta = json.loads((out / "reference.json").read_text())
-    obs = {"state": ArraySpec((meta["state_dim"],), "float32"), "image/agentview": ArraySpec((224, 224, 3), "uint8"),
-           "image/wrist": ArraySpec((224, 224, 3), "uint8")}
+    obs = {
+        "state": ArraySpec((meta["state_dim"],), "float32"),
+        "image/agentview": ArraySpec((224, 224, 3), "uint8"),
+        "image/wrist": ArraySpec((224, 224, 3), "uint8"),
+    }
     spec = spec or EnvSpec(obs=obs, action_dim=meta["action_dim"], instruction=meta["tasks"][0], max_episode_steps=10)
     vlm, expert, vision = meta["vlm"], meta["expert"], meta["vision"]
-    dims = dict(image_size=224, patch_size=vision["patch_size"], vit_width=vision["hidden_size"],
-                vit_depth=vision["num_hidden_layers"], vit_mlp=vision["intermediate_size"],
-                vit_heads=vision["num_attention_heads"], width=vlm["width"], depth=vlm["depth"], mlp=vlm["mlp_dim"],
-                heads=vlm["num_heads"], kv_heads=vlm["num_kv_heads"], head_dim=vlm["head_dim"],
-                expert_width=expert["width"], expert_mlp=expert["mlp_dim"])
-    cfg = {"_target_": "ebrl.policies.openpi.OpenPIPolicy", "name": "openpi", "preset": "full", "dtype": "float32",
-           "checkpoint": str(out / layout), "tokenizer": str(out / "paligemma_tokenizer.model"), "dims": dims,
-           "cameras": {"base_0_rgb": "agentview", "left_wrist_0_rgb": "wrist", "right_wrist_0_rgb": None},
-           **overrides}
+    dims = dict(
+        image_size=224,
+        patch_size=vision["patch_size"],
+        vit_width=vision["hidden_size"],
+        vit_depth=vision["num_hidden_layers"],
+        vit_mlp=vision["intermediate_size"],
+        vit_heads=vision["num_attention_heads"],
+        width=vlm["width"],
+        depth=vlm["depth"],
+        mlp=vlm["mlp_dim"],
+        heads=vlm["num_heads"],
+        kv_heads=vlm["num_kv_heads"],
+        head_dim=vlm["head_dim"],
+        expert_width=expert["width"],
+        expert_mlp=expert["mlp_dim"],
+    )
+    cfg = {
+        "_target_": "ebrl.policies.openpi.OpenPIPolicy",
+        "name": "openpi",
+        "preset": "full",
+        "dtype": "float32",
+        "checkpoint": str(out / layout),
+        "tokenizer": str(out / "paligemma_tokenizer.model"),
+        "dims": dims,
+        "cameras": {"base_0_rgb": "agentview", "left_wrist_0_rgb": "wrist", "right_wrist_0_rgb": None},
+        **overrides,
+    }
     return cfg, spec
 
 
@@ -85,8 +115,12 @@ def training_layouts(out: Path) -> None:
 
 # transformers' PaliGemmaForConditionalGeneration._checkpoint_conversion_mapping (4.52 on), read backwards: the names
 # transformers < 4.52 gave PaliGemma's parts, as lerobot's first pi0 files have them
-FEB_2025_NAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
-                  ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+FEB_2025_NAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
 
 
 def first_lerobot_layout(out: Path, name: str = "lerobot_feb2025") -> int:
@@ -104,7 +138,7 @@ def first_lerobot_layout(out: Path, name: str = "lerobot_feb2025") -> int:
     for key, value in load_file(str(out / "lerobot" / "model.safetensors")).items():
         for new, old in FEB_2025_NAMES:
             if key.startswith(prefix + new):
-                key, renamed = prefix + old + key[len(prefix + new):], renamed + 1
+                key, renamed = prefix + old + key[len(prefix + new) :], renamed + 1
                 break
         state[key] = value
     assert not any("embed_tokens" in k or ".model.language_model." in k for k in state)
@@ -131,30 +165,42 @@ def test_lerobot_and_openpi_layouts_act_as_lerobot(reference, one_thread) -> Non
     variant, out = reference
     training_layouts(out)
     if variant == "pi0":  # (pi0.5 came after that layout)
-        assert first_lerobot_layout(out) == len([k for k in build_ours(out, "lerobot")[0].state_dict()
-                                                 if k.startswith("paligemma_with_expert.paligemma.")])
-    layouts = [("lerobot", {})] + ([("lerobot_feb2025", {}), ("lerobot_run/checkpoints/000100", {}),
-                                    # (openpi's trainer writes no config.json: the horizon is given too)
-                                    ("openpi_run/30000", {"denoise_steps": 3, "chunk": 6, "prompt_style": "lerobot"})]
-                                   if variant == "pi0" else [])
-    for layout, overrides in (*layouts,
-                              # openpi's converter records neither the steps nor how its prompts were made: the
-                              # reference's (lerobot's processors, 3 steps) are given
-                              ("openpi", {"denoise_steps": 3, "prompt_style": "lerobot"})):
+        assert first_lerobot_layout(out) == len(
+            [k for k in build_ours(out, "lerobot")[0].state_dict() if k.startswith("paligemma_with_expert.paligemma.")]
+        )
+    layouts = [("lerobot", {})] + (
+        [
+            ("lerobot_feb2025", {}),
+            ("lerobot_run/checkpoints/000100", {}),
+            # (openpi's trainer writes no config.json: the horizon is given too)
+            ("openpi_run/30000", {"denoise_steps": 3, "chunk": 6, "prompt_style": "lerobot"}),
+        ]
+        if variant == "pi0"
+        else []
+    )
+    for layout, overrides in (
+        *layouts,
+        # openpi's converter records neither the steps nor how its prompts were made: the
+        # reference's (lerobot's processors, 3 steps) are given
+        ("openpi", {"denoise_steps": 3, "prompt_style": "lerobot"}),
+    ):
         policy, meta, ref = build_ours(out, layout, **overrides)
         assert policy.variant == variant and policy.chunk_len == meta["chunk"], layout
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize(meta["tasks"]))
         state = policy.normalize_state(ref["state"])
         # the statistics: lerobot's eps for its folder, openpi's 1e-6 for norm_stats.json
-        assert (state - ref["normalized_state"][:, : state.shape[1]]).abs().max() < (1e-6 if layout == "lerobot"
-                                                                                     else 1e-5)
+        assert (state - ref["normalized_state"][:, : state.shape[1]]).abs().max() < (
+            1e-6 if layout == "lerobot" else 1e-5
+        )
         if variant == "pi05":  # the prompt holds the state
             tokens, mask = policy.state_prompt_tokens(tokens, mask, state)
         assert torch.equal(tokens, ref["tokens"]) and torch.equal(mask, ref["token_mask"]), layout
-        obs = {"state": ref["state"], "image/agentview": ref["image/base_0_rgb"],
-               "image/wrist": ref["image/left_wrist_0_rgb"], **dict(zip(("tokens", "token_mask"),
-                                                                        (torch.from_numpy(a) for a in
-                                                                         policy.tokenize(meta["tasks"]))))}
+        obs = {
+            "state": ref["state"],
+            "image/agentview": ref["image/base_0_rgb"],
+            "image/wrist": ref["image/left_wrist_0_rgb"],
+            **dict(zip(("tokens", "token_mask"), (torch.from_numpy(a) for a in policy.tokenize(meta["tasks"])))),
+        }
         sample = policy.sample(obs, deterministic=True, noise=ref["noise"])
         model_chunk = sample.extras["chain"][:, -1, :, : meta["action_dim"]]
         assert (model_chunk - ref["model_chunk"]).abs().max() < 1e-4, layout
@@ -179,7 +225,7 @@ def test_openpi_prompts(tmp_path) -> None:
     tok = PaligemmaTokenizer(model, max_len=48)
     tokens, mask = tok.tokenize(["put_the bowl\non the plate "])
     want = sp.Encode("put the bowl on the plate", add_bos=True) + sp.Encode("\n")
-    assert tokens[0, : len(want)].tolist() == want and mask[0].sum() == len(want) and not tokens[0, len(want):].any()
+    assert tokens[0, : len(want)].tolist() == want and mask[0].sum() == len(want) and not tokens[0, len(want) :].any()
     state = np.array([-1.5, -1.0, 0.0, 0.999, 1.0, 2.0])
     ids = PaligemmaTokenizer(model, max_len=200).ids("lift it", state)
     assert sp.Decode(ids) == "Task: lift it, State: -1 0 128 255 255 255;\nAction: "
@@ -204,26 +250,43 @@ def test_executing_k_of_each_chunk_acts_as_lerobots_select_action_queue(referenc
 
     variant, out = reference
     k, steps = 4, 20
-    subprocess.run([str(benchmark_python("lerobot")), str(QUEUE), str(out), variant, str(k), str(steps)], check=True,
-                   capture_output=True, timeout=300, env=ONE_THREAD)
+    subprocess.run(
+        [str(benchmark_python("lerobot")), str(QUEUE), str(out), variant, str(k), str(steps)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=ONE_THREAD,
+    )
     ref = load_file(str(out / "queue.safetensors"))
     cfg = compose_config(f"policy.checkpoint={out / 'lerobot_queue'}")
     settle_execute(cfg)
     assert cfg.policy.execute == k  # the folder's n_action_steps
-    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32"), "image/agentview": ArraySpec((64, 64, 3), "uint8")},
-                   action_dim=7, instruction="lift the red cube", max_episode_steps=200)
+    spec = EnvSpec(
+        obs={"state": ArraySpec((8,), "float32"), "image/agentview": ArraySpec((64, 64, 3), "uint8")},
+        action_dim=7,
+        instruction="lift the red cube",
+        max_episode_steps=200,
+    )
 
     def executed(execute: int) -> torch.Tensor:
         """The actions our runtime sends the env: the first `execute` of each chunk, sampled every `execute` steps
         from lerobot's observation at that step, the chunks' noises in order."""
-        policy, _, _ = build_ours(out, "lerobot_queue", execute=execute, spec=spec,
-                                  cameras={"base_0_rgb": "agentview", "left_wrist_0_rgb": None,
-                                           "right_wrist_0_rgb": None})
+        policy, _, _ = build_ours(
+            out,
+            "lerobot_queue",
+            execute=execute,
+            spec=spec,
+            cameras={"base_0_rgb": "agentview", "left_wrist_0_rgb": None, "right_wrist_0_rgb": None},
+        )
         tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction]))
         actions = []
         for noise, t in zip(ref["noise"], range(0, steps, policy.execute)):
-            obs = {"state": ref["state"][t : t + 1, :8], "image/agentview": ref["image"][t : t + 1], "tokens": tokens,
-                   "token_mask": mask}
+            obs = {
+                "state": ref["state"][t : t + 1, :8],
+                "image/agentview": ref["image"][t : t + 1],
+                "tokens": tokens,
+                "token_mask": mask,
+            }
             actions.append(policy.sample(obs, deterministic=True, noise=noise[None]).chunk[0, : policy.execute])
         return torch.cat(actions)[:steps]
 

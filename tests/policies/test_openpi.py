@@ -1,5 +1,6 @@
 """What is particular to openpi: the prefix cache equals pi0/pi0.5's joint attention, real checkpoint layouts load,
 pi0.5's discrete state, flow matching learns an obs -> action mapping, the byte tokenizer."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,9 +43,10 @@ def test_prefix_cache_equals_the_joint_forward(variant: str) -> None:
         real = torch.cat([mask, torch.ones(3, suffix.shape[1], dtype=torch.bool)], 1)
         joint_mask = (block[:, None, :] <= block[:, :, None]) & real[:, None, :]
         positions = real.long().cumsum(1) - 1
-        (_, joint), _ = run_layers([(prefix, policy.vlm.layers, None), (suffix, policy.expert.layers, cond)],
-                                   positions, joint_mask)
-        joint = policy.expert.final_norm(joint[:, -policy.chunk_len:], cond)
+        (_, joint), _ = run_layers(
+            [(prefix, policy.vlm.layers, None), (suffix, policy.expert.layers, cond)], positions, joint_mask
+        )
+        joint = policy.expert.final_norm(joint[:, -policy.chunk_len :], cond)
     assert torch.allclose(cached, joint, atol=1e-5)
 
 
@@ -64,21 +66,28 @@ PI0_KEYS = [
     "model.paligemma_with_expert.gemma_expert.model.layers.1.self_attn.o_proj.weight",
     "model.paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.weight",
     "model.paligemma_with_expert.gemma_expert.model.norm.weight",
-    "model.state_proj.weight", "model.action_in_proj.bias", "model.action_out_proj.weight",
-    "model.action_time_mlp_in.weight", "model.action_time_mlp_out.bias",
+    "model.state_proj.weight",
+    "model.action_in_proj.bias",
+    "model.action_out_proj.weight",
+    "model.action_time_mlp_in.weight",
+    "model.action_time_mlp_out.bias",
 ]
 PI05_KEYS = [
     "model.paligemma_with_expert.gemma_expert.model.layers.0.input_layernorm.dense.weight",
     "model.paligemma_with_expert.gemma_expert.model.layers.1.post_attention_layernorm.dense.bias",
     "model.paligemma_with_expert.gemma_expert.model.norm.dense.weight",
-    "model.time_mlp_in.weight", "model.time_mlp_out.bias", "model.action_in_proj.weight",
+    "model.time_mlp_in.weight",
+    "model.time_mlp_out.bias",
+    "model.action_in_proj.weight",
 ]
 
 
 def published_layout(policy: OpenPIPolicy) -> dict[str, torch.Tensor]:
     """The policy's weights as a lerobot pi0/pi0.5 checkpoint would hold them: "model." prefix, the text heads, no
     RL heads."""
-    state = {f"model.{k}": v.clone() for k, v in policy.state_dict().items() if not k.startswith(tuple(policy.rl_heads()))}
+    state = {
+        f"model.{k}": v.clone() for k, v in policy.state_dict().items() if not k.startswith(tuple(policy.rl_heads()))
+    }
     embed = state["model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"]
     state["model.paligemma_with_expert.paligemma.lm_head.weight"] = embed.clone()
     state["model.paligemma_with_expert.gemma_expert.lm_head.weight"] = torch.zeros(embed.shape[0], 32)
@@ -123,7 +132,9 @@ def test_a_checkpoint_that_does_not_fit_names_the_keys(tmp_path) -> None:
     with pytest.raises(CheckpointError) as e:
         load_weights(OpenPIPolicy(make_spec(("front",))), str(path))
     message = str(e.value)
-    assert message.startswith(f"policy.checkpoint={path} does not fit this policy: keys 1 missing (e.g. action_out_proj")
+    assert message.startswith(
+        f"policy.checkpoint={path} does not fit this policy: keys 1 missing (e.g. action_out_proj"
+    )
     assert "gemma_expert.model.layers.0.input_layernorm.weight (5,) vs (32,)" in message and "\n" not in message
     with pytest.raises(CheckpointError, match="pi05|missing"):  # a pi0 file is not a pi0.5 policy
         load_weights(OpenPIPolicy(make_spec(("front",)), variant="pi05"), str(path))

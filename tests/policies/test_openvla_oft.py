@@ -1,5 +1,6 @@
 """OpenVLAOFTPolicy: parallel decoding in one backbone pass, the attention pattern, the Gaussian's std bounds, the L1
 loss, checkpoint import and the full preset's component counts against OpenVLA 7B."""
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,14 @@ def policy() -> OpenVLAOFTPolicy:
 
 def test_the_chunk_comes_from_one_backbone_forward(policy: OpenVLAOFTPolicy) -> None:
     calls = {"llm": 0, "dino": 0, "siglip": 0}
-    hooks = [module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
-             for name, module in (("llm", policy.language_model.model),
-                                  ("dino", policy.vision_backbone.featurizer),
-                                  ("siglip", policy.vision_backbone.fused_featurizer))]
+    hooks = [
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        for name, module in (
+            ("llm", policy.language_model.model),
+            ("dino", policy.vision_backbone.featurizer),
+            ("siglip", policy.vision_backbone.fused_featurizer),
+        )
+    ]
     try:
         obs = make_obs(policy, 3)
         out = policy.sample(obs)
@@ -109,7 +114,7 @@ def test_l1_loss_learns_an_obs_to_action_mapping() -> None:
     torch.manual_seed(0)
     policy = OpenVLAOFTPolicy(make_spec(), chunk=2)
     g = torch.Generator().manual_seed(4)
-    weights = torch.randn(STATE_DIM, 2, ACTION_DIM, generator=g) / STATE_DIM ** 0.5
+    weights = torch.randn(STATE_DIM, 2, ACTION_DIM, generator=g) / STATE_DIM**0.5
     state = torch.randn(16, STATE_DIM, generator=g)
     target = torch.tanh(torch.einsum("bs,sha->bha", state, weights))  # each action of the chunk differs
     bos = torch.ones(16, 1, dtype=torch.long)  # a one-token instruction keeps the sequence short
@@ -161,8 +166,15 @@ def test_full_preset_is_openvla_7b_plus_oft() -> None:
     assert openvla == OpenVLAOFTPolicy.PUBLISHED_PARAMETERS["default"][0]
     # OFT's L1 head on 7 action dims: LayerNorm + fc1 from 7 x 4096, two 4096-wide residual blocks, LayerNorm, fc2
     width, fan_in = 4096, 7 * 4096
-    assert parts["action_head (OFT)"] == (2 * fan_in + fan_in * width + width + 2 * (2 * width + width * width + width)
-                                          + 2 * width + width * ACTION_DIM + ACTION_DIM)
+    assert parts["action_head (OFT)"] == (
+        2 * fan_in
+        + fan_in * width
+        + width
+        + 2 * (2 * width + width * width + width)
+        + 2 * width
+        + width * ACTION_DIM
+        + ACTION_DIM
+    )
     # what OpenVLA never runs is frozen: lm_head, each ViT's last block and final norm, SigLIP's attention pool
     frozen = sum(p.numel() for p in full.parameters() if not p.requires_grad)
     assert frozen == 32064 * 4096 + 12_600_320 + 30_480_160

@@ -12,6 +12,7 @@ The layout (openvla-oft's vla-scripts/finetune.py `save_training_checkpoint`, ex
 The released names are spelled out below from the reference's modules (timm's ViTs with the HF port's LayerScale
 `scale_factor`, transformers' Llama, prismatic/models/action_heads.py and projectors.py), not taken from our policy.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ OFT_MODULES = ("action_head.", "proprio_projector.")
 # --- the released names ----------------------------------------------------------------------------
 def released_vla_names(depths: dict[str, int]) -> set[str]:
     """OpenVLAForActionPrediction's state-dict keys (the fused DINOv2 + SigLIP backbone, Llama-2)."""
+
     def linear(name: str, bias: bool = True) -> list[str]:
         return [f"{name}.weight"] + ([f"{name}.bias"] if bias else [])
 
@@ -45,8 +47,10 @@ def released_vla_names(depths: dict[str, int]) -> set[str]:
             names += [f"{prefix}.cls_token", f"{prefix}.reg_token"]
         else:  # timm vit_so400m_patch14_siglip_224: the attention-pool ("map") head
             pool = f"{prefix}.attn_pool"
-            names += [f"{pool}.latent", *[n for part in ("q", "kv", "proj", "norm", "mlp.fc1", "mlp.fc2")
-                                          for n in linear(f"{pool}.{part}")]]
+            names += [
+                f"{pool}.latent",
+                *[n for part in ("q", "kv", "proj", "norm", "mlp.fc1", "mlp.fc2") for n in linear(f"{pool}.{part}")],
+            ]
         for i in range(depth):
             block = f"{prefix}.blocks.{i}"
             for part in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
@@ -58,8 +62,11 @@ def released_vla_names(depths: dict[str, int]) -> set[str]:
     names = vit("vision_backbone.featurizer", depths["dino"], True)
     names += vit("vision_backbone.fused_featurizer", depths["siglip"], False)
     names += [n for fc in ("fc1", "fc2", "fc3") for n in linear(f"projector.{fc}")]
-    names += ["language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
-              "language_model.lm_head.weight"]
+    names += [
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+    ]
     for i in range(depths["llm"]):
         layer = f"language_model.model.layers.{i}"
         names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
@@ -120,30 +127,51 @@ def randomised(module: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
 def stats(dims: int, seed: int, mask: list[bool] | None) -> dict:
     rng = np.random.default_rng(seed)
     low, high = -rng.random(dims) - 0.1, rng.random(dims) + 0.1
-    out = {"mean": ((low + high) / 2).tolist(), "std": (high - low).tolist(), "max": (high * 1.5).tolist(),
-           "min": (low * 1.5).tolist(), "q01": low.tolist(), "q99": high.tolist()}
+    out = {
+        "mean": ((low + high) / 2).tolist(),
+        "std": (high - low).tolist(),
+        "max": (high * 1.5).tolist(),
+        "min": (low * 1.5).tolist(),
+        "q01": low.tolist(),
+        "q99": high.tolist(),
+    }
     if mask is not None:
         out["mask"] = mask
     return out
 
 
-def write_release(folder: Path, vla: dict[str, torch.Tensor], components: dict[str, dict[str, torch.Tensor]],
-                  step: int | str = STEP) -> Path:
+def write_release(
+    folder: Path, vla: dict[str, torch.Tensor], components: dict[str, dict[str, torch.Tensor]], step: int | str = STEP
+) -> Path:
     from huggingface_hub import save_torch_state_dict
 
     folder.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(vla, str(folder), max_shard_size="128KB")  # model-0000N-of-0000M + index
     for name, state in components.items():
         torch.save(state, folder / f"{name}--{step}_checkpoint.pt")
-    statistics = {UNNORM_KEY: {"action": stats(ACTION_DIM, 0, [True] * 6 + [False]),
-                               "proprio": stats(PROPRIO_DIM, 1, None), "num_transitions": 52970,
-                               "num_trajectories": 432}}
+    statistics = {
+        UNNORM_KEY: {
+            "action": stats(ACTION_DIM, 0, [True] * 6 + [False]),
+            "proprio": stats(PROPRIO_DIM, 1, None),
+            "num_transitions": 52970,
+            "num_trajectories": 432,
+        }
+    }
     (folder / "dataset_statistics.json").write_text(json.dumps(statistics, indent=2))
-    base = {name: {"action": stats(ACTION_DIM, i + 2, [True] * 6 + [False]), "proprio": stats(7, 9, None),
-                   "num_transitions": 10, "num_trajectories": 1}
-            for i, name in enumerate(("bridge_orig", "fractal20220817_data"))}
-    (folder / "config.json").write_text(json.dumps({"model_type": "openvla", "norm_stats": base, "n_action_bins": 256,
-                                                    "use_fused_vision_backbone": True}))
+    base = {
+        name: {
+            "action": stats(ACTION_DIM, i + 2, [True] * 6 + [False]),
+            "proprio": stats(7, 9, None),
+            "num_transitions": 10,
+            "num_trajectories": 1,
+        }
+        for i, name in enumerate(("bridge_orig", "fractal20220817_data"))
+    }
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "openvla", "norm_stats": base, "n_action_bins": 256, "use_fused_vision_backbone": True}
+        )
+    )
     (folder / "lora_adapter").mkdir(exist_ok=True)
     (folder / "lora_adapter" / "adapter_config.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text("{}")
@@ -167,16 +195,16 @@ def release(policy: OpenVLAOFTPolicy, tmp_path_factory) -> dict:
     head = DDPWrapped(randomised(L1RegressionActionHead(d.width, d.width, ACTION_DIM), 2, torch.bfloat16))
     proprio = DDPWrapped(randomised(ProprioProjector(d.width, PROPRIO_DIM), 3, torch.float32))
     components = {"action_head": head.state_dict(), "proprio_projector": proprio.state_dict()}
-    folder = write_release(tmp_path_factory.mktemp("oft") / "openvla-7b-oft-finetuned-libero-spatial", vla,
-                           components)
+    folder = write_release(tmp_path_factory.mktemp("oft") / "openvla-7b-oft-finetuned-libero-spatial", vla, components)
     return {"folder": folder, "vla": vla, "components": components}
 
 
 # --- the layout loads by name ----------------------------------------------------------------------
 def test_our_names_are_the_released_ones(policy: OpenVLAOFTPolicy, release: dict) -> None:
     own = set(policy.state_dict())
-    released = set(release["vla"]) | {f"{name}.{k.removeprefix('module.')}"
-                                      for name, state in release["components"].items() for k in state}
+    released = set(release["vla"]) | {
+        f"{name}.{k.removeprefix('module.')}" for name, state in release["components"].items() for k in state
+    }
     assert own - released == {k for k in own if k.startswith(tuple(policy.rl_heads()))}  # only RL's additions
     assert released <= own
 
@@ -225,23 +253,36 @@ def test_every_released_tensor_arrives_at_its_key(release: dict) -> None:
     # and as a run loads it: policy.checkpoint=<the release folder>
     from ebrl.policies.build import build_policy
 
-    built = build_policy({"_target_": "ebrl.policies.openvla_oft.OpenVLAOFTPolicy", "name": "openvla_oft",
-                          "preset": "tiny", "checkpoint": str(release["folder"])}, make_spec(("front", "wrist")))
+    built = build_policy(
+        {
+            "_target_": "ebrl.policies.openvla_oft.OpenVLAOFTPolicy",
+            "name": "openvla_oft",
+            "preset": "tiny",
+            "checkpoint": str(release["folder"]),
+        },
+        make_spec(("front", "wrist")),
+    )
     assert all(torch.equal(built.state_dict()[k], after[k]) for k in release["vla"])
 
 
 def test_import_maps_gamma_component_ddp_and_rotary_buffers(policy: OpenVLAOFTPolicy) -> None:
     w = torch.randn(policy.dims.dino_width)
     head = torch.randn(ACTION_DIM)
-    state = {"vision_backbone.featurizer.blocks.0.ls1.gamma": w, "action_head.module.model.fc2.bias": head,
-             "language_model.model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    state = {
+        "vision_backbone.featurizer.blocks.0.ls1.gamma": w,
+        "action_head.module.model.fc2.bias": head,
+        "language_model.model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+    }
     with pytest.raises(CheckpointError, match="part of action_head"):  # the rest of the head is missing
         policy.import_state_dict(state)
     state = {k: v for k, v in state.items() if not k.startswith("action_head.")}
     mapped, _ = policy.import_state_dict(state)
     assert set(mapped) == {"vision_backbone.featurizer.blocks.0.ls1.scale_factor"}
-    full_head = {f"action_head.module.{k.removeprefix('action_head.')}": v
-                 for k, v in policy.state_dict().items() if k.startswith("action_head.")}
+    full_head = {
+        f"action_head.module.{k.removeprefix('action_head.')}": v
+        for k, v in policy.state_dict().items()
+        if k.startswith("action_head.")
+    }
     mapped, _ = policy.import_state_dict(full_head)
     assert set(mapped) == {k for k in policy.state_dict() if k.startswith("action_head.")}
 
@@ -266,18 +307,22 @@ def test_a_wrong_file_is_one_line_naming_the_first_keys(release: dict, tmp_path:
         vla = {k: v for k, v in release["vla"].items() if k != "language_model.model.norm.weight"}
         expected = "1 missing (e.g. language_model.model.norm.weight)"
     elif case == "missing component key":
-        parts["action_head"] = {k: v for k, v in release["components"]["action_head"].items()
-                                if k != "module.model.fc2.bias"}
+        parts["action_head"] = {
+            k: v for k, v in release["components"]["action_head"].items() if k != "module.model.fc2.bias"
+        }
         expected = "1 missing (e.g. action_head.model.fc2.bias)"
     elif case == "extra key":
-        parts["proprio_projector"] = dict(release["components"]["proprio_projector"],
-                                          **{"module.fc3.weight": torch.zeros(2, 2)})
+        parts["proprio_projector"] = dict(
+            release["components"]["proprio_projector"], **{"module.fc3.weight": torch.zeros(2, 2)}
+        )
         expected = "1 unexpected (e.g. proprio_projector.fc3.weight)"
     else:  # a head for 6 action dims
         width = OpenVLAOFTPolicy(make_spec()).dims.width
         parts["action_head"] = DDPWrapped(L1RegressionActionHead(width, width, ACTION_DIM - 1)).state_dict()
-        expected = (f"with other shapes (e.g. action_head.model.layer_norm1.weight ({width * (ACTION_DIM - 1)},) vs "
-                    f"({width * ACTION_DIM},)")
+        expected = (
+            f"with other shapes (e.g. action_head.model.layer_norm1.weight ({width * (ACTION_DIM - 1)},) vs "
+            f"({width * ACTION_DIM},)"
+        )
     with pytest.raises(CheckpointError) as err:
         load(variant(release, tmp_path, vla, **parts))
     message = str(err.value)
@@ -292,8 +337,11 @@ def test_folder_problems_are_one_line(release: dict, tmp_path: Path) -> None:
 
     folder = shutil.copytree(release["folder"], tmp_path / "two_steps")
     torch.save(release["components"]["action_head"], folder / "action_head--50000_checkpoint.pt")
-    raises(r"holds 2 action_head checkpoints \(action_head--150000_checkpoint.pt, action_head--50000", read_oft_folder,
-           folder)
+    raises(
+        r"holds 2 action_head checkpoints \(action_head--150000_checkpoint.pt, action_head--50000",
+        read_oft_folder,
+        folder,
+    )
     raises("has no proprio_projector--50000_checkpoint.pt", read_oft_folder, folder, step=50000)
     (folder / "action_head--50000_checkpoint.pt").unlink()
     assert set(read_oft_folder(folder, step=STEP)) == set(read_oft_folder(release["folder"]))
@@ -340,11 +388,14 @@ def test_read_oft_statistics_in_the_released_format(release: dict) -> None:
 
 def test_read_oft_statistics_names_the_keys_when_ambiguous_or_missing(release: dict, tmp_path: Path) -> None:
     config = release["folder"] / "config.json"
-    with pytest.raises(CheckpointError, match="holds statistics of 2 datasets; choose one with unnorm_key: "
-                                              "bridge_orig, fractal20220817_data$"):
+    with pytest.raises(
+        CheckpointError,
+        match="holds statistics of 2 datasets; choose one with unnorm_key: bridge_orig, fractal20220817_data$",
+    ):
         read_oft_statistics(config)
-    with pytest.raises(CheckpointError, match="no statistics for unnorm_key='libero_10'; available: bridge_orig, "
-                                              "fractal20220817_data$"):
+    with pytest.raises(
+        CheckpointError, match="no statistics for unnorm_key='libero_10'; available: bridge_orig, fractal20220817_data$"
+    ):
         read_oft_statistics(config, "libero_10")
     with pytest.raises(CheckpointError, match=f"available: {UNNORM_KEY}$"):
         read_oft_statistics(release["folder"], "bridge_orig")

@@ -1,5 +1,6 @@
 """How a run builds and runs a policy: policy.dtype (bfloat16 compute, float32 chains and densities), the padded
 action dims of the flow chain, activation checkpointing, and builds whose weights are given (no init, no fit)."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,8 +81,7 @@ def test_activation_checkpointing_keeps_the_gradients_and_stores_less(name: str)
     spec = make_spec(("front",))
     torch.manual_seed(0)
     plain = build_policy(policy_config(name), spec, train=True)
-    checkpointed = build_policy(policy_config(name, "policy.grad_checkpoint=true"), spec, train=True,
-                                weights="given")
+    checkpointed = build_policy(policy_config(name, "policy.grad_checkpoint=true"), spec, train=True, weights="given")
     checkpointed.load_state_dict(plain.state_dict())
     obs = make_obs(plain, 3)
     out = plain.sample(obs)
@@ -107,8 +107,9 @@ def test_a_build_with_given_weights_initialises_nothing(monkeypatch) -> None:
         policy = build_policy(policy_config(name), make_spec(), weights="given")
         assert all(not p.is_meta for p in policy.parameters())
     for name in ("openpi", "gr00t", "wam"):
-        policy = build_policy(policy_config(name, "policy.preset=full"), make_spec(("base",), size=224),
-                              weights="given", device="meta")
+        policy = build_policy(
+            policy_config(name, "policy.preset=full"), make_spec(("base",), size=224), weights="given", device="meta"
+        )
         assert all(p.dtype == torch.bfloat16 for p in policy.parameters())
 
 
@@ -117,8 +118,9 @@ def test_a_published_checkpoint_without_rl_heads_gets_them_initialised(tmp_path)
     torch.manual_seed(0)
     source = build_policy(policy_config("openpi"), spec)
     heads = tuple(source.rl_heads())
-    save_file({k: v for k, v in source.state_dict().items() if not k.startswith(heads)},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v for k, v in source.state_dict().items() if not k.startswith(heads)}, str(tmp_path / "model.safetensors")
+    )
     loaded = build_policy(policy_config("openpi", f"policy.checkpoint={tmp_path / 'model.safetensors'}"), spec)
     for key, value in source.state_dict().items():
         if not key.startswith(heads):

@@ -1,5 +1,6 @@
 """policy.train: what the trainer trains, the LoRA adapters (peft's) folded into the weights everything else reads,
 and checkpoints that keep them apart."""
+
 from __future__ import annotations
 
 import copy

@@ -1,6 +1,7 @@
 """WAMPolicy: the joint world-model loss trains both velocity outputs, rollouts take the action-only path (cheaper,
 independent of the frame steps, the same function as the joint model with its frames hidden), the frame codec
 round-trips shapes, state-only envs, and the full preset's components on the meta device."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from tests.policies.test_families import ACTION_DIM, STATE_DIM, make_obs
 CAMERAS = ("front", "wrist")
 
 
-def make_spec(cameras: tuple[str, ...] = CAMERAS, size: tuple[int, int] = (48, 64),
-              state_dim: int = STATE_DIM) -> EnvSpec:
+def make_spec(
+    cameras: tuple[str, ...] = CAMERAS, size: tuple[int, int] = (48, 64), state_dim: int = STATE_DIM
+) -> EnvSpec:
     return families.make_spec(cameras, size, state_dim)
 
 
@@ -29,8 +31,11 @@ def smooth_images(obs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
     out = {}
     for key, image in images(obs).items():
         coarse = torch.rand(image.shape[0], 3, 3, 4, generator=g)
-        out[key] = (255 * torch.nn.functional.interpolate(coarse, size=image.shape[1:3], mode="bilinear")).to(
-            torch.uint8).permute(0, 2, 3, 1)
+        out[key] = (
+            (255 * torch.nn.functional.interpolate(coarse, size=image.shape[1:3], mode="bilinear"))
+            .to(torch.uint8)
+            .permute(0, 2, 3, 1)
+        )
     return out
 
 
@@ -119,7 +124,7 @@ def test_frame_decoder_reconstructs_shapes(policy: WAMPolicy) -> None:
     obs = make_obs(policy, 2)
     latents = policy.encode_frames(obs)
     d = policy.dims
-    assert latents.shape == (2, len(CAMERAS) * policy.frame_patches, d.latent_channels * d.patch_size ** 2)
+    assert latents.shape == (2, len(CAMERAS) * policy.frame_patches, d.latent_channels * d.patch_size**2)
     assert torch.equal(policy.patchify(policy.unpatchify(latents)), latents)
     with torch.no_grad():
         frames = policy.decode_frames(latents)

@@ -1,5 +1,6 @@
 """The frozen prefix computed once per row (algo.cache_prefix) and the proximal pass only over stale rows
 (algo.proximal): an update through them takes the steps the plain path takes."""
+
 from __future__ import annotations
 
 import copy
@@ -33,11 +34,20 @@ def rollout(policy, chunks: int = 3, envs: int = 4, versions: tuple[int, ...] | 
     for t in range(chunks):
         obs = make_obs(policy, envs, seed=t)
         out = policy.sample(obs)
-        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                               reward=torch.rand(envs, generator=gen), done=torch.zeros(envs, dtype=torch.bool),
-                               mask=torch.ones(envs, policy.chunk_len, dtype=torch.bool),
-                               cutoff_value=torch.zeros(envs),
-                               version=None if versions is None else torch.full((envs,), versions[t])))
+        steps.append(
+            ChunkStep(
+                obs=obs,
+                chunk=out.chunk,
+                extras=out.extras,
+                log_prob=out.log_prob,
+                value=out.value,
+                reward=torch.rand(envs, generator=gen),
+                done=torch.zeros(envs, dtype=torch.bool),
+                mask=torch.ones(envs, policy.chunk_len, dtype=torch.bool),
+                cutoff_value=torch.zeros(envs),
+                version=None if versions is None else torch.full((envs,), versions[t]),
+            )
+        )
     return stack_steps(steps, torch.zeros(envs))
 
 
@@ -74,8 +84,9 @@ def test_the_cached_prefix_takes_the_steps_the_recomputed_one_takes(family, extr
     grads = []
     for given in (prefix, None):
         policy.zero_grad(set_to_none=True)
-        lp, entropy, value = policy.evaluate(rows, batch.chunk[0], {k: v[0] for k, v in batch.extras.items()},
-                                             prefix=given)
+        lp, entropy, value = policy.evaluate(
+            rows, batch.chunk[0], {k: v[0] for k, v in batch.extras.items()}, prefix=given
+        )
         (lp.sum() + entropy.sum() + value.sum()).backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -93,8 +104,10 @@ def test_a_trained_prefix_is_run_in_every_pass(train) -> None:
 def test_the_proximal_pass_values_only_rows_older_weights_sampled() -> None:
     policy = expert_policy("openpi", ())
     batch = rollout(policy, versions=(6, 7, 7))  # the update starts from version 7: the first chunk step is stale
-    stale_only, every = updated(policy, batch, decoupled=True, version=7), \
-        updated(policy, batch, "algo.proximal=all", decoupled=True, version=7)
+    stale_only, every = (
+        updated(policy, batch, decoupled=True, version=7),
+        updated(policy, batch, "algo.proximal=all", decoupled=True, version=7),
+    )
     assert stale_only[0]["train/proximal_rows"] == 4 and every[0]["train/proximal_rows"] == 12
     # in float32 the fresh rows' behaviour log-probs are what the pass would give (to float error): the same update
     assert_same_update(stale_only, every)

@@ -1,5 +1,6 @@
 """GRPO: group-relative advantages by hand, grouped seeds, config checks, an update with every
 policy family and a real run.py end to end."""
+
 import copy
 
 import numpy as np
@@ -11,32 +12,29 @@ from ebrl.checks import ALGOS, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import ArraySpec, EnvSpec
 from ebrl.envs.worker import ChunkReport
+from ebrl.policies.build import build_policy
 from ebrl.rl.grpo import GRPOTrainer, first_episode, group_advantages, group_seeds
 from ebrl.rl.rollout import ChunkStep, RolloutBatch, RolloutStats, drop_stale, stack_steps
-from ebrl.policies.build import build_policy
 from tests.conftest import compose_config, group_options
 from tests.runs.test_run import SMALL_GRPO, metrics, run_py
 
-LIFT_SPEC = EnvSpec(obs={"state": ArraySpec((60,), "float32")}, action_dim=7, instruction="lift the red cube",
-                    max_episode_steps=24)
+LIFT_SPEC = EnvSpec(
+    obs={"state": ArraySpec((60,), "float32")}, action_dim=7, instruction="lift the red cube", max_episode_steps=24
+)
 
 
 def test_group_advantages_by_hand():
     # 3 chunk steps x 4 envs, groups {0, 1} and {2, 3}; env 0 ends in step 1, so its reward in step 2
     # (a next episode's) does not count; envs 2 and 3 tie, so their group carries no signal
-    reward = torch.tensor([[1.0, 0.5, 2.0, 1.0],
-                           [2.0, 0.5, 0.0, 1.0],
-                           [100.0, 0.0, 0.0, 0.0]])
-    done = torch.tensor([[False, False, False, False],
-                         [True, False, False, False],
-                         [False, True, True, True]])
+    reward = torch.tensor([[1.0, 0.5, 2.0, 1.0], [2.0, 0.5, 0.0, 1.0], [100.0, 0.0, 0.0, 0.0]])
+    done = torch.tensor([[False, False, False, False], [True, False, False, False], [False, True, True, True]])
     adv, ret, std = group_advantages(reward, done, group_size=2)
     assert torch.allclose(ret, torch.tensor([3.0, 1.0, 2.0, 2.0]))
     assert torch.allclose(std, torch.tensor([1.0, 0.0]))  # population std: (3 - 1) / 2
     a = 1.0 / (1.0 + 1e-6)  # (3 - 2) / (1 + eps)
-    expected = torch.tensor([[a, -a, 0.0, 0.0],
-                             [a, -a, 0.0, 0.0],
-                             [0.0, -a, 0.0, 0.0]])  # env 0's step 2 is after its episode: 0
+    expected = torch.tensor(
+        [[a, -a, 0.0, 0.0], [a, -a, 0.0, 0.0], [0.0, -a, 0.0, 0.0]]
+    )  # env 0's step 2 is after its episode: 0
     assert torch.allclose(adv, expected)
 
 
@@ -47,17 +45,26 @@ def test_an_env_whose_episode_was_discarded_is_no_group_member():
     adv, _, std = group_advantages(reward, done, group_size=3, valid=torch.tensor([True, False, True]))
     a = 1.0 / (1.0 + 1e-6)  # (3 - 2) / (1 + eps): mean 2 and std 1 of envs 0 and 2
     assert torch.allclose(adv, torch.tensor([[-a, 0.0, a]])) and torch.allclose(std, torch.tensor([1.0]))
-    assert torch.equal(group_advantages(reward, done, 3, torch.ones(3, dtype=torch.bool))[0],
-                       group_advantages(reward, done, 3)[0])  # all valid: as before
+    assert torch.equal(
+        group_advantages(reward, done, 3, torch.ones(3, dtype=torch.bool))[0], group_advantages(reward, done, 3)[0]
+    )  # all valid: as before
 
 
 def returns_batch(reward: torch.Tensor, done: torch.Tensor, mask: torch.Tensor | None = None) -> RolloutBatch:
     """A (T, N) batch with what advantages read: rewards, dones and the loss mask (one action per chunk step)."""
     T, N = reward.shape
-    return RolloutBatch(obs={}, chunk=torch.zeros(T, N, 1, 1), extras={}, log_prob=torch.zeros(T, N, 1),
-                        value=torch.zeros(T, N), reward=reward, done=done,
-                        mask=torch.ones(T, N, 1, dtype=torch.bool) if mask is None else mask,
-                        last_value=torch.zeros(N), cutoff_value=torch.zeros(T, N))
+    return RolloutBatch(
+        obs={},
+        chunk=torch.zeros(T, N, 1, 1),
+        extras={},
+        log_prob=torch.zeros(T, N, 1),
+        value=torch.zeros(T, N),
+        reward=reward,
+        done=done,
+        mask=torch.ones(T, N, 1, dtype=torch.bool) if mask is None else mask,
+        last_value=torch.zeros(N),
+        cutoff_value=torch.zeros(T, N),
+    )
 
 
 def test_exact_ties_carry_no_signal():
@@ -77,26 +84,45 @@ def test_exact_ties_carry_no_signal():
 
 def chunk_report(reward: float, terminated: bool = False, truncated: bool = False) -> ChunkReport:
     """One env's chunk of one step, as its simulator reports it."""
-    return ChunkReport(executed=1, rewards=np.array([reward], np.float32), successes=np.array([terminated]),
-                       step_times=np.zeros(1), terminated=terminated, truncated=truncated, episode=None)
+    return ChunkReport(
+        executed=1,
+        rewards=np.array([reward], np.float32),
+        successes=np.array([terminated]),
+        step_times=np.zeros(1),
+        terminated=terminated,
+        truncated=truncated,
+        episode=None,
+    )
 
 
 def test_a_stale_episode_stays_in_its_groups_baseline():
     # one group of 4: env 0 succeeds at once (return 1), sampled by weights one version older than the others'
     # chunks; envs 1 and 2 fail (0) at their step limit; env 3's simulator fails, so its episode is discarded
     stats, steps = RolloutStats(), []
-    reports = [[chunk_report(1.0, terminated=True), chunk_report(0.0), chunk_report(0.0), chunk_report(0.0)],
-               [ChunkReport.nothing(), chunk_report(0.0, truncated=True), chunk_report(0.0, truncated=True),
-                ChunkReport.nothing(truncated=True, failed="died")]]
+    reports = [
+        [chunk_report(1.0, terminated=True), chunk_report(0.0), chunk_report(0.0), chunk_report(0.0)],
+        [
+            ChunkReport.nothing(),
+            chunk_report(0.0, truncated=True),
+            chunk_report(0.0, truncated=True),
+            ChunkReport.nothing(truncated=True, failed="died"),
+        ],
+    ]
     for t, step_reports in enumerate(reports):
-        step = ChunkStep(obs={}, chunk=torch.zeros(4, 1, 1), extras={}, log_prob=torch.zeros(4, 1),
-                         value=torch.zeros(4), version=torch.tensor([0, t + 1, t + 1, t + 1]))
+        step = ChunkStep(
+            obs={},
+            chunk=torch.zeros(4, 1, 1),
+            extras={},
+            log_prob=torch.zeros(4, 1),
+            value=torch.zeros(4),
+            version=torch.tensor([0, t + 1, t + 1, t + 1]),
+        )
         step.record(step_reports, stats, steps)
         steps.append(step)
     batch = stack_steps(steps, torch.zeros(4))
     trainer = GRPOTrainer(policy_of("openpi"), compose_config("algo=grpo").algo)
     before = trainer.advantages(batch)[0]
-    a = 2 ** 0.5 / (1.0 + 1e-6)  # returns 1, 0, 0 of the three that finished: mean 1/3, std sqrt(2)/3
+    a = 2**0.5 / (1.0 + 1e-6)  # returns 1, 0, 0 of the three that finished: mean 1/3, std sqrt(2)/3
     assert torch.allclose(before[0], torch.tensor([a, -a / 2, -a / 2, 0.0]))
     assert drop_stale(batch, train_version=2, max_staleness=1)[0] == 1 and not batch.mask[:, 0].any()
     assert torch.equal(trainer.advantages(batch)[0][:, 1:], before[:, 1:])  # the failures keep their -0.707
@@ -134,15 +160,29 @@ def one_episode_rollout(policy, chunks: int = 2, num_envs: int = 4):
     tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * num_envs))
     steps = []
     for t in range(chunks):
-        obs = {"state": torch.randn(num_envs, spec.obs["state"].shape[0], generator=gen), "tokens": tokens,
-               "token_mask": token_mask}
+        obs = {
+            "state": torch.randn(num_envs, spec.obs["state"].shape[0], generator=gen),
+            "tokens": tokens,
+            "token_mask": token_mask,
+        }
         out = policy.sample(obs)
         done = torch.tensor([t == 0] + [t == chunks - 1] * (num_envs - 1))
         mask = torch.ones(num_envs, policy.chunk_len, dtype=torch.bool)
         mask[0] = t == 0
         reward = torch.rand(num_envs, generator=gen) * mask.any(1)
-        steps.append(ChunkStep(obs=obs, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                               reward=reward, done=done, mask=mask, cutoff_value=torch.zeros(num_envs)))
+        steps.append(
+            ChunkStep(
+                obs=obs,
+                chunk=out.chunk,
+                extras=out.extras,
+                log_prob=out.log_prob,
+                value=out.value,
+                reward=reward,
+                done=done,
+                mask=mask,
+                cutoff_value=torch.zeros(num_envs),
+            )
+        )
     return stack_steps(steps, torch.zeros(num_envs))
 
 
@@ -186,7 +226,10 @@ def test_every_algo_has_a_config_and_a_trainer():
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["env.num_envs=6"], "env.num_envs=6 is not a multiple of algo.group_size=4; with algo=grpo use env.num_envs=4, 8"),
+        (
+            ["env.num_envs=6"],
+            "env.num_envs=6 is not a multiple of algo.group_size=4; with algo=grpo use env.num_envs=4, 8",
+        ),
         (["algo.group_size=1"], "algo.group_size=1 must be at least 2"),
         (["algo.minibatches=3"], "algo.minibatches=3 does not divide env.num_envs=8"),
     ],
@@ -203,13 +246,26 @@ def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_
     own; ebrl's overlapping the update)."""
     from ebrl.runs.experiment import Experiment
 
-    exp = Experiment.from_config(compose_config(
-        f"scheduler={schedule}", "algo=grpo", "env.num_envs=4", "algo.group_size=2", "algo.minibatches=2",
-        "env.max_episode_steps=12", "iterations=1", "progress=false", "logger=none"), run_dir=tmp_path / "run")
+    exp = Experiment.from_config(
+        compose_config(
+            f"scheduler={schedule}",
+            "algo=grpo",
+            "env.num_envs=4",
+            "algo.group_size=2",
+            "algo.minibatches=2",
+            "env.max_episode_steps=12",
+            "iterations=1",
+            "progress=false",
+            "logger=none",
+        ),
+        run_dir=tmp_path / "run",
+    )
     batches = []
     train = exp.scheduler.trainer.train
-    exp.scheduler.trainer.train = lambda iteration, batch, **how: (batches.append(batch),
-                                                                   train(iteration, batch, **how))
+    exp.scheduler.trainer.train = lambda iteration, batch, **how: (
+        batches.append(batch),
+        train(iteration, batch, **how),
+    )
     try:
         assert exp.policy.chunk_len == 8  # the 12-step episodes end 4 steps into the second chunk
         stats, metrics = exp.scheduler.next_iteration()
@@ -230,8 +286,15 @@ def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_
 
 def test_grpo_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "r"
-    proc = run_py(*SMALL_GRPO, "algo=grpo", "env.num_envs=4", "algo.group_size=2", "env.max_episode_steps=16",
-                  "iterations=2", f"hydra.run.dir={run_dir}")
+    proc = run_py(
+        *SMALL_GRPO,
+        "algo=grpo",
+        "env.num_envs=4",
+        "algo.group_size=2",
+        "env.max_episode_steps=16",
+        "iterations=2",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL run summary" in proc.stdout
     rows = metrics(run_dir)

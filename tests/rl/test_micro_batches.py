@@ -1,5 +1,6 @@
 """The trainer at full size: micro-batches that add up to one optimizer step, Adam with bfloat16 moments, and a
 bfloat16 policy's ratio taken against the trainer's own numbers."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,9 +36,17 @@ def test_micro_batched_gradients_equal_the_unbatched_one(decoupled: bool) -> Non
     torch.manual_seed(0)
     policy = build_policy(policy_config("openpi"), LIFT_SPEC, train=True)
     # (with the full-size recipe's losses: asymmetric ratio clip, clipped Huber value loss)
-    trainer = PPOTrainer(policy, compose_config("algo.minibatches=1", "algo.value_coef=0.5", "algo.entropy_coef=0.01",
-                                                "algo.clip_high=0.28", "algo.value_clip=0.2",
-                                                "algo.huber_delta=1.0").algo)
+    trainer = PPOTrainer(
+        policy,
+        compose_config(
+            "algo.minibatches=1",
+            "algo.value_coef=0.5",
+            "algo.entropy_coef=0.01",
+            "algo.clip_high=0.28",
+            "algo.value_clip=0.2",
+            "algo.huber_delta=1.0",
+        ).algo,
+    )
     batch = one_episode_rollout(policy, chunks=3, num_envs=4)  # 12 rows, env 0's later rows execute nothing
     whole = gradients(policy, trainer, batch, 12, decoupled)
     for rows in (1, 5):  # (5: an uneven split, 5 + 5 + 2)
@@ -117,6 +126,7 @@ def test_bfloat16_moments_decay_as_adams_do() -> None:
 def test_bfloat16_moments_round_alike_whatever_else_draws_and_resume_where_they_were(tmp_path) -> None:
     """Replicas (DDP) step alike only if their rounding draws alike: it comes from the optimizer's own generator, not
     the global one each rank seeds and draws from its own way; a checkpoint carries it."""
+
     def replica(global_seed: int) -> tuple[torch.nn.Parameter, LowPrecisionAdam]:
         torch.manual_seed(global_seed)
         weight = torch.nn.Parameter(torch.ones(4096))
@@ -163,15 +173,28 @@ def test_the_full_preset_trains_its_action_expert_at_micro_batch_1() -> None:
     from ebrl.bench.memory import fill
 
     torch.manual_seed(0)
-    spec = EnvSpec(obs={"state": ArraySpec((8,), "float32")}, action_dim=7, instruction="put the bowl on the plate",
-                   max_episode_steps=520)  # LIBERO's state and actions
-    policy = build_policy(policy_config("openpi", "policy.preset=full", "policy.train=action_expert"), spec,
-                          train=True, weights="given")
+    spec = EnvSpec(
+        obs={"state": ArraySpec((8,), "float32")},
+        action_dim=7,
+        instruction="put the bowl on the plate",
+        max_episode_steps=520,
+    )  # LIBERO's state and actions
+    policy = build_policy(
+        policy_config("openpi", "policy.preset=full", "policy.train=action_expert"), spec, train=True, weights="given"
+    )
     fill(policy)
     assert policy.compute_dtype == torch.bfloat16 and policy.vlm.layers[0].grad_checkpoint
-    before = {n: p.detach().clone() for n, p in policy.named_parameters()
-              if n.startswith(("paligemma_with_expert.paligemma.model.language_model.layers.0.mlp.",
-                               "paligemma_with_expert.gemma_expert.model.layers.0.mlp.", "value_head."))}
+    before = {
+        n: p.detach().clone()
+        for n, p in policy.named_parameters()
+        if n.startswith(
+            (
+                "paligemma_with_expert.paligemma.model.language_model.layers.0.mlp.",
+                "paligemma_with_expert.gemma_expert.model.layers.0.mlp.",
+                "value_head.",
+            )
+        )
+    }
     batch = one_episode_rollout(policy, chunks=1, num_envs=2)
     algo = compose_config("algo.epochs=1", "algo.minibatches=1", "algo.micro_batch=1").algo
     metrics = PPOTrainer(policy, algo).update(batch)

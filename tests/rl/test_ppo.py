@@ -1,4 +1,5 @@
 """PPO maths on hand-computed cases, and the decoupled (staleness-corrected) loss and update."""
+
 import dataclasses
 import math
 from pathlib import Path
@@ -9,9 +10,9 @@ import torch.distributed as dist
 
 from ebrl.policies.build import build_policy
 from ebrl.rl.ppo import PPOTrainer, compute_gae, ppo_loss
+from ebrl.rl.rollout import ChunkStep, RolloutBatch, stack_steps
 from tests.conftest import compose_config
 from tests.policies.test_precision import policy_config
-from ebrl.rl.rollout import ChunkStep, RolloutBatch, stack_steps
 from tests.rl.test_grpo import LIFT_SPEC, one_episode_rollout, policy_of
 
 
@@ -31,7 +32,9 @@ def test_gae_by_hand():
 
 
 def test_gae_bootstraps_when_alive():
-    adv, _ = compute_gae(torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.tensor([[False]]), torch.tensor([2.0]), 0.5, 1.0)
+    adv, _ = compute_gae(
+        torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.tensor([[False]]), torch.tensor([2.0]), 0.5, 1.0
+    )
     assert torch.allclose(adv, torch.tensor([[1.0]]))
 
 
@@ -112,8 +115,11 @@ def test_decoupled_update_on_a_real_policy():
     batch = one_episode_rollout(policy)
     algo = compose_config("algo=ppo", "algo.epochs=1", "algo.minibatches=2").algo
     trainer = PPOTrainer(policy, algo)
-    flat = {k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1), {
-        k: v.flatten(0, 1) for k, v in batch.extras.items()}
+    flat = (
+        {k: v.flatten(0, 1) for k, v in batch.obs.items()},
+        batch.chunk.flatten(0, 1),
+        {k: v.flatten(0, 1) for k, v in batch.extras.items()},
+    )
     with torch.no_grad():
         whole_lp, _, whole_value = policy.evaluate(*flat)
     log_prob, value = trainer.proximal(*flat, rows=3)  # 8 rows in 3 + 3 + 2
@@ -135,8 +141,11 @@ def test_decoupled_update_takes_advantages_from_the_current_critic():
     batch = one_episode_rollout(policy)
     algo = compose_config("algo=ppo", "algo.epochs=1", "algo.minibatches=2").algo
     with torch.no_grad():
-        current = policy.evaluate({k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.chunk.flatten(0, 1),
-                                  {k: v.flatten(0, 1) for k, v in batch.extras.items()})[2]
+        current = policy.evaluate(
+            {k: v.flatten(0, 1) for k, v in batch.obs.items()},
+            batch.chunk.flatten(0, 1),
+            {k: v.flatten(0, 1) for k, v in batch.extras.items()},
+        )[2]
     batch.value += 100.0
     rows = batch.mask.any(-1)  # (the metrics are over the rows in the loss)
     out = PPOTrainer(policy, algo).update(batch, decoupled=True)
@@ -169,17 +178,28 @@ def rollout_with_bootstraps(policy, recorded: float):
     tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([spec.instruction] * n))
 
     def obs():
-        return {"state": torch.randn(n, spec.obs["state"].shape[0], generator=gen), "tokens": tokens,
-                "token_mask": token_mask}
+        return {
+            "state": torch.randn(n, spec.obs["state"].shape[0], generator=gen),
+            "tokens": tokens,
+            "token_mask": token_mask,
+        }
 
     torch.manual_seed(3)
     steps = []
     for t in range(2):
         o = obs()
         out = policy.sample(o)
-        step = ChunkStep(obs=o, chunk=out.chunk, extras=out.extras, log_prob=out.log_prob, value=out.value,
-                         reward=torch.rand(n, generator=gen), done=torch.tensor([False, t == 0, False, False]),
-                         mask=torch.ones(n, policy.chunk_len, dtype=torch.bool), cutoff_value=torch.zeros(n))
+        step = ChunkStep(
+            obs=o,
+            chunk=out.chunk,
+            extras=out.extras,
+            log_prob=out.log_prob,
+            value=out.value,
+            reward=torch.rand(n, generator=gen),
+            done=torch.tensor([False, t == 0, False, False]),
+            mask=torch.ones(n, policy.chunk_len, dtype=torch.bool),
+            cutoff_value=torch.zeros(n),
+        )
         if t == 0:
             step.cut, step.cutoff_obs = [1], {k: v[[1]] for k, v in obs().items()}
             step.cutoff_value[1] = recorded
@@ -198,12 +218,17 @@ def test_decoupled_update_takes_the_bootstrap_values_from_the_current_critic_too
     fixed = batch.with_bootstrap_values(values)
     assert torch.equal(fixed.last_value, values[:4]) and fixed.cutoff_value[0, 1] == values[4]
     assert fixed.cutoff_value[0, [0, 2, 3]].eq(0).all() and fixed.cutoff_value[1].eq(0).all()
-    returns = [PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded),
-                                                            decoupled=True)["train/return_mean"]
-               for recorded in (0.0, 100.0)]
+    returns = [
+        PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded), decoupled=True)[
+            "train/return_mean"
+        ]
+        for recorded in (0.0, 100.0)
+    ]
     assert returns[0] == pytest.approx(returns[1])
-    plain = [PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded))
-             ["train/return_mean"] for recorded in (0.0, 100.0)]
+    plain = [
+        PPOTrainer(policy_of("openpi"), algo).update(rollout_with_bootstraps(policy, recorded))["train/return_mean"]
+        for recorded in (0.0, 100.0)
+    ]
     assert plain[1] > plain[0] + 10  # synchronous: generation's weights are the trainer's, and its values count
 
 
@@ -230,13 +255,16 @@ def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_action
         loss, stats = ppo_loss(new, old, adv, mask, clip=0.2, level="chunk", dual_clip=clip_c)
         want = rlinf_actor_loss(chunk_new, chunk_old, adv, torch.ones(3, dtype=torch.bool), 0.2, clip_c)
         assert abs(loss.item() - want.item()) < 1e-6
-    assert stats["train/clipfrac"].item() == pytest.approx(sum(abs(r - 1) > 0.2 for r in (chunk_new - chunk_old).exp()
-                                                              .tolist()) / 3)
+    assert stats["train/clipfrac"].item() == pytest.approx(
+        sum(abs(r - 1) > 0.2 for r in (chunk_new - chunk_old).exp().tolist()) / 3
+    )
     # the actions never executed do not count: changing their log-probs changes nothing
     other = new.clone()
     other[~mask] += 5.0
-    assert ppo_loss(other, old, adv, mask, clip=0.2, level="chunk")[0] == ppo_loss(new, old, adv, mask, clip=0.2,
-                                                                                   level="chunk")[0]
+    assert (
+        ppo_loss(other, old, adv, mask, clip=0.2, level="chunk")[0]
+        == ppo_loss(new, old, adv, mask, clip=0.2, level="chunk")[0]
+    )
 
     # chain: one ratio per chunk that executed any action, over all four actions of the chain it was sampled as
     mask[2] = False  # (a padded row: no loss)
@@ -244,6 +272,7 @@ def test_chunk_level_loss_is_rlinfs_one_ratio_per_chunk_over_its_executed_action
     want = rlinf_actor_loss(new.sum(-1), old.sum(-1), adv, mask.any(-1), 0.2)
     assert abs(loss.item() - want.item()) < 1e-6
     assert ppo_loss(other, old, adv, mask, clip=0.2, level="chain")[0] != loss
+
 
 def test_dual_clip_caps_a_negative_advantages_loss_per_action_too():
     new, old = torch.tensor([[math.log(5.0)], [math.log(5.0)]]), torch.zeros(2, 1)
@@ -274,17 +303,26 @@ def test_explained_variance_counts_only_the_rows_in_the_loss():
     rows = batch.mask.any(-1)
     r, v = ret[rows].double(), batch.value[rows].double()
     assert metrics["train/explained_variance"] == pytest.approx(float(1 - (r - v).var() / r.var()))
-    assert (metrics["train/value_mean"], metrics["train/return_mean"]) == pytest.approx((float(v.mean()),
-                                                                                         float(r.mean())))
+    assert (metrics["train/value_mean"], metrics["train/return_mean"]) == pytest.approx(
+        (float(v.mean()), float(r.mean()))
+    )
 
 
 def envs_of(batch: RolloutBatch, envs: slice) -> RolloutBatch:
     """The batch's chunk steps of some envs only (a rank's share of the global batch)."""
     return dataclasses.replace(
-        batch, obs={k: v[:, envs] for k, v in batch.obs.items()}, chunk=batch.chunk[:, envs],
-        extras={k: v[:, envs] for k, v in batch.extras.items()}, log_prob=batch.log_prob[:, envs],
-        value=batch.value[:, envs], reward=batch.reward[:, envs], done=batch.done[:, envs], mask=batch.mask[:, envs],
-        last_value=batch.last_value[envs], cutoff_value=batch.cutoff_value[:, envs])
+        batch,
+        obs={k: v[:, envs] for k, v in batch.obs.items()},
+        chunk=batch.chunk[:, envs],
+        extras={k: v[:, envs] for k, v in batch.extras.items()},
+        log_prob=batch.log_prob[:, envs],
+        value=batch.value[:, envs],
+        reward=batch.reward[:, envs],
+        done=batch.done[:, envs],
+        mask=batch.mask[:, envs],
+        last_value=batch.last_value[envs],
+        cutoff_value=batch.cutoff_value[:, envs],
+    )
 
 
 def rank_statistics(rank: int, batch: RolloutBatch, folder: Path) -> None:
@@ -320,5 +358,5 @@ def test_two_ranks_normalise_over_the_global_batch(tmp_path):
     assert [p.exitcode for p in ranks] == [0, 0]
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
-        assert torch.allclose(out["adv"], whole[:, 2 * rank:2 * rank + 2], atol=1e-5)
+        assert torch.allclose(out["adv"], whole[:, 2 * rank : 2 * rank + 2], atol=1e-5)
         assert out["metrics"] == pytest.approx(metrics)

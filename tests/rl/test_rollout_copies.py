@@ -1,5 +1,6 @@
 """Observations on the hot path: one copy from the simulators' slots into a policy batch, one more into the
 iteration's (T, N, ...) place, uint8 throughout, and a batch in shared memory reaches another process as a handle."""
+
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -9,15 +10,23 @@ from ebrl.rl.rollout import ChunkStep, batch_obs, concat_envs, pad_steps, stack_
 
 def _obs(n: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"image/agentview": torch.randint(0, 256, (n, 4, 4, 3), generator=g, dtype=torch.uint8),
-            "state": torch.randn(n, 5, generator=g)}
+    return {
+        "image/agentview": torch.randint(0, 256, (n, 4, 4, 3), generator=g, dtype=torch.uint8),
+        "state": torch.randn(n, 5, generator=g),
+    }
 
 
 def _steps(n: int, t: int, seed: int) -> list[ChunkStep]:
     steps = []
     for i in range(t):
-        s = ChunkStep(obs=_obs(n, seed + i), chunk=torch.zeros(n, 2, 1), extras={}, log_prob=torch.zeros(n, 2),
-                      value=torch.zeros(n), version=torch.zeros(n, dtype=torch.long))
+        s = ChunkStep(
+            obs=_obs(n, seed + i),
+            chunk=torch.zeros(n, 2, 1),
+            extras={},
+            log_prob=torch.zeros(n, 2),
+            value=torch.zeros(n),
+            version=torch.zeros(n, dtype=torch.long),
+        )
         s.reward, s.done, s.mask = torch.zeros(n), torch.zeros(n, dtype=torch.bool), torch.ones(n, 2, dtype=torch.bool)
         s.cutoff_value = torch.zeros(n)
         steps.append(s)

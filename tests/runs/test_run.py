@@ -39,7 +39,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
 
 
 EXECUTE = "policy.execute=6"  # of tiny's 8 actions: the 24-step episodes end at a chunk boundary

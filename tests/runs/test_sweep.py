@@ -43,5 +43,6 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
 
 
 def test_sweep_progress_line():
-    assert sweep_progress(3, 12, 180.24, 205.8) == "sweep [#####---------------] trial 3/12: 180.2 env steps/s (best 205.8)"
+    line = "sweep [#####---------------] trial 3/12: 180.2 env steps/s (best 205.8)"
+    assert sweep_progress(3, 12, 180.24, 205.8) == line
     assert sweep_progress(1, None, None, None) == "sweep: trial 1: failed (its job folder has the error)"

@@ -1,5 +1,6 @@
 """Weight publication: a policy.dtype payload in two slots, read without a lock while a trainer in another process
 publishes as fast as it can, and LoRA adapters folded in on the way."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -70,16 +71,24 @@ def test_a_reader_that_lags_behind_several_publications_labels_its_copy_right() 
 def test_the_payload_is_policy_dtype_and_lora_is_folded_in() -> None:
     ctx = multiprocessing.get_context("spawn")
     # (a LoRA'd weight is frozen, so held in policy.dtype, as the trainer holds it)
-    full = {"a.weight": torch.randn(256, 64).to(torch.bfloat16), "b.bias": torch.randn(64),
-            "c.weight": torch.randn(2048, 1024)}
+    full = {
+        "a.weight": torch.randn(256, 64).to(torch.bfloat16),
+        "b.bias": torch.randn(64),
+        "c.weight": torch.randn(2048, 1024),
+    }
     channel = WeightChannel(full, ctx, torch.bfloat16, lora_scaling=2.0)
     assert channel.payload_bytes == sum(v.numel() for v in full.values()) * 2
     generation = holder(torch.bfloat16)
     assert channel.pull(generation, -1) == 0
     assert torch.equal(generation.a.weight, full["a.weight"].to(torch.bfloat16))
     down, up = torch.randn(4, 64), torch.randn(256, 4)
-    trainer_state = {"a.base_layer.weight": full["a.weight"], "a.lora_A.default.weight": down,
-                     "a.lora_B.default.weight": up, "b.bias": full["b.bias"], "c.weight": full["c.weight"]}
+    trainer_state = {
+        "a.base_layer.weight": full["a.weight"],
+        "a.lora_A.default.weight": down,
+        "a.lora_B.default.weight": up,
+        "b.bias": full["b.bias"],
+        "c.weight": full["c.weight"],
+    }
     assert channel.publish(trainer_state) == 1 and channel.pull(generation, 0) == 1
     folded_once = (full["a.weight"].float() + 2.0 * up.bfloat16().float() @ down.bfloat16().float()).bfloat16()
     assert torch.allclose(generation.a.weight.float(), folded_once.float(), rtol=2**-7, atol=1e-3)

@@ -1,4 +1,5 @@
 """Checkpoints round-trip exactly, are written atomically, and refuse what does not fit."""
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -8,8 +9,9 @@ from ebrl.policies.openpi import OpenPIPolicy
 from ebrl.policies.weights import load_weights
 from ebrl.runtime.checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_save, detached_copy, load_checkpoint
 
-SPEC = EnvSpec(obs={"state": ArraySpec((12,), "float32")}, action_dim=7, instruction="lift the red cube",
-               max_episode_steps=40)
+SPEC = EnvSpec(
+    obs={"state": ArraySpec((12,), "float32")}, action_dim=7, instruction="lift the red cube", max_episode_steps=40
+)
 
 
 def policy(seed: int, **kwargs) -> OpenPIPolicy:
@@ -66,8 +68,14 @@ def test_safetensors_start_loads_and_mismatch_names_keys(tmp_path):
     load_weights(b, str(good))
     assert same_sample(a, b)
     other = tmp_path / "other.safetensors"
-    save_file({k: v.contiguous() for k, v in policy(0, preset="small").state_dict().items()
-               if not k.startswith("action_out_proj")}, str(other))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in policy(0, preset="small").state_dict().items()
+            if not k.startswith("action_out_proj")
+        },
+        str(other),
+    )
     with pytest.raises(CheckpointError) as e:
         load_weights(b, str(other))
     message = str(e.value)

@@ -1,5 +1,6 @@
 """The core pool's queue (heaps, counts kept as envs come and go) makes the choices a scan of every ready env makes:
 random pushes, estimates, releases and re-plans, both orders, compared step by step with that scan."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """A full disk under a run says so in one line and keeps the newest intact checkpoint, on a real small tmpfs."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ def small_disk(tmp_path, request):
     folder = tmp_path / "disk"
     folder.mkdir()
     size = getattr(request, "param", 1)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}m", "tmpfs", str(folder)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}m", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
     yield folder
@@ -41,8 +43,9 @@ def test_a_write_the_disk_runs_out_under_says_so_and_leaves_no_temp_file(small_d
     path = small_disk / "last.pt"
     with pytest.raises(DiskFull) as e:  # (bytes are not counted ahead: the write itself fails)
         atomic_save({"iteration": 3, "w": torch.zeros(2**16), "blob": b"x" * 2**21}, path)
-    assert str(e.value).startswith(f"the disk filled up at {small_disk} while the checkpoint was written (about "
-                                   "0.2 MiB; ")
+    assert str(e.value).startswith(
+        f"the disk filled up at {small_disk} while the checkpoint was written (about 0.2 MiB; "
+    )
     assert str(e.value).endswith("no checkpoint was written before")
     assert list(small_disk.iterdir()) == []
 
@@ -50,8 +53,13 @@ def test_a_write_the_disk_runs_out_under_says_so_and_leaves_no_temp_file(small_d
 @pytest.mark.parametrize("small_disk", [3], indirect=True)
 def test_a_run_on_a_full_disk_stops_in_one_line_with_its_last_checkpoint(small_disk):
     run_dir = small_disk / "run"
-    proc = subprocess.run([sys.executable, "run.py", *SMALL, "iterations=6", "checkpoint_every=1",
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "run.py", *SMALL, "iterations=6", "checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-2].startswith(f"warning: 3.0 MiB free at {run_dir / 'checkpoints'}, less than two checkpoints")
@@ -80,8 +88,11 @@ def test_metrics_on_a_full_disk_stop_the_run_saying_so_and_the_trace_gives_up_wi
     trace = Trace()
     trace.stream_to(small_disk / "trace.json")
     fill(small_disk)
-    with pytest.raises(DiskFull, match=rf"^the disk is full at {small_disk}: metrics.jsonl could not take "
-                                       r"iteration 7's line \(\d+ bytes; 0.0 MiB free\)$"):
+    with pytest.raises(
+        DiskFull,
+        match=rf"^the disk is full at {small_disk}: metrics.jsonl could not take "
+        r"iteration 7's line \(\d+ bytes; 0.0 MiB free\)$",
+    ):
         log.log({"iteration": 7, "blob": "x" * 8192})
     for k in range(2000):  # (its buffer fills, and the write fails)
         trace.add("simulate/env0", "chunk", k, k + 0.5, steps=8)

@@ -1,9 +1,9 @@
 """Several ranks under torchrun on this machine, for real (gloo): one policy trained data-parallel, each rank on its
 own simulators; a killed rank stops the run with its checkpoint; a run of two ranks resumes on one."""
+
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
@@ -21,8 +21,8 @@ import pytest
 
 from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
-from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.node import Ranks, share_of_node
+from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.runtime.distributed import DistributedError, combine, weights_sum
 from ebrl.telemetry.metrics import wilson_interval
 from tests.conftest import REPO, compose_config
@@ -35,8 +35,9 @@ CORES = sorted(os.sched_getaffinity(0))
 
 def torchrun(launch: list[str], *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*TORCHRUN, *launch, "run.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def free_port() -> int:
@@ -49,33 +50,80 @@ def two_nodes(run_dir: Path, *overrides: str, timeout: int = 300) -> None:
     """Two torchrun agents on localhost, a node of one rank each (every rank has the machine's cores: a pipelined
     schedule needs 2), running `overrides` on hw.nodes=2 into `run_dir`; both must succeed."""
     port = free_port()
-    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"127.0.0.1:{port}", "--rdzv-id", "ebrl-test"]
+    launch = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "ebrl-test",
+    ]
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([*TORCHRUN, *launch, "run.py", *SMALL, "hw.nodes=2", *overrides,
-                               f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [*TORCHRUN, *launch, "run.py", *SMALL, "hw.nodes=2", *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outputs)
 
 
 def as_ranks(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, local_world: int) -> None:
     """This process as torchrun would start rank `rank` of `world`, `local_world` of them on its node."""
-    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank % local_world),
-                       ("LOCAL_WORLD_SIZE", local_world)):
+    for key, value in (
+        ("RANK", rank),
+        ("WORLD_SIZE", world),
+        ("LOCAL_RANK", rank % local_world),
+        ("LOCAL_WORLD_SIZE", local_world),
+    ):
         monkeypatch.setenv(key, str(value))
 
 
 # --- the pieces ------------------------------------------------------------------------------
 def test_an_iterations_metrics_combine_over_the_ranks() -> None:
     per_rank = [
-        {"iteration": 3, "perf/env_steps_per_s": 60.0, "perf/iteration_env_steps": 64, "env/episodes": 1.0,
-         "env/successes": 1.0, "env/return": 1.0, "losses/policy": 0.2, "time/iteration_s": 1.0, "dist/weights_sum": 5.5,
-         "alloc/decision": "moved a core", "env/Lift/success": 1.0, "env/Lift/return": 1.0, "env/Lift/episodes": 1.0},
-        {"iteration": 3, "perf/env_steps_per_s": 40.0, "perf/iteration_env_steps": 64, "env/episodes": 3.0,
-         "env/successes": 1.0, "env/return": 3.0, "losses/policy": 0.4, "time/iteration_s": 1.5,
-         "dist/weights_sum": 5.5, "env/Lift/success": 0.0, "env/Lift/return": 2.0, "env/Lift/episodes": 2.0,
-         "env/Stack/success": 1.0, "env/Stack/return": 4.0, "env/Stack/episodes": 1.0},
+        {
+            "iteration": 3,
+            "perf/env_steps_per_s": 60.0,
+            "perf/iteration_env_steps": 64,
+            "env/episodes": 1.0,
+            "env/successes": 1.0,
+            "env/return": 1.0,
+            "losses/policy": 0.2,
+            "time/iteration_s": 1.0,
+            "dist/weights_sum": 5.5,
+            "alloc/decision": "moved a core",
+            "env/Lift/success": 1.0,
+            "env/Lift/return": 1.0,
+            "env/Lift/episodes": 1.0,
+        },
+        {
+            "iteration": 3,
+            "perf/env_steps_per_s": 40.0,
+            "perf/iteration_env_steps": 64,
+            "env/episodes": 3.0,
+            "env/successes": 1.0,
+            "env/return": 3.0,
+            "losses/policy": 0.4,
+            "time/iteration_s": 1.5,
+            "dist/weights_sum": 5.5,
+            "env/Lift/success": 0.0,
+            "env/Lift/return": 2.0,
+            "env/Lift/episodes": 2.0,
+            "env/Stack/success": 1.0,
+            "env/Stack/return": 4.0,
+            "env/Stack/episodes": 1.0,
+        },
     ]
     out = combine(per_rank)
     assert out["perf/env_steps_per_s"] == 100.0 and out["perf/iteration_env_steps"] == 128
@@ -96,9 +144,11 @@ def test_an_iterations_metrics_combine_over_the_ranks() -> None:
 def test_each_ranks_gpus_are_its_own_and_two_nodes_gpus_are_not_averaged_together() -> None:
     """GpuMonitor reports a rank's own GPUs under their node's numbers (tests/telemetry/test_monitor.py): GPU 0 of
     node 0 and GPU 0 of node 1 stay apart, per rank; the run's figure is taken over every GPU."""
-    per_rank = [{"iteration": 1, "perf/gpu0_util": 90.0, "perf/gpu0_sm_util": 70.0, "perf/gpu0_mem_gb": 30.0},
-                {"iteration": 1, "perf/gpu0_util": 10.0, "perf/gpu0_mem_gb": 50.0},  # another node's GPU 0
-                {"iteration": 1, "perf/gpu1_util": 50.0, "perf/gpu1_mem_gb": 40.0}]  # node 1's GPU 1
+    per_rank = [
+        {"iteration": 1, "perf/gpu0_util": 90.0, "perf/gpu0_sm_util": 70.0, "perf/gpu0_mem_gb": 30.0},
+        {"iteration": 1, "perf/gpu0_util": 10.0, "perf/gpu0_mem_gb": 50.0},  # another node's GPU 0
+        {"iteration": 1, "perf/gpu1_util": 50.0, "perf/gpu1_mem_gb": 40.0},
+    ]  # node 1's GPU 1
     out = combine(per_rank)
     assert not any(key.startswith("perf/gpu0") or key.startswith("perf/gpu1") for key in out)
     assert (out["ranks/0/gpu0_util"], out["ranks/1/gpu0_util"], out["ranks/2/gpu1_util"]) == (90.0, 10.0, 50.0)
@@ -133,18 +183,37 @@ def test_the_ranks_of_a_node_split_its_cores(monkeypatch: pytest.MonkeyPatch) ->
     assert rank_cores(cfg) == sorted(os.sched_getaffinity(0))[1:2]
 
 
-@pytest.mark.parametrize("launch, overrides, message", [
-    (None, ["hw.nodes=2"], "hw=cpu spans 2 nodes and this is one process; launch one per node: torchrun --nnodes 2"),
-    ((0, 4, 2), [], "torchrun started 2 node(s) x 2 rank(s) and hw=cpu describes 1 node(s)"),
-    ((0, 2, 2), ["hw.cpu_cores=2", "scheduler=ebrl"],
-     "needs at least 2 CPU cores; this rank has 1 (this node's cores split over its 2 ranks)"),
-    ((0, 2, 2), ["hw.nodes=0"], "hw.nodes=0 must be a positive number"),
-    ((0, 2, 2), ["distributed.strategy=fsdp"], "distributed.strategy=fsdp shards the trainer process's weights and "
-                                               "scheduler=colocated trains in the process that generates"),
-    ((0, 2, 2), ["distributed.strategy=zero3"], "distributed.strategy='zero3' is not available; accepted: auto, ddp, fsdp"),
-])
-def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch, launch, overrides,
-                                                              message) -> None:
+@pytest.mark.parametrize(
+    "launch, overrides, message",
+    [
+        (
+            None,
+            ["hw.nodes=2"],
+            "hw=cpu spans 2 nodes and this is one process; launch one per node: torchrun --nnodes 2",
+        ),
+        ((0, 4, 2), [], "torchrun started 2 node(s) x 2 rank(s) and hw=cpu describes 1 node(s)"),
+        (
+            (0, 2, 2),
+            ["hw.cpu_cores=2", "scheduler=ebrl"],
+            "needs at least 2 CPU cores; this rank has 1 (this node's cores split over its 2 ranks)",
+        ),
+        ((0, 2, 2), ["hw.nodes=0"], "hw.nodes=0 must be a positive number"),
+        (
+            (0, 2, 2),
+            ["distributed.strategy=fsdp"],
+            "distributed.strategy=fsdp shards the trainer process's weights and "
+            "scheduler=colocated trains in the process that generates",
+        ),
+        (
+            (0, 2, 2),
+            ["distributed.strategy=zero3"],
+            "distributed.strategy='zero3' is not available; accepted: auto, ddp, fsdp",
+        ),
+    ],
+)
+def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, launch, overrides, message
+) -> None:
     if launch is not None:
         as_ranks(monkeypatch, *launch)
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
@@ -154,8 +223,14 @@ def test_a_launch_the_hw_cannot_have_is_refused_with_one_line(monkeypatch: pytes
 
 # --- two trainer processes, for real (gloo): what a checkpoint and a publication hold --------------------------
 def _rank_environment(rank: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -178,9 +253,16 @@ def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> 
     # updates whose proximal pass values rank 0's rows (sampled by older weights) and none of rank 1's: rank 1 runs
     # passes to keep pace with rank 0's gathers
     sharded = strategy == "fsdp"
-    conf = OmegaConf.to_container(compose_config(*SMALL, "scheduler=ebrl", f"distributed.strategy={strategy}",
-                                                 "algo.epochs=1", *(["policy.train=action_expert"] if sharded else [])),
-                                  resolve=True)
+    conf = OmegaConf.to_container(
+        compose_config(
+            *SMALL,
+            "scheduler=ebrl",
+            f"distributed.strategy={strategy}",
+            "algo.epochs=1",
+            *(["policy.train=action_expert"] if sharded else []),
+        ),
+        resolve=True,
+    )
     policy = build_policy(conf["policy"], LIFT_SPEC, "cpu")
     batch = one_episode_rollout(policy, chunks=2, num_envs=2)
     batches = [dataclasses.replace(batch, version=torch.full(batch.reward.shape, rank - 1)) for rank in range(2)]
@@ -192,8 +274,11 @@ def test_at_a_checkpoint_only_rank_0s_trainer_sends_its_state(strategy: str) -> 
     try:
         for rank in range(2):
             with environment(_rank_environment(rank, port)):
-                trainers.append(TrainerProcess(conf, LIFT_SPEC, channels[rank], [CORES[rank % len(CORES)]],
-                                               TrainerThreads(ctx, 1), "cpu"))
+                trainers.append(
+                    TrainerProcess(
+                        conf, LIFT_SPEC, channels[rank], [CORES[rank % len(CORES)]], TrainerThreads(ctx, 1), "cpu"
+                    )
+                )
         for trainer in trainers:
             trainer.expect(Ready, 300)
         for iteration, gather in ((0, True), (1, False)):  # a checkpoint due after the first update only
@@ -225,7 +310,6 @@ def _publishing_rank(rank: int, port: int, answers: Any) -> None:
     it publishes, against the size of the whole state."""
     import torch
     import torch.distributed as dist
-
     from torch.distributed.fsdp import fully_shard
 
     from ebrl.runtime.channel import WeightChannel
@@ -246,8 +330,16 @@ def _publishing_rank(rank: int, port: int, answers: Any) -> None:
     version, fingerprint = publish(module, channel, fingerprint=True)
     peak = int(re.search(r"VmHWM:\s+(\d+)", status.read_text()).group(1))
     same = all(torch.equal(channel.state()[k], v) for k, v in whole.items())
-    answers.put((rank, (peak - before) * 1024, sum(v.nbytes for v in whole.values()), version, same,
-                 fingerprint == weights_sum(whole)))
+    answers.put(
+        (
+            rank,
+            (peak - before) * 1024,
+            sum(v.nbytes for v in whole.values()),
+            version,
+            same,
+            fingerprint == weights_sum(whole),
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -293,8 +385,15 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("ranks") / "run"
     # the shaped reward: the ranks' returns tell their episodes apart (sparse ones are all 0 from scratch); bfloat16
     # moments: their stochastic rounding must draw alike on both ranks, while generation draws from each rank's own
-    proc = torchrun(["--standalone", "--nproc-per-node", "2"], *SMALL, *BF16, "env.reward=dense", "iterations=3",
-                    "checkpoint_every=1", f"hydra.run.dir={run_dir}")
+    proc = torchrun(
+        ["--standalone", "--nproc-per-node", "2"],
+        *SMALL,
+        *BF16,
+        "env.reward=dense",
+        "iterations=3",
+        "checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -367,8 +466,11 @@ def test_every_schedules_replicas_hold_the_same_weights(tmp_path: Path, schedule
     run_dir = tmp_path / "run"
     two_nodes(run_dir, f"scheduler={schedule}", f"algo.optimizer_dtype={moments}", "iterations=2")
     rows, rank1 = metrics(run_dir), metrics(run_dir / "rank1")
-    assert [row["ranks/0/weights_sum"] for row in rows] == [row["ranks/1/weights_sum"] for row in rows] == \
-        [row["dist/weights_sum"] for row in rank1]
+    assert (
+        [row["ranks/0/weights_sum"] for row in rows]
+        == [row["ranks/1/weights_sum"] for row in rows]
+        == [row["dist/weights_sum"] for row in rank1]
+    )
     assert len(rows) == 2 and rows[0]["dist/weights_sum"] != rows[1]["dist/weights_sum"]
 
 
@@ -377,9 +479,24 @@ def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) 
     ckpt = run_dir / "checkpoints" / "last.pt"
     shm_before = set(os.listdir("/dev/shm"))
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "run.py", *SMALL, "iterations=200",
-                              "checkpoint_every=1", f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "run.py",
+            *SMALL,
+            "iterations=200",
+            "checkpoint_every=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not ckpt.exists() and agent.poll() is None and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """Faults injected for real into run.py in a subprocess: a simulator killed (kill -9), hung or failing again and
 again; SIGTERM; NaN updates; a corrupt checkpoint. Each leaves the run either going on or stopped with one line and a
 checkpoint it can resume from."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.rl.rollout import ChunkStep, RolloutStats, discard_partial_episode
+from ebrl.runtime.checkpoint import load_checkpoint
 from tests.conftest import REPO
 from tests.runs.test_run import SMALL, metrics, run_py
 
@@ -24,8 +25,14 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FUL
 
 
 def start_run(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "run.py", *overrides], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "run.py", *overrides],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_iterations(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -38,7 +45,9 @@ def wait_for_iterations(run_dir: Path, n: int, proc: subprocess.Popen, timeout: 
 
 
 def simulators(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "ebrl.envs.process" in " ".join(p.cmdline())]
+    return [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "ebrl.envs.process" in " ".join(p.cmdline())
+    ]
 
 
 def total(rows: list[dict], key: str) -> float:
@@ -51,9 +60,18 @@ def last_line(stderr: str) -> str:
 
 def test_a_failed_simulators_partial_episode_is_discarded_and_finished_ones_kept() -> None:
     # env 0: an episode ends at step 1, the next runs steps 2-3 and its simulator fails in step 4
-    rec = [ChunkStep(obs={}, chunk=torch.zeros(2, 3, 1), extras={}, log_prob=torch.zeros(2, 3), value=torch.zeros(2),
-                     done=torch.tensor([d, False]), mask=torch.ones(2, 3, dtype=torch.bool))
-           for d in (False, True, False, False)]
+    rec = [
+        ChunkStep(
+            obs={},
+            chunk=torch.zeros(2, 3, 1),
+            extras={},
+            log_prob=torch.zeros(2, 3),
+            value=torch.zeros(2),
+            done=torch.tensor([d, False]),
+            mask=torch.ones(2, 3, dtype=torch.bool),
+        )
+        for d in (False, True, False, False)
+    ]
     stats = RolloutStats()
     discard_partial_episode(rec, 0, stats)
     assert [bool(r.mask[0].any()) for r in rec] == [True, True, False, False]
@@ -80,8 +98,9 @@ def test_a_killed_simulator_is_replaced_and_the_run_goes_on(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("stage", ["trainer", pytest.param("generation", marks=pytest.mark.slow)])
-def test_a_killed_trainer_or_generation_process_stops_the_run_with_one_line_and_nothing_left(tmp_path: Path,
-                                                                                             stage: str) -> None:
+def test_a_killed_trainer_or_generation_process_stops_the_run_with_one_line_and_nothing_left(
+    tmp_path: Path, stage: str
+) -> None:
     run_dir = tmp_path / "run"
     own = ["scheduler.generation=process"] if stage == "generation" else []
     proc = start_run(*SMALL, "scheduler=ebrl", *own, "iterations=50", "checkpoint_every=1", f"hydra.run.dir={run_dir}")
@@ -89,8 +108,10 @@ def test_a_killed_trainer_or_generation_process_stops_the_run_with_one_line_and_
         wait_for_iterations(run_dir, 2, proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         # the trainer process is started just before generation's (schedule.real_stages): the lower pid
-        spawned = sorted((p for p in children if p not in simulators(proc) and "spawn_main" in " ".join(p.cmdline())),
-                         key=lambda p: p.pid)
+        spawned = sorted(
+            (p for p in children if p not in simulators(proc) and "spawn_main" in " ".join(p.cmdline())),
+            key=lambda p: p.pid,
+        )
         victim = spawned[0] if stage == "trainer" else spawned[1]
         victim.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
@@ -98,8 +119,9 @@ def test_a_killed_trainer_or_generation_process_stops_the_run_with_one_line_and_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1 and "Traceback" not in err
-    assert last_line(err) == (f"error: {stage} process (pid {victim.pid}) stopped; exit code -9; continue with "
-                              f"resume={run_dir}")  # the real folder, to copy
+    assert last_line(err) == (
+        f"error: {stage} process (pid {victim.pid}) stopped; exit code -9; continue with resume={run_dir}"
+    )  # the real folder, to copy
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["iteration"] >= 1  # the last one written stays
@@ -125,8 +147,16 @@ def test_a_workers_failure_is_one_line_that_names_its_kept_traceback() -> None:
 
 def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_py(*SMALL, "scheduler=ebrl", "iterations=3", "env.fault.kind=hang", "env.fault.env=1",
-                  "env.fault.chunk=3", "scheduler.chunk_timeout_s=3", f"hydra.run.dir={run_dir}")
+    proc = run_py(
+        *SMALL,
+        "scheduler=ebrl",
+        "iterations=3",
+        "env.fault.kind=hang",
+        "env.fault.env=1",
+        "env.fault.chunk=3",
+        "scheduler.chunk_timeout_s=3",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sim worker 1" in proc.stdout + proc.stderr and "hung" in proc.stdout + proc.stderr
     rows = metrics(run_dir)
@@ -136,13 +166,23 @@ def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Pat
 
 def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_py(*SMALL, "scheduler=ebrl", "iterations=8", "checkpoint_every=100", "env.fault.kind=error",
-                  "env.fault.env=0", "env.fault.chunk=3", "env.fault.again=true", "scheduler.max_sim_failures=2",
-                  f"hydra.run.dir={run_dir}")
+    proc = run_py(
+        *SMALL,
+        "scheduler=ebrl",
+        "iterations=8",
+        "checkpoint_every=100",
+        "env.fault.kind=error",
+        "env.fault.env=0",
+        "env.fault.chunk=3",
+        "env.fault.again=true",
+        "scheduler.max_sim_failures=2",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert last_line(proc.stderr).startswith("error: 3 simulator failures within 600 s, more than "
-                                             "scheduler.max_sim_failures=2 (the last: sim worker 0")
+    assert last_line(proc.stderr).startswith(
+        "error: 3 simulator failures within 600 s, more than scheduler.max_sim_failures=2 (the last: sim worker 0"
+    )
     # written on the way out: the trainer's newest weights, with the iterations they were trained on; an update done
     # but not yet handed to the loop is logged then, so the metrics end where the checkpoint is
     rows = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
@@ -151,8 +191,9 @@ def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: P
     assert ckpt["env_steps"] == (rows[-1]["env_steps"] if rows else 0)
 
 
-def stopped_by_sigterm(run_dir: Path, *overrides: str,
-                       twice: bool = False) -> tuple[subprocess.Popen, list[psutil.Process], str]:
+def stopped_by_sigterm(
+    run_dir: Path, *overrides: str, twice: bool = False
+) -> tuple[subprocess.Popen, list[psutil.Process], str]:
     """A pipelined run of 2 simulators sent SIGTERM after 2 iterations (twice: again, while the first one's stop is
     under way); its process, the processes it had started, and its stderr."""
     proc = start_run(*SMALL, "scheduler=ebrl", "iterations=50", *overrides, f"hydra.run.dir={run_dir}")
@@ -197,8 +238,9 @@ def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_pa
     proc, children, err = stopped_by_sigterm(run_dir, "checkpoint_every=1", twice=True)
     assert proc.returncode == 130 and last_line(err) == "stopped at once by a second SIGTERM", err[-3000:]
     deadline = time.monotonic() + 30  # (the resource tracker frees the shared memory once this process is gone)
-    while time.monotonic() < deadline and (set(os.listdir("/dev/shm")) - shm_before or
-                                           [p for p in children if p.is_running() and p.status() != "zombie"]):
+    while time.monotonic() < deadline and (
+        set(os.listdir("/dev/shm")) - shm_before or [p for p in children if p.is_running() and p.status() != "zombie"]
+    ):
         time.sleep(0.2)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert set(os.listdir("/dev/shm")) <= shm_before
@@ -208,12 +250,14 @@ def test_a_second_sigterm_stops_the_run_at_once_and_leaves_nothing_behind(tmp_pa
 def test_a_second_sigterm_while_the_process_winds_down_still_ends_it_at_once_with_its_line() -> None:
     # after the first stop's line the process may still be reaping children (atexit): a second signal there ends it
     # at once, with its line and 130, not with the default action (killed by SIGTERM, no line)
-    code = ("import atexit, os, signal, time\n"
-            "from ebrl.runtime.errors import exit_cleanly\n"
-            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
-            "with exit_cleanly():\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    time.sleep(30)\n")
+    code = (
+        "import atexit, os, signal, time\n"
+        "from ebrl.runtime.errors import exit_cleanly\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+        "with exit_cleanly():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.splitlines()[-2:] == ["interrupted by SIGTERM", "stopped at once by a second SIGTERM"]
@@ -258,15 +302,18 @@ def two_iterations(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-def test_nan_updates_are_skipped_and_stop_the_run_at_its_last_good_checkpoint(two_iterations: Path,
-                                                                              tmp_path: Path) -> None:
+def test_nan_updates_are_skipped_and_stop_the_run_at_its_last_good_checkpoint(
+    two_iterations: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(two_iterations, run_dir)
     proc = run_py(*SMALL, f"resume={run_dir}", "iterations=10", "algo.lr=1e30")  # the first step blows the weights up
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "3 updates in a row had NaN/inf gradients (iterations 3-5, algo.max_nonfinite_updates=3; their steps " \
-           "were skipped); checkpoints/last.pt is from before them" in last_line(proc.stderr)
+    assert (
+        "3 updates in a row had NaN/inf gradients (iterations 3-5, algo.max_nonfinite_updates=3; their steps "
+        "were skipped); checkpoints/last.pt is from before them" in last_line(proc.stderr)
+    )
     rows = metrics(run_dir)
     assert [row["iteration"] for row in rows] == [1, 2, 3, 4, 5]
     assert all(row["train/nonfinite_steps"] > 0 for row in rows[2:])

@@ -11,6 +11,7 @@ GRPO (`algo=grpo`, groups of 4, one 40-step episode per env per iteration, so 32
 0.71 -> 1.85 after 7,680 env steps, having peaked at 2.85 (iteration 20); deterministic, but it holds the 2.5x
 bound by a small margin (1.85 against 1.78), so a change of numerics (threads, kernels) can move it.
 """
+
 import json
 
 import numpy as np
@@ -68,9 +69,9 @@ def test_grpo_learns_to_reach_on_lift(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_raises_the_success_of_the_shipped_sft_checkpoint(tmp_path):
-    """The embedded defaults: init=auto fine-tunes the shipped SFT checkpoint on the sparse success reward. The rollouts'
-    success over iterations 31-40 against that over iterations 1-5 (the first two only warm the critic up, so these
-    are the SFT policy's own). MARGIN is below the least gain over the benchmark's seeds (see its value)."""
+    """The embedded defaults: init=auto fine-tunes the shipped SFT checkpoint on the sparse success reward. The
+    rollouts' success over iterations 31-40 against that over iterations 1-5 (the first two only warm the critic up, so
+    these are the SFT policy's own). MARGIN is below the least gain over the benchmark's seeds (see its value)."""
     cfg = compose_config("iterations=40", "progress=false", "seed=0")
     run = Experiment.from_config(cfg, run_dir=tmp_path)
     run.train()

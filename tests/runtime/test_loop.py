@@ -1,5 +1,6 @@
 """The pipelined rollout's state machine (ebrl/runtime/loop.py) driven by hand: events in, decisions out; no
 processes, no policy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +16,16 @@ H = 2  # actions per chunk
 
 def report(truncated: bool = False) -> ChunkReport:
     final = {"state": np.ones(3, np.float32)} if truncated else None
-    return ChunkReport(executed=H, rewards=np.ones(H, np.float32), successes=np.zeros(H, bool),
-                       step_times=np.full(H, 0.01), terminated=False, truncated=truncated,
-                       episode={"return": 2.0, "length": 2, "success": 0.0} if truncated else None, final_obs=final)
+    return ChunkReport(
+        executed=H,
+        rewards=np.ones(H, np.float32),
+        successes=np.zeros(H, bool),
+        step_times=np.full(H, 0.01),
+        terminated=False,
+        truncated=truncated,
+        episode={"return": 2.0, "length": 2, "success": 0.0} if truncated else None,
+        final_obs=final,
+    )
 
 
 def make(num_envs: int, groups: int, **rules) -> RolloutLoop:
@@ -25,8 +33,14 @@ def make(num_envs: int, groups: int, **rules) -> RolloutLoop:
 
 
 def step(n: int, version: int) -> ChunkStep:
-    return ChunkStep(obs={"state": torch.zeros(n, 3)}, chunk=torch.zeros(n, H, 1), extras={},
-                     log_prob=torch.zeros(n, H), value=torch.zeros(n), version=torch.full((n,), version))
+    return ChunkStep(
+        obs={"state": torch.zeros(n, 3)},
+        chunk=torch.zeros(n, H, 1),
+        extras={},
+        log_prob=torch.zeros(n, H),
+        value=torch.zeros(n),
+        version=torch.full((n,), version),
+    )
 
 
 def serve(loop: RolloutLoop, version: int = 0) -> tuple[list[int], list[Shipment]]:
@@ -149,9 +163,18 @@ def end(loop: RolloutLoop, group: int, ended: set[int], running: list[int] | Non
     """One chunk of a group's `running` envs (all) in which the episodes of envs `ended` end; the others go on."""
     for env in loop.groups[group].envs if running is None else running:
         done = env in ended
-        loop.reported(env, ChunkReport(executed=H, rewards=np.ones(H, np.float32), successes=np.zeros(H, bool),
-                                       step_times=np.full(H, 0.01), terminated=done, truncated=False,
-                                       episode={"return": 2.0, "length": 2, "success": 1.0} if done else None))
+        loop.reported(
+            env,
+            ChunkReport(
+                executed=H,
+                rewards=np.ones(H, np.float32),
+                successes=np.zeros(H, bool),
+                step_times=np.full(H, 0.01),
+                terminated=done,
+                truncated=False,
+                episode={"return": 2.0, "length": 2, "success": 1.0} if done else None,
+            ),
+        )
 
 
 def test_an_episodic_segment_is_one_episode_per_env_and_groups_hold_whole_units():

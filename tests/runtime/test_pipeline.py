@@ -1,5 +1,6 @@
 """The pipelined schedules (ebrl, async, hybrid, disaggregated) on real simulator processes and a real
 trainer process: behaviour read from the run's trace and metrics, never from timings."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,18 @@ from ebrl.runtime.schedule import Schedule
 from ebrl.telemetry.trace import read_spans
 from tests.conftest import compose_config
 
-WORKLOAD = ["env.num_envs=4", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=3",
-            "env.max_episode_steps=24", "progress=false", "logger=none", "checkpoint_every=1000",
-            "init=null"]  # from the family's initialisation: every env runs its chunks to the end
+WORKLOAD = [
+    "env.num_envs=4",
+    "algo.rollout_chunks=2",
+    "algo.minibatches=2",
+    "algo.epochs=1",
+    "iterations=3",
+    "env.max_episode_steps=24",
+    "progress=false",
+    "logger=none",
+    "checkpoint_every=1000",
+    "init=null",
+]  # from the family's initialisation: every env runs its chunks to the end
 
 
 def run(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:
@@ -107,9 +117,16 @@ def test_the_step_estimate_is_an_exponential_average():
 
 def _batch(T: int, N: int, version: list[int]) -> RolloutBatch:
     return RolloutBatch(
-        obs={"state": torch.zeros(T, N, 3)}, chunk=torch.zeros(T, N, 2, 1), extras={}, log_prob=torch.zeros(T, N, 2),
-        value=torch.zeros(T, N), reward=torch.zeros(T, N), done=torch.zeros(T, N, dtype=torch.bool),
-        mask=torch.ones(T, N, 2, dtype=torch.bool), last_value=torch.zeros(N), cutoff_value=torch.zeros(T, N),
+        obs={"state": torch.zeros(T, N, 3)},
+        chunk=torch.zeros(T, N, 2, 1),
+        extras={},
+        log_prob=torch.zeros(T, N, 2),
+        value=torch.zeros(T, N),
+        reward=torch.zeros(T, N),
+        done=torch.zeros(T, N, dtype=torch.bool),
+        mask=torch.ones(T, N, 2, dtype=torch.bool),
+        last_value=torch.zeros(N),
+        cutoff_value=torch.zeros(T, N),
         version=torch.tensor(version).view(T, 1).expand(T, N).clone(),
     )
 
@@ -143,8 +160,12 @@ def test_a_regroup_waits_for_a_common_segment_boundary_and_loses_no_chunk(tmp_pa
     assert [g.envs for g in sched.loop.groups] == [[0], [1], [2], [3]] and sched.loop.regroup_at is None
     served = [span.args["groups"] for span in sched.trace.spans if span.lane == "generate"]
     switch = next(k for k, groups in enumerate(served) if max(groups) > 1)
-    assert all(max(groups) <= 1 for groups in served[:switch]) and all(  # old groups until the barrier, then new
-        set(groups) <= {0, 1, 2, 3} for groups in served[switch:])
+    assert (
+        all(max(groups) <= 1 for groups in served[:switch])
+        and all(  # old groups until the barrier, then new
+            set(groups) <= {0, 1, 2, 3} for groups in served[switch:]
+        )
+    )
     # every iteration still holds every env's 2 chunks: the barrier moved no chunk from one iteration to another
     assert shapes["chunk"][:2] == (2, 4) and all(s.env_steps > 0 for s in [first, *later])
     assert not sched.loop.segments and not sched.loop.parked
@@ -154,8 +175,10 @@ def test_groups_that_find_the_queue_full_queue_after_the_next_generation(tmp_pat
     """scheduler.queue_size=1 with 4 groups of one env: when several report their chunk at once, one queues and
     the others wait for room; after that one's generation batch the next takes the room (they waited for an
     update, which in the first iteration never comes without them)."""
-    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=4",
-                                                "scheduler.queue_size=1"), run_dir=tmp_path / "run")
+    exp = Experiment.from_config(
+        compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.groups=4", "scheduler.queue_size=1"),
+        run_dir=tmp_path / "run",
+    )
     sched = exp.scheduler
     try:
         sched._step()  # the first generation: all four start their first chunk
@@ -318,8 +341,9 @@ def test_every_mode_produces_the_same_trajectory_shapes(mode, ebrl_run, tmp_path
 
 
 def test_simulators_yield_shared_cores_to_the_policy_and_an_idle_rollout_lends_the_trainer_every_core(tmp_path):
-    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.sim_nice=7"),
-                                 run_dir=tmp_path / "run")
+    exp = Experiment.from_config(
+        compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.sim_nice=7"), run_dir=tmp_path / "run"
+    )
     try:
         assert {os.getpriority(os.PRIO_PROCESS, w.pid) for w in exp.pool.workers} == {7}
         assert os.getpriority(os.PRIO_PROCESS, exp.scheduler.trainer.process.pid) == os.getpriority(os.PRIO_PROCESS, 0)

@@ -1,5 +1,6 @@
 """Every policy family trains end to end through run.py: real simulator workers, a rollout of a few hundred env
 steps, PPO updates, a checkpoint."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The resource pool on this CPU machine: affinity of every thread of real spawned children, lease checks, MPS client
 environments that reach a spawned child, the MPS daemon's life cycle, re-quota callbacks, and the GPU paths failing
 with one line where there is no GPU."""
+
 import json
 import multiprocessing as mp
 import os
@@ -11,10 +12,18 @@ import time
 
 import pytest
 
-from ebrl.runtime import resources
 from ebrl.node import parse_cpu_list, process_affinity, set_process_affinity
-from ebrl.runtime.resources import (GREEN_UNAVAILABLE, GreenPartition, MpsDaemon, MpsDaemons, ResourceError,
-                                    ResourcePool, apply_memory_budget, over_budget)
+from ebrl.runtime import resources
+from ebrl.runtime.resources import (
+    GREEN_UNAVAILABLE,
+    GreenPartition,
+    MpsDaemon,
+    MpsDaemons,
+    ResourceError,
+    ResourcePool,
+    apply_memory_budget,
+    over_budget,
+)
 
 CORES = sorted(os.sched_getaffinity(0))
 GIB = 2**30
@@ -114,8 +123,11 @@ def test_cpus_outside_the_pool_are_refused_by_number():
 def test_sm_shares_of_one_gpu_may_not_sum_above_one():
     pool = ResourcePool([0], gpus=2, sm_count=132)
     pool.lease("generate", [0], gpu=0, sm_share=0.6)
-    with pytest.raises(ResourceError, match=r"sm_share=0\.5 brings the SM shares of GPU 0 to 1\.1 > 1 "
-                                            r"\(held: generate=0\.6\)"):
+    with pytest.raises(
+        ResourceError,
+        match=r"sm_share=0\.5 brings the SM shares of GPU 0 to 1\.1 > 1 "
+        r"\(held: generate=0\.6\)",
+    ):
         pool.lease("train", [0], gpu=0, sm_share=0.5)
     pool.lease("train", [0], gpu=1, sm_share=0.5)  # another GPU: fine
     pool.resize("generate", sm_share=0.5)
@@ -127,8 +139,9 @@ def test_sm_shares_of_one_gpu_may_not_sum_above_one():
 def test_memory_budgets_of_one_gpu_may_not_exceed_its_memory():
     pool = ResourcePool([0], gpus=1, gpu_memory_bytes=10 * GIB)
     pool.lease("generate", [0], gpu=0, mem_bytes=6 * GIB)
-    with pytest.raises(ResourceError, match=f"mem_bytes={5 * GIB} brings the budgets on GPU 0 to {11 * GIB} bytes, "
-                                            f"over its {10 * GIB}"):
+    with pytest.raises(
+        ResourceError, match=f"mem_bytes={5 * GIB} brings the budgets on GPU 0 to {11 * GIB} bytes, over its {10 * GIB}"
+    ):
         pool.lease("train", [0], gpu=0, mem_bytes=5 * GIB)
     with pytest.raises(ResourceError, match="does not know the GPU's memory"):
         ResourcePool([0], gpus=1).lease("train", [0], gpu=0, mem_bytes=GIB)
@@ -144,8 +157,9 @@ def test_gpu_resources_need_a_gpu_in_range():
 
 @pytest.mark.parametrize("partition", ["mps", "green"])
 def test_sm_partitions_need_a_gpu(partition):
-    with pytest.raises(ResourceError, match=f"hw.sm_partition={partition} needs a GPU; this hw has none: use "
-                                            "hw.sm_partition=none"):
+    with pytest.raises(
+        ResourceError, match=f"hw.sm_partition={partition} needs a GPU; this hw has none: use hw.sm_partition=none"
+    ):
         ResourcePool(CORES, partition=partition)
     with pytest.raises(ResourceError, match="hw.sm_partition='nvidia' is not one of: none, mps, green"):
         ResourcePool(CORES, gpus=1, partition="nvidia")
@@ -196,8 +210,7 @@ def test_an_sm_share_change_without_a_partition_is_only_recorded():
 
 # --- child environments ------------------------------------------------------------------------
 def test_child_env_of_an_mps_stage(tmp_path):
-    pool = ResourcePool([0, 1], gpus=2, sm_count=132, gpu_memory_bytes=141 * 10**9, partition="mps",
-                        run_dir=tmp_path)
+    pool = ResourcePool([0, 1], gpus=2, sm_count=132, gpu_memory_bytes=141 * 10**9, partition="mps", run_dir=tmp_path)
     pool.lease("generate", [0], gpu=1, sm_share=0.25, mem_bytes=3 * GIB + 12345)
     pool.lease("train", [1], gpu=0, sm_share=0.001)
     pool.lease("simulate", [0, 1])
@@ -236,12 +249,13 @@ def test_mps_daemon_without_the_binary_on_path_says_so_in_one_line(tmp_path, mon
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
     with pytest.raises(ResourceError) as err:
         MpsDaemon(0, tmp_path).start()
-    assert str(err.value) == ("hw.mps=true but nvidia-cuda-mps-control is not on PATH: install the NVIDIA driver "
-                              "utilities or set hw.mps=false")
+    assert str(err.value) == (
+        "hw.mps=true but nvidia-cuda-mps-control is not on PATH: install the NVIDIA driver "
+        "utilities or set hw.mps=false"
+    )
 
 
-def test_mps_daemon_start_stop_cycle_with_a_fake_control_binary_as_this_machine_has_no_gpu(tmp_path,
-                                                                                           fake_mps_control):
+def test_mps_daemon_start_stop_cycle_with_a_fake_control_binary_as_this_machine_has_no_gpu(tmp_path, fake_mps_control):
     daemon = MpsDaemon(1, tmp_path / "run")
     with daemon:
         assert daemon.control.exists() and daemon.log_dir.is_dir()
@@ -306,10 +320,13 @@ def test_a_daemon_left_by_a_killed_supervisor_is_found_by_its_pid_and_stopped(tm
     """gpu_check's run check: the run's supervisor (another process) started its daemon and was killed before it
     stopped it; its pipes are where mps_dirs says for that pid, and adopting the daemon stops it."""
     run_dir = tmp_path / "run"
-    code = ("import os, sys; from pathlib import Path; from ebrl.runtime.resources import MpsDaemon; "
-            "MpsDaemon(0, Path(sys.argv[1])).start(); os._exit(0)")  # (os._exit: no atexit, as under SIGKILL)
-    supervisor = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=repo, stderr=subprocess.PIPE,
-                                  text=True)
+    code = (
+        "import os, sys; from pathlib import Path; from ebrl.runtime.resources import MpsDaemon; "
+        "MpsDaemon(0, Path(sys.argv[1])).start(); os._exit(0)"
+    )  # (os._exit: no atexit, as under SIGKILL)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir)], cwd=repo, stderr=subprocess.PIPE, text=True
+    )
     assert supervisor.wait(60) == 0, supervisor.stderr.read()
     left = MpsDaemon(0, run_dir, pid=supervisor.pid)
     assert left.control.exists() and f"ebrl-mps-{supervisor.pid}-" in str(left.pipe_dir)
@@ -333,19 +350,28 @@ def test_green_contexts_on_a_machine_without_them_fail_with_one_line():
 
 def test_over_budget_names_the_stage_its_use_and_its_budget():
     pool = ResourcePool([0], gpus=1, gpu_memory_bytes=10 * GIB)
-    leases = {"generate": pool.lease("generate", [0], gpu=0, mem_bytes=2 * GIB),
-              "train": pool.lease("train", [0], gpu=0, mem_bytes=4 * GIB)}
+    leases = {
+        "generate": pool.lease("generate", [0], gpu=0, mem_bytes=2 * GIB),
+        "train": pool.lease("train", [0], gpu=0, mem_bytes=4 * GIB),
+    }
     lines = over_budget({"generate": 3 * GIB, "train": GIB, "simulate": GIB}, leases)
-    assert lines == [f"stage generate uses {3 * GIB} bytes (3.00 GiB) of GPU 0, over its budget of {2 * GIB} bytes "
-                     "(2.00 GiB)"]
+    assert lines == [
+        f"stage generate uses {3 * GIB} bytes (3.00 GiB) of GPU 0, over its budget of {2 * GIB} bytes (2.00 GiB)"
+    ]
 
 
 def test_gpu_check_on_a_machine_without_cuda_imports_each_check_then_skips_it(tmp_path, repo):
-    out = subprocess.run([sys.executable, "-m", "ebrl.bench.gpu_check", "--part", "1", "--out",
-                          str(tmp_path / "figures.json")], cwd=repo, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ebrl.bench.gpu_check", "--part", "1", "--out", str(tmp_path / "figures.json")],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == ("no CUDA device: each check imports what it needs, then skips (run this on a "
-                                          "GPU node)")
+    assert out.stdout.splitlines()[0] == (
+        "no CUDA device: each check imports what it needs, then skips (run this on a GPU node)"
+    )
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert list(figures) == ["basics", "egl", "mps", "memory", "green", "nvml", "full"]
     assert {f["status"] for f in figures.values()} == {"SKIP"}

@@ -2,6 +2,7 @@
 own (scheduler.generation=process, the placement under MPS) and the trainer are respawned in the environment of the
 moment and hand over to the successor while the run goes on. An environment variable stands in for
 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (this machine has no MPS daemon); real simulators, trainer and generation."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ import psutil
 import pytest
 import torch
 
+from ebrl.node import process_affinity
 from ebrl.runs.experiment import Experiment
 from ebrl.runtime.generation import GenerationError
-from ebrl.node import process_affinity
 from ebrl.runtime.resources import environment
 from ebrl.telemetry.timers import ProcessCpu
 from tests.conftest import compose_config
@@ -23,8 +24,10 @@ from tests.runtime.test_pipeline import WORKLOAD
 
 
 def test_respawned_generation_and_trainer_take_over_with_their_new_environment_and_the_run_goes_on(tmp_path):
-    exp = Experiment.from_config(compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.generation=process",
-                                                "iterations=4"), run_dir=tmp_path / "run")
+    exp = Experiment.from_config(
+        compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.generation=process", "iterations=4"),
+        run_dir=tmp_path / "run",
+    )
     s, pool = exp.scheduler, exp.placement.pool
     first, first_trainer = s.generation.pid, s.trainer.process.pid
     try:
@@ -70,8 +73,10 @@ def test_respawned_generation_and_trainer_take_over_with_their_new_environment_a
     for stage, pid in (("generate", second), ("train", second_trainer)):  # the leases moved to the successors
         assert pool._pids[stage] == {pid}
         assert all(mask == set(pool.leases[stage].cpus) for mask in affinity[stage].values())
-    before, after = ([sp.args["pid"] for sp in part if sp.lane == "generate"]
-                     for part in (s.trace.spans[:mark], s.trace.spans[mark:]))
+    before, after = (
+        [sp.args["pid"] for sp in part if sp.lane == "generate"]
+        for part in (s.trace.spans[:mark], s.trace.spans[mark:])
+    )
     # the old generation served until the successor was ready, then only the successor
     assert set(before) == {first} and set(after) <= {first, second}
     assert after == sorted(after, key=lambda pid: pid == second)

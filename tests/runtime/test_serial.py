@@ -1,5 +1,6 @@
 """scheduler.serial=true: every stage in the supervisor, the simulators answered in one of its threads by the code a
 simulator process runs (ebrl/envs/serial.py); a real robosuite run, set beside the same run on processes."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,20 @@ from ebrl.envs.worker import SimWorkerPool
 from ebrl.runs.experiment import Experiment
 from tests.conftest import compose_config
 
-RUN = ["env.num_envs=2", "algo.rollout_chunks=2", "algo.minibatches=2", "algo.epochs=1", "iterations=2",
-       "env.max_episode_steps=24", "env.reward=dense", "progress=false", "logger=none", "checkpoint_every=1000",
-       "init=null", "seed=3"]
+RUN = [
+    "env.num_envs=2",
+    "algo.rollout_chunks=2",
+    "algo.minibatches=2",
+    "algo.epochs=1",
+    "iterations=2",
+    "env.max_episode_steps=24",
+    "env.reward=dense",
+    "progress=false",
+    "logger=none",
+    "checkpoint_every=1000",
+    "init=null",
+    "seed=3",
+]
 
 
 class BreakingLift(RobosuiteEnv):
@@ -44,8 +56,7 @@ def trained(tmp_path, *overrides: str) -> tuple[Experiment, list[dict]]:
     return exp, [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_serial_run_is_the_same_run_in_one_process_and_a_breakpoint_in_its_adapter_stops_there(
-        tmp_path, monkeypatch):
+def test_a_serial_run_is_the_same_run_in_one_process_and_a_breakpoint_in_its_adapter_stops_there(tmp_path, monkeypatch):
     stops = []  # (pid, thread name) of each breakpoint() a BreakingLift reached
     monkeypatch.setattr(sys, "breakpointhook", lambda: stops.append((os.getpid(), threading.current_thread().name)))
     target = f"env._target_={__name__}.BreakingLift"
@@ -57,25 +68,45 @@ def test_a_serial_run_is_the_same_run_in_one_process_and_a_breakpoint_in_its_ada
 
 
 def test_serial_takes_a_schedule_that_runs_in_this_process_and_an_env_of_this_interpreter():
-    with pytest.raises(ConfigError, match="^scheduler.serial=true runs every stage in this process, one after "
-                                          "another, and scheduler=ebrl trains in a process of its own; use "
-                                          "scheduler=colocated scheduler.serial=true$"):
+    with pytest.raises(
+        ConfigError,
+        match="^scheduler.serial=true runs every stage in this process, one after "
+        "another, and scheduler=ebrl trains in a process of its own; use "
+        "scheduler=colocated scheduler.serial=true$",
+    ):
         validate(compose_config(*RUN, "scheduler=ebrl", "scheduler.serial=true"))
-    pool = SimWorkerPool({"_target_": "ebrl.envs.robosuite_env.RobosuiteEnv", "name": "robosuite", "task": "Lift",
-                          "python": "/usr/bin/python3"}, num_envs=1, seed=0, serial=True)
-    with pytest.raises(EnvSetupError, match="runs the simulators in this process .* and this env's run under "
-                                            "/usr/bin/python3; serially, run an env of this interpreter"):
+    pool = SimWorkerPool(
+        {
+            "_target_": "ebrl.envs.robosuite_env.RobosuiteEnv",
+            "name": "robosuite",
+            "task": "Lift",
+            "python": "/usr/bin/python3",
+        },
+        num_envs=1,
+        seed=0,
+        serial=True,
+    )
+    with pytest.raises(
+        EnvSetupError,
+        match="runs the simulators in this process .* and this env's run under "
+        "/usr/bin/python3; serially, run an env of this interpreter",
+    ):
         pool.start()
 
 
-@pytest.mark.parametrize("overrides,envs", [((), 2), (("algo=grpo",), 4), (("algo=sft",), 2),
-                                            (("experiment=lift_ebrl",), 2)])
+@pytest.mark.parametrize(
+    "overrides,envs", [((), 2), (("algo=grpo",), 4), (("algo=sft",), 2), (("experiment=lift_ebrl",), 2)]
+)
 def test_debug_serial_turns_the_serial_mode_on(overrides, envs):
     """`python run.py debug=serial` (conf/debug/serial.yaml): scheduler.serial on the colocated schedule, no progress
     bar, two envs or one GRPO group; over an experiment too (lift_ebrl's schedule gives way to colocated)."""
     cfg = compose_config(*overrides, "debug=serial")
-    assert (cfg.scheduler.name, cfg.scheduler.serial, cfg.progress, cfg.env.num_envs) == ("colocated", True, False,
-                                                                                         envs)
+    assert (cfg.scheduler.name, cfg.scheduler.serial, cfg.progress, cfg.env.num_envs) == (
+        "colocated",
+        True,
+        False,
+        envs,
+    )
     validate(cfg)
     assert compose_config(*overrides, "debug=serial", "env.num_envs=8").env.num_envs == 8  # the command line wins
 

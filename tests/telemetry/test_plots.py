@@ -1,5 +1,6 @@
 """Utilisation plots from a hand-made trace and hand-made samples: the series hold the expected values, the files
 are PNGs, and a figure that cannot be drawn costs one line, not the run."""
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +13,10 @@ from ebrl.telemetry.trace import Trace
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 100.0  # perf_counter at the run's start; the figures count from it
 CPU = [(T0 + 0.5, {0: 0.2, 1: 0.4}), (T0 + 1.0, {0: 1.0, 1: 0.0})]
-GPU = [(T0, {0: {"util": 40.0, "mem_used": 2.0 * 2**30, "sm_util": 30.0}}),
-       (T0 + 0.5, {0: {"util": 60.0, "mem_used": 1.0 * 2**30}})]
+GPU = [
+    (T0, {0: {"util": 40.0, "mem_used": 2.0 * 2**30, "sm_util": 30.0}}),
+    (T0 + 0.5, {0: {"util": 60.0, "mem_used": 1.0 * 2**30}}),
+]
 
 
 def ten_seconds() -> Trace:
@@ -80,8 +83,9 @@ def test_a_figure_that_fails_is_one_line(tmp_path, capsys):
 def test_without_matplotlib_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     assert write_plots(tmp_path, ten_seconds(), T0, T0 + 10, 2, CPU) == []
-    assert capsys.readouterr().err.strip() == ("no utilisation plots: matplotlib is not installed "
-                                               "(pip install -r requirements.txt)")
+    assert capsys.readouterr().err.strip() == (
+        "no utilisation plots: matplotlib is not installed (pip install -r requirements.txt)"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

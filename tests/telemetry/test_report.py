@@ -1,4 +1,5 @@
 """The console's progress where stdout is not a terminal: plain lines a job log can show."""
+
 import io
 import time
 
@@ -13,8 +14,9 @@ def test_a_log_gets_a_line_per_iteration_and_a_heartbeat_while_one_runs_long():
     bar.advance("success 40% of 5")
     bar.close()
     lines = log.getvalue().splitlines()
-    assert lines[0].startswith("train 1/3  env steps 640  428.0 env steps/s  return 0.500  success 25.0%  "
-                               "elapsed 0:00:0")
+    assert lines[0].startswith(
+        "train 1/3  env steps 640  428.0 env steps/s  return 0.500  success 25.0%  elapsed 0:00:0"
+    )
     assert "ETA 0:00:0" in lines[0]
     beats = [line for line in lines[1:-1] if "the next still running" in line]
     assert beats and beats[0].startswith("train 1/3  the next still running (0:00:0")

@@ -1,4 +1,5 @@
 """The trace of a long run: streamed to trace.json, bounded in memory, its whole-run figures from the timeline."""
+
 from __future__ import annotations
 
 import json
