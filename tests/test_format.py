@@ -3,8 +3,9 @@ fix is `ruff format . && ruff check --fix .`, never a commit of its own."""
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import subprocess
+import sys
 
 import pytest
 
@@ -12,10 +13,9 @@ from tests.conftest import REPO
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("ruff")
-    if exe is None:
+    if importlib.util.find_spec("ruff") is None:
         pytest.fail("ruff is not installed: `pip install -r requirements.txt` (python -m ebrl.install) installs it")
-    return subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True)
 
 
 def test_the_code_is_formatted():
