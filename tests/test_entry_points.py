@@ -8,7 +8,6 @@ import re
 import runpy
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra

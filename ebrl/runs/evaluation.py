@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
-from ebrl.envs.worker import SimWorkerPool, simulator_gpu_environment
+from ebrl.envs.worker import SimWorkerPool
 from ebrl.node import order_gpus_by_bus
 from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.rl.rollout import batch_obs

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ebrl.alloc.allocator import Measured
-from ebrl.checks import rank_cores, runs_on_cuda, validate
+from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import one_line
 from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment

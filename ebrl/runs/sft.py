@@ -25,7 +25,6 @@ from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.demos.dataset import Demos, DemosError, read_demos, statistics
 from ebrl.envs.base import EnvSpec
-from ebrl.envs.worker import SimWorkerPool
 from ebrl.node import order_gpus_by_bus
 from ebrl.policies.base import Policy
 from ebrl.policies.build import build_policy
