@@ -229,6 +229,11 @@ def validate(cfg: DictConfig) -> None:
     _check_numbers(cfg)
     _check_failures(cfg)
     _one_of(cfg, "device", ("auto", "cpu", "cuda"))
+    if cfg_get(cfg, "sweep", None) is not None and cfg.iterations < 3:
+        raise ConfigError(
+            f"iterations={cfg.iterations}: a sweep trial measures its stages between its first iteration (warm-up) "
+            "and its last (which simulates nothing ahead), so it needs 3 or more; the sweep's default is 4"
+        )
     # mode=eval runs no update, so the algorithm's batch is moot
     ALGO_CHECKS[cfg.algo.name](cfg, training=cfg_get(cfg, "mode", "train") != "eval")
     if cfg.hw.gpus > 0 or cfg.device == "cuda":

@@ -76,6 +76,7 @@ BAD_INPUTS: list = [
         ("scheduler=ebrl", "algo=grpo", "scheduler.max_ahead=2", "scheduler.max_staleness=1"),
         "scheduler.max_staleness=1 below scheduler.max_ahead=2 drops the quick episodes' steps from GRPO's loss",
     ),
+    (("sweep=stages", "iterations=2"), "iterations=2: a sweep trial measures its stages between its first iteration"),
     (("scheduler=ebrl", "scheduler.sim_nice=-1"), "scheduler.sim_nice=-1 must be a nice value from 0 (none) to 19"),
     (
         ("scheduler=ebrl", "algo=grpo", "scheduler.groups=3"),

@@ -77,12 +77,14 @@ class RankMetrics:
 
 
 class Measure:
-    """The summary's totals: env steps, wall time, CPU busy and each stage's busy share over the iterations after
-    the first (it warms up: process start, caches), and the success of the last iteration that finished episodes."""
+    """The summary's totals: env steps, wall time and CPU busy over the iterations after the first (it warms up:
+    process start, caches); each stage's busy share, CPU share and rate over the steady ones (`steady`); the success
+    of the last iteration that finished episodes."""
 
     def __init__(self, iterations: int) -> None:
         self.iterations = iterations
         self.steps, self.wall = 0, 0.0
+        self.stage_steps, self.stage_wall = 0, 0.0  # the steady iterations', which the stages' figures cover
         self.sim_cpu = 0.0  # the simulators' CPU seconds (user + system), resets and their plumbing included
         self.busy: list[float] = []
         self.stage_busy: dict[str, list[float]] = {}
@@ -90,13 +92,24 @@ class Measure:
         self.success_rate, self.mean_return = float("nan"), float("nan")
         self.outcomes: list[tuple[int, int]] = []  # (successes, episodes) of each iteration that finished any
 
+    def steady(self, number: int) -> bool:
+        """Whether iteration `number` counts for the stages' figures: not the first (it warms up), nor, of three or
+        more, the last, which simulates nothing where the schedule runs a rollout ahead (its rollout ran in the one
+        before, and no next one starts), so its env steps would be charged to the simulation of the others."""
+        if self.iterations <= 2:
+            return number > 1 or self.iterations == 1
+        return 1 < number < self.iterations
+
     def __call__(self, it: Finished) -> None:
         m = it.run
         if it.number > 1 or self.iterations == 1:
             self.steps += int(m["perf/iteration_env_steps"])
             self.wall += m["time/iteration_s"]
-            self.sim_cpu += m.get("perf/sim_cpu_s", 0.0)
             self.busy.append(m["perf/cpu_busy"])
+        if self.steady(it.number):
+            self.stage_steps += int(m["perf/iteration_env_steps"])
+            self.stage_wall += m["time/iteration_s"]
+            self.sim_cpu += m.get("perf/sim_cpu_s", 0.0)
             if it.measured is not None:
                 self.per_stage.append(it.measured)
             for key, value in m.items():
@@ -114,7 +127,7 @@ class Measure:
     def sim_cpu_ms_per_step(self) -> float:
         """What simulation cost the run per env step, in CPU ms (nan where the simulators share the supervisor's
         process: env.serial)."""
-        return 1e3 * self.sim_cpu / self.steps if self.steps and self.sim_cpu else float("nan")
+        return 1e3 * self.sim_cpu / self.stage_steps if self.stage_steps and self.sim_cpu else float("nan")
 
     @property
     def cpu_busy(self) -> float:
@@ -132,8 +145,8 @@ class Measure:
         return {key: float(np.mean(values)) for key, values in self.stage_busy.items()}
 
     def measured(self) -> Measured:
-        """The stages' figures over the iterations after warm-up, at the run's rate."""
-        return Measured.mean(self.per_stage, self.steps_per_s)
+        """The stages' figures over the steady iterations, at their rate."""
+        return Measured.mean(self.per_stage, self.stage_steps / self.stage_wall if self.stage_wall else 0.0)
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def print_summary(summary: Any, run_dir: Path) -> None:
     for stage, seconds in summary.stage_s.items():  # stages may overlap: each as a share of the wall time
         table.add_row(f"time in {stage}", f"{seconds:.1f} s ({seconds / max(summary.wall_s, 1e-9):.0%} of wall)")
     sim_ms = summary.sim_cpu_ms_per_step
-    table.add_row("simulation, CPU per env step (after warm-up)", "n/a" if sim_ms != sim_ms else f"{sim_ms:.2f} ms")
+    table.add_row("simulation, CPU per env step (steady iterations)", "n/a" if sim_ms != sim_ms else f"{sim_ms:.2f} ms")
     table.add_row("CPU busy (mean over cores)", _fmt(summary.cpu_busy, ".0%"))
     table.add_row("run folder", str(run_dir))
     Console().print(table)

@@ -12,14 +12,14 @@ from ebrl.alloc.profile import STAGES, StageProfile
 from ebrl.runs.sweep import sweep_progress
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["env.num_envs=2", "algo.rollout_chunks=2", "iterations=2"]
+TINY = ["env.num_envs=2", "algo.rollout_chunks=2"]
 
 
 def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     profiles, sweep_dir = tmp_path / "profiles", tmp_path / "sweep"
     out = subprocess.run(
         # as docs/internals/allocation.md types it
-        [sys.executable, "sweep.py", "-m", *TINY, "hydra.sweeper.n_trials=2",
+        [sys.executable, "sweep.py", "-m", *TINY, "iterations=3", "hydra.sweeper.n_trials=2",
          "scheduler.groups=choice(1,2)",  # replaces the sweep's choice(1,2,4): 4 groups of 2 envs cannot be
          f"allocator.profiles_dir={profiles}", f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -35,7 +35,7 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     assert results["best_value"] > 0 and set(results["best_params"]) >= {"sweep.simulate", "scheduler.groups"}
 
     run = subprocess.run(
-        [sys.executable, "run.py", "scheduler=ebrl", *TINY, "progress=false", f"allocator.profiles_dir={profiles}",
+        [sys.executable, "run.py", "scheduler=ebrl", *TINY, "iterations=2", "progress=false", f"allocator.profiles_dir={profiles}",
          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     said = run.stderr
