@@ -48,6 +48,7 @@ def test_a_gpu_node_without_its_simulator_steps_is_one_line(capsys):
     assert len(err) == 1 and "--sim-step-ms MEAN P99" in err[0]
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_the_design_cards_command_answers_and_fits_by_default(capsys):
     # pi0 at full size on the paper's 8 A100s: RoboCasa's published steps taken as its default, the replicas' state
     # sharded where one GPU would not hold it

@@ -26,6 +26,7 @@ MINIMAL = [
 ]
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_benchmark_reports_every_row(tmp_path, capsys):
     # (3 iterations: with 2, a fast simulator lets the pipelined mode's rollout of the measured second iteration run
     # entirely during the first one's update, and that iteration holds no simulation to share the CPU with)

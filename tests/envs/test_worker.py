@@ -320,6 +320,7 @@ def test_importing_the_worker_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_worker_runs_under_the_interpreter_env_python_names(tmp_path):
     # a second interpreter (a venv sharing this one's packages) stands for a benchmark's own environment
     subprocess.run(

@@ -284,6 +284,7 @@ def test_a_rollout_runs_one_episode_per_env_from_its_groups_reset(schedule, tmp_
     assert ("train/is_weight_mean" in metrics) == (schedule == "ebrl")
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_grpo_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "r"
     proc = run_py(

@@ -112,6 +112,7 @@ def test_eval_with_a_camera_saves_videos(tmp_path):
         assert frames == episode["length"] + 1  # the first obs, then one frame per step
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_a_multi_task_run_logs_and_evaluates_each_task(tmp_path):
     tasks = ["env.tasks=[Lift,Stack]", "env.max_episode_steps=8"]
     trained = train_one_iteration(tmp_path / "t", *tasks, "scheduler=ebrl")

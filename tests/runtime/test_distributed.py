@@ -433,9 +433,10 @@ def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
     assert load_checkpoint(two_ranks / "checkpoints" / "last.pt")["iteration"] == 4
 
 
-# ddp's pipelined trainers are slow-marked (the default suite's time): the two-rank tests above run ddp, and fsdp's
-# pipelined trainers form the same group
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+# slow-marked (the default suite's time): the two-rank tests above run one process per rank, and the sharded
+# publication's test fsdp's gather
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path, strategy: str) -> None:
     """Two torchrun agents on localhost, a node each: scheduler=ebrl trains in a process of its own per rank, and
     those trainers form their own group beside the supervisors', data-parallel (ddp) or sharded (fsdp)."""
@@ -474,6 +475,7 @@ def test_every_schedules_replicas_hold_the_same_weights(tmp_path: Path, schedule
     assert len(rows) == 2 and rows[0]["dist/weights_sum"] != rows[1]["dist/weights_sum"]
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_a_killed_rank_stops_the_run_and_its_checkpoint_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints" / "last.pt"

@@ -145,6 +145,7 @@ def test_a_workers_failure_is_one_line_that_names_its_kept_traceback() -> None:
     kept.unlink()
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_py(
@@ -164,6 +165,7 @@ def test_a_hung_simulator_is_replaced_under_the_pipelined_schedule(tmp_path: Pat
     assert total(rows, "sim/discarded_steps") > 0  # the hung env's episode so far, not trained on
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_simulators_that_keep_failing_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_py(

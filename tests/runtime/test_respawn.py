@@ -23,6 +23,7 @@ from tests.conftest import compose_config
 from tests.runtime.test_pipeline import WORKLOAD
 
 
+@pytest.mark.slow  # (the default suite's time)
 def test_respawned_generation_and_trainer_take_over_with_their_new_environment_and_the_run_goes_on(tmp_path):
     exp = Experiment.from_config(
         compose_config(*WORKLOAD, "scheduler=ebrl", "scheduler.generation=process", "iterations=4"),
