@@ -5,7 +5,7 @@ iteration's `Finished` record (docs/internals/design.md, "A run"):
    iteration;
 2. `RankMetrics`: with several ranks, the run's figures from every rank's (gathered to rank 0, combined);
 3. `Experiment._record`: the run's env steps counted, the metrics logged;
-4. `Measure`: the summary's totals over the iterations after warm-up;
+4. `Measure`: the summary's totals over the iterations after warm-up (the stages' figures over the steady ones);
 5. `Progress`: the progress bar;
 6. `NanGuard`: updates with NaN/inf gradients in a row; too many stop the run;
 7. `Checkpoints`: a checkpoint when one is due and the updates are finite.
