@@ -1,5 +1,6 @@
 """What every kind of run starts with (training, evaluation, SFT): its config and a resolved plain copy that crosses
 processes, its folder, its device and seeded generators, and the simulators' pool."""
+
 from __future__ import annotations
 
 import random
@@ -57,8 +58,12 @@ class Run:
         rank's GPU where the run has one and in the serial debug mode where it asks for it; `options`: the pool's
         others (groups, timeouts, episode seeds), or these replaced. A pool that fails to start is closed before the
         error goes on."""
-        options = {"process_env": simulator_gpu_environment(self.cfg.hw.gpus), "serial": self.cfg.scheduler.serial,
-                   "on_gpu": self.cfg.hw.gpus > 0, **options}
+        options = {
+            "process_env": simulator_gpu_environment(self.cfg.hw.gpus),
+            "serial": self.cfg.scheduler.serial,
+            "on_gpu": self.cfg.hw.gpus > 0,
+            **options,
+        }
         pool = SimWorkerPool(env_cfg=self.conf["env"], num_envs=num_envs, seed=seed, **options)
         try:
             pool.start()

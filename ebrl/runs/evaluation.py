@@ -11,6 +11,7 @@ are the successes. Episode j starts from reset seed `episode_seed(seed, j)` what
 seed=0, LIBERO's episode j starts from its task's init state j, as LIBERO's own evaluation (and openpi's, RLinf's)
 runs its trials.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,10 @@ from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.envs.worker import SimWorkerPool
 from ebrl.node import order_gpus_by_bus
-from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
-from ebrl.rl.rollout import batch_obs
 from ebrl.policies.build import build_policy, executed_line, settle_execute
+from ebrl.rl.rollout import batch_obs
 from ebrl.runs.base import Run, run_folder
+from ebrl.runtime.checkpoint import adopt_norm_stats, checkpoint_file, load_policy_checkpoint, restore_weights
 from ebrl.telemetry.metrics import wilson_interval
 from ebrl.telemetry.report import ProgressBar, console, print_eval
 
@@ -44,12 +45,16 @@ def check_mode(cfg: DictConfig) -> None:
         raise ConfigError(f"mode={cfg.mode!r} is not available; accepted: {', '.join(MODES)}")
     if cfg.mode == "train":
         if cfg.checkpoint:
-            raise ConfigError(f"checkpoint={cfg.checkpoint} is read by mode=eval only; to continue a run use "
-                              "resume=<run folder>, to start from weights policy.checkpoint=<file.safetensors>")
+            raise ConfigError(
+                f"checkpoint={cfg.checkpoint} is read by mode=eval only; to continue a run use "
+                "resume=<run folder>, to start from weights policy.checkpoint=<file.safetensors>"
+            )
         return
     if not cfg.checkpoint and not cfg.policy.get("checkpoint"):
-        raise ConfigError("mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
-                          "policy.checkpoint=<a published checkpoint folder> to evaluate that one")
+        raise ConfigError(
+            "mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
+            "policy.checkpoint=<a published checkpoint folder> to evaluate that one"
+        )
     if cfg.checkpoint and not Path(cfg.checkpoint).expanduser().exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint} does not exist; give a run folder or its checkpoints/last.pt")
     if cfg.eval.episodes < 1:
@@ -89,9 +94,13 @@ def per_task(episodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for task in dict.fromkeys(e["task"] for e in episodes if "task" in e):
         mine = [e for e in episodes if e.get("task") == task]
         wins = int(sum(e["success"] for e in mine))
-        out[task] = {"episodes": len(mine), "successes": wins, "success_rate": wins / len(mine),
-                     "success_ci95": wilson_interval(wins, len(mine)),
-                     "mean_return": float(np.mean([e["return"] for e in mine]))}
+        out[task] = {
+            "episodes": len(mine),
+            "successes": wins,
+            "success_rate": wins / len(mine),
+            "success_ci95": wilson_interval(wins, len(mine)),
+            "mean_return": float(np.mean([e["return"] for e in mine])),
+        }
     return out
 
 
@@ -110,8 +119,13 @@ class Evaluation(Run):
         validate(cfg)
         # a run's checkpoint; none: the published weights of policy.checkpoint
         path = checkpoint_file(cfg.checkpoint) if cfg.checkpoint else Path(cfg.policy.checkpoint).expanduser()
-        ckpt = load_policy_checkpoint(path, OmegaConf.to_container(cfg.policy, resolve=True),
-                                      f"checkpoint={cfg.checkpoint}", resume=False) if cfg.checkpoint else None
+        ckpt = (
+            load_policy_checkpoint(
+                path, OmegaConf.to_container(cfg.policy, resolve=True), f"checkpoint={cfg.checkpoint}", resume=False
+            )
+            if cfg.checkpoint
+            else None
+        )
         # (before the config is copied: the evaluated run's own policy.execute, else the folder's or the recipe's)
         executes = settle_execute(cfg, ckpt["config"]["policy"] if ckpt else None)
         evaluation = cls(cfg, run_folder(cfg, run_dir, resumes=False))
@@ -127,16 +141,19 @@ class Evaluation(Run):
             adopt_norm_stats(self.ckpt, conf, self.run_dir)  # (the statistics its weights were trained with)
             trained_on = self.ckpt["config"]["env"]
             if (trained_on["name"], trained_on["task"]) != (cfg.env.name, cfg.env.task):
-                console.print(f"note: the checkpoint was trained on env={trained_on['name']} env.task="
-                              f"{trained_on['task']}; evaluating on env={cfg.env.name} env.task={cfg.env.task}",
-                              soft_wrap=True)
+                console.print(
+                    f"note: the checkpoint was trained on env={trained_on['name']} env.task="
+                    f"{trained_on['task']}; evaluating on env={cfg.env.name} env.task={cfg.env.task}",
+                    soft_wrap=True,
+                )
         self.device = self.start_device()
         torch.set_num_threads(len(rank_cores(cfg)))  # generation alone: the simulators wait for it
         num_envs = min(cfg.env.num_envs, cfg.eval.episodes)  # no simulator without an episode to run
         self.pool = self.start_pool(num_envs, cfg.seed, episode_seeds=episode_seed(cfg.seed, 0))
         try:
-            self.policy = build_policy(conf["policy"], self.pool.spec, self.device,
-                                       weights="given" if self.ckpt else "init")
+            self.policy = build_policy(
+                conf["policy"], self.pool.spec, self.device, weights="given" if self.ckpt else "init"
+            )
             if self.ckpt:
                 restore_weights(self.policy, self.ckpt, f"checkpoint={cfg.checkpoint}")
             self.policy.eval()  # as generation runs in training (PPOTrainer.update leaves it so)
@@ -186,8 +203,11 @@ class Evaluation(Run):
         tokens, token_mask = (torch.from_numpy(a) for a in policy.tokenize([w.spec.instruction for w in workers]))
         cameras = sorted(key for key in pool.spec.obs if key.startswith("image/"))
         if cfg.eval.videos and not cameras:
-            console.print("no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)",
-                          soft_wrap=True, markup=False)  # (markup would take [agentview] for a style)
+            console.print(
+                "no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)",
+                soft_wrap=True,
+                markup=False,
+            )  # (markup would take [agentview] for a style)
         quota = [len(range(i, total, n)) for i in range(n)]
         finished = [0] * n
         results: list[dict[str, float]] = [{} for _ in range(total)]
@@ -252,8 +272,9 @@ class Evaluation(Run):
             path.parent.mkdir(parents=True, exist_ok=True)
             height, width = frames[0].shape[:2]
             # macro_block_size 2: H.264's 4:2:0 needs even sides only; 16 would rescale e.g. 84 px images
-            writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, macro_block_size=2,
-                                                 ffmpeg_log_level="error")
+            writer = imageio_ffmpeg.write_frames(
+                str(path), (width, height), fps=fps, macro_block_size=2, ffmpeg_log_level="error"
+            )
             writer.send(None)  # start ffmpeg
             for f in frames:
                 writer.send(np.ascontiguousarray(f))

@@ -1,5 +1,6 @@
 """The supervisor: validates the config, builds the parts, runs iterations, logs and checkpoints
 (docs/internals/design.md, "A run")."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +18,14 @@ from ebrl.alloc.allocator import Measured
 from ebrl.checks import rank_cores, validate
 from ebrl.config import ConfigError
 from ebrl.envs.base import one_line
-from ebrl.envs.worker import SimWorkerPool, SimulatorsFailing, simulator_gpu_environment
+from ebrl.envs.worker import SimulatorsFailing, SimWorkerPool, simulator_gpu_environment
 from ebrl.forecast.gpu_cost import roofline_shares
 from ebrl.node import Ranks, order_gpus_by_bus, visible_gpu
 from ebrl.policies.build import build_policy, executed_line, settle_execute, tokenizer_warning
 from ebrl.recipes import recipe_line
+from ebrl.runs.base import Run, run_device, run_folder, seed_everything
+from ebrl.runs.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan, Success
+from ebrl.runs.init import describe, init_file
 from ebrl.runtime.checkpoint import (
     CheckpointWriter,
     adopt_norm_stats,
@@ -39,12 +43,9 @@ from ebrl.runtime.distributed import (
     pin_gpu,
 )
 from ebrl.runtime.errors import remove_if_only_hydra_files
-from ebrl.runs.hooks import Checkpoints, Finished, Measure, NanGuard, Progress, RankMetrics, Replan, Success
-from ebrl.runs.init import describe, init_file
 from ebrl.runtime.placement import Placement
 from ebrl.runtime.schedule import Scheduler
 from ebrl.runtime.trainer import TrainerError
-from ebrl.runs.base import Run, run_device, run_folder, seed_everything
 from ebrl.shape import RolloutShape
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.monitor import CpuSampler, GpuMonitor
@@ -129,10 +130,13 @@ class Experiment(Run):
 
     def _read_resume_checkpoint(self) -> dict[str, Any]:
         if not self.run_dir.is_dir():
-            raise ConfigError(f"resume={self.cfg.resume} is not a run folder (the folder of an earlier run, with its "
-                              "checkpoints/last.pt)")
-        return load_policy_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.conf["policy"],
-                                      f"resume={self.cfg.resume}")
+            raise ConfigError(
+                f"resume={self.cfg.resume} is not a run folder (the folder of an earlier run, with its "
+                "checkpoints/last.pt)"
+            )
+        return load_policy_checkpoint(
+            self.run_dir / "checkpoints" / "last.pt", self.conf["policy"], f"resume={self.cfg.resume}"
+        )
 
     @property
     def seed(self) -> int:
@@ -147,8 +151,11 @@ class Experiment(Run):
         cfg, conf = self.cfg, self.conf
         device = self.start_device()
         if cfg.hw.gpus > 1 and not self.ranks.distributed:
-            console.print(f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
-                          f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all", soft_wrap=True)
+            console.print(
+                f"hw={cfg.hw.name} has {cfg.hw.gpus} GPUs and this run is one rank on one of them; "
+                f"`torchrun --nproc-per-node {cfg.hw.gpus} run.py ...` trains on all",
+                soft_wrap=True,
+            )
         # Subnormal floats (weights and Adam moments decaying towards 0) take a slow microcode path on x86
         # (docs/internals/schedules.md, "Measured choices")
         torch.set_flush_denormal(True)
@@ -162,10 +169,15 @@ class Experiment(Run):
             torch.set_num_threads(self.placement.supervisor_threads())
             shape = RolloutShape.of(cfg, self.ranks.world)  # (a GRPO group's envs are built alike: group_size)
             s = cfg.scheduler
-            self.pool = self.start_pool(shape.envs, self.seed, group_size=shape.group_size,
-                                        chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
-                                        max_failures=s.max_sim_failures, failure_window_s=s.sim_failure_window_s,
-                                        process_env=sim_env)
+            self.pool = self.start_pool(
+                shape.envs,
+                self.seed,
+                group_size=shape.group_size,
+                chunk_timeout_s=None if s.serial else s.chunk_timeout_s,
+                max_failures=s.max_sim_failures,
+                failure_window_s=s.sim_failure_window_s,
+                process_env=sim_env,
+            )
             self.placement.check_memory(self.pool.spec, roofline_shares)
             # generation in its own process: this process only tokenizes, keeps the first weights and restores a
             # checkpoint, on the CPU (no CUDA context here, no second copy of the weights on the GPU)
@@ -179,8 +191,9 @@ class Experiment(Run):
             if start is not None:  # the statistics its weights were trained with
                 adopt_norm_stats(start, conf, self.out_dir)
             weights = "given" if self._resume_ckpt is not None or init is not None else "init"
-            self.policy = build_policy(conf["policy"], self.pool.spec, here, train=self.placement.local,
-                                       weights=weights)
+            self.policy = build_policy(
+                conf["policy"], self.pool.spec, here, train=self.placement.local, weights=weights
+            )
             if init is not None:
                 self._start_from(init)
             warning = tokenizer_warning(conf["policy"], self.policy)
@@ -200,9 +213,17 @@ class Experiment(Run):
             # run that started from init)
             started_from = (self._resume_ckpt or {}).get("config", conf).get("init")
             warmup = int(cfg.algo.critic_warmup) if started_from and cfg.algo.name == "ppo" else 0
-            self.scheduler = Scheduler(self.pool, self.policy, conf, self.placement, base_version=self.iteration,
-                                       resume=resume, seed=self.seed, critic_warmup=warmup,
-                                       init=str(init) if init is not None else None)
+            self.scheduler = Scheduler(
+                self.pool,
+                self.policy,
+                conf,
+                self.placement,
+                base_version=self.iteration,
+                resume=resume,
+                seed=self.seed,
+                critic_warmup=warmup,
+                init=str(init) if init is not None else None,
+            )
             self.placement.take(self.scheduler)
         except BaseException:
             self.close()
@@ -242,18 +263,27 @@ class Experiment(Run):
         if gpu is not None:
             gpu.start()
             if not gpu.available:
-                console.print(f"GPU telemetry is off: {gpu.reason}; the run goes on without perf/gpu figures",
-                              soft_wrap=True, markup=False)
+                console.print(
+                    f"GPU telemetry is off: {gpu.reason}; the run goes on without perf/gpu figures",
+                    soft_wrap=True,
+                    markup=False,
+                )
         monitors = (CpuMonitor(self.cores), gpu, self.placement.account())
         cpu_samples = CpuSampler(self.cores)  # cpu_busy.png; the per-iteration metrics come from the CpuMonitor
         start = time.perf_counter()
         cpu_samples.start()
         bar = ProgressBar(total=cfg.iterations, done=self.iteration, enabled=cfg.progress)
-        measure, guard = Measure(cfg.iterations), NanGuard(cfg.algo.max_nonfinite_updates,
-                                                           self.run_dir / "checkpoints" / "last.pt", cfg.algo.lr)
+        measure, guard = (
+            Measure(cfg.iterations),
+            NanGuard(cfg.algo.max_nonfinite_updates, self.run_dir / "checkpoints" / "last.pt", cfg.algo.lr),
+        )
         hooks = [
             *([Replan(self.placement)] if self.placement.allocator is not None else []),
-            RankMetrics(self.ranks), self._record, measure, Progress(bar), guard,
+            RankMetrics(self.ranks),
+            self._record,
+            measure,
+            Progress(bar),
+            guard,
             Checkpoints(cfg.checkpoint_every, cfg.iterations, guard, self.ranks.leader, self.save_checkpoint),
         ]
         grace = 5.0  # seconds the simulators have to exit once asked, as the run ends (then they are killed)
@@ -318,8 +348,9 @@ class Experiment(Run):
             **train_metrics,
             **{f"perf/busy_{stage}": value for stage, value in busy.items()},
         }
-        measured = self.placement.measured(metrics["perf/env_steps_per_s"], cpu_shares, busy,
-                                           cores_busy["perf/cpu_busy"])
+        measured = self.placement.measured(
+            metrics["perf/env_steps_per_s"], cpu_shares, busy, cores_busy["perf/cpu_busy"]
+        )
         metrics["perf/foreign_cores"] = measured.foreign  # (other processes' load on this rank's cores)
         # this iteration's thread team and envs per simulation core; the next one's follow its foreign load
         metrics["perf/supervisor_threads"] = torch.get_num_threads()
@@ -360,8 +391,15 @@ class Experiment(Run):
             # (several ranks: the others' steps are not here; each rank collects as many as this one)
             steps = stats.env_steps * self.ranks.world
             self.env_steps += steps
-            self.log.log({"iteration": self.iteration, "perf/iteration_env_steps": steps, **stats.metrics(),
-                          **train_metrics, "env_steps": self.env_steps})
+            self.log.log(
+                {
+                    "iteration": self.iteration,
+                    "perf/iteration_env_steps": steps,
+                    **stats.metrics(),
+                    **train_metrics,
+                    "env_steps": self.env_steps,
+                }
+            )
 
     def _summarise(self, start: float, measure: Measure) -> RunSummary:
         """The run's totals (what summary.json, the console table and W&B's summary show): each stage's busy time from
@@ -371,13 +409,20 @@ class Experiment(Run):
         cores = len(self.placement.cpus("simulate"))
         seconds = self.scheduler.trace.timeline.occupied(start, end, cores)
         start_success, end_success = measure.success_at_ends()
-        return RunSummary(env_steps=self.env_steps, wall_s=end - start, rollout_steps_per_s=measure.steps_per_s,
-                          success_rate=measure.success_rate, mean_return=measure.mean_return,
-                          success_start=start_success, success_end=end_success,
-                          stage_s={"simulate": seconds["cores"] / cores, "generate": seconds["generate"],
-                                   "train": seconds["train"]}, cpu_busy=measure.cpu_busy,
-                          sim_cpu_ms_per_step=measure.sim_cpu_ms_per_step,
-                          busy=measure.stage_means(), measured=measure.measured())
+        return RunSummary(
+            env_steps=self.env_steps,
+            wall_s=end - start,
+            rollout_steps_per_s=measure.steps_per_s,
+            success_rate=measure.success_rate,
+            mean_return=measure.mean_return,
+            success_start=start_success,
+            success_end=end_success,
+            stage_s={"simulate": seconds["cores"] / cores, "generate": seconds["generate"], "train": seconds["train"]},
+            cpu_busy=measure.cpu_busy,
+            sim_cpu_ms_per_step=measure.sim_cpu_ms_per_step,
+            busy=measure.stage_means(),
+            measured=measure.measured(),
+        )
 
     def _write_telemetry(self, start: float, cpu_samples: CpuSampler, gpu: GpuMonitor | None) -> None:
         """trace.json and the utilisation plots, while the W&B run is still open to take the plots."""
@@ -387,8 +432,15 @@ class Experiment(Run):
                 monitor.stop()
         trace = self.scheduler.trace
         trace.write(self.out_dir / "trace.json")
-        plots = write_plots(self.out_dir, trace, start, end, len(self.placement.cpus("simulate")), cpu_samples.samples,
-                            gpu.samples if gpu is not None else None)
+        plots = write_plots(
+            self.out_dir,
+            trace,
+            start,
+            end,
+            len(self.placement.cpus("simulate")),
+            cpu_samples.samples,
+            gpu.samples if gpu is not None else None,
+        )
         self.log.log_images(plots, self.env_steps)
 
     def save_checkpoint(self, state: tuple[dict, dict] | None = None) -> Path:
@@ -397,9 +449,12 @@ class Experiment(Run):
         disk; the next save, and closing, wait for it."""
         path = self.run_dir / "checkpoints" / "last.pt"
         model, optimizer = state if state is not None else self.scheduler.gathered_state(self.iteration)
-        self.writer.save(checkpoint_record(self.conf, model, optimizer, self.iteration, self.env_steps,
-                                           self.log.wandb_id if self.log else None),
-                         path)  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
+        self.writer.save(
+            checkpoint_record(
+                self.conf, model, optimizer, self.iteration, self.env_steps, self.log.wandb_id if self.log else None
+            ),
+            path,
+        )  # (checkpoints/previous.pt keeps the one before, should this one turn out unreadable)
         return path
 
     def close(self, grace: float = 5.0) -> None:
@@ -408,8 +463,10 @@ class Experiment(Run):
         try:
             self.writer.wait()  # the last checkpoint on disk before anything goes
         except OSError as e:
-            console.print(f"the last checkpoint was not written ({one_line(e)}); checkpoints/previous.pt is the one "
-                          "before", soft_wrap=True)
+            console.print(
+                f"the last checkpoint was not written ({one_line(e)}); checkpoints/previous.pt is the one before",
+                soft_wrap=True,
+            )
         if self.scheduler is not None:
             self.scheduler.close()
         if self.pool is not None:

@@ -10,6 +10,7 @@ iteration's `Finished` record (docs/internals/design.md, "A run"):
 6. `NanGuard`: updates with NaN/inf gradients in a row; too many stop the run;
 7. `Checkpoints`: a checkpoint when one is due and the updates are finite.
 """
+
 from __future__ import annotations
 
 import time
@@ -185,11 +186,16 @@ class NanGuard:
         self.streak = self.streak + 1 if it.run.get("train/nonfinite_steps", 0) > 0 else 0
         if self.streak >= self.limit:
             first = it.number - self.limit + 1
-            kept = ("checkpoints/last.pt is from before them" if self.last_checkpoint.exists() else
-                    "no checkpoint was written before them")
-            raise RunStopped(f"{self.limit} updates in a row had NaN/inf gradients (iterations {first}-{it.number}, "
-                             f"algo.max_nonfinite_updates={self.limit}; their steps were skipped); {kept}; try a "
-                             f"lower algo.lr than {self.lr:g}")
+            kept = (
+                "checkpoints/last.pt is from before them"
+                if self.last_checkpoint.exists()
+                else "no checkpoint was written before them"
+            )
+            raise RunStopped(
+                f"{self.limit} updates in a row had NaN/inf gradients (iterations {first}-{it.number}, "
+                f"algo.max_nonfinite_updates={self.limit}; their steps were skipped); {kept}; try a "
+                f"lower algo.lr than {self.lr:g}"
+            )
 
 
 class Checkpoints:

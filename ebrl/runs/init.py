@@ -11,13 +11,14 @@
 
 A resumed run (`resume=`) continues from its own checkpoint and ignores `init`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 from ebrl.checks import cfg_get
-from ebrl.config import ConfigError, REPO
+from ebrl.config import REPO, ConfigError
 from ebrl.runtime.checkpoint import checkpoint_file, load_checkpoint, policy_identity
 
 # (policy.name, policy.preset, policy.variant, env.name, env.task) -> the SFT checkpoint the repository ships, made by
@@ -39,13 +40,17 @@ def init_file(cfg: Any) -> Path | None:
     path = checkpoint_file(init)
     checkpoint = cfg.policy.get("checkpoint")
     if checkpoint and (not path.is_file() or made_from(path) != str(checkpoint)):
-        raise ConfigError(f"init={init} and policy.checkpoint={checkpoint} both give the first weights; keep one "
-                          "(init: a run of ours, policy.checkpoint: a published checkpoint), or both where the init "
-                          "run was made from that checkpoint (the folder then describes the model, init gives the "
-                          "weights)")
+        raise ConfigError(
+            f"init={init} and policy.checkpoint={checkpoint} both give the first weights; keep one "
+            "(init: a run of ours, policy.checkpoint: a published checkpoint), or both where the init "
+            "run was made from that checkpoint (the folder then describes the model, init gives the "
+            "weights)"
+        )
     if not path.is_file():
-        raise ConfigError(f"init={init} is neither a run folder with checkpoints/last.pt nor a checkpoint file; give "
-                          "one (e.g. an algo=sft run's folder), init=auto or init=null")
+        raise ConfigError(
+            f"init={init} is neither a run folder with checkpoints/last.pt nor a checkpoint file; give "
+            "one (e.g. an algo=sft run's folder), init=auto or init=null"
+        )
     return path
 
 
@@ -92,8 +97,10 @@ def describe(path: Path, record: dict[str, Any]) -> str:
     what = "the shipped SFT checkpoint" if shipped else f"the {algo} run's weights" if algo else "the weights"
     demos = conf.get("demos", {}).get("path")
     source = f", trained on {demos}" if algo == "sft" and demos else ""
-    return (f"init: {what} {path} ({record.get('iteration', 0)} iterations of {algo} on {env.get('name')} "
-            f"{env.get('task')}{source}); init=null starts from scratch")
+    return (
+        f"init: {what} {path} ({record.get('iteration', 0)} iterations of {algo} on {env.get('name')} "
+        f"{env.get('task')}{source}); init=null starts from scratch"
+    )
 
 
 def _plain(cfg: Any) -> dict[str, Any]:

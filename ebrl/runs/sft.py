@@ -9,6 +9,7 @@ steps on random training samples, then the loss on the held-out episodes; both g
 the samples seen, `sft_loss.png` draws them, and the checkpoint (checkpoints/last.pt, the format of every run) is
 what `init=<run folder>` starts RL from and `mode=eval checkpoint=<run folder>` measures.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,6 +31,8 @@ from ebrl.policies.base import Policy
 from ebrl.policies.build import build_policy
 from ebrl.rl.sft import DemoBatch
 from ebrl.rl.trainers import make_trainer
+from ebrl.runs.base import Run, run_folder
+from ebrl.runs.init import describe, init_file
 from ebrl.runtime.checkpoint import (
     NORM_STATS,
     CheckpointWriter,
@@ -39,15 +42,14 @@ from ebrl.runtime.checkpoint import (
     load_policy_checkpoint,
     restore_weights,
 )
-from ebrl.runs.base import Run, run_folder
-from ebrl.runs.init import describe, init_file
 from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.plots import plot_lines
 from ebrl.telemetry.report import ProgressBar, console, print_table
 
 
-def demo_samples(demos: Demos, episodes: list[int], horizon: int, tokens: torch.Tensor,
-                 token_mask: torch.Tensor) -> DemoBatch:
+def demo_samples(
+    demos: Demos, episodes: list[int], horizon: int, tokens: torch.Tensor, token_mask: torch.Tensor
+) -> DemoBatch:
     """Every step of these episodes as a sample: its observation (with the instruction's tokens) and the `horizon`
     actions from it, the last action repeated past the episode's end and masked."""
     obs: dict[str, list[np.ndarray]] = {}
@@ -79,16 +81,21 @@ def fit_demos(demos: Demos, spec: EnvSpec, env: Any, state_dims: Sequence[int] |
             episode.obs["state"] = full
     elif state != want:
         picked = f" or the {len(state_dims)} policy.state_dims picks" if state_dims is not None else ""
-        raise DemosError(f"demos.path={demos.files[0]}: its state has {state} dims and {where}'s {want}{picked}; "
-                         "record them on this env (python -m ebrl.demos record), or name the obs that make its state "
-                         "in demos.state_keys")
+        raise DemosError(
+            f"demos.path={demos.files[0]}: its state has {state} dims and {where}'s {want}{picked}; "
+            "record them on this env (python -m ebrl.demos record), or name the obs that make its state "
+            "in demos.state_keys"
+        )
     actions = demos.episodes[0].actions.shape[1]
     if actions != spec.action_dim:
-        raise DemosError(f"demos.path={demos.files[0]}: its actions have {actions} dims and {where}'s "
-                         f"{spec.action_dim}")
+        raise DemosError(
+            f"demos.path={demos.files[0]}: its actions have {actions} dims and {where}'s {spec.action_dim}"
+        )
     if not demos.train:
-        raise DemosError(f"demos.path={demos.files[0]}: every one of its {len(demos.episodes)} episodes is held out; "
-                         "lower demos.valid or record more")
+        raise DemosError(
+            f"demos.path={demos.files[0]}: every one of its {len(demos.episodes)} episodes is held out; "
+            "lower demos.valid or record more"
+        )
 
 
 @dataclass
@@ -119,8 +126,10 @@ class SupervisedRun(Run):
         order_gpus_by_bus()  # before anything counts or starts a GPU
         validate(cfg)
         if not cfg.demos.path:
-            raise ConfigError("algo=sft trains on demonstrations: give demos.path=<folder or .hdf5> (record some with "
-                              "`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=20`)")
+            raise ConfigError(
+                "algo=sft trains on demonstrations: give demos.path=<folder or .hdf5> (record some with "
+                "`python -m ebrl.demos record env=<benchmark> env.task=<task> episodes=20`)"
+            )
         run = cls(cfg, run_folder(cfg, run_dir))
         run._build()
         return run
@@ -138,15 +147,23 @@ class SupervisedRun(Run):
         self.device = self.start_device()
         torch.set_num_threads(len(rank_cores(cfg)))
         spec = self._spec()
-        cameras = sorted(k[len("image/"):] for k in spec.obs if k.startswith("image/"))
+        cameras = sorted(k[len("image/") :] for k in spec.obs if k.startswith("image/"))
         d = cfg.demos
-        self.demos = read_demos(d.path, list(d.state_keys) if d.state_keys is not None else None,
-                                dict(d.image_keys) if d.image_keys else None, cameras, float(d.valid))
+        self.demos = read_demos(
+            d.path,
+            list(d.state_keys) if d.state_keys is not None else None,
+            dict(d.image_keys) if d.image_keys else None,
+            cameras,
+            float(d.valid),
+        )
         state_dims = conf["policy"].get("state_dims")
         fit_demos(self.demos, spec, cfg.env, state_dims)
         if self.demos.instruction and self.demos.instruction != spec.instruction:
-            console.print(f"note: the demos' instruction is {self.demos.instruction!r}; the policy is trained on the "
-                          f"env's, {spec.instruction!r}, which RL gives it too", soft_wrap=True)
+            console.print(
+                f"note: the demos' instruction is {self.demos.instruction!r}; the policy is trained on the "
+                f"env's, {spec.instruction!r}, which RL gives it too",
+                soft_wrap=True,
+            )
         resume = self.run_dir / "checkpoints" / "last.pt" if cfg.resume else None
         ckpt = load_policy_checkpoint(resume, conf["policy"], f"resume={cfg.resume}") if resume else None
         start = init_file(cfg) if ckpt is None else None
@@ -160,8 +177,9 @@ class SupervisedRun(Run):
             path = self.run_dir / NORM_STATS
             path.write_text(json.dumps(statistics(self.demos, self.demos.train, state_dims)))
             conf["policy"]["norm_stats"] = str(path)
-        self.policy: Policy = build_policy(conf["policy"], spec, self.device, train=True,
-                                           weights="given" if ckpt or record else "init")
+        self.policy: Policy = build_policy(
+            conf["policy"], spec, self.device, train=True, weights="given" if ckpt or record else "init"
+        )
         if record is not None:
             restore_weights(self.policy, record, f"init={cfg.init}")
             console.print(describe(start, record), soft_wrap=True, markup=False)
@@ -172,8 +190,11 @@ class SupervisedRun(Run):
             self.iteration, self.samples = int(ckpt["iteration"]), int(ckpt.get("samples", 0))
         tokens, mask = (torch.from_numpy(a) for a in self.policy.tokenize([spec.instruction]))
         self.train_set = demo_samples(self.demos, self.demos.train, self.policy.chunk_len, tokens, mask)
-        self.valid_set = demo_samples(self.demos, self.demos.valid, self.policy.chunk_len, tokens, mask) \
-            if self.demos.valid else None
+        self.valid_set = (
+            demo_samples(self.demos, self.demos.valid, self.policy.chunk_len, tokens, mask)
+            if self.demos.valid
+            else None
+        )
         self.generator = torch.Generator().manual_seed(int(cfg.seed) + self.iteration)
         # (docs/internals/schedules.md, "Measured choices"; after h5py and numpy have read their float info)
         torch.set_flush_denormal(True)
@@ -196,10 +217,14 @@ class SupervisedRun(Run):
                 self.iteration += 1
                 self.samples += a.steps_per_iteration * a.batch_size
                 wall = time.perf_counter() - t0
-                row = {"iteration": self.iteration, "samples": self.samples,
-                       "losses/sft": float(np.mean([m["losses/sft"] for m in losses])),
-                       "train/grad_norm": float(np.mean([m["train/grad_norm"] for m in losses])),
-                       "time/iteration_s": wall, "perf/samples_per_s": a.steps_per_iteration * a.batch_size / wall}
+                row = {
+                    "iteration": self.iteration,
+                    "samples": self.samples,
+                    "losses/sft": float(np.mean([m["losses/sft"] for m in losses])),
+                    "train/grad_norm": float(np.mean([m["train/grad_norm"] for m in losses])),
+                    "time/iteration_s": wall,
+                    "perf/samples_per_s": a.steps_per_iteration * a.batch_size / wall,
+                }
                 if self.valid_set is not None:
                     row["losses/sft_valid"] = self.trainer.validate(self.valid_set)
                     if self.first_valid != self.first_valid:
@@ -216,16 +241,23 @@ class SupervisedRun(Run):
             bar.close()
             self.writer.wait()
             log.close()
-        summary = SFTSummary(self.iteration, self.samples, len(self.demos.train), len(self.demos.valid),
-                             self.first_valid, rows[-1].get("losses/sft_valid", float("nan")) if rows else float("nan"),
-                             time.perf_counter() - start)
+        summary = SFTSummary(
+            self.iteration,
+            self.samples,
+            len(self.demos.train),
+            len(self.demos.valid),
+            self.first_valid,
+            rows[-1].get("losses/sft_valid", float("nan")) if rows else float("nan"),
+            time.perf_counter() - start,
+        )
         (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         self._print(summary)
         return summary
 
     def save_checkpoint(self, wandb_id: str | None) -> None:
-        record = checkpoint_record(self.conf, self.policy.state_dict(), self.trainer.optimizer_state(),
-                                   self.iteration, 0, wandb_id)
+        record = checkpoint_record(
+            self.conf, self.policy.state_dict(), self.trainer.optimizer_state(), self.iteration, 0, wandb_id
+        )
         record["samples"] = self.samples
         self.writer.save(detached_copy(record), self.run_dir / "checkpoints" / "last.pt")
 
@@ -237,17 +269,29 @@ class SupervisedRun(Run):
         if held:
             samples, losses = [r["samples"] for r in held], [r["losses/sft_valid"] for r in held]
             lines["held-out"] = (np.array(samples), np.array(losses))
-        path = plot_lines(self.run_dir / "sft_loss.png", lines, "samples seen", "loss",
-                          f"SFT loss ({self.policy.__class__.__name__}, {len(self.demos.train)} demos)", log_y=True)
+        path = plot_lines(
+            self.run_dir / "sft_loss.png",
+            lines,
+            "samples seen",
+            "loss",
+            f"SFT loss ({self.policy.__class__.__name__}, {len(self.demos.train)} demos)",
+            log_y=True,
+        )
         return [path] if path else []
 
     def _print(self, s: SFTSummary) -> None:
-        print_table("EBRL SFT summary", [
-            ("demonstrations", f"{s.train_episodes} episodes to train, {s.valid_episodes} held out "
-                               f"({self.demos.steps} steps, {', '.join(self.demos.files)})"),
-            ("samples seen", f"{s.samples:,} in {s.iterations} iterations"),
-            ("held-out loss (first, last iteration)", f"{s.first_valid_loss:.4f} -> {s.valid_loss:.4f}"),
-            ("wall time", f"{s.wall_s:.1f} s"),
-            ("next", f"python run.py init={self.run_dir}  (RL from it); mode=eval checkpoint={self.run_dir}"),
-            ("run folder", str(self.run_dir)),
-        ])
+        print_table(
+            "EBRL SFT summary",
+            [
+                (
+                    "demonstrations",
+                    f"{s.train_episodes} episodes to train, {s.valid_episodes} held out "
+                    f"({self.demos.steps} steps, {', '.join(self.demos.files)})",
+                ),
+                ("samples seen", f"{s.samples:,} in {s.iterations} iterations"),
+                ("held-out loss (first, last iteration)", f"{s.first_valid_loss:.4f} -> {s.valid_loss:.4f}"),
+                ("wall time", f"{s.wall_s:.1f} s"),
+                ("next", f"python run.py init={self.run_dir}  (RL from it); mode=eval checkpoint={self.run_dir}"),
+                ("run folder", str(self.run_dir)),
+            ],
+        )

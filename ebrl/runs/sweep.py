@@ -5,6 +5,7 @@ node; it writes `stage_rates.json` (the stages' measured rates at those amounts,
 job folder and returns the end-to-end env steps/s for Optuna to maximise. At the end of the multirun
 `WriteStageProfile` gathers the trials' points into the stage profile that run.py's allocator looks for.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,11 @@ def trial_amounts(cfg: DictConfig, cores: int) -> dict[str, float]:
     shares of one GPU for generate and train on a GPU node."""
     s = cfg.sweep
     policy_scale = 1.0 if cfg.hw.gpus else cores
-    return {"simulate": max(0.25, round(s.simulate * cores, 2)), "generate": round(s.generate * policy_scale, 3),
-            "train": round(s.train * policy_scale, 3)}
+    return {
+        "simulate": max(0.25, round(s.simulate * cores, 2)),
+        "generate": round(s.generate * policy_scale, 3),
+        "train": round(s.train * policy_scale, 3),
+    }
 
 
 def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
@@ -43,9 +47,14 @@ def trial(cfg: DictConfig, run_dir: Path | None = None) -> float:
     run = Experiment.from_config(cfg, run_dir)
     summary = run.train()
     rates = summary.measured.rates(amounts, cores, bool(cfg.hw.gpus))
-    record = {"key": profile_key(cfg), "batch": RolloutShape.of(cfg).envs_per_group, "amounts": amounts, "rates": rates,
-              "env_steps_per_s": summary.rollout_steps_per_s,
-              "resource": {s: "cores" if s == "simulate" or not cfg.hw.gpus else "sm" for s in STAGES}}
+    record = {
+        "key": profile_key(cfg),
+        "batch": RolloutShape.of(cfg).envs_per_group,
+        "amounts": amounts,
+        "rates": rates,
+        "env_steps_per_s": summary.rollout_steps_per_s,
+        "resource": {s: "cores" if s == "simulate" or not cfg.hw.gpus else "sm" for s in STAGES},
+    }
     (run.run_dir / RATES_FILE).write_text(json.dumps(record, indent=2))
     return summary.rollout_steps_per_s
 
@@ -105,6 +114,9 @@ class WriteStageProfile(Callback):
         profile = profile_from_trials(records)
         path = profile.save(profile_path(profiles_root(config), profile.key))
         best = max(records, key=lambda r: r["env_steps_per_s"])
-        print(f"sweep: stage profile from {len(records)} trials written to {path}; best trial "
-              f"{best['env_steps_per_s']:.1f} env steps/s at " + ", ".join(
-                  f"{s} {best['amounts'][s]:g}" for s in STAGES) + f", batch {best['batch']}")
+        print(
+            f"sweep: stage profile from {len(records)} trials written to {path}; best trial "
+            f"{best['env_steps_per_s']:.1f} env steps/s at "
+            + ", ".join(f"{s} {best['amounts'][s]:g}" for s in STAGES)
+            + f", batch {best['batch']}"
+        )

@@ -1,5 +1,6 @@
 """mode=eval end to end: a checkpoint of a real run evaluated for a few complete episodes, its success rate inside
 its Wilson interval, videos from a camera env, and bad input that stops with one line."""
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,21 @@ def trained(tmp_path_factory) -> Path:
 
 def test_eval_runs_complete_episodes_and_reports_an_interval(trained, tmp_path):
     checkpoint = trained / "checkpoints" / "last.pt"
-    proc = run_py(*SMALL, "mode=eval", f"checkpoint={checkpoint}", "eval.episodes=3", "env.max_episode_steps=12",
-                  f"hydra.run.dir={tmp_path / 'e'}")
+    proc = run_py(
+        *SMALL,
+        "mode=eval",
+        f"checkpoint={checkpoint}",
+        "eval.episodes=3",
+        "env.max_episode_steps=12",
+        f"hydra.run.dir={tmp_path / 'e'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EBRL evaluation" in proc.stdout
     # the actions of each chunk the run trained with, not the whole chunk
-    assert f"policy.execute=5: 5 of each chunk's 8 actions run before the next chunk is sampled (what " \
-           f"checkpoint={checkpoint} trained with)" in " ".join(proc.stderr.split())
+    assert (
+        f"policy.execute=5: 5 of each chunk's 8 actions run before the next chunk is sampled (what "
+        f"checkpoint={checkpoint} trained with)" in " ".join(proc.stderr.split())
+    )
     assert "no videos saved: env.cameras is empty (e.g. env.cameras=[agentview] records them)" in proc.stderr
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert result["episodes"] == 3 and result["iteration"] == 1
@@ -81,15 +90,18 @@ def test_eval_skips_the_training_only_checks():
     # one env and 4 minibatches cannot split a PPO rollout (10 chunks), but an evaluation runs no update
     with pytest.raises(ConfigError, match="does not divide the rollout batch"):
         validate(compose_config("env.num_envs=1", "algo.minibatches=4", "algo.rollout_chunks=10"))
-    validate(compose_config("mode=eval", "checkpoint=.", "env.num_envs=1", "algo.minibatches=4",
-                            "algo.rollout_chunks=10"))
+    validate(
+        compose_config("mode=eval", "checkpoint=.", "env.num_envs=1", "algo.minibatches=4", "algo.rollout_chunks=10")
+    )
 
 
 def test_eval_without_checkpoint_stops_with_one_line(tmp_path):
     proc = run_py("mode=eval", f"hydra.run.dir={tmp_path / 'never'}")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
-                                   "policy.checkpoint=<a published checkpoint folder> to evaluate that one")
+    assert proc.stderr.strip() == (
+        "error: mode=eval needs checkpoint=<run folder or its checkpoints/last.pt>, or "
+        "policy.checkpoint=<a published checkpoint folder> to evaluate that one"
+    )
     assert not (tmp_path / "never").exists()
 
 
@@ -97,8 +109,15 @@ def test_eval_without_checkpoint_stops_with_one_line(tmp_path):
 def test_eval_with_a_camera_saves_videos(tmp_path):
     camera = ["env.num_envs=1", "env.cameras=[agentview]", "env.image_size=64"]
     trained_with_camera = train_one_iteration(tmp_path / "r", *camera)
-    proc = run_py(*SMALL, *camera, "mode=eval", f"checkpoint={trained_with_camera}", "eval.episodes=2",
-                  "env.max_episode_steps=10", f"hydra.run.dir={tmp_path / 'e'}")
+    proc = run_py(
+        *SMALL,
+        *camera,
+        "mode=eval",
+        f"checkpoint={trained_with_camera}",
+        "eval.episodes=2",
+        "env.max_episode_steps=10",
+        f"hydra.run.dir={tmp_path / 'e'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert result["episodes"] == 2 and len(result["videos"]) == 2
@@ -119,8 +138,9 @@ def test_a_multi_task_run_logs_and_evaluates_each_task(tmp_path):
     rows = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert {"env/Lift/success", "env/Stack/success", "env/Lift/return", "env/Stack/return"} <= set(rows[-1])
     assert rows[-1]["env/Lift/episodes"] + rows[-1]["env/Stack/episodes"] == rows[-1]["env/episodes"]
-    proc = run_py(*SMALL, *tasks, "mode=eval", f"checkpoint={trained}", "eval.episodes=4",
-                  f"hydra.run.dir={tmp_path / 'e'}")
+    proc = run_py(
+        *SMALL, *tasks, "mode=eval", f"checkpoint={trained}", "eval.episodes=4", f"hydra.run.dir={tmp_path / 'e'}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert [e["task"] for e in result["per_episode"]] == ["Lift", "Stack", "Lift", "Stack"]  # env i runs task i

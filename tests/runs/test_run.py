@@ -1,4 +1,5 @@
 """run.py end to end in a subprocess: a real run, resume, and bad input that leaves nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,17 @@ def test_run_writes_metrics_checkpoint_and_summary(finished_run):
     assert steps == [48, 48, 48], steps
     chunks = [s for s in read_spans(finished_run / "trace.json") if s.name == "chunk"]
     assert chunks and {s.args["steps"] for s in chunks} == {6}
-    for key in ("perf/env_steps_per_s", "time/simulate_s", "time/generate_s", "time/train_s", "perf/cpu_busy",
-                "losses/policy", "losses/value", "train/approx_kl", "env/step_ms_mean"):
+    for key in (
+        "perf/env_steps_per_s",
+        "time/simulate_s",
+        "time/generate_s",
+        "time/train_s",
+        "perf/cpu_busy",
+        "losses/policy",
+        "losses/value",
+        "train/approx_kl",
+        "env/step_ms_mean",
+    ):
         assert key in rows[-1], key
     assert any("env/return" in r for r in rows)  # 24-step episodes end inside the rollout
     assert (finished_run / "checkpoints" / "last.pt").is_file()
@@ -127,8 +137,9 @@ def test_checkpoint_of_another_policy_is_refused(finished_run):
 )
 def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, overrides, needle):
     run_dir = tmp_path / "never"
-    proc = run_py(*(SMALL_GRPO if "algo=grpo" in overrides else SMALL), *overrides, "iterations=1",
-                  f"hydra.run.dir={run_dir}")
+    proc = run_py(
+        *(SMALL_GRPO if "algo=grpo" in overrides else SMALL), *overrides, "iterations=1", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
@@ -137,8 +148,14 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, overrides, needle)
 
 def test_benchmark_without_its_interpreter_names_the_setup_command(tmp_path):
     env = {**os.environ, "EBRL_ENVS_DIR": str(tmp_path / "no-envs")}
-    proc = subprocess.run([sys.executable, "run.py", *SMALL, "env=libero", f"hydra.run.dir={tmp_path / 'never'}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "run.py", *SMALL, "env=libero", f"hydra.run.dir={tmp_path / 'never'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "run `python -m ebrl.envs.setup libero`" in lines[0], proc.stderr

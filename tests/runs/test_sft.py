@@ -1,5 +1,6 @@
 """algo=sft on recorded demonstrations, and RL from its checkpoint: the held-out loss falls, the statistics travel with
 the weights, and the critic's warm-up leaves the policy as SFT made it."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ebrl.demos.record import record
-from ebrl.runtime.checkpoint import load_checkpoint
 from ebrl.runs.evaluation import Evaluation
 from ebrl.runs.experiment import Experiment
 from ebrl.runs.sft import SupervisedRun
+from ebrl.runtime.checkpoint import load_checkpoint
 from tests.conftest import CONF, compose_config
 from tests.runs.test_run import SMALL, metrics
 
@@ -24,9 +25,12 @@ def sft_run(tmp_path_factory) -> Path:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         cfg = compose("record", overrides=["episodes=10", f"out={folder}/demos", "progress=false"])
     record(cfg)
-    run = SupervisedRun.from_config(compose_config("algo=sft", f"demos.path={folder}/demos", "iterations=4",
-                                                   "algo.steps_per_iteration=40", "progress=false"),
-                                    run_dir=folder / "run")
+    run = SupervisedRun.from_config(
+        compose_config(
+            "algo=sft", f"demos.path={folder}/demos", "iterations=4", "algo.steps_per_iteration=40", "progress=false"
+        ),
+        run_dir=folder / "run",
+    )
     run.train()
     return folder / "run"
 
@@ -69,12 +73,15 @@ def test_an_sft_checkpoint_evaluates_with_the_statistics_it_was_trained_with(sft
     assert (tmp_path / "eval" / "norm_stats.json").read_text() == (sft_run / "norm_stats.json").read_text()
 
 
-@pytest.mark.parametrize("overrides, shipped", [
-    ((), True),  # the default run fine-tunes the shipped checkpoint
-    (("env.task=Stack",), False),  # no checkpoint for this task
-    (("policy.chunk=4",), False),  # a policy built otherwise than the shipped one
-    (("algo=sft",), False),  # SFT starts from the family's initialisation
-])
+@pytest.mark.parametrize(
+    "overrides, shipped",
+    [
+        ((), True),  # the default run fine-tunes the shipped checkpoint
+        (("env.task=Stack",), False),  # no checkpoint for this task
+        (("policy.chunk=4",), False),  # a policy built otherwise than the shipped one
+        (("algo=sft",), False),  # SFT starts from the family's initialisation
+    ],
+)
 def test_init_auto_takes_the_shipped_checkpoint_only_for_the_policy_and_env_it_was_made_for(overrides, shipped):
     from ebrl.runs.init import SHIPPED, init_file
 
@@ -90,22 +97,27 @@ def test_demos_of_the_state_dims_a_policy_reads_train_the_env_it_runs():
     policy.state_dims naming them, the demos' state is laid into the env's at those dims, and the statistics are of
     the dims the policy reads."""
     import numpy as np
+    from omegaconf import OmegaConf
 
     from ebrl.demos.episodes import Demos, Episode, statistics
     from ebrl.envs.base import ArraySpec, EnvSpec
     from ebrl.runs.sft import fit_demos
-    from omegaconf import OmegaConf
 
     rng = np.random.default_rng(0)
-    episodes = [Episode({"state": rng.normal(size=(5, 3)).astype(np.float32)}, np.zeros((5, 7), np.float32),
-                        np.zeros(5, np.float32)) for _ in range(2)]
+    episodes = [
+        Episode(
+            {"state": rng.normal(size=(5, 3)).astype(np.float32)}, np.zeros((5, 7), np.float32), np.zeros(5, np.float32)
+        )
+        for _ in range(2)
+    ]
     demos = Demos(episodes, train=[0, 1], valid=[], files=["d"])
     own = [e.obs["state"].copy() for e in episodes]
     spec = EnvSpec(obs={"state": ArraySpec((6,), "float32")}, action_dim=7, instruction="x", max_episode_steps=5)
     env = OmegaConf.create({"name": "libero", "task": "0"})
     with pytest.raises(Exception, match=r"its state has 3 dims and env=libero env.task=0's 6; record"):
-        fit_demos(Demos([Episode({"state": own[0]}, episodes[0].actions, episodes[0].rewards)], [0], [], ["d"]),
-                    spec, env)
+        fit_demos(
+            Demos([Episode({"state": own[0]}, episodes[0].actions, episodes[0].rewards)], [0], [], ["d"]), spec, env
+        )
     fit_demos(demos, spec, env, state_dims=[4, 0, 2])
     assert demos.episodes[0].obs["state"].shape == (5, 6)
     assert np.array_equal(demos.episodes[0].obs["state"][:, [4, 0, 2]], own[0])

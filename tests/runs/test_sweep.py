@@ -1,5 +1,6 @@
 """sweep.py end to end in subprocesses: two Optuna trials write a stage profile and Optuna's results; run.py finds
 the profile by policy x env x hw and plans from it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,10 +20,22 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     profiles, sweep_dir = tmp_path / "profiles", tmp_path / "sweep"
     out = subprocess.run(
         # as docs/internals/allocation.md types it
-        [sys.executable, "sweep.py", "-m", *TINY, "iterations=3", "hydra.sweeper.n_trials=2",
-         "scheduler.groups=choice(1,2)",  # replaces the sweep's choice(1,2,4): 4 groups of 2 envs cannot be
-         f"allocator.profiles_dir={profiles}", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "sweep.py",
+            "-m",
+            *TINY,
+            "iterations=3",
+            "hydra.sweeper.n_trials=2",
+            "scheduler.groups=choice(1,2)",  # replaces the sweep's choice(1,2,4): 4 groups of 2 envs cannot be
+            f"allocator.profiles_dir={profiles}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     written = list(profiles.glob("*.yaml"))
     assert [p.name for p in written] == ["openpi-tiny_robosuite-Lift_cpu.yaml"], out.stdout[-2000:]
@@ -35,8 +48,21 @@ def test_two_sweep_trials_write_a_profile_that_run_py_then_loads(tmp_path):
     assert results["best_value"] > 0 and set(results["best_params"]) >= {"sweep.simulate", "scheduler.groups"}
 
     run = subprocess.run(
-        [sys.executable, "run.py", "scheduler=ebrl", *TINY, "iterations=2", "progress=false", f"allocator.profiles_dir={profiles}",
-         f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "run.py",
+            "scheduler=ebrl",
+            *TINY,
+            "iterations=2",
+            "progress=false",
+            f"allocator.profiles_dir={profiles}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     said = run.stderr
     assert f"stage profile: {written[0]}" in said and "allocator: plan simulate" in said
