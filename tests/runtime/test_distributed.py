@@ -434,7 +434,7 @@ def test_a_run_of_two_ranks_resumes_on_one(two_ranks: Path) -> None:
 
 
 # slow-marked (the default suite's time): the two-rank tests above run one process per rank, and the sharded
-# publication's test fsdp's gather
+# publication's test checks fsdp's gather
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_pipelined_trainers_on_two_nodes_publish_the_same_versions(tmp_path: Path, strategy: str) -> None:
