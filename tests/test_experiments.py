@@ -37,6 +37,12 @@ PUBLISHED = {
         "checkpoint_every=100",
     ],
 }
+PUBLISHED["lift_scratch_ppo_32envs"] = [
+    *PUBLISHED["lift_scratch_ppo_30min"],
+    "env.num_envs=32",
+    "algo.minibatches=2",
+    "algo.critic_lr=3e-3",
+]
 # an experiment for hardware this machine lacks is checked on this machine's hw=cpu (its composition as it is)
 HERE = {"pi0_libero": ["hw=cpu"]}
 
