@@ -25,6 +25,7 @@ from ebrl.config import (
     PolicyConfig,
 )
 from ebrl.envs.base import REWARDS
+from ebrl.envs.robosuite_env import GRASPS
 from ebrl.errors import BadInput
 from ebrl.node import PARTITIONS, Ranks, cuda_device_count, share_of_node
 from ebrl.shape import RolloutShape
@@ -218,6 +219,8 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "policy.variant", VARIANTS)
     _check_precision(cfg)
     _one_of(cfg, "env.reward", REWARDS)
+    if "grasp" in cfg.env:  # (robosuite's)
+        _one_of(cfg, "env.grasp", GRASPS)
     if cfg.env.name in SHAPED_DENSE and cfg.env.reward == "dense" and cfg_get(cfg, "env.terminate_on_success", False):
         raise ConfigError(
             f"env.terminate_on_success=True with env.reward=dense: {cfg.env.name}'s shaped reward pays "

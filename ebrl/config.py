@@ -83,6 +83,10 @@ class RobosuiteEnvConfig(EnvConfig):
     terminate_on_success: bool = ENDS_AT_SUCCESS
     robot: str = "Panda"
     control_freq: int = 20
+    # what the shaped reward counts as a grasp: contact (robosuite's check: both finger pads touch the object) |
+    # squeeze (and they push on it along the line between them: closed fingers pressed on its top are no grasp; on
+    # Lift success needs the squeeze too); ebrl/envs/robosuite_env.py, GRASPS; docs/use/environments.md
+    grasp: str = "contact"
 
 
 @dataclass

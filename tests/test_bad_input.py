@@ -133,6 +133,7 @@ BAD_INPUTS: list = [
     (("algo.micro_batch=0",), "algo.micro_batch=0 must be a positive number"),
     (("device=tpu",), "device='tpu' is not available; accepted: auto, cpu, cuda"),
     (("env.reward=shaped",), "env.reward='shaped' is not available; accepted: dense, sparse"),
+    (("env.grasp=held",), "env.grasp='held' is not available; accepted: contact, squeeze"),
     (
         ("env.reward=dense", "env.terminate_on_success=true"),
         "env.terminate_on_success=True with env.reward=dense: robosuite's shaped reward pays before success too",

@@ -38,6 +38,14 @@ _NOISE = (
     "but the robot does not have this component",
 )
 
+# What counts as a grasp in the shaped rewards' grasp terms (`env.grasp`): robosuite's own check, both finger pads in
+# contact with the object; or that and each pad pushing on it along the line between the pads (a squeeze, within
+# SQUEEZE_DEGREES), so that closed fingers pressed on the object's top, which touch it with both pads, are not one.
+# Under squeeze Lift's success (the cube's centre 4 cm over the table) needs the squeeze too: a cube pressed into the
+# table springs over that height for a step or two when the fingers let go (docs/use/environments.md)
+GRASPS = ("contact", "squeeze")
+SQUEEZE_DEGREES = 45.0
+
 
 class _QuietRobosuite(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -84,11 +92,14 @@ class RobosuiteEnv(EnvAdapter):
         robot: str = "Panda",
         control_freq: int = 20,
         fast_step: bool = True,
+        grasp: str = "contact",
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
         cameras = list(cameras)
         check_reward(reward)
+        if grasp not in GRASPS:
+            raise EnvSetupError(f"env.grasp={grasp!r} is not a grasp check; choose one of: {', '.join(GRASPS)}")
         if cameras:
             use_headless_gl()
         robosuite = _import_robosuite()
@@ -136,6 +147,10 @@ class RobosuiteEnv(EnvAdapter):
                 raise
             raise EnvSetupError(_camera_error(robosuite, task, robot, controller, cameras, e)) from e
 
+        if grasp == "squeeze":  # (instance attributes: the tasks' rewards, and step, call self._check_grasp/_success)
+            self.env._check_grasp = squeeze_check(self.env)
+            if task == "Lift":
+                self.env._check_success = held_success(self.env)
         self.gate = CameraGate(self, cameras)
         self.gate.install(self.env)
         self._step, self.fast_step_off = fast_or_stock(self.env, fast_step)
@@ -183,6 +198,56 @@ class RobosuiteEnv(EnvAdapter):
             reward = 1.0 if success else 0.0
         terminated = success and self.terminate_on_success
         return self._obs(raw), float(reward), terminated, False, {"success": success}
+
+
+def pad_contacts(env: Any, gripper: Any, object_geoms: Any) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """The line from the right finger pad to the left one (a unit vector) and, per pad (left, right), the normals of
+    its contacts with `object_geoms` (a robosuite model, or geom names) at this state. `gripper`: a GripperModel."""
+    sim = env.sim
+    names = object_geoms.contact_geoms if hasattr(object_geoms, "contact_geoms") else object_geoms
+    objects = {sim.model.geom_name2id(n) for n in ([names] if isinstance(names, str) else names)}
+    pads = [
+        [sim.model.geom_name2id(n) for n in gripper.important_geoms[side]]
+        for side in ("left_fingerpad", "right_fingerpad")
+    ]
+    axis = sim.data.geom_xpos[pads[0][0]] - sim.data.geom_xpos[pads[1][0]]
+    axis = axis / max(float(np.linalg.norm(axis)), 1e-9)
+    normals: list[list[np.ndarray]] = [[], []]
+    for contact in sim.data.contact[: sim.data.ncon]:
+        pair = {contact.geom1, contact.geom2}
+        for side, pad in enumerate(pads):
+            if pair & set(pad) and pair & objects:
+                normals[side].append(np.array(contact.frame[:3]))
+    return axis, normals
+
+
+def squeeze_check(env: Any) -> Any:
+    """`env._check_grasp` with a squeeze required of a gripper model's grasp (GRASPS): each pad has a contact with the
+    object whose normal is within SQUEEZE_DEGREES of the line between the pads. Other forms of `gripper` (a dict of
+    arms, geom names) go to robosuite's check, which calls this one back per arm."""
+    stock = type(env)._check_grasp.__get__(env)
+    cos = np.cos(np.radians(SQUEEZE_DEGREES))
+
+    def check(gripper: Any, object_geoms: Any) -> bool:
+        if not stock(gripper, object_geoms):
+            return False
+        if not hasattr(gripper, "important_geoms"):
+            return True  # (a dict: robosuite's check asked this one per arm; geom names: its own test)
+        axis, normals = pad_contacts(env, gripper, object_geoms)
+        return all(any(abs(float(n @ axis)) >= cos for n in side) for side in normals)
+
+    return check
+
+
+def held_success(env: Any) -> Any:
+    """Lift's `_check_success` with the cube held: over robosuite's height and squeezed by the pads (GRASPS)."""
+    stock, squeeze = type(env)._check_success.__get__(env), squeeze_check(env)
+    gripper = env.robots[0].gripper
+
+    def check() -> bool:
+        return bool(stock()) and bool(squeeze(gripper, env.cube))
+
+    return check
 
 
 def _camera_error(robosuite: Any, task: str, robot: str, controller: dict, cameras: list[str], error: Exception) -> str:
