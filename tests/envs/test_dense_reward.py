@@ -9,8 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ebrl.envs.experts import make_expert
+from ebrl.bench.phases import LiftProbe, phases_of
+from ebrl.envs.experts import Arm, LiftExpert, RobosuiteArm, Waypoint, WaypointExpert, above, make_expert
 from ebrl.envs.process import build_adapter
+from ebrl.envs.robosuite_env import GRASPS, RobosuiteEnv
 from ebrl.policies.openpi import PRESETS
 from ebrl.rl.ppo import compute_gae
 from tests.conftest import compose_config
@@ -68,3 +70,51 @@ def test_succeeding_is_worth_more_than_hovering_short_of_success(env):
         succeeded = discounted_return(rewards, terminated, chunk, gamma, bootstrap)
         hovered = discounted_return(hover, False, chunk, gamma, bootstrap)
         assert succeeded >= hovered, (env, bootstrap, succeeded, hovered, np.round(rewards, 3).tolist())
+
+
+class Press(WaypointExpert):
+    """Lift's expert with its fingers closed from the start: down onto the cube's top, held there, then up."""
+
+    def __init__(self, arm: Arm, action_dim: int) -> None:
+        self.waypoints = [
+            Waypoint(above("cube", 0.06), "closed", 0.015),
+            Waypoint(above("cube", 0.0), "closed", None, hold=10),
+            Waypoint(above("cube", 0.2), "closed", None),
+        ]
+        super().__init__(arm, action_dim)
+
+
+def test_closed_fingers_pressed_on_the_cube_are_a_grasp_to_robosuite_and_no_squeeze():
+    """robosuite's grasp check (both finger pads touch the cube) holds for closed fingers pressed on Lift's cube, so
+    its shaped reward pays them the grasp term; under env.grasp=squeeze it does not, and a cube over the success height
+    that nothing holds (as one pressed into the table springs up when let go) is no success there. The expert's grasp,
+    which squeezes the cube between the pads, and its lift are paid the same under both."""
+    returns = {}
+    for grasp in GRASPS:
+        adapter = RobosuiteEnv("Lift", max_episode_steps=40, reward="dense", terminate_on_success=False, grasp=grasp)
+        try:
+            for kind in (Press, LiftExpert):
+                adapter.reset(seed=0)
+                expert, probe = kind(RobosuiteArm(adapter), adapter.spec.action_dim), LiftProbe(adapter)
+                rewards, trace = [], []
+                for _ in range(40):
+                    rewards.append(adapter.step(expert.act())[1])
+                    trace.append(probe.read())
+                returns[grasp, kind] = sum(rewards)
+                phases = phases_of(trace)
+                if kind is Press:
+                    touched = int(sum(r["touching"] for r in trace))
+                    assert touched >= 4 and phases["touched"] and not phases["squeezed"] and not phases["raised"]
+                    assert all(r["pad_separation"] < 0.02 for r in trace if r["touching"])  # fingers closed
+                else:
+                    assert all(phases.values())
+            env = adapter.env  # the cube put 5 cm up, the gripper far from it
+            adapter.reset(seed=0)
+            pose = np.array(env.sim.data.get_joint_qpos(env.cube.joints[0]))
+            env.sim.data.set_joint_qpos(env.cube.joints[0], pose + np.array([0, 0, 0.05, 0, 0, 0, 0]))
+            env.sim.forward()
+            assert type(env)._check_success(env) and env._check_success() == (grasp == "contact")
+        finally:
+            adapter.close()
+    assert returns["contact", Press] - returns["squeeze", Press] == pytest.approx(touched * 0.25 / 2.25, abs=1e-9)
+    assert returns["contact", LiftExpert] == returns["squeeze", LiftExpert]
