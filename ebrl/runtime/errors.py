@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,11 @@ EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 # KeyboardInterrupt once the update has ended at its next optimizer step
 _held = False
 _asked: str | None = None
+# The first stop signal and when it came, until the stop's line is written. GNU timeout (without --foreground) sends
+# its signal to the command and then to the command's process group, which holds the command: the same signal twice,
+# microseconds apart. Within ECHO_S of the first that is its echo, not a second Ctrl-C, and the stop goes on.
+_first: tuple[int, float] | None = None
+ECHO_S = 0.1
 
 
 class RunStopped(StageFailed):
@@ -69,8 +75,8 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
     failed stage (`StageFailed`) or any other error exits 1 with one line and the resume hint, Ctrl-C or SIGTERM
     exits 130."""
     # the first Ctrl-C or SIGTERM stops the run (a checkpoint, the workers stopped), a second one at once
-    global _asked
-    _asked = None
+    global _asked, _first
+    _asked = _first = None
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     stop = StopLine()
     try:
@@ -93,6 +99,7 @@ def exit_cleanly(process: str = "the supervisor process (generation, scheduling)
         how = f" by {e.args[0]}" if e.args else ""  # SIGTERM: torchrun stops the other ranks when one failed
         hint = stop.resume_hint()
         print(f"interrupted{how}" + (f": {hint}" if hint else ""), file=sys.stderr)
+        _first = None  # (from here any signal is a second one)
         previous = {}  # (a second signal while the process winds down still ends it at once, with its line)
         sys.exit(EXIT_INTERRUPTED)
     finally:
@@ -156,7 +163,8 @@ def _interrupt(signum: int, frame: object) -> None:
     """The first Ctrl-C or SIGTERM: KeyboardInterrupt, which the run stops on (a checkpoint, its workers stopped), or
     within an update the stop asked for (`update_then_stop`); from then on either signal stops the process at once
     (`_at_once`)."""
-    global _asked
+    global _asked, _first
+    _first = (signum, time.monotonic())
     signal.signal(signal.SIGTERM, _at_once)
     signal.signal(signal.SIGINT, _at_once)
     if _held:
@@ -168,7 +176,10 @@ def _interrupt(signum: int, frame: object) -> None:
 def _at_once(signum: int, frame: object) -> None:
     """A second Ctrl-C or SIGTERM while the first one's stop is under way: every process this one started is killed,
     the simulators' shared slots freed, and this one exits 130 now. The checkpoint on disk is the
-    last one written whole (checkpoints are written to a temporary file and renamed)."""
+    last one written whole (checkpoints are written to a temporary file and renamed). The first one's echo (the
+    same signal within ECHO_S, before the stop's line) is not a second one."""
+    if _first is not None and signum == _first[0] and time.monotonic() - _first[1] < ECHO_S:
+        return
     for child in psutil.Process().children(recursive=True):
         try:
             if "multiprocessing.resource_tracker" not in " ".join(child.cmdline()):  # (it frees what the dead held)

@@ -265,6 +265,28 @@ def test_a_second_sigterm_while_the_process_winds_down_still_ends_it_at_once_wit
     assert proc.stderr.splitlines()[-2:] == ["interrupted by SIGTERM", "stopped at once by a second SIGTERM"]
 
 
+def test_the_echo_of_a_stop_signal_is_not_a_second_one() -> None:
+    # GNU timeout (`timeout -s INT 1800 python run.py ...`, as docs/results/results.md runs) sends its signal to the
+    # command and again to its process group: the second SIGINT, microseconds after the first, must not turn the stop
+    # (the checkpoint written on the way out) into a stop at once without it
+    code = (
+        "import os, signal, time\n"
+        "from ebrl.runtime.errors import exit_cleanly\n"
+        "with exit_cleanly():\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(30)\n"
+        "    except KeyboardInterrupt:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"  # (the echo)
+        "        time.sleep(0.5)\n"  # (the stop under way)
+        "        print('checkpoint written', flush=True)\n"
+        "        raise\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "checkpoint written\n", proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == "interrupted by SIGINT"
+
+
 def test_a_stop_inside_an_update_in_the_supervisor_ends_it_at_the_next_step_with_its_state_whole() -> None:
     # colocated trains in the supervisor: SIGTERM half-way through an update's first optimizer step (a real signal to
     # this process) lets that step finish, ends the update there, and only then stops, so the state is a checkpoint's
