@@ -14,9 +14,9 @@ every step (privileged: what the policy sees only through its observation). An e
 - succeeded: robosuite's success at some step (the cube's centre 4 cm over the table), whatever env.grasp says;
 - lifted: that success while squeezed (`env.grasp=squeeze`'s success on Lift): a cube pressed into the table springs
   over the height for a step or two when the fingers let go, which robosuite's success counts.
-Then per decision (every `policy.execute` steps; the expert's every 5; and the last step) the means over the
-episodes: the end effector's distance to the cube, the finger pads' separation, the cube's rise, and the shares
-touching and squeezing.
+Then per decision (every `policy.execute` steps; the expert's every 8, as the tiny preset's chunk; and the last step)
+the means over the episodes: the end effector's distance to the cube, the finger pads' separation, the cube's rise,
+and the shares touching and squeezing.
 
     python -m ebrl.bench.phases checkpoint=<run folder> [overrides ...] [--episodes 64] [--stochastic]
     python -m ebrl.bench.phases --expert [overrides ...]
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         finally:
             for a in adapters:
                 a.close()
-        s = summary(traces, execute if execute > 1 else 5)
+        s = summary(traces, execute if execute > 1 else 8)
         label = "the scripted expert" if args.expert else " ".join(args.overrides)
         print_summary(f"{label}{' (stochastic)' if args.stochastic else ''}", s)
         if args.json:
