@@ -56,11 +56,10 @@ class LiftProbe:
         self.contact = type(env)._check_grasp.__get__(env)  # robosuite's own, whatever env.grasp installed
         self.squeeze = squeeze_check(env)
         self.success = type(env)._check_success.__get__(env)  # robosuite's own, whatever env.grasp installed
-        ids = [
+        self.pads = [
             env.sim.model.geom_name2id(self.gripper.important_geoms[s][0])
             for s in ("left_fingerpad", "right_fingerpad")
         ]
-        self.pads = ids
         self.start_height: float | None = None
 
     def begin(self) -> None:
@@ -145,15 +144,16 @@ def policy_actor(cfg: Any, instruction: str, rows: int, stochastic: bool) -> tup
     from ebrl.runs.evaluation import Evaluation
 
     # (evaluation starts one simulator, whose spec shapes the policy; the episodes here read the simulator's state,
-    # so they run in this process)
-    evaluation = Evaluation.from_config(cfg, tempfile.mkdtemp(prefix="ebrl-phases-"))
-    evaluation.close()
+    # so they run in this process. Its folder holds only the statistics the policy read as it was built.)
+    with tempfile.TemporaryDirectory(prefix="ebrl-phases-") as folder:
+        evaluation = Evaluation.from_config(cfg, folder)
+        evaluation.close()
     policy, device = evaluation.policy, evaluation.device
     tokens, mask = (torch.from_numpy(a) for a in policy.tokenize([instruction] * rows))
 
     def act(observations: list[dict[str, np.ndarray]], first: bool) -> np.ndarray:
-        rows = list(range(len(observations)))
-        batch = batch_obs(observations, tokens[rows], mask[rows], rows)
+        envs = list(range(len(observations)))
+        batch = batch_obs(observations, tokens[envs], mask[envs], envs)
         out = policy.sample({k: v.to(device) for k, v in batch.items()}, deterministic=not stochastic)
         return out.chunk.float().cpu().numpy()
 
@@ -208,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from ebrl.bench.memory import compose
         from ebrl.config import ConfigError
 
+        if args.episodes < 1 or args.envs < 1:
+            raise ConfigError(f"--episodes {args.episodes} and --envs {args.envs} must both be at least 1")
         evaluates = [] if args.expert else ["mode=eval", "eval.episodes=1", "eval.videos=0", "env.num_envs=1"]
         cfg = compose(*args.overrides, *evaluates)
         if (cfg.env.name, cfg.env.task) != ("robosuite", "Lift"):
