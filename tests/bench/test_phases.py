@@ -11,6 +11,7 @@ from ebrl.runs.init import SHIPPED
 SFT = next(iter(SHIPPED.values()))
 
 
+@pytest.mark.slow  # (the default suite's time: 12 s)
 def test_the_expert_passes_every_phase_and_a_checkpoint_is_measured_as_it_acts(capsys):
     expert = main(["--expert", "--episodes", "2", "--envs", "2"])
     assert expert["phases"] == dict.fromkeys(PHASES, 2)
