@@ -303,8 +303,13 @@ class Experiment(Run):
                 grace = 1.0
             try:
                 self._write_telemetry(start, cpu_samples, gpu)
+                if isinstance(e, KeyboardInterrupt):  # a stopped run's totals so far, as a run that ends shows them
+                    bar.close()
+                    summary = self._summarise(start, measure)
+                    self.log.log_summary(summary.figures())
+                    self._write_summary(summary)
             except Exception as failed:  # noqa: BLE001  (the run's own error is the one to report)
-                console.print(f"no trace or plots: {one_line(failed)}", soft_wrap=True)
+                console.print(f"no trace, plots or summary: {one_line(failed)}", soft_wrap=True)
             raise
         finally:
             bar.close()
@@ -312,10 +317,14 @@ class Experiment(Run):
                 if monitor is not None:
                     monitor.stop()
             self.close(grace)
+        self._write_summary(summary)
+        return summary
+
+    def _write_summary(self, summary: RunSummary) -> None:
+        """summary.json, and on rank 0 the console table."""
         (self.out_dir / "summary.json").write_text(json.dumps(summary.figures(), indent=2))
         if self.ranks.leader:
             print_summary(summary, self.run_dir)
-        return summary
 
     def _iterate(self, monitors: tuple[CpuMonitor, GpuMonitor | None, ProcessCpu]) -> Finished:
         """One iteration: the rollout and one update (overlapping, where the schedule does), and this rank's figures

@@ -4,6 +4,7 @@ checkpoint it can resume from."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -227,6 +228,9 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_nothing_behind(tmp_p
     assert len(rows) >= 2 and ckpt["iteration"] in (len(rows), len(rows) + 1)
     assert [row["iteration"] for row in rows] == list(range(1, len(rows) + 1))
     assert (ckpt["env_steps"] == rows[-1]["env_steps"]) == (ckpt["iteration"] == len(rows))
+    # and its totals so far, as a run that ends writes them (summary.json; the console table)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] in (rows[-1]["env_steps"], ckpt["env_steps"]) and summary["wall_s"] > 0
     time.sleep(0.5)
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert set(os.listdir("/dev/shm")) <= shm_before
