@@ -212,11 +212,14 @@ def pad_contacts(env: Any, gripper: Any, object_geoms: Any) -> tuple[np.ndarray,
     ]
     axis = sim.data.geom_xpos[pads[0][0]] - sim.data.geom_xpos[pads[1][0]]
     axis = axis / max(float(np.linalg.norm(axis)), 1e-9)
+    pad_sets = [set(pad) for pad in pads]
     normals: list[list[np.ndarray]] = [[], []]
     for contact in sim.data.contact[: sim.data.ncon]:
         pair = {contact.geom1, contact.geom2}
-        for side, pad in enumerate(pads):
-            if pair & set(pad) and pair & objects:
+        if not pair & objects:
+            continue
+        for side, pad in enumerate(pad_sets):
+            if pair & pad:
                 normals[side].append(np.array(contact.frame[:3]))
     return axis, normals
 
